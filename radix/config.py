@@ -1,0 +1,105 @@
+"""Cache configuration with SGLang's argument names.
+
+``radix_eviction_policy`` defaults to ``None`` and resolves to ``"lru"``; whether the user chose
+a policy is kept apart from the value (``policy_explicit``), so a config built from keyword
+arguments, a dict, a JSON string or an argparse namespace means the same thing.
+Validation happens here, when the cache is **built**, never at the first eviction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from radix.policies import ResolvedPolicy, resolve_policy
+
+_FIELDS = ("page_size", "radix_eviction_policy", "radix_eviction_policy_config")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Configuration of a :class:`radix.cache.RadixCache`.
+
+    Args:
+        page_size: tokens per page (>= 1). Keys are matched and stored in whole pages; a
+            trailing partial page is never cached. Must equal the KV allocator's page size.
+        radix_eviction_policy: a name from ``radix.policies.POLICY_REGISTRY`` or ``None``
+            (resolved to ``"lru"``). ``"gds"`` is opt-in only.
+        radix_eviction_policy_config: knobs of that policy (``POLICIES.md``), or ``None``.
+
+    Raises:
+        TypeError / ValueError: naming the argument, on a bad page size, unknown policy name,
+            unknown knob or bad knob value.
+    """
+
+    page_size: int = 1
+    radix_eviction_policy: str | None = None
+    radix_eviction_policy_config: Mapping[str, Any] | None = None
+    policy: ResolvedPolicy = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        ps = self.page_size
+        if isinstance(ps, bool) or not isinstance(ps, int):
+            raise TypeError(f"page_size must be an int >= 1, got {type(ps).__name__}")
+        if ps < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {ps}")
+        object.__setattr__(
+            self,
+            "policy",
+            resolve_policy(self.radix_eviction_policy, self.radix_eviction_policy_config),
+        )
+
+    @property
+    def policy_name(self) -> str:
+        """The resolved policy name (``"lru"`` when none was chosen)."""
+        return self.policy.name
+
+    @property
+    def policy_explicit(self) -> bool:
+        """True when the user chose a policy, False when the default applies."""
+        return self.radix_eviction_policy is not None
+
+    # ----------------------------------------------------------------- constructors
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CacheConfig:
+        """Build from a mapping with SGLang's keys; unknown keys raise ``ValueError``."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"config must be a mapping, got {type(d).__name__}")
+        unknown = set(d) - set(_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown cache config key(s) {sorted(unknown)}; accepted: {list(_FIELDS)}")
+        return cls(**dict(d))
+
+    @classmethod
+    def from_json(cls, text: str) -> CacheConfig:
+        """Build from a JSON object string (e.g. a config file or CLI flag)."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"config is not valid JSON: {exc}") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> CacheConfig:
+        """Build from an argparse namespace; absent attributes keep their defaults.
+
+        ``radix_eviction_policy_config`` may be a dict or a JSON string there.
+        """
+        d: dict[str, Any] = {k: getattr(ns, k) for k in _FIELDS if getattr(ns, k, None) is not None}
+        knobs = d.get("radix_eviction_policy_config")
+        if isinstance(knobs, str):
+            d["radix_eviction_policy_config"] = json.loads(knobs)
+        return cls.from_dict(d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "page_size": self.page_size,
+            "radix_eviction_policy": self.radix_eviction_policy,
+            "radix_eviction_policy_config": dict(self.radix_eviction_policy_config or {}),
+            "resolved_policy": self.policy.name,
+            "resolved_knobs": dict(self.policy.knobs),
+            "policy_explicit": self.policy_explicit,
+        }

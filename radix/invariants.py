@@ -1,0 +1,59 @@
+"""Every invariant of SPEC section 6, recomputed from scratch (``RadixCache.sanity_check``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from radix.cache import RadixCache
+
+
+def check_cache(cache: RadixCache) -> None:
+    """Raise ``AssertionError`` on the first broken invariant."""
+    tree = cache.tree
+    ps = cache.page_size
+    root = tree.root
+    assert root.kv_value is None and root.state_slot is None and not root.key
+    nodes = tree.iter_nodes()
+    assert len(nodes) == tree.num_nodes, f"num_nodes {tree.num_nodes} != {len(nodes)}"
+    for n in nodes:
+        p = n.parent
+        assert p is not None
+        assert n.key and len(n.key) % ps == 0, f"{n}: key of {len(n.key)} tokens, page {ps}"
+        assert n.depth == p.depth + len(n.key), f"{n}: depth {n.depth} != parent {p.depth} + len"
+        ck = tree.child_key(p, n.key, 0, n.extra_key)
+        assert p.children.get(ck) is n, f"{n} filed under the wrong child key in {p}"
+        if p is not root:
+            assert n.extra_key == p.extra_key, f"{n}: extra_key differs from its parent"
+        if cache.state is not None:
+            if not n.children and n.kv_lock == 0:
+                assert n.state_slot is not None, f"unlocked leaf without a state: {n}"
+            if n.state_lock > 0:
+                assert n.kv_lock > 0, f"state locked but KV not: {n}"
+
+    # Slots: no slot held twice, none of them free in the allocator.
+    if nodes:
+        held = torch.cat([n.kv_value for n in nodes])  # type: ignore[misc]
+        assert held.unique().numel() == held.numel(), "a KV slot is held by two nodes"
+        is_free = getattr(cache.kv.allocator, "is_free", None)
+        if callable(is_free):
+            assert not bool(is_free(held).any()), "a KV slot held by the tree is free in the allocator"
+    cache.kv.check(nodes)
+    if cache.state is not None:
+        slots = [n.state_slot for n in nodes if n.state_slot is not None]
+        assert len(set(slots)) == len(slots), "a state slot is held by two nodes"
+        is_free = getattr(cache.state.allocator, "is_free", None)
+        if slots and callable(is_free):
+            assert not bool(is_free(torch.tensor(slots, dtype=torch.int64)).any()), (
+                "a state slot held by the tree is free in the pool"
+            )
+        cache.state.check(nodes)
+        wm = cache.watermark
+        assert wm >= cache._last_watermark, f"watermark fell {cache._last_watermark} -> {wm}"
+        cache._last_watermark = wm
+    total = sum(len(n.key) for n in nodes)
+    assert cache.evictable_size() + cache.protected_size() == total, (
+        f"evictable {cache.evictable_size()} + protected {cache.protected_size()} != held {total}"
+    )

@@ -1,0 +1,123 @@
+"""The radix tree node.
+
+A node owns one key segment (a run of token ids, a whole number of pages long) and, per
+component, the value for exactly those tokens. Fields are plain slots so the hot paths
+(``match_prefix``/``insert``) touch attributes, not dictionaries.
+
+Token positions are half-open: a node covers ``[start, end)`` of every key that passes through
+it, where ``end = node.depth`` and ``start = node.depth - len(node.key)``::
+
+    root ── A [0, 4) ── B [4, 8)     B.depth == 8, len(B.key) == 4
+               └────── C [4, 6)      a split at a page multiple, never at 0
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class TreeNode:
+    """One node of the radix tree.
+
+    Attributes (units in brackets):
+        key: token ids of this segment [tokens]; a whole number of pages.
+        children: first page of a child's key -> child. At the root the page is prefixed by the
+            request's ``extra_key``: ``(extra_key, page)``.
+        parent: ``None`` only for the root.
+        depth: tokens from the root to the end of this node (the position of its last token + 1).
+        kv_value: int64 tensor of KV slot indices, one per token of ``key`` (``None`` at the root).
+        kv_lock: requests holding this node's KV (the node or a descendant is locked).
+        state_slot: recurrent-state checkpoint valid after ``depth`` tokens, or ``None``.
+        state_lock: requests that locked exactly this node (protects its state).
+        last_access_time: logical clock stamp of the last match/insert passing through.
+        state_access_time: logical clock stamp of the last use of this node's state.
+        hit_count: requests whose insert walked through or created this node.
+        priority: max priority of the requests that inserted through this node.
+        creation_time: logical clock stamp at creation.
+        history_len: deepest depth ever reached below this node (``tlru``; never shrinks).
+        host_value: host-pool indices when backed up (HiCache), else ``None``.
+        gds_prio / gds_ver / gds_stamp: this state's GreedyDual-Size heap entry (priority,
+            version) and the watermark at its last use (``components.gds``).
+    """
+
+    __slots__ = (
+        "id",
+        "key",
+        "children",
+        "parent",
+        "depth",
+        "extra_key",
+        "kv_value",
+        "kv_lock",
+        "state_slot",
+        "state_lock",
+        "last_access_time",
+        "state_access_time",
+        "hit_count",
+        "last_rid",
+        "priority",
+        "creation_time",
+        "history_len",
+        "host_value",
+        "host_state_slot",
+        "gds_prio",
+        "gds_stamp",
+        "gds_ver",
+        "__weakref__",
+    )
+
+    def __init__(self, node_id: int, clock: int) -> None:
+        self.id = node_id
+        self.key: list[int] = []
+        self.children: dict[Any, TreeNode] = {}
+        self.parent: TreeNode | None = None
+        self.depth = 0
+        self.extra_key: Any = None
+        self.kv_value: torch.Tensor | None = None
+        self.kv_lock = 0
+        self.state_slot: int | None = None
+        self.state_lock = 0
+        self.last_access_time = clock
+        self.state_access_time = clock
+        self.hit_count = 0
+        self.last_rid: object = None
+        self.priority = 0
+        self.creation_time = clock
+        self.history_len = 0
+        self.host_value: torch.Tensor | None = None
+        self.host_state_slot: int | None = None
+        self.gds_prio = 0.0
+        self.gds_stamp = 0.0
+        self.gds_ver = 0
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    @property
+    def start(self) -> int:
+        """Position of this node's first token [tokens]."""
+        return self.depth - len(self.key)
+
+    def path_to_root(self) -> list[TreeNode]:
+        """Nodes from this one up to (excluding) the root, deepest first."""
+        out: list[TreeNode] = []
+        node: TreeNode | None = self
+        while node is not None and node.parent is not None:
+            out.append(node)
+            node = node.parent
+        return out
+
+    def __repr__(self) -> str:
+        head = self.key[:4]
+        more = "..." if len(self.key) > 4 else ""
+        return (
+            f"TreeNode(id={self.id}, span=[{self.start},{self.depth}), key={head}{more}, "
+            f"state={self.state_slot}, kv_lock={self.kv_lock}, state_lock={self.state_lock})"
+        )

@@ -1,0 +1,113 @@
+"""Small immutable results returned to the engine, and the request record of the helpers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from radix.node import TreeNode
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """Result of :meth:`RadixCache.match_prefix`.
+
+    Attributes:
+        device_indices: 1-D int64 tensor of KV slot indices of the usable prefix,
+            ``len == prefix_len`` [slots].
+        prefix_len: usable prefix [tokens]; with a recurrent-state component, truncated to the
+            end of the deepest matched node that holds a state.
+        kv_hit_length: longest prefix whose KV is cached, ignoring other components [tokens].
+        last_device_node: node at ``prefix_len`` (the root when 0): lock it with
+            ``inc_lock_ref`` while a request uses the prefix.
+        state_slot: the tree's state slot valid after ``prefix_len`` tokens, or ``None``.
+            Copy it into the request's own slot before mutating (copy-on-write).
+        branching_seqlen: where the key leaves the tree past the usable prefix (a branch point,
+            page aligned) so the engine checkpoints its state there; ``None`` when there is
+            none or no state component.
+        last_host_node / host_hit_length: deepest matched node backed up on host and the
+            prefix it covers [tokens] (equal to the device values without HiCache).
+    """
+
+    device_indices: torch.Tensor
+    prefix_len: int
+    kv_hit_length: int
+    last_device_node: TreeNode
+    state_slot: int | None = None
+    branching_seqlen: int | None = None
+    last_host_node: TreeNode | None = None
+    host_hit_length: int = 0
+
+    @property
+    def state_miss_tokens(self) -> int:
+        """KV-matched tokens that cannot be used for want of a state [tokens]."""
+        return self.kv_hit_length - self.prefix_len
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """Result of :meth:`RadixCache.insert`: exactly what happened to the caller's slots.
+
+    Attributes:
+        prefix_len: leading tokens that were already cached [tokens].
+        inserted_len: tokens of the key now in the tree (the key cut to whole pages).
+        adopted_indices: the caller's slots the tree now owns (``value[prefix_len:inserted_len]``).
+        remainder_indices: the partial-page tail ``value[inserted_len:]``; still the caller's.
+        duplicate_indices: the caller's slots in ``[0, prefix_len)`` that differ from the tree's
+            slots there: the caller must free them (slots it got from the tree are not listed).
+        last_node: the node ending at ``inserted_len`` (the root when 0).
+        state_adopted: whether the tree took ``state_slot``; when False the caller still owns it.
+    """
+
+    prefix_len: int
+    inserted_len: int
+    adopted_indices: torch.Tensor
+    remainder_indices: torch.Tensor
+    last_node: TreeNode
+    state_adopted: bool
+    _caller_prefix: torch.Tensor = field(repr=False)
+    _tree_prefix: list[torch.Tensor] = field(repr=False)
+
+    @cached_property
+    def duplicate_indices(self) -> torch.Tensor:
+        if self.prefix_len == 0:
+            return self._caller_prefix[:0]
+        tree = self._tree_prefix[0] if len(self._tree_prefix) == 1 else torch.cat(self._tree_prefix)
+        return self._caller_prefix[self._caller_prefix != tree]
+
+
+@dataclass(frozen=True)
+class EvictResult:
+    """What one eviction call freed: KV tokens [tokens] and recurrent states [slots]."""
+
+    num_tokens: int = 0
+    num_states: int = 0
+
+
+@dataclass
+class CacheRequest:
+    """The request record used by ``cache_unfinished_req`` / ``cache_finished_req``.
+
+    A plain value holder the engine fills; the cache reads and writes only these fields.
+
+    Attributes:
+        key: the request's token ids (prompt, and output when it is to be cached).
+        kv_indices: 1-D int64 KV slots of the tokens computed so far (``req_to_token`` row).
+        cached_len: leading tokens whose slots belong to the tree (locked through
+            ``last_node``) [tokens].
+        last_node: the node this request holds locked (root when nothing is).
+        extra_key: namespace (LoRA id, cache salt).
+        priority: request priority (``priority`` policy).
+        rid: request id; a request counts once per node in ``hit_count``.
+    """
+
+    key: list[int]
+    kv_indices: torch.Tensor
+    cached_len: int
+    last_node: TreeNode
+    extra_key: Any = None
+    priority: int = 0
+    rid: object = None

@@ -1,0 +1,209 @@
+"""The tree core: keys, page-aligned walks, splits, leaves. No tensors, pools or policies.
+
+Contract: ``tokens -> (matched length, path of nodes)``; ``split`` at a page multiple (never
+at 0); ``add_leaf``; ``remove_leaf``. Per-component values are split by a hook the cache passes
+in, so this module knows nothing of what the values are.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from radix.node import TreeNode
+
+SplitHook = Callable[[TreeNode, TreeNode, int], None]
+
+_CHUNK = 256
+
+
+def as_token_list(key: Any, name: str = "key") -> list[int]:
+    """Validate a token sequence and return it as a list of ints.
+
+    Accepts a list/tuple of ints, a 1-D integer numpy array or torch tensor.
+
+    Raises:
+        TypeError: not a sequence of ints (floats, strings, bools arrays, 2-D...).
+        ValueError: a negative token id.
+    """
+    if isinstance(key, list):
+        out = key
+    elif isinstance(key, tuple):
+        out = list(key)
+    elif isinstance(key, torch.Tensor):
+        if key.dim() != 1 or key.dtype.is_floating_point or key.dtype == torch.bool:
+            raise TypeError(f"{name} must be a 1-D integer tensor, got {key.dtype} of shape {tuple(key.shape)}")
+        out = key.tolist()
+    elif isinstance(key, np.ndarray):
+        if key.ndim != 1 or key.dtype.kind not in "iu":
+            raise TypeError(f"{name} must be a 1-D integer array, got {key.dtype} of shape {key.shape}")
+        out = key.tolist()
+    else:
+        raise TypeError(f"{name} must be a list of int token ids, got {type(key).__name__}")
+    if out:
+        try:
+            array("q", out)
+        except (TypeError, OverflowError):
+            bad = next((t for t in out if type(t) is not int and not isinstance(t, np.integer)), None)
+            raise TypeError(f"{name} must contain int token ids, found {bad!r}") from None
+        if min(out) < 0:
+            raise ValueError(f"{name} must contain token ids >= 0, found {min(out)}")
+    return out
+
+
+def common_prefix_len(seg: Sequence[int], key: Sequence[int], pos: int, limit: int) -> int:
+    """Length of the common prefix of ``seg[:limit]`` and ``key[pos:pos+limit]`` [tokens]."""
+    i = 0
+    while i + _CHUNK <= limit and seg[i : i + _CHUNK] == key[pos + i : pos + i + _CHUNK]:
+        i += _CHUNK
+    while i < limit and seg[i] == key[pos + i]:
+        i += 1
+    return i
+
+
+@dataclass(frozen=True)
+class Walk:
+    """A read-only walk of a key.
+
+    ``path``: nodes matched whole, root excluded, shallowest first. ``partial``: the node the
+    key leaves inside its segment (``None`` if it left at a node boundary); ``partial_len``:
+    tokens of ``partial`` matched (a page multiple > 0). ``matched_len``: tokens matched.
+    """
+
+    path: list[TreeNode]
+    partial: TreeNode | None
+    partial_len: int
+    matched_len: int
+
+
+class RadixTree:
+    """Nodes over page-aligned token keys, namespaced by ``extra_key`` at the root."""
+
+    def __init__(self, page_size: int, split_hook: SplitHook) -> None:
+        self.page_size = page_size
+        self._split_hook = split_hook
+        self._next_id = 0
+        self.root = self.new_node(0)
+        self.num_nodes = 0  # excluding the root
+
+    def new_node(self, clock: int) -> TreeNode:
+        node = TreeNode(self._next_id, clock)
+        self._next_id += 1
+        return node
+
+    def page_key(self, key: Sequence[int], pos: int) -> Any:
+        """Child-index key of the page starting at ``pos``."""
+        if self.page_size == 1:
+            return key[pos]
+        return tuple(key[pos : pos + self.page_size])
+
+    def child_key(self, parent: TreeNode, key: Sequence[int], pos: int, extra_key: Any) -> Any:
+        pk = self.page_key(key, pos)
+        return (extra_key, pk) if parent is self.root else pk
+
+    def walk(self, key: list[int], end: int, extra_key: Any) -> Walk:
+        """Match ``key[:end]`` (``end`` a page multiple) against the tree; mutates nothing."""
+        node = self.root
+        pos = 0
+        path: list[TreeNode] = []
+        children = node.children
+        ps = self.page_size
+        while pos < end:
+            if node is self.root:
+                ck: Any = (extra_key, key[pos] if ps == 1 else tuple(key[pos : pos + ps]))
+            else:
+                ck = key[pos] if ps == 1 else tuple(key[pos : pos + ps])
+            child = children.get(ck)
+            if child is None:
+                break
+            seg = child.key
+            seg_len = len(seg)
+            if pos + seg_len <= end and key[pos : pos + seg_len] == seg:
+                path.append(child)
+                pos += seg_len
+                node = child
+                children = child.children
+                continue
+            n = common_prefix_len(seg, key, pos, min(seg_len, end - pos))
+            n -= n % ps
+            if n == seg_len:  # cannot happen (whole match handled above), kept for clarity
+                path.append(child)
+                pos += n
+                break
+            return Walk(path, child, n, pos + n)
+        return Walk(path, None, 0, pos)
+
+    def split(self, node: TreeNode, split_len: int) -> TreeNode:
+        """Split ``node`` after ``split_len`` tokens; return the new upper node.
+
+        The upper node takes ``key[:split_len]`` and the node's KV lock count, access stamps,
+        hit count and priority; the lower part keeps its identity (and any state, which is
+        valid at its end). ``split_len`` must be a page multiple in ``(0, len(node.key))``.
+        """
+        ps = self.page_size
+        assert 0 < split_len < len(node.key) and split_len % ps == 0, (split_len, node)
+        parent = node.parent
+        assert parent is not None
+        upper = self.new_node(node.creation_time)
+        upper.key = node.key[:split_len]
+        upper.depth = node.depth - len(node.key) + split_len
+        upper.extra_key = node.extra_key
+        upper.parent = parent
+        upper.kv_lock = node.kv_lock
+        upper.last_access_time = node.last_access_time
+        upper.state_access_time = node.last_access_time
+        upper.hit_count = node.hit_count
+        upper.last_rid = node.last_rid
+        upper.priority = node.priority
+        upper.history_len = node.history_len
+        ck = self.child_key(parent, node.key, 0, node.extra_key)
+        parent.children[ck] = upper
+        node.key = node.key[split_len:]
+        node.parent = upper
+        upper.children[self.page_key(node.key, 0)] = node
+        self.num_nodes += 1
+        self._split_hook(upper, node, split_len)
+        return upper
+
+    def add_leaf(self, parent: TreeNode, seg: list[int], extra_key: Any, clock: int) -> TreeNode:
+        """Attach a new leaf holding ``seg`` (a page multiple, first page new under ``parent``)."""
+        leaf = self.new_node(clock)
+        leaf.key = seg
+        leaf.depth = parent.depth + len(seg)
+        leaf.extra_key = extra_key
+        leaf.parent = parent
+        parent.children[self.child_key(parent, seg, 0, extra_key)] = leaf
+        self.num_nodes += 1
+        return leaf
+
+    def remove_leaf(self, node: TreeNode) -> TreeNode:
+        """Detach a leaf; return its former parent. The node is marked detached."""
+        assert not node.children and node.parent is not None, node
+        parent = node.parent
+        del parent.children[self.child_key(parent, node.key, 0, node.extra_key)]
+        node.parent = None
+        node.depth = -1
+        self.num_nodes -= 1
+        return parent
+
+    def is_attached(self, node: TreeNode) -> bool:
+        """Whether ``node`` is in this tree (not removed, not from another cache). O(depth)."""
+        n = node
+        while n.parent is not None:
+            n = n.parent
+        return n is self.root
+
+    def iter_nodes(self) -> list[TreeNode]:
+        """Every node except the root, parents before children."""
+        out: list[TreeNode] = []
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
