@@ -28,17 +28,38 @@ def _state_lru_key(n: TreeNode) -> tuple[int]:
     return (n.state_access_time,)
 
 
+def _joint_key(n: TreeNode) -> tuple[int]:
+    return (n.last_access_time,)
+
+
 class StateComponent:
     """Owns ``node.state_slot`` and ``node.state_lock``; counters in slots."""
 
     name = "state"
 
-    def __init__(self, allocator: MambaStatePool, gds: tuple[float, float] | None) -> None:
+    def __init__(
+        self, allocator: MambaStatePool, walk: str = "lru", gds: tuple[float, float] | None = None
+    ) -> None:
+        """Args:
+            allocator: the state pool (slots).
+            walk: ``"lru"`` (order by the state's own access stamp: a hit refreshes only the
+                consumed state), ``"joint"`` (order by the node's stamp, shared with KV:
+                ``joint_lru``) or ``"gds"`` (GreedyDual-Size with coefficients ``gds``).
+        """
+        if walk not in ("lru", "joint", "gds"):
+            raise ValueError(f"walk must be 'lru', 'joint' or 'gds', got {walk!r}")
+        if (walk == "gds") != (gds is not None):
+            raise ValueError("gds=(d, e) is required with walk='gds' and only then")
         self.allocator = allocator
+        self.walk = walk
         self.gds: GDSStrategy | None = (
             GDSStrategy(gds[0], gds[1], self.is_candidate) if gds is not None else None
         )
-        self.lru = OrderedNodeSet(_state_lru_key) if gds is None else None
+        self.lru = (
+            OrderedNodeSet(_joint_key if walk == "joint" else _state_lru_key)
+            if gds is None
+            else None
+        )
         self.slot_to_node: dict[int, TreeNode] = {}
         self._evictable = 0
         self._protected = 0

@@ -64,13 +64,15 @@ class RadixCache:
         self.kv = KVComponent(kv_allocator, self.policy.kv_key)
         self.state: StateComponent | None = None
         if state_allocator is not None:
-            gds = None
-            if self.policy.state_walk == "gds":
-                gds = (self.policy.knobs["d"], self.policy.knobs["e"])
-            self.state = StateComponent(state_allocator, gds)
+            self.state = self._new_state_component(state_allocator)
         self._clock = 0
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self._init_tree()
+
+    def _new_state_component(self, allocator: MambaStatePool) -> StateComponent:
+        walk = self.policy.state_walk
+        gds = (self.policy.knobs["d"], self.policy.knobs["e"]) if walk == "gds" else None
+        return StateComponent(allocator, walk, gds)
 
     def _init_tree(self) -> None:
         self.tree = RadixTree(self.page_size, self._on_split)
@@ -129,10 +131,14 @@ class RadixCache:
             n.last_access_time = now
         if path:
             self.kv.refresh(path[-1])
+        state = self.state
+        if state is not None and state.walk == "joint":
+            for n in path:
+                if n.state_slot is not None:
+                    state.refresh(n)
 
         usable = len(path)
         state_slot = None
-        state = self.state
         if state is not None:
             while usable > 0 and path[usable - 1].state_slot is None:
                 usable -= 1
@@ -245,8 +251,11 @@ class RadixCache:
         if walk.partial is not None:
             path.append(self.tree.split(walk.partial, walk.partial_len))
         now = self._tick()
+        joint = self.state is not None and self.state.walk == "joint"
         for n in path:
             self._touch_insert(n, now, priority, rid, end)
+            if joint and n.state_slot is not None:
+                self.state.refresh(n)  # type: ignore[union-attr]
         last = path[-1] if path else self.root
         tree_prefix = [n.kv_value for n in path]
         if prefix_len < end:
@@ -526,8 +535,7 @@ class RadixCache:
             self._remove_leaf_plain(n)
         self.kv.leaves.clear()
         if self.state is not None:
-            gds = (self.state.gds.d, self.state.gds.e) if self.state.gds else None
-            self.state = StateComponent(self.state.allocator, gds)
+            self.state = self._new_state_component(self.state.allocator)
         self.kv = KVComponent(self.kv.allocator, self.policy.kv_key)
         self._init_tree()
 

@@ -38,7 +38,7 @@ class Knob:
 class PolicySpec:
     name: str
     make_key: Callable[[Mapping[str, Any]], KeyFn]
-    state_walk: str  # "lru" or "gds"
+    state_walk: str  # "lru" (state stamps), "joint" (node stamps) or "gds"
     key_can_decrease: bool
     knobs: Mapping[str, Knob] = field(default_factory=dict)
     cross_check: Callable[[Mapping[str, Any]], str | None] | None = None
@@ -161,6 +161,13 @@ POLICY_REGISTRY: dict[str, PolicySpec] = {
             },
             cross_check=_tlru_cross,
             doc="tail-optimized LRU (arXiv 2510.15152)",
+        ),
+        PolicySpec(
+            "joint_lru",
+            _lru,
+            "joint",
+            False,
+            doc="one recency order (node last_access_time) over KV leaves and states",
         ),
         PolicySpec("gds", _lru, "gds", False, _D, cross_check=_gds_cross,
                    doc="GreedyDual-Size on recurrent states (FlashState); LRU on KV leaves"),
