@@ -1,0 +1,266 @@
+"""FIFO free list over the ids ``1..capacity`` with vectorised misuse detection.
+
+This is the single owner of "which ids are free" for every allocator in this package: the
+token allocator (ids are KV slots), the paged allocator (ids are pages) and the state pool
+(ids are state slots). Id 0 is never handed out (padding).
+
+Order rule (what callers may rely on)::
+
+    free list = [f_0, f_1, ..., f_{num_free-1}]     (front first; a ring buffer)
+
+    take(k)     removes and returns f_0 .. f_{k-1}, in order          (front)
+    release(x)  appends x, in the order given                         (back: FIFO reuse)
+    restore(x)  prepends x, in the order given                        (front: exact undo)
+
+Initially the order is ``1, 2, ..., capacity``. A ``take`` followed by ``restore`` of the
+same ids (undone in reverse order, with no other ``take`` in between) leaves the free list
+exactly as before, which is what makes a rolled-back transaction invisible.
+
+Costs: ``take(k)`` is O(k); ``release``/``restore`` of n ids are O(n); all numpy-vectorised,
+no Python loop per id, no allocation besides the result. Only ``reset``, ``free_order``,
+``check`` and ``snapshot`` are O(capacity).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class AllocatorSnapshot:
+    """The complete bookkeeping state of an allocator, hashable and comparable with ``==``.
+
+    Two snapshots are equal iff the allocators would answer every future call identically.
+    Tensor contents of pools (KV data, Mamba states) are not part of a snapshot.
+
+    Attributes:
+        kind: the allocator class name.
+        capacity: number of ids managed (pages for a paged allocator, else slots).
+        page_size: tokens per id (1 unless paged).
+        num_used: ids currently handed out (counter).
+        free_order: the logical free list as little-endian int64 bytes, front first.
+        free_mask: the ``is_free`` mask (``capacity + 1`` bools) as bytes.
+    """
+
+    kind: str
+    capacity: int
+    page_size: int
+    num_used: int
+    free_order: bytes
+    free_mask: bytes
+
+    def free_ids(self) -> list[int]:
+        """The free list as Python ints, front first (for messages and tests)."""
+        return np.frombuffer(self.free_order, dtype="<i8").tolist()
+
+
+class FreeList:
+    """Free ids ``1..capacity`` kept in FIFO order, plus an ``is_free`` mask.
+
+    Storage: a ring buffer of ``capacity`` int64 entries (the free list can never be longer)
+    holding the free ids from ``head`` for ``num_free`` entries, wrapping around. Memory is
+    fixed at ``capacity * (8 + 1 + 4)`` bytes: ring, mask, duplicate-detection scratch.
+
+    Args:
+        capacity: number of ids (``> 0``; validated by the owner).
+        unit: what an id is, for messages (``"slot"``, ``"page"``).
+
+    All tensors given to or returned by this class are CPU ``torch.int64`` 1-D tensors.
+    """
+
+    def __init__(self, capacity: int, unit: str) -> None:
+        self._capacity = capacity
+        self._unit = unit
+        self._ring = np.empty(capacity, dtype=np.int64)
+        self._head = 0
+        self._is_free = np.zeros(capacity + 1, dtype=np.bool_)
+        # Scratch for O(n) duplicate detection; its contents are never part of the state.
+        self._stamp = np.empty(capacity + 1, dtype=np.int64 if capacity >= 2**31 else np.int32)
+        self._num_free = 0
+        self._num_used = 0
+        self.reset()
+
+    # ---------------------------------------------------------------- counters
+    @property
+    def capacity(self) -> int:
+        """Number of ids managed."""
+        return self._capacity
+
+    @property
+    def num_free(self) -> int:
+        """Ids currently free. O(1)."""
+        return self._num_free
+
+    @property
+    def num_used(self) -> int:
+        """Ids currently handed out. O(1)."""
+        return self._num_used
+
+    # ---------------------------------------------------------------- mutation
+    def reset(self) -> None:
+        """Make every id free again, in the initial order ``1..capacity``. O(capacity)."""
+        self._ring[:] = np.arange(1, self._capacity + 1, dtype=np.int64)
+        self._head = 0
+        self._is_free[:] = True
+        self._is_free[0] = False
+        self._num_free = self._capacity
+        self._num_used = 0
+
+    def take(self, k: int) -> torch.Tensor | None:
+        """Remove and return the first ``k`` free ids (``k >= 0``), or ``None`` if fewer are free.
+
+        On ``None`` nothing changes. The result is a new tensor the free list does not keep.
+        """
+        if k > self._num_free:
+            return None
+        out = self._read(self._head, k)
+        self._head = (self._head + k) % self._capacity
+        self._is_free[out] = False
+        self._num_free -= k
+        self._num_used += k
+        return torch.from_numpy(out)
+
+    def release(self, ids: torch.Tensor) -> None:
+        """Free ``ids`` by appending them (in the given order) to the back of the free list.
+
+        Raises:
+            ValueError: ``foreign index`` (outside ``1..capacity``) or ``double free``
+                (already free, or repeated within ``ids``). Nothing changes on error.
+        """
+        if ids.numel() == 0:
+            return
+        arr = ids.numpy()
+        self.validate_release(ids)
+        self._write((self._head + self._num_free) % self._capacity, arr)
+        self._mark_free(arr)
+
+    def restore(self, ids: torch.Tensor) -> None:
+        """Undo a ``take``: prepend ``ids`` (in the given order) to the front of the free list.
+
+        Raises the same errors as :meth:`release`, changing nothing on error.
+        """
+        if ids.numel() == 0:
+            return
+        arr = ids.numpy()
+        self.validate_release(ids)
+        self._head = (self._head - arr.size) % self._capacity
+        self._write(self._head, arr)
+        self._mark_free(arr)
+
+    def _mark_free(self, arr: np.ndarray) -> None:
+        self._is_free[arr] = True
+        self._num_free += arr.size
+        self._num_used -= arr.size
+
+    def _read(self, start: int, k: int) -> np.ndarray:
+        """Copy ``k`` ring entries from ``start``, wrapping around."""
+        end = start + k
+        if end <= self._capacity:
+            return self._ring[start:end].copy()
+        return np.concatenate((self._ring[start:], self._ring[: end - self._capacity]))
+
+    def _write(self, start: int, arr: np.ndarray) -> None:
+        """Write ``arr`` into the ring from ``start``, wrapping around."""
+        first = min(arr.size, self._capacity - start)
+        self._ring[start : start + first] = arr[:first]
+        self._ring[: arr.size - first] = arr[first:]
+
+    # ---------------------------------------------------------------- queries
+    def validate_release(self, ids: torch.Tensor) -> None:
+        """Raise ``ValueError`` unless every id is in use and appears once. O(n), no mutation."""
+        arr = ids.numpy()
+        if arr.size == 0:
+            return
+        out_of_range = (arr < 1) | (arr > self._capacity)
+        if out_of_range.any():
+            bad = int(arr[out_of_range.argmax()])
+            raise ValueError(
+                f"foreign index: {self._unit} {bad} is not in 1..{self._capacity}"
+                f" (0 is the padding {self._unit} and is never allocated)"
+            )
+        already = self._is_free[arr]
+        if already.any():
+            bad = int(arr[already.argmax()])
+            raise ValueError(f"double free: {self._unit} {bad} is already free")
+        pos = np.arange(arr.size, dtype=self._stamp.dtype)
+        self._stamp[arr] = pos
+        repeated = self._stamp[arr] != pos
+        if repeated.any():
+            bad = int(arr[repeated.argmax()])
+            raise ValueError(f"double free: {self._unit} {bad} appears more than once in one call")
+
+    def in_use(self, ids: torch.Tensor) -> np.ndarray:
+        """Boolean array: which of ``ids`` are in ``1..capacity`` and currently handed out."""
+        arr = ids.numpy()
+        ok = (arr >= 1) & (arr <= self._capacity)
+        ok[ok] = ~self._is_free[arr[ok]]
+        return ok
+
+    def free_order(self) -> np.ndarray:
+        """The logical free list, front first, as a new int64 numpy array. O(num_free)."""
+        return self._read(self._head, self._num_free)
+
+    def snapshot(self, kind: str, page_size: int) -> AllocatorSnapshot:
+        """Full bookkeeping state (see :class:`AllocatorSnapshot`). O(capacity)."""
+        return AllocatorSnapshot(
+            kind=kind,
+            capacity=self._capacity,
+            page_size=page_size,
+            num_used=self._num_used,
+            free_order=self.free_order().astype("<i8").tobytes(),
+            free_mask=self._is_free.tobytes(),
+        )
+
+    def check(self, owner: str) -> None:
+        """Recompute every invariant from scratch. O(capacity log capacity).
+
+        Invariants: ``num_free + num_used == capacity``; the free list holds ids in
+        ``1..capacity`` with no duplicate; the mask marks exactly the listed ids free (never 0);
+        the counters match the list and the mask; the ring head is in range.
+
+        Raises:
+            AssertionError: with a dump of the state, naming each broken invariant.
+        """
+        problems: list[str] = []
+        if not 0 <= self._head < self._capacity or not 0 <= self._num_free <= self._capacity:
+            problems.append(f"ring head={self._head} / num_free={self._num_free} out of range")
+            order = np.empty(0, dtype=np.int64)
+        else:
+            order = self.free_order()
+        if self._num_free + self._num_used != self._capacity:
+            problems.append("num_free + num_used != capacity")
+        if order.size != self._num_free:
+            problems.append(f"free list holds {order.size} ids but num_free={self._num_free}")
+        if order.size and (order.min() < 1 or order.max() > self._capacity):
+            problems.append("free list holds an id outside 1..capacity")
+        elif order.size:
+            uniq, counts = np.unique(order, return_counts=True)
+            if uniq.size != order.size:
+                problems.append(f"duplicate free ids {uniq[counts > 1][:16].tolist()}")
+            if not self._is_free[order].all():
+                problems.append("a listed id is not marked free in the mask")
+        mask_free = int(self._is_free.sum())
+        if self._is_free[0]:
+            problems.append(f"padding {self._unit} 0 is marked free")
+        if mask_free != order.size:
+            problems.append(f"mask marks {mask_free} ids free, list holds {order.size}")
+        if self._capacity - mask_free != self._num_used:
+            problems.append(
+                f"mask implies {self._capacity - mask_free} used, num_used={self._num_used}"
+            )
+        if problems:
+            raise AssertionError(f"{owner} invariant broken: {'; '.join(problems)}\n{self.dump()}")
+
+    def dump(self, limit: int = 32) -> str:
+        """A short human-readable description of the state, for failure messages."""
+        ok = 0 <= self._head < self._capacity and 0 <= self._num_free <= self._capacity
+        head = self._read(self._head, min(limit, self._num_free)).tolist() if ok else "?"
+        return (
+            f"  capacity={self._capacity} unit={self._unit} num_free={self._num_free}"
+            f" num_used={self._num_used} mask_free={int(self._is_free.sum())}\n"
+            f"  ring head={self._head}\n"
+            f"  free order (first {limit})={head}"
+        )

@@ -1,0 +1,187 @@
+"""Recurrent-state slots (Mamba / GDN / KDA): an allocator and its tensors in one object.
+
+Layout (slot 0 is padding, never handed out)::
+
+    conv: [num_layers, size + 1, *conv_state_shape]     (dtype, device)
+    ssm:  [num_layers, size + 1, *ssm_state_shape]
+
+so ``pool.conv[layer]`` is ``[size + 1, *conv_state_shape]``. A request's running state
+lives in one slot; the tree keeps checkpoints in other slots. Copy-on-write: before an
+engine mutates a state it got from the tree, it allocates its own slot and
+``copy(tree_slot, own_slot)``; the tree's slot stays bit-exact.
+
+Allocator behaviour (free-list order, errors, ``snapshot``) is that of
+:class:`~allocators.token_allocator.TokenAllocator`, with one addition: ``alloc`` zeroes the
+conv and ssm state of every slot it hands out, so a fresh request starts from zero state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import (
+    as_slot_tensor,
+    check_device,
+    check_float_dtype,
+    check_int,
+    check_positive_int,
+    check_shape,
+)
+from .token_allocator import _FreeListAllocator
+
+__all__ = ["MambaStatePool"]
+
+
+class MambaStatePool(_FreeListAllocator):
+    """A fixed number of state slots, each holding real conv and SSM state for every layer.
+
+    Args:
+        size: slots that can be handed out (ids ``1..size``), ``> 0``.
+        num_layers: recurrent layers, ``> 0``.
+        conv_state_shape: per-layer conv state shape of one slot, positive ints.
+        ssm_state_shape: per-layer SSM (temporal) state shape of one slot, positive ints.
+        dtype: floating-point ``torch.dtype`` of both states.
+        device: ``str`` or ``torch.device``.
+
+    Raises:
+        TypeError / ValueError: a bad argument, naming it.
+
+    Slot arguments of :meth:`copy`, :meth:`get_state`, :meth:`set_state` must be slots
+    currently handed out: anything else raises ``ValueError`` (``foreign index`` for 0 or out
+    of range, ``not allocated`` for a free slot), before anything is written.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        num_layers: int = 2,
+        conv_state_shape: tuple[int, ...] = (4, 3),
+        ssm_state_shape: tuple[int, ...] = (2, 4, 4),
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        size = check_positive_int(size, "size")
+        device = check_device(device, "device")
+        super().__init__(size, 1, device, "state slot")
+        self.num_layers = check_positive_int(num_layers, "num_layers")
+        self.conv_state_shape = check_shape(conv_state_shape, "conv_state_shape")
+        self.ssm_state_shape = check_shape(ssm_state_shape, "ssm_state_shape")
+        self.dtype = check_float_dtype(dtype, "dtype")
+        rows = size + 1
+        self.conv = torch.zeros(
+            (self.num_layers, rows, *self.conv_state_shape), dtype=self.dtype, device=device
+        )
+        self.ssm = torch.zeros(
+            (self.num_layers, rows, *self.ssm_state_shape), dtype=self.dtype, device=device
+        )
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes of conv plus SSM state of one slot over all layers."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_layer = math.prod(self.conv_state_shape) + math.prod(self.ssm_state_shape)
+        return self.num_layers * per_layer * elem
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes held by the conv and SSM tensors, padding slot included."""
+        return self.bytes_per_slot * (self.size + 1)
+
+    # ------------------------------------------------------------------ state access
+    def copy(self, src: int | torch.Tensor, dst: int | torch.Tensor) -> None:
+        """Copy every layer's conv and SSM state from ``src[i]`` to ``dst[i]``.
+
+        Args:
+            src, dst: an ``int`` slot or a 1-D ``torch.int64`` tensor of slots, equal lengths,
+                all currently handed out. ``src[i] == dst[i]`` is a no-op.
+
+        Raises:
+            TypeError: a wrong type or dtype.
+            ValueError: lengths differ, a slot is foreign or free, or ``dst`` repeats a slot.
+            Nothing is written when it raises.
+        """
+        src_idx = self._allocated(src, "src")
+        dst_idx = self._allocated(dst, "dst")
+        if src_idx.numel() != dst_idx.numel():
+            raise ValueError(f"src has {src_idx.numel()} slots but dst has {dst_idx.numel()}")
+        if torch.unique(dst_idx).numel() != dst_idx.numel():
+            raise ValueError("dst repeats a slot; the copy result would be unspecified")
+        src_dev, dst_dev = src_idx.to(self.device), dst_idx.to(self.device)
+        self.conv[:, dst_dev] = self.conv[:, src_dev]
+        self.ssm[:, dst_dev] = self.ssm[:, src_dev]
+
+    def get_state(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return copies ``(conv, ssm)`` of one slot's state in one layer.
+
+        Returns:
+            ``conv`` of shape ``conv_state_shape`` and ``ssm`` of shape ``ssm_state_shape``,
+            ``self.dtype`` on ``device``. (For in-place access use ``pool.conv[layer][slot]``.)
+
+        Raises:
+            TypeError / ValueError: a bad ``slot`` (foreign or free) or ``layer``.
+        """
+        s = self._single_slot(slot)
+        layer = self._layer(layer)
+        return self.conv[layer, s].clone(), self.ssm[layer, s].clone()
+
+    def set_state(self, slot: int, layer: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Overwrite one slot's state in one layer with ``conv`` and ``ssm``.
+
+        Args:
+            conv: shape ``conv_state_shape``, dtype ``self.dtype``, any device.
+            ssm: shape ``ssm_state_shape``, dtype ``self.dtype``, any device.
+
+        Raises:
+            TypeError: a non-tensor or wrong dtype.
+            ValueError: a bad slot or layer, or a wrong shape. Nothing is written.
+        """
+        s = self._single_slot(slot)
+        layer = self._layer(layer)
+        for name, t, shape in (
+            ("conv", conv, self.conv_state_shape),
+            ("ssm", ssm, self.ssm_state_shape),
+        ):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != self.dtype:
+                raise TypeError(f"{name} has dtype {t.dtype}, pool dtype is {self.dtype}")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+        self.conv[layer, s] = conv.to(self.device)
+        self.ssm[layer, s] = ssm.to(self.device)
+
+    def __repr__(self) -> str:
+        return (
+            f"MambaStatePool(size={self.size}, available={self.available_size()},"
+            f" num_layers={self.num_layers}, conv={self.conv_state_shape},"
+            f" ssm={self.ssm_state_shape}, dtype={self.dtype}, device={self.device})"
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def _on_alloc(self, slots: torch.Tensor) -> None:
+        idx = slots.to(self.device)
+        self.conv[:, idx] = 0
+        self.ssm[:, idx] = 0
+
+    def _allocated(self, slots: int | torch.Tensor, name: str) -> torch.Tensor:
+        """Validate ``slots`` as handed-out slot ids; return them as a CPU int64 1-D tensor."""
+        idx = as_slot_tensor(slots, name)
+        ok = self._pages.in_use(idx)
+        if not ok.all():
+            bad = int(idx[torch.from_numpy(~ok)][0])
+            if 1 <= bad <= self.size:
+                raise ValueError(f"{name}: state slot {bad} is not allocated (it is free)")
+            raise ValueError(f"{name}: foreign index: state slot {bad} is not in 1..{self.size}")
+        return idx
+
+    def _single_slot(self, slot: int) -> int:
+        return int(self._allocated(check_int(slot, "slot", minimum=-(2**62)), "slot")[0])
+
+    def _layer(self, layer: int) -> int:
+        layer = check_int(layer, "layer", minimum=0)
+        if layer >= self.num_layers:
+            raise ValueError(f"layer={layer} is out of range for num_layers={self.num_layers}")
+        return layer
