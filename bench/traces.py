@@ -50,6 +50,7 @@ __all__ = [
     "detect_format",
     "load_trace",
     "resolve_trace_path",
+    "sniff_format",
 ]
 
 TraceFormat = Literal["mooncake", "gmi", "tracelab"]
@@ -312,6 +313,18 @@ def resolve_trace_path(path: str | Path | None) -> Path:
     if not resolved.is_file():
         raise FileNotFoundError(f"trace file not found: {resolved}")
     return resolved
+
+
+def sniff_format(path: str | Path | None = None) -> TraceFormat:
+    """The format of a trace file, from its first non-blank line (see :func:`detect_format`).
+
+    Raises:
+        FileNotFoundError / TraceFormatError: as :func:`load_trace`, or for an empty file.
+    """
+    resolved = resolve_trace_path(path)
+    for _, obj in _lines(resolved):
+        return detect_format(obj)
+    raise TraceFormatError(f"{resolved}: the trace file has no requests")
 
 
 def load_trace(

@@ -1,0 +1,284 @@
+"""The engine model of the trace replay (SPEC section 7): one trace request at a time,
+driving a :class:`radix.RadixCache` the way a serving engine would, without a model.
+
+Per request, in trace order (``L`` = prompt tokens, ``U`` = usable cached prefix)::
+
+    prompt  |<------------- U ------------->|<---------- L - U ----------->|
+            [ tree slots (m.device_indices) ][ new prompt slots ][pad]     [ output slots ]
+            0                               U                  F    L    (separate pages)
+                                                  F = L // page_size * page_size
+
+1. ``m = cache.match_prefix(prompt[:-1])`` (an engine recomputes at least one token to get
+   logits) and ``inc_lock_ref(m.last_device_node)``.
+2. One state slot for the request (copy-on-write: ``state_pool.copy(m.state_slot, slot)``),
+   then one KV allocation for the uncached prompt tokens and the output tokens, each rounded
+   up to whole pages. On a shortfall: ``cache.evict_states`` / ``cache.evict``, then finish
+   the oldest running request, then give up and count the request as skipped.
+3. Prefill from ``U`` in chunks of ``chunk_size``: at each chunk end ``< L`` and at
+   ``m.branching_seqlen`` (when ``U < b < L``), both aligned down to a page, a fresh state
+   slot receives a copy of the running state and ``cache_unfinished_req`` inserts the prefix
+   so far with it (the request keeps its lock). No slot to be had -> the checkpoint is skipped.
+4. At most ``concurrency`` requests run; admitting one more first finishes the oldest.
+   Finishing calls ``cache_finished_req(req, state_slot=slot, upto=keep)`` with ``keep`` the
+   prompt's last full trace block (``end_checkpoint="block"``) or the whole prompt
+   (``"exact"``), aligned down to a page; then the engine frees the output slots and the
+   partial last prompt page, which it never hands to the cache.
+
+Output KV is allocated together with the prompt's (one ``alloc`` call) but kept apart from
+``CacheRequest.kv_indices``: the traces carry no output token ids, so output is never cached.
+``kv_indices`` covers whole pages only (``[0, F)``): the cache frees its unkept tail, and a
+paged allocator frees whole pages only. No KV data is written (allocators without pools);
+state slots are real but tiny (1 layer, 1-element tensors) so copies cost microseconds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from allocators import MambaStatePool, PagedAllocator, TokenAllocator
+from bench.metrics import RequestLog
+from bench.traces import TraceRequest
+from radix import CacheConfig, CacheRequest, RadixCache
+
+__all__ = ["EndCheckpoint", "EngineConfig", "EngineCounters", "ReplayEngine"]
+
+EndCheckpoint = Literal["block", "exact"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Memory sizes and engine knobs of one replay.
+
+    Attributes:
+        policy: radix eviction policy name (``lru``, ``gds``, ...).
+        policy_config: the policy's knobs, or ``None``.
+        kv_tokens: KV pool size [tokens] (rounded down to whole pages).
+        state_slots: recurrent-state pool size [slots]; 0 models a KV-only (attention) model.
+        page_size: tokens per KV page; the cache matches and stores whole pages.
+        chunk_size: prefill chunk [tokens]; a state checkpoint at every chunk end.
+        concurrency: requests in flight at most.
+        end_checkpoint: where a finished prompt's state is cached (see module docstring).
+    """
+
+    policy: str = "lru"
+    policy_config: dict[str, Any] | None = None
+    kv_tokens: int = 16_000_000
+    state_slots: int = 512
+    page_size: int = 1
+    chunk_size: int = 8192
+    concurrency: int = 32
+    end_checkpoint: EndCheckpoint = "block"
+
+    def __post_init__(self) -> None:
+        for name in ("kv_tokens", "page_size", "chunk_size", "concurrency"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.state_slots < 0:
+            raise ValueError(f"state_slots must be >= 0, got {self.state_slots}")
+        if self.kv_tokens < self.page_size:
+            raise ValueError(f"kv_tokens ({self.kv_tokens}) must hold one page ({self.page_size})")
+        if self.end_checkpoint not in ("block", "exact"):
+            raise ValueError(f"end_checkpoint must be 'block' or 'exact', got {self.end_checkpoint!r}")
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """What the engine did besides serving requests (all counts, not rates)."""
+
+    evicted_kv_tokens: int = 0
+    evicted_states: int = 0
+    checkpoints: int = 0
+    skipped_checkpoints: int = 0
+    forced_finishes: int = 0
+
+
+@dataclass(slots=True)
+class _Running:
+    """One admitted request: the cache's record plus what the engine itself holds."""
+
+    req: CacheRequest
+    state_slot: int | None  # the request's running state (None on a KV-only model)
+    own_slots: torch.Tensor  # output pages + partial last prompt page: the engine frees them
+    keep_len: int  # tokens to cache at finish (before clamping to what is already cached)
+
+
+@dataclass
+class ReplayEngine:
+    """Replays trace requests through one fresh :class:`RadixCache`.
+
+    Use :meth:`run` (or :meth:`admit` per request, then :meth:`drain`); read :attr:`log`
+    and :attr:`counters` afterwards. ``cache``, ``kv_allocator`` and ``state_pool`` are
+    exposed for checks (``cache.sanity_check()``).
+    """
+
+    config: EngineConfig
+    log: RequestLog = field(default_factory=RequestLog)
+    counters: EngineCounters = field(default_factory=EngineCounters)
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        ps = cfg.page_size
+        num_slots = cfg.kv_tokens // ps * ps
+        self.kv_allocator: TokenAllocator | PagedAllocator = (
+            TokenAllocator(num_slots) if ps == 1 else PagedAllocator(num_slots, ps)
+        )
+        self.state_pool: MambaStatePool | None = None
+        if cfg.state_slots:
+            self.state_pool = MambaStatePool(
+                cfg.state_slots, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,)
+            )
+        cache_cfg = CacheConfig(
+            page_size=ps,
+            radix_eviction_policy=cfg.policy,
+            radix_eviction_policy_config=cfg.policy_config,
+        )
+        self.cache = RadixCache(cache_cfg, kv_allocator=self.kv_allocator, state_allocator=self.state_pool)
+        self._running: deque[_Running] = deque()
+        self._empty = torch.empty(0, dtype=torch.int64)
+
+    # ------------------------------------------------------------------ public
+    def run(self, trace: Iterable[TraceRequest]) -> None:
+        """Admit every request in order, then finish those still running."""
+        for i, tr in enumerate(trace):
+            self.admit(tr, rid=i)
+        self.drain()
+
+    def drain(self) -> None:
+        """Finish every running request (oldest first)."""
+        while self._running:
+            self._finish(self._running.popleft())
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def admit(self, tr: TraceRequest, rid: object = None) -> bool:
+        """Serve one request: match, allocate, prefill with checkpoints; it then runs until
+        the window pushes it out. Returns False when it had to be skipped (memory)."""
+        cfg = self.config
+        if len(self._running) >= cfg.concurrency:
+            self._finish(self._running.popleft())
+        tokens = tr.tokens
+        prompt_len = len(tokens)
+        cache = self.cache
+        m = cache.match_prefix(tokens[:-1])
+        node = m.last_device_node
+        cache.inc_lock_ref(node)
+        usable = m.prefix_len
+
+        slot = None
+        if self.state_pool is not None:
+            slot = self._alloc_state(finish_running=True)
+            if slot is None:
+                return self._skip(node)
+            if m.state_slot is not None:
+                self.state_pool.copy(m.state_slot, slot)
+
+        ps = cfg.page_size
+        full_len = prompt_len // ps * ps  # whole pages of the prompt: what kv_indices covers
+        prompt_alloc = -(-(prompt_len - usable) // ps) * ps
+        out_alloc = -(-tr.output_length // ps) * ps
+        kv = self._alloc_kv(prompt_alloc + out_alloc)
+        if kv is None:
+            if slot is not None:
+                self.state_pool.free(torch.tensor([slot], dtype=torch.int64))  # type: ignore[union-attr]
+            return self._skip(node)
+        own = kv[full_len - usable :]
+        req = CacheRequest(
+            key=tokens,
+            kv_indices=torch.cat((m.device_indices, kv[: full_len - usable])) if usable else kv[: full_len - usable],
+            cached_len=usable,
+            last_node=node,
+            rid=rid,
+        )
+        self.log.record(prompt_len, usable, m.kv_hit_length)
+        self._prefill_checkpoints(req, slot, usable, prompt_len, m.branching_seqlen)
+        keep = prompt_len if cfg.end_checkpoint == "exact" else tr.num_full_blocks * tr.block_size
+        self._running.append(_Running(req, slot, own, min(keep, prompt_len) // ps * ps))
+        return True
+
+    # ------------------------------------------------------------------ steps
+    def _prefill_checkpoints(
+        self, req: CacheRequest, slot: int | None, usable: int, prompt_len: int, branching: int | None
+    ) -> None:
+        """Insert the prefix computed so far at each chunk end and at the branch point."""
+        cfg = self.config
+        ps = cfg.page_size
+        points = set(range(usable + cfg.chunk_size, prompt_len, cfg.chunk_size))
+        if branching is not None and usable < branching < prompt_len:
+            points.add(branching)
+        pool = self.state_pool
+        for pos in sorted({p // ps * ps for p in points}):
+            if pos <= req.cached_len:  # aligned down onto what is already cached
+                continue
+            snap = None
+            if pool is not None:
+                snap = self._alloc_state(finish_running=False)
+                if snap is None:
+                    self.counters.skipped_checkpoints += 1
+                    continue
+                pool.copy(slot, snap)  # the running state at ``pos`` (notionally)
+            self.cache.cache_unfinished_req(req, state_slot=snap, upto=pos)
+            self.counters.checkpoints += 1
+
+    def _finish(self, run: _Running) -> None:
+        """Cache the prompt up to its end checkpoint, release the lock, free the rest."""
+        req = run.req
+        keep = max(run.keep_len, req.cached_len)
+        self.cache.cache_finished_req(req, state_slot=run.state_slot, upto=keep)
+        if run.own_slots.numel():
+            self.kv_allocator.free(run.own_slots)
+
+    def _skip(self, node: Any) -> bool:
+        self.cache.dec_lock_ref(node)
+        self.log.skip()
+        return False
+
+    def _finish_oldest(self) -> bool:
+        if not self._running:
+            return False
+        self._finish(self._running.popleft())
+        self.counters.forced_finishes += 1
+        return True
+
+    # ------------------------------------------------------------------ memory
+    def _alloc_kv(self, n: int) -> torch.Tensor | None:
+        """``n`` KV slots (a page multiple), evicting and then finishing running requests."""
+        if n == 0:
+            return self._empty
+        alloc = self.kv_allocator
+        while True:
+            kv = alloc.alloc(n)
+            if kv is not None:
+                return kv
+            res = self.cache.evict(n - alloc.available_size())
+            self.counters.evicted_kv_tokens += res.num_tokens
+            self.counters.evicted_states += res.num_states
+            kv = alloc.alloc(n)
+            if kv is not None:
+                return kv
+            if not self._finish_oldest():
+                return None
+
+    def _alloc_state(self, *, finish_running: bool) -> int | None:
+        """One state slot, evicting a state if needed; then (if allowed) finishing requests."""
+        pool = self.state_pool
+        assert pool is not None
+        while True:
+            t = pool.alloc(1)
+            if t is not None:
+                return int(t[0])
+            res = self.cache.evict_states(1)
+            self.counters.evicted_kv_tokens += res.num_tokens
+            self.counters.evicted_states += res.num_states
+            t = pool.alloc(1)
+            if t is not None:
+                return int(t[0])
+            if not finish_running or not self._finish_oldest():
+                return None

@@ -1,0 +1,181 @@
+"""Trace replay CLI (SPEC section 7): ``python -m bench.replay`` / ``hpc-replay``.
+
+Replays a request trace through the prefix cache the way an engine would
+(:mod:`bench.engine`), once per eviction policy and memory size, and prints the metrics side
+by side (:mod:`bench.report`) with the trace's infinite-memory bounds (:mod:`bench.bounds`).
+
+Examples::
+
+    python -m bench.replay                                   # shipped Mooncake trace, lru vs gds
+    python -m bench.replay --max-requests 2000 --policy lru gds --kv-tokens 16M --state-slots 512
+    python -m bench.replay --trace ../shared/traces/lmbench_gmi_trace.jsonl --kv-tokens 1M --json out.json
+    python -m bench.replay --state-slots 128 256 512 --policy lru gds --json -   # a sweep, JSON on stdout
+
+Memory sizes accept ``16000000``, ``16e6``, ``16M`` or ``512K``. Several ``--kv-tokens`` /
+``--state-slots`` values run every combination (a sweep). ``--state-slots 0`` replays a
+KV-only (pure attention) model. The progress bar goes to stderr (shown on a terminal only,
+unless ``--no-progress``); the table to stdout (to stderr when ``--json -`` takes stdout).
+Peak RSS is the process's high-water mark so far (``getrusage``), so with several runs it
+never decreases from one column to the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import resource
+import sys
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+from tqdm import tqdm
+
+from bench.bounds import compute_bounds
+from bench.engine import EngineConfig, ReplayEngine
+from bench.metrics import summarize
+from bench.report import RunResult, TraceInfo, render_table, to_json_dict
+from bench.traces import TraceFormatError, TraceRequest, load_trace, resolve_trace_path, sniff_format
+from radix import CacheConfig
+
+__all__ = ["main", "parse_count", "replay_one"]
+
+_SUFFIX = {"K": 10**3, "M": 10**6, "G": 10**9}
+
+
+def parse_count(text: str) -> int:
+    """``"16000000"``, ``"16e6"``, ``"16M"``, ``"512K"`` -> int (must be a whole number >= 0)."""
+    s = text.strip().upper().replace("_", "").replace(",", "")
+    scale = 1
+    if s and s[-1] in _SUFFIX:
+        scale, s = _SUFFIX[s[-1]], s[:-1]
+    try:
+        value = float(s) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (try 16000000, 16e6 or 16M)") from None
+    if value < 0 or value != int(value):
+        raise argparse.ArgumentTypeError(f"not a whole non-negative count: {text!r}")
+    return int(value)
+
+
+def _positive(text: str) -> int:
+    value = parse_count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.replay",
+        description="Replay a request trace through the hybrid prefix cache, one run per policy.",
+    )
+    p.add_argument("--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)")
+    p.add_argument("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto")
+    p.add_argument("--tracelab-block-size", type=_positive, default=1,
+                   help="block size recorded for TraceLab rounds [tokens] (default 1: token-exact)")
+    p.add_argument("--max-requests", type=parse_count, default=None, help="replay only the first N requests")
+    p.add_argument("--policy", nargs="+", default=["lru", "gds"], help="radix eviction policies (default: lru gds)")
+    p.add_argument("--kv-tokens", nargs="+", type=_positive, default=[16_000_000],
+                   help="KV pool size(s) [tokens] (default 16M)")
+    p.add_argument("--state-slots", nargs="+", type=parse_count, default=[512],
+                   help="recurrent-state pool size(s) [slots]; 0 = KV-only model (default 512)")
+    p.add_argument("--page-size", type=_positive, default=1,
+                   help="tokens per KV page (default 1: exact token accounting; any divisor of the "
+                        "trace block keeps block boundaries page-aligned)")
+    p.add_argument("--chunk-size", type=_positive, default=8192, help="prefill chunk [tokens] (default 8192)")
+    p.add_argument("--concurrency", type=_positive, default=32, help="requests in flight (default 32)")
+    p.add_argument("--end-checkpoint", choices=("block", "exact"), default="block",
+                   help="state of a finished prompt at its last full trace block (default) or its last token")
+    p.add_argument("--json", metavar="FILE|-", default=None, help="also write results as JSON ('-': stdout)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def peak_rss_mib() -> float:
+    """The process's peak resident set size so far [MiB] (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def replay_one(trace: Sequence[TraceRequest], config: EngineConfig, progress: bool | None = None) -> RunResult:
+    """Replay ``trace`` through a fresh cache built from ``config``; check the cache after.
+
+    ``progress``: ``True`` show a bar on stderr, ``False`` none, ``None`` only on a terminal.
+
+    Raises:
+        AssertionError (from ``sanity_check``) if the cache broke an invariant, or a lock
+        survived the replay.
+    """
+    engine = ReplayEngine(config)
+    desc = f"{config.policy} kv={config.kv_tokens:,} slots={config.state_slots:,}"
+    start = time.perf_counter()
+    with tqdm(total=len(trace), desc=desc, unit="req", file=sys.stderr, mininterval=0.5,
+              disable=None if progress is None else not progress, leave=False) as bar:
+        for i, tr in enumerate(trace):
+            engine.admit(tr, rid=i)
+            bar.update()
+        engine.drain()
+    wall = time.perf_counter() - start
+    engine.cache.sanity_check()
+    if engine.cache.protected_size():
+        raise AssertionError(f"{engine.cache.protected_size()} KV tokens still locked after the replay")
+    return RunResult(
+        config=config,
+        metrics=summarize(engine.log),
+        counters=engine.counters,
+        wall_s=wall,
+        peak_rss_mib=peak_rss_mib(),
+        cache_stats=engine.cache.stats(),
+    )
+
+
+def _configs(args: argparse.Namespace) -> list[EngineConfig]:
+    """Every (policy, kv size, state slots) combination, validated before any run starts."""
+    out = []
+    for kv, slots, policy in itertools.product(args.kv_tokens, args.state_slots, args.policy):
+        CacheConfig(page_size=args.page_size, radix_eviction_policy=policy)  # fails on a bad name
+        out.append(EngineConfig(
+            policy=policy, kv_tokens=kv, state_slots=slots, page_size=args.page_size,
+            chunk_size=args.chunk_size, concurrency=args.concurrency, end_checkpoint=args.end_checkpoint,
+        ))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; returns the exit status (0 ok, 2 bad arguments or trace)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        configs = _configs(args)
+        path = resolve_trace_path(args.trace)
+        fmt = sniff_format(path) if args.trace_format == "auto" else args.trace_format
+        trace = load_trace(path, fmt=fmt, max_requests=args.max_requests,
+                           tracelab_block_size=args.tracelab_block_size)
+    except (FileNotFoundError, TraceFormatError, ValueError, TypeError) as e:
+        parser.exit(2, f"error: {e}\n")
+    if not trace:
+        parser.exit(2, f"error: no requests in {path}\n")
+    info = TraceInfo(str(path), fmt, len(trace), sum(r.input_length for r in trace), trace[0].block_size)
+    bounds = compute_bounds(trace, exclude_last_token=True, page_size=args.page_size)
+    notes_bounds = compute_bounds(trace)
+    progress = False if args.no_progress else None
+    runs = []
+    for config in configs:
+        gc.collect()
+        runs.append(replay_one(trace, config, progress))
+    table_out: TextIO = sys.stderr if args.json == "-" else sys.stdout
+    print(render_table(info, runs, bounds, notes_bounds), file=table_out)
+    if args.json is not None:
+        payload = json.dumps(to_json_dict(info, runs, bounds, notes_bounds), indent=2)
+        if args.json == "-":
+            print(payload)
+        else:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(payload + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
