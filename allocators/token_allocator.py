@@ -92,6 +92,14 @@ class _FreeListAllocator(SlotAllocator):
     def clear(self) -> None:
         self._pages.reset()
 
+    def is_free(self, indices: torch.Tensor) -> torch.Tensor:
+        """Bool tensor: which of ``indices`` (in-range slot ids) are currently free.
+
+        Used by cache invariant checks (a slot the tree holds must not be free). O(len).
+        """
+        pages = indices.detach().cpu().numpy() // self._page_size
+        return torch.from_numpy(self._pages._is_free[pages])
+
     # ------------------------------------------------------------------ checking
     def check(self) -> None:
         self._pages.check(type(self).__name__)

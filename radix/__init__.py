@@ -5,6 +5,7 @@ from radix.config import CacheConfig
 from radix.node import TreeNode
 from radix.policies import POLICY_REGISTRY, resolve_policy
 from radix.results import CacheRequest, EvictResult, InsertResult, MatchResult
+from radix.tree import RadixKey
 
 __all__ = [
     "POLICY_REGISTRY",
@@ -14,6 +15,7 @@ __all__ = [
     "InsertResult",
     "MatchResult",
     "RadixCache",
+    "RadixKey",
     "TreeNode",
     "resolve_policy",
 ]

@@ -23,7 +23,7 @@ from components.state import StateComponent
 from radix.config import CacheConfig
 from radix.node import TreeNode
 from radix.results import CacheRequest, EvictResult, InsertResult, MatchResult
-from radix.tree import RadixTree, as_token_list
+from radix.tree import RadixKey, RadixTree, resolve_key
 
 if TYPE_CHECKING:
     from allocators import MambaStatePool, SlotAllocator
@@ -107,8 +107,8 @@ class RadixCache:
         """Longest usable cached prefix of ``key``.
 
         Args:
-            key: token ids (list of int >= 0, or a 1-D integer tensor/array). Only whole pages
-                are matched.
+            key: a :class:`RadixKey` (validated once) or token ids (list of int >= 0, or a 1-D
+                integer tensor/array, validated on each call). Only whole pages are matched.
             extra_key: namespace; keys with different ``extra_key`` never share nodes.
 
         Returns:
@@ -118,7 +118,7 @@ class RadixCache:
         Raises:
             TypeError / ValueError: bad token ids. Complexity: O(matched nodes + key length).
         """
-        key = as_token_list(key)
+        key, extra_key = resolve_key(key, extra_key)
         ps = self.page_size
         end = len(key) - len(key) % ps
         walk = self.tree.walk(key, end, extra_key)
@@ -213,7 +213,7 @@ class RadixCache:
         """Cache ``key`` with KV slots ``value`` (and a state checkpoint at its end).
 
         Args:
-            key: token ids; only the leading whole pages are cached.
+            key: a :class:`RadixKey` or token ids; only the leading whole pages are cached.
             value: 1-D int64 tensor of KV slots, ``len(value) == len(key)``, on the allocator's
                 device.
             extra_key: namespace (LoRA adapter id, cache salt).
@@ -231,7 +231,7 @@ class RadixCache:
         Raises:
             TypeError / ValueError: bad key, value, slot or a missing state; nothing changed.
         """
-        key = as_token_list(key)
+        key, extra_key = resolve_key(key, extra_key)
         value = self._check_value(value, len(key))
         self._check_state_slot(state_slot)
         if isinstance(priority, bool) or not isinstance(priority, int):
@@ -566,7 +566,7 @@ class RadixCache:
 
         def rec(node: TreeNode, indent: int) -> None:
             for child in sorted(node.children.values(), key=lambda c: c.id):
-                head = child.key[:6]
+                head = child.key[:6].tolist()
                 lines.append(
                     f"{'  ' * indent}[{child.start},{child.depth}) id={child.id} "
                     f"key={head}{'...' if len(child.key) > 6 else ''} kv_lock={child.kv_lock} "

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from array import array
+
 import torch
 
 
@@ -22,7 +24,7 @@ class TreeNode:
     """One node of the radix tree.
 
     Attributes (units in brackets):
-        key: token ids of this segment [tokens]; a whole number of pages.
+        key: token ids of this segment, ``array('q')`` [tokens]; a whole number of pages.
         children: first page of a child's key -> child. At the root the page is prefixed by the
             request's ``extra_key``: ``(extra_key, page)``.
         parent: ``None`` only for the root.
@@ -70,7 +72,7 @@ class TreeNode:
 
     def __init__(self, node_id: int, clock: int) -> None:
         self.id = node_id
-        self.key: list[int] = []
+        self.key: array = array("q")
         self.children: dict[Any, TreeNode] = {}
         self.parent: TreeNode | None = None
         self.depth = 0
@@ -115,7 +117,7 @@ class TreeNode:
         return out
 
     def __repr__(self) -> str:
-        head = self.key[:4]
+        head = self.key[:4].tolist()
         more = "..." if len(self.key) > 4 else ""
         return (
             f"TreeNode(id={self.id}, span=[{self.start},{self.depth}), key={head}{more}, "
