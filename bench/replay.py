@@ -36,6 +36,7 @@ from tqdm import tqdm
 from bench.bounds import compute_bounds
 from bench.engine import EngineConfig, ReplayEngine
 from bench.metrics import summarize
+from bench.plot import sweep_axis_of, write_plot
 from bench.report import RunResult, TraceInfo, render_table, to_json_dict
 from bench.traces import TraceFormatError, TraceRequest, load_trace, resolve_trace_path, sniff_format
 from radix import CacheConfig
@@ -90,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--end-checkpoint", choices=("block", "exact"), default="block",
                    help="state of a finished prompt at its last full trace block (default) or its last token")
     p.add_argument("--json", metavar="FILE|-", default=None, help="also write results as JSON ('-': stdout)")
+    p.add_argument("--plot", metavar="FILE", default=None,
+                   help="hit rate and state-miss vs memory, one line per policy (needs a sweep and matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -157,6 +160,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"error: {e}\n")
     if not trace:
         parser.exit(2, f"error: no requests in {path}\n")
+    if args.plot is not None:
+        try:
+            sweep_axis_of(configs)
+        except ValueError as e:
+            parser.exit(2, f"error: {e}\n")
     info = TraceInfo(str(path), fmt, len(trace), sum(r.input_length for r in trace), trace[0].block_size)
     bounds = compute_bounds(trace, exclude_last_token=True, page_size=args.page_size)
     notes_bounds = compute_bounds(trace)
@@ -174,6 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             with open(args.json, "w", encoding="utf-8") as f:
                 f.write(payload + "\n")
+    if args.plot is not None:
+        write_plot(args.plot, runs, bounds)
     return 0
 
 

@@ -120,3 +120,15 @@ def test_cli_writes_json_with_one_run_per_policy(tmp_path: Path, capsys: pytest.
 
 def test_parse_count() -> None:
     assert [parse_count(s) for s in ("16000000", "16e6", "16M", "512K", "1_000")] == [16_000_000] * 3 + [512_000, 1000]
+
+
+def test_plot_needs_a_single_memory_sweep(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exc:  # no sweep: refused before any replay
+        main(["--max-requests", "5", "--plot", str(tmp_path / "p.png"), "--no-progress"])
+    assert exc.value.code == 2
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "p.png"
+    argv = ["--max-requests", "20", "--state-slots", "4", "16", "--policy", "lru", "gds",
+            "--plot", str(png), "--no-progress"]
+    assert main(argv) == 0
+    assert png.stat().st_size > 1000
