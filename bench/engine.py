@@ -84,12 +84,21 @@ class EngineConfig:
         if self.kv_tokens < self.page_size:
             raise ValueError(f"kv_tokens ({self.kv_tokens}) must hold one page ({self.page_size})")
         if self.end_checkpoint not in ("block", "exact"):
-            raise ValueError(f"end_checkpoint must be 'block' or 'exact', got {self.end_checkpoint!r}")
+            raise ValueError(
+                f"end_checkpoint must be 'block' or 'exact', got {self.end_checkpoint!r}"
+            )
 
 
 @dataclass(slots=True)
 class EngineCounters:
-    """What the engine did besides serving requests (all counts, not rates)."""
+    """What the engine did besides serving requests (all counts, not rates).
+
+    ``evicted_*`` sum the engine's own ``evict`` / ``evict_states`` calls (a leaf's state
+    leaves with its KV and vice versa, so both calls may free both). ``checkpoints`` counts
+    ``cache_unfinished_req`` calls (chunk ends and branch points; KV-only inserts on a
+    KV-only model), ``skipped_checkpoints`` those dropped for want of a state slot, and
+    ``forced_finishes`` running requests finished early to free memory.
+    """
 
     evicted_kv_tokens: int = 0
     evicted_states: int = 0
@@ -138,7 +147,9 @@ class ReplayEngine:
             radix_eviction_policy=cfg.policy,
             radix_eviction_policy_config=cfg.policy_config,
         )
-        self.cache = RadixCache(cache_cfg, kv_allocator=self.kv_allocator, state_allocator=self.state_pool)
+        self.cache = RadixCache(
+            cache_cfg, kv_allocator=self.kv_allocator, state_allocator=self.state_pool
+        )
         self._running: deque[_Running] = deque()
         self._empty = torch.empty(0, dtype=torch.int64)
 
@@ -192,7 +203,9 @@ class ReplayEngine:
         own = kv[full_len - usable :]
         req = CacheRequest(
             key=tokens,
-            kv_indices=torch.cat((m.device_indices, kv[: full_len - usable])) if usable else kv[: full_len - usable],
+            kv_indices=torch.cat((m.device_indices, kv[: full_len - usable]))
+            if usable
+            else kv[: full_len - usable],
             cached_len=usable,
             last_node=node,
             rid=rid,
@@ -205,7 +218,12 @@ class ReplayEngine:
 
     # ------------------------------------------------------------------ steps
     def _prefill_checkpoints(
-        self, req: CacheRequest, slot: int | None, usable: int, prompt_len: int, branching: int | None
+        self,
+        req: CacheRequest,
+        slot: int | None,
+        usable: int,
+        prompt_len: int,
+        branching: int | None,
     ) -> None:
         """Insert the prefix computed so far at each chunk end and at the branch point."""
         cfg = self.config
@@ -219,6 +237,7 @@ class ReplayEngine:
                 continue
             snap = None
             if pool is not None:
+                assert slot is not None  # a hybrid request always holds its running state
                 snap = self._alloc_state(finish_running=False)
                 if snap is None:
                     self.counters.skipped_checkpoints += 1

@@ -43,7 +43,9 @@ COST_E = 3.33e-6
 """Quadratic (attention) coefficient of the prefill cost model, per ``2e5`` tokens squared."""
 
 
-def prefill_cost(a: np.ndarray | float, b: np.ndarray | float, d: float = COST_D, e: float = COST_E) -> Any:
+def prefill_cost(
+    a: np.ndarray | float, b: np.ndarray | float, d: float = COST_D, e: float = COST_E
+) -> Any:
     """``d*(b - a) + e*(b*b - a*a)/2e5``: cost to prefill positions ``a .. b`` [model units].
 
     Works on scalars and numpy arrays alike (float64; no overflow for any prompt length).

@@ -54,12 +54,18 @@ def write_plot(path: str | Path, runs: Sequence[RunResult], bounds: Bounds) -> N
         ) from None
     fig, (hit_ax, miss_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
     for policy in dict.fromkeys(r.config.policy for r in runs):
-        mine = sorted((r for r in runs if r.config.policy == policy), key=lambda r: getattr(r.config, axis))
+        mine = sorted(
+            (r for r in runs if r.config.policy == policy), key=lambda r: getattr(r.config, axis)
+        )
         xs = [getattr(r.config, axis) for r in mine]
         hit_ax.plot(xs, [r.metrics.token_hit_rate for r in mine], marker="o", label=policy)
         miss_ax.plot(xs, [r.metrics.state_miss_tokens.mean for r in mine], marker="o", label=policy)
-    hit_ax.axhline(bounds.every_block_hit_rate, linestyle="--", color="grey", label="bound: every block")
-    hit_ax.axhline(bounds.sparse_hit_rate, linestyle=":", color="grey", label="bound: sparse checkpoints")
+    hit_ax.axhline(
+        bounds.every_block_hit_rate, linestyle="--", color="grey", label="bound: every block"
+    )
+    hit_ax.axhline(
+        bounds.sparse_hit_rate, linestyle=":", color="grey", label="bound: sparse checkpoints"
+    )
     label = "KV pool [tokens]" if axis == "kv_tokens" else "state pool [slots]"
     ticks = sorted({getattr(r.config, axis) for r in runs})
     for ax, title in ((hit_ax, "token hit rate"), (miss_ax, "state-miss tokens / request (mean)")):

@@ -38,7 +38,13 @@ from bench.engine import EngineConfig, ReplayEngine
 from bench.metrics import summarize
 from bench.plot import sweep_axis_of, write_plot
 from bench.report import RunResult, TraceInfo, render_table, to_json_dict
-from bench.traces import TraceFormatError, TraceRequest, load_trace, resolve_trace_path, sniff_format
+from bench.traces import (
+    TraceFormatError,
+    TraceRequest,
+    load_trace,
+    resolve_trace_path,
+    sniff_format,
+)
 from radix import CacheConfig
 
 __all__ = ["main", "parse_count", "replay_one"]
@@ -55,7 +61,9 @@ def parse_count(text: str) -> int:
     try:
         value = float(s) * scale
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a count: {text!r} (try 16000000, 16e6 or 16M)") from None
+        raise argparse.ArgumentTypeError(
+            f"not a count: {text!r} (try 16000000, 16e6 or 16M)"
+        ) from None
     if value < 0 or value != int(value):
         raise argparse.ArgumentTypeError(f"not a whole non-negative count: {text!r}")
     return int(value)
@@ -73,26 +81,69 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m bench.replay",
         description="Replay a request trace through the hybrid prefix cache, one run per policy.",
     )
-    p.add_argument("--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)")
-    p.add_argument("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto")
-    p.add_argument("--tracelab-block-size", type=_positive, default=1,
-                   help="block size recorded for TraceLab rounds [tokens] (default 1: token-exact)")
-    p.add_argument("--max-requests", type=parse_count, default=None, help="replay only the first N requests")
-    p.add_argument("--policy", nargs="+", default=["lru", "gds"], help="radix eviction policies (default: lru gds)")
-    p.add_argument("--kv-tokens", nargs="+", type=_positive, default=[16_000_000],
-                   help="KV pool size(s) [tokens] (default 16M)")
-    p.add_argument("--state-slots", nargs="+", type=parse_count, default=[512],
-                   help="recurrent-state pool size(s) [slots]; 0 = KV-only model (default 512)")
-    p.add_argument("--page-size", type=_positive, default=1,
-                   help="tokens per KV page (default 1: exact token accounting; any divisor of the "
-                        "trace block keeps block boundaries page-aligned)")
-    p.add_argument("--chunk-size", type=_positive, default=8192, help="prefill chunk [tokens] (default 8192)")
-    p.add_argument("--concurrency", type=_positive, default=32, help="requests in flight (default 32)")
-    p.add_argument("--end-checkpoint", choices=("block", "exact"), default="block",
-                   help="state of a finished prompt at its last full trace block (default) or its last token")
-    p.add_argument("--json", metavar="FILE|-", default=None, help="also write results as JSON ('-': stdout)")
-    p.add_argument("--plot", metavar="FILE", default=None,
-                   help="hit rate and state-miss vs memory, one line per policy (needs a sweep and matplotlib)")
+    p.add_argument(
+        "--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)"
+    )
+    p.add_argument(
+        "--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto"
+    )
+    p.add_argument(
+        "--tracelab-block-size",
+        type=_positive,
+        default=1,
+        help="block size recorded for TraceLab rounds [tokens] (default 1: token-exact)",
+    )
+    p.add_argument(
+        "--max-requests", type=parse_count, default=None, help="replay only the first N requests"
+    )
+    p.add_argument(
+        "--policy",
+        nargs="+",
+        default=["lru", "gds"],
+        help="radix eviction policies (default: lru gds)",
+    )
+    p.add_argument(
+        "--kv-tokens",
+        nargs="+",
+        type=_positive,
+        default=[16_000_000],
+        help="KV pool size(s) [tokens] (default 16M)",
+    )
+    p.add_argument(
+        "--state-slots",
+        nargs="+",
+        type=parse_count,
+        default=[512],
+        help="recurrent-state pool size(s) [slots]; 0 = KV-only model (default 512)",
+    )
+    p.add_argument(
+        "--page-size",
+        type=_positive,
+        default=1,
+        help="tokens per KV page (default 1: exact token accounting; any divisor of the "
+        "trace block keeps block boundaries page-aligned)",
+    )
+    p.add_argument(
+        "--chunk-size", type=_positive, default=8192, help="prefill chunk [tokens] (default 8192)"
+    )
+    p.add_argument(
+        "--concurrency", type=_positive, default=32, help="requests in flight (default 32)"
+    )
+    p.add_argument(
+        "--end-checkpoint",
+        choices=("block", "exact"),
+        default="block",
+        help="state of a finished prompt at its last full trace block (default) or its last token",
+    )
+    p.add_argument(
+        "--json", metavar="FILE|-", default=None, help="also write results as JSON ('-': stdout)"
+    )
+    p.add_argument(
+        "--plot",
+        metavar="FILE",
+        default=None,
+        help="hit rate and state-miss vs memory, one line per policy (needs a sweep and matplotlib)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -102,7 +153,9 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def replay_one(trace: Sequence[TraceRequest], config: EngineConfig, progress: bool | None = None) -> RunResult:
+def replay_one(
+    trace: Sequence[TraceRequest], config: EngineConfig, progress: bool | None = None
+) -> RunResult:
     """Replay ``trace`` through a fresh cache built from ``config``; check the cache after.
 
     ``progress``: ``True`` show a bar on stderr, ``False`` none, ``None`` only on a terminal.
@@ -114,8 +167,15 @@ def replay_one(trace: Sequence[TraceRequest], config: EngineConfig, progress: bo
     engine = ReplayEngine(config)
     desc = f"{config.policy} kv={config.kv_tokens:,} slots={config.state_slots:,}"
     start = time.perf_counter()
-    with tqdm(total=len(trace), desc=desc, unit="req", file=sys.stderr, mininterval=0.5,
-              disable=None if progress is None else not progress, leave=False) as bar:
+    with tqdm(
+        total=len(trace),
+        desc=desc,
+        unit="req",
+        file=sys.stderr,
+        mininterval=0.5,
+        disable=None if progress is None else not progress,
+        leave=False,
+    ) as bar:
         for i, tr in enumerate(trace):
             engine.admit(tr, rid=i)
             bar.update()
@@ -123,7 +183,9 @@ def replay_one(trace: Sequence[TraceRequest], config: EngineConfig, progress: bo
     wall = time.perf_counter() - start
     engine.cache.sanity_check()
     if engine.cache.protected_size():
-        raise AssertionError(f"{engine.cache.protected_size()} KV tokens still locked after the replay")
+        raise AssertionError(
+            f"{engine.cache.protected_size()} KV tokens still locked after the replay"
+        )
     return RunResult(
         config=config,
         metrics=summarize(engine.log),
@@ -139,10 +201,17 @@ def _configs(args: argparse.Namespace) -> list[EngineConfig]:
     out = []
     for kv, slots, policy in itertools.product(args.kv_tokens, args.state_slots, args.policy):
         CacheConfig(page_size=args.page_size, radix_eviction_policy=policy)  # fails on a bad name
-        out.append(EngineConfig(
-            policy=policy, kv_tokens=kv, state_slots=slots, page_size=args.page_size,
-            chunk_size=args.chunk_size, concurrency=args.concurrency, end_checkpoint=args.end_checkpoint,
-        ))
+        out.append(
+            EngineConfig(
+                policy=policy,
+                kv_tokens=kv,
+                state_slots=slots,
+                page_size=args.page_size,
+                chunk_size=args.chunk_size,
+                concurrency=args.concurrency,
+                end_checkpoint=args.end_checkpoint,
+            )
+        )
     return out
 
 
@@ -154,8 +223,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         configs = _configs(args)
         path = resolve_trace_path(args.trace)
         fmt = sniff_format(path) if args.trace_format == "auto" else args.trace_format
-        trace = load_trace(path, fmt=fmt, max_requests=args.max_requests,
-                           tracelab_block_size=args.tracelab_block_size)
+        trace = load_trace(
+            path,
+            fmt=fmt,
+            max_requests=args.max_requests,
+            tracelab_block_size=args.tracelab_block_size,
+        )
     except (FileNotFoundError, TraceFormatError, ValueError, TypeError) as e:
         parser.exit(2, f"error: {e}\n")
     if not trace:
@@ -165,7 +238,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             sweep_axis_of(configs)
         except ValueError as e:
             parser.exit(2, f"error: {e}\n")
-    info = TraceInfo(str(path), fmt, len(trace), sum(r.input_length for r in trace), trace[0].block_size)
+    info = TraceInfo(
+        str(path), fmt, len(trace), sum(r.input_length for r in trace), trace[0].block_size
+    )
     bounds = compute_bounds(trace, exclude_last_token=True, page_size=args.page_size)
     notes_bounds = compute_bounds(trace)
     progress = False if args.no_progress else None

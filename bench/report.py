@@ -57,25 +57,50 @@ def _rows(runs: Sequence[RunResult]) -> list[tuple[str, list[str]]]:
         return [f(r) for r in runs]
 
     return [
-        ("KV tokens / state slots", col(lambda r: f"{r.config.kv_tokens:,} / {r.config.state_slots:,}")),
+        (
+            "KV tokens / state slots",
+            col(lambda r: f"{r.config.kv_tokens:,} / {r.config.state_slots:,}"),
+        ),
         ("token hit rate", col(lambda r: f"{r.metrics.token_hit_rate:.4f}")),
         ("KV hit rate", col(lambda r: f"{r.metrics.kv_hit_rate:.4f}")),
         ("state-miss tok/req mean", col(lambda r: f"{r.metrics.state_miss_tokens.mean:,.1f}")),
-        ("  p50 / p90", col(lambda r: f"{_fmt_int(r.metrics.state_miss_tokens.p50)} / {_fmt_int(r.metrics.state_miss_tokens.p90)}")),
+        (
+            "  p50 / p90",
+            col(
+                lambda r: (
+                    f"{_fmt_int(r.metrics.state_miss_tokens.p50)} / {_fmt_int(r.metrics.state_miss_tokens.p90)}"
+                )
+            ),
+        ),
         ("uncached tok/req mean", col(lambda r: f"{r.metrics.uncached_tokens.mean:,.1f}")),
-        ("  p50 / p90", col(lambda r: f"{_fmt_int(r.metrics.uncached_tokens.p50)} / {_fmt_int(r.metrics.uncached_tokens.p90)}")),
+        (
+            "  p50 / p90",
+            col(
+                lambda r: (
+                    f"{_fmt_int(r.metrics.uncached_tokens.p50)} / {_fmt_int(r.metrics.uncached_tokens.p90)}"
+                )
+            ),
+        ),
         ("prefill cost/req mean", col(lambda r: f"{r.metrics.prefill_cost.mean:.4f}")),
         ("  p90", col(lambda r: f"{r.metrics.prefill_cost.p90:.4f}")),
         ("evicted KV tokens", col(lambda r: _fmt_int(r.counters.evicted_kv_tokens))),
         ("evicted states", col(lambda r: _fmt_int(r.counters.evicted_states))),
-        ("checkpoints (skipped)", col(lambda r: f"{r.counters.checkpoints:,} ({r.counters.skipped_checkpoints:,})")),
-        ("requests (skipped)", col(lambda r: f"{r.metrics.requests:,} ({r.metrics.skipped_requests:,})")),
+        (
+            "checkpoints (skipped)",
+            col(lambda r: f"{r.counters.checkpoints:,} ({r.counters.skipped_checkpoints:,})"),
+        ),
+        (
+            "requests (skipped)",
+            col(lambda r: f"{r.metrics.requests:,} ({r.metrics.skipped_requests:,})"),
+        ),
         ("wall time s", col(lambda r: f"{r.wall_s:.1f}")),
         ("peak RSS MiB (process)", col(lambda r: f"{r.peak_rss_mib:,.0f}")),
     ]
 
 
-def render_table(trace: TraceInfo, runs: Sequence[RunResult], bounds: Bounds, notes_bounds: Bounds) -> str:
+def render_table(
+    trace: TraceInfo, runs: Sequence[RunResult], bounds: Bounds, notes_bounds: Bounds
+) -> str:
     """The stdout report: header lines, the metric table, the bounds."""
     if not runs:
         raise ValueError("no runs to report")
@@ -106,7 +131,9 @@ def render_table(trace: TraceInfo, runs: Sequence[RunResult], bounds: Bounds, no
     return "\n".join(lines)
 
 
-def to_json_dict(trace: TraceInfo, runs: Sequence[RunResult], bounds: Bounds, notes_bounds: Bounds) -> dict[str, Any]:
+def to_json_dict(
+    trace: TraceInfo, runs: Sequence[RunResult], bounds: Bounds, notes_bounds: Bounds
+) -> dict[str, Any]:
     """Everything in :func:`render_table`, as plain JSON values."""
     cfg = runs[0].config if runs else None
     return {

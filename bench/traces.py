@@ -61,7 +61,9 @@ MOONCAKE_BLOCK_SIZE = 512
 GMI_BLOCK_SIZE = 32
 """Tokens per hash id assumed for the LMBench GMI trace (the file does not state it)."""
 
-SHIPPED_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_fast25_conversation_trace.jsonl"
+SHIPPED_TRACE = (
+    Path(__file__).resolve().parent / "traces" / "mooncake_fast25_conversation_trace.jsonl"
+)
 """The Mooncake conversation trace shipped with the project (see ``bench/traces/README.md``)."""
 
 
@@ -109,7 +111,9 @@ class TraceRequest:
 # --------------------------------------------------------------------------- helpers
 
 
-def _runs_from_blocks(hash_ids: list[int], block_size: int, input_length: int) -> tuple[tuple[int, int], ...]:
+def _runs_from_blocks(
+    hash_ids: list[int], block_size: int, input_length: int
+) -> tuple[tuple[int, int], ...]:
     """Token runs for ``hash_ids`` (block ``h`` -> ids ``h*B+1 .. h*B+n``), merging neighbours.
 
     Consecutive ids ``h, h+1`` give contiguous token ranges, so a Mooncake prompt made of
@@ -140,7 +144,9 @@ def _take_runs(runs: tuple[tuple[int, int], ...], n: int) -> list[tuple[int, int
     return out
 
 
-def _content_block_ids(tokens: list[int], block_size: int, ids: dict[tuple[int, ...], int]) -> tuple[int, ...]:
+def _content_block_ids(
+    tokens: list[int], block_size: int, ids: dict[tuple[int, ...], int]
+) -> tuple[int, ...]:
     """Block ids by content (``ids`` maps a block's token tuple to its id, grown as needed)."""
     if block_size == 1:
         return tuple(tokens)
@@ -160,7 +166,9 @@ def _field(obj: dict[str, Any], name: str, where: str) -> Any:
 def _int_field(obj: dict[str, Any], name: str, where: str, minimum: int) -> int:
     value = _field(obj, name, where)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise TraceFormatError(f"{where}: field {name!r} must be an integer >= {minimum}, got {value!r}")
+        raise TraceFormatError(
+            f"{where}: field {name!r} must be an integer >= {minimum}, got {value!r}"
+        )
     return value
 
 
@@ -170,7 +178,9 @@ def _hash_ids(obj: dict[str, Any], where: str) -> list[int]:
         raise TraceFormatError(f"{where}: 'hash_ids' must be a non-empty list")
     for h in ids:
         if isinstance(h, bool) or not isinstance(h, int) or h < 0:
-            raise TraceFormatError(f"{where}: 'hash_ids' must hold non-negative integers, got {h!r}")
+            raise TraceFormatError(
+                f"{where}: 'hash_ids' must hold non-negative integers, got {h!r}"
+            )
     return ids
 
 
@@ -234,7 +244,9 @@ def _gmi(where: str, obj: dict[str, Any]) -> TraceRequest:
     try:
         ts_ns = int(ts)
     except (TypeError, ValueError):
-        raise TraceFormatError(f"{where}: 'timestamp' must be integer nanoseconds, got {ts!r}") from None
+        raise TraceFormatError(
+            f"{where}: 'timestamp' must be integer nanoseconds, got {ts!r}"
+        ) from None
     input_length = GMI_BLOCK_SIZE * len(ids)  # one id == exactly 32 tokens (see module doc)
     return TraceRequest(
         timestamp_s=ts_ns / 1e9,  # absolute here; load_trace subtracts the earliest
@@ -368,7 +380,9 @@ def load_trace(
         if fmt is None:
             fmt = detect_format(obj)  # raises a clear error for an unknown first line
         elif line_fmt is not None and line_fmt != fmt:
-            raise TraceFormatError(f"{where}: line looks like {line_fmt!r}, not the trace's format {fmt!r}")
+            raise TraceFormatError(
+                f"{where}: line looks like {line_fmt!r}, not the trace's format {fmt!r}"
+            )
         if fmt == "mooncake":
             out.append(_mooncake(where, obj, mooncake_block_size))
         elif fmt == "gmi":

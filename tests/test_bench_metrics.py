@@ -13,8 +13,10 @@ def test_prefill_cost_by_hand() -> None:
     assert prefill_cost(0, 1000) == pytest.approx(COST_D * 1000 + 5 * COST_E)
     # cost(a, a) = 0; arrays work element-wise; d = 0 leaves only the quadratic term
     assert prefill_cost(700, 700) == 0.0
-    np.testing.assert_allclose(prefill_cost(np.array([0, 100]), np.array([200, 300]), d=0.0, e=1.0),
-                               [40000 / 2e5, 80000 / 2e5])
+    np.testing.assert_allclose(
+        prefill_cost(np.array([0, 100]), np.array([200, 300]), d=0.0, e=1.0),
+        [40000 / 2e5, 80000 / 2e5],
+    )
 
 
 def test_percentiles_interpolate_linearly() -> None:
@@ -39,7 +41,9 @@ def test_summarize_by_hand() -> None:
     # uncached: 100, 100, 200, 100 -> sorted 100,100,100,200: mean 125, p50 100, p90 170
     u = m.uncached_tokens
     assert (u.mean, u.p50) == (125.0, 100.0) and u.p90 == pytest.approx(170.0)
-    costs = [prefill_cost(u, p) for p, u, _ in [(100, 0, 0), (200, 100, 0), (300, 100, 0), (400, 300, 0)]]
+    costs = [
+        prefill_cost(u, p) for p, u, _ in [(100, 0, 0), (200, 100, 0), (300, 100, 0), (400, 300, 0)]
+    ]
     assert m.prefill_cost.mean == pytest.approx(float(np.mean(costs)))
     assert m.as_dict()["state_miss_tokens"] == {"mean": 50.0, "p50": 50.0, "p90": 100.0}
 

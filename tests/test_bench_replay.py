@@ -23,7 +23,12 @@ def block_req(ids: list[int], length: int, out: int = 2, block: int = 4) -> Trac
 
 
 # r0: tokens 1..8, 9,10      r1: 1..8, 21..24      r2: 1..4, 13..16      r3: 1..4, 25,26
-TRACE = [block_req([0, 1, 2], 10), block_req([0, 1, 5], 12), block_req([0, 3], 8), block_req([0, 6], 6)]
+TRACE = [
+    block_req([0, 1, 2], 10),
+    block_req([0, 1, 5], 12),
+    block_req([0, 3], 8),
+    block_req([0, 6], 6),
+]
 
 
 def replay(trace: list[TraceRequest], **kw: object) -> ReplayEngine:
@@ -97,14 +102,32 @@ def test_mooncake_prefix_under_memory_pressure_keeps_the_invariants() -> None:
     assert e.state_pool.available_size() + e.cache.state_evictable_size() == 6
 
 
-def test_cli_writes_json_with_one_run_per_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rows_ = [{"timestamp": i, "input_length": 1000 + i, "output_length": 5, "hash_ids": [0, 1 + i]}
-             for i in range(6)]
+def test_cli_writes_json_with_one_run_per_policy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows_ = [
+        {"timestamp": i, "input_length": 1000 + i, "output_length": 5, "hash_ids": [0, 1 + i]}
+        for i in range(6)
+    ]
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows_))
     out = tmp_path / "r.json"
-    argv = ["--trace", str(trace), "--policy", "lru", "gds", "--kv-tokens", "100K", "--state-slots", "8", "--concurrency", "1",
-            "--no-progress", "--json", str(out)]
+    argv = [
+        "--trace",
+        str(trace),
+        "--policy",
+        "lru",
+        "gds",
+        "--kv-tokens",
+        "100K",
+        "--state-slots",
+        "8",
+        "--concurrency",
+        "1",
+        "--no-progress",
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert "token hit rate" in table and "end checkpoint: block" in table
@@ -119,7 +142,9 @@ def test_cli_writes_json_with_one_run_per_policy(tmp_path: Path, capsys: pytest.
 
 
 def test_parse_count() -> None:
-    assert [parse_count(s) for s in ("16000000", "16e6", "16M", "512K", "1_000")] == [16_000_000] * 3 + [512_000, 1000]
+    assert [parse_count(s) for s in ("16000000", "16e6", "16M", "512K", "1_000")] == [
+        16_000_000
+    ] * 3 + [512_000, 1000]
 
 
 def test_plot_needs_a_single_memory_sweep(tmp_path: Path) -> None:
@@ -128,7 +153,18 @@ def test_plot_needs_a_single_memory_sweep(tmp_path: Path) -> None:
     assert exc.value.code == 2
     pytest.importorskip("matplotlib")
     png = tmp_path / "p.png"
-    argv = ["--max-requests", "20", "--state-slots", "4", "16", "--policy", "lru", "gds",
-            "--plot", str(png), "--no-progress"]
+    argv = [
+        "--max-requests",
+        "20",
+        "--state-slots",
+        "4",
+        "16",
+        "--policy",
+        "lru",
+        "gds",
+        "--plot",
+        str(png),
+        "--no-progress",
+    ]
     assert main(argv) == 0
     assert png.stat().st_size > 1000

@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from bench.bounds import compute_bounds
-from bench.traces import SHIPPED_TRACE, TraceFormatError, TraceRequest, load_trace, resolve_trace_path
+from bench.traces import (
+    SHIPPED_TRACE,
+    TraceFormatError,
+    TraceRequest,
+    load_trace,
+    resolve_trace_path,
+)
 
 
 def write_jsonl(path: Path, rows: list[dict[str, object]]) -> Path:
@@ -70,8 +76,18 @@ def test_shipped_trace_is_the_default_and_max_requests_cuts() -> None:
 
 def test_gmi_every_id_is_32_tokens_and_ns_timestamps(tmp_path: Path) -> None:
     rows = [
-        {"timestamp": "1753694362000000000", "input_length": 50, "output_length": 3, "hash_ids": [5, 9]},
-        {"timestamp": "1753694362500000000", "input_length": 7, "output_length": 1, "hash_ids": [5]},
+        {
+            "timestamp": "1753694362000000000",
+            "input_length": 50,
+            "output_length": 3,
+            "hash_ids": [5, 9],
+        },
+        {
+            "timestamp": "1753694362500000000",
+            "input_length": 7,
+            "output_length": 1,
+            "hash_ids": [5],
+        },
     ]
     first, second = load_trace(write_jsonl(tmp_path / "g.jsonl", rows))
     # the file's input_length (50, 7) is replaced by 32 * len(hash_ids)
@@ -116,7 +132,10 @@ def test_tracelab_rounds_chain_within_a_session(tmp_path: Path) -> None:
 
 
 def test_tracelab_block_size_gives_content_block_ids(tmp_path: Path) -> None:
-    rows = [tracelab_row("a", 0, 0, 4, "2026-01-01T00:00:00Z"), tracelab_row("a", 1, 2, 2, "2026-01-01T00:00:01Z")]
+    rows = [
+        tracelab_row("a", 0, 0, 4, "2026-01-01T00:00:00Z"),
+        tracelab_row("a", 1, 2, 2, "2026-01-01T00:00:01Z"),
+    ]
     first, second = load_trace(write_jsonl(tmp_path / "tl.jsonl", rows), tracelab_block_size=2)
     assert first.block_ids[0] == second.block_ids[0] and first.block_ids[1] != second.block_ids[1]
 
@@ -139,7 +158,10 @@ def test_missing_file_and_bad_lines(tmp_path: Path) -> None:
         load_trace(unknown)
     mixed = write_jsonl(
         tmp_path / "x.jsonl",
-        [mooncake_row(0, 4, [0]), {"timestamp": "5", "input_length": 4, "output_length": 0, "hash_ids": [1]}],
+        [
+            mooncake_row(0, 4, [0]),
+            {"timestamp": "5", "input_length": 4, "output_length": 0, "hash_ids": [1]},
+        ],
     )
     with pytest.raises(TraceFormatError, match=r"x\.jsonl:2: line looks like 'gmi'"):
         load_trace(mixed)
