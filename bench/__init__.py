@@ -1,0 +1,1 @@
+"""Trace replay of the prefix cache (SPEC section 7): loaders, bounds, engine model, metrics, CLI."""

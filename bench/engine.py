@@ -34,7 +34,6 @@ state slots are real but tiny (1 layer, 1-element tensors) so copies cost micros
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -121,7 +120,7 @@ class _Running:
 class ReplayEngine:
     """Replays trace requests through one fresh :class:`RadixCache`.
 
-    Use :meth:`run` (or :meth:`admit` per request, then :meth:`drain`); read :attr:`log`
+    Call :meth:`admit` per request in trace order, then :meth:`drain`; read :attr:`log`
     and :attr:`counters` afterwards. ``cache``, ``kv_allocator`` and ``state_pool`` are
     exposed for checks (``cache.sanity_check()``).
     """
@@ -154,20 +153,10 @@ class ReplayEngine:
         self._empty = torch.empty(0, dtype=torch.int64)
 
     # ------------------------------------------------------------------ public
-    def run(self, trace: Iterable[TraceRequest]) -> None:
-        """Admit every request in order, then finish those still running."""
-        for i, tr in enumerate(trace):
-            self.admit(tr, rid=i)
-        self.drain()
-
     def drain(self) -> None:
         """Finish every running request (oldest first)."""
         while self._running:
             self._finish(self._running.popleft())
-
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
 
     def admit(self, tr: TraceRequest, rid: object = None) -> bool:
         """Serve one request: match, allocate, prefill with checkpoints; it then runs until
@@ -184,12 +173,13 @@ class ReplayEngine:
         usable = m.prefix_len
 
         slot = None
-        if self.state_pool is not None:
+        pool = self.state_pool
+        if pool is not None:
             slot = self._alloc_state(finish_running=True)
             if slot is None:
                 return self._skip(node)
             if m.state_slot is not None:
-                self.state_pool.copy(m.state_slot, slot)
+                pool.copy(m.state_slot, slot)
 
         ps = cfg.page_size
         full_len = prompt_len // ps * ps  # whole pages of the prompt: what kv_indices covers
@@ -197,8 +187,8 @@ class ReplayEngine:
         out_alloc = -(-tr.output_length // ps) * ps
         kv = self._alloc_kv(prompt_alloc + out_alloc)
         if kv is None:
-            if slot is not None:
-                self.state_pool.free(torch.tensor([slot], dtype=torch.int64))  # type: ignore[union-attr]
+            if pool is not None and slot is not None:
+                pool.free(torch.tensor([slot], dtype=torch.int64))
             return self._skip(node)
         own = kv[full_len - usable :]
         req = CacheRequest(
