@@ -42,7 +42,7 @@ import torch
 from allocators import MambaStatePool, PagedAllocator, TokenAllocator
 from bench.metrics import RequestLog
 from bench.traces import TraceRequest
-from radix import CacheConfig, CacheRequest, RadixCache
+from radix import CacheConfig, CacheRequest, RadixCache, RadixKey
 
 __all__ = ["EndCheckpoint", "EngineConfig", "EngineCounters", "ReplayEngine"]
 
@@ -164,7 +164,7 @@ class ReplayEngine:
         cfg = self.config
         if len(self._running) >= cfg.concurrency:
             self._finish(self._running.popleft())
-        tokens = tr.tokens
+        tokens = RadixKey(tr.tokens)  # validated once, reused by every cache call below
         prompt_len = len(tokens)
         cache = self.cache
         m = cache.match_prefix(tokens[:-1])

@@ -475,6 +475,19 @@ class RadixCache:
         if slot is not None and not adopted and self.state is not None:
             self.state.allocator.free(torch.tensor([slot], dtype=torch.int64))
 
+    def _insert_req(self, req: CacheRequest, state_slot: int | None, upto: int) -> InsertResult:
+        """Insert ``req.key[:upto]``; free the request's duplicate slots and an unadopted state.
+
+        The request's slots in ``[cached_len, prefix_len)`` are its own copies of tokens the
+        tree already holds (its slots below ``cached_len`` came from the tree): duplicates.
+        """
+        res = self.insert(req.key[:upto], req.kv_indices[:upto], req.extra_key,
+                          state_slot=state_slot, priority=req.priority, rid=req.rid)
+        if res.prefix_len > req.cached_len:
+            self.kv.allocator.free(req.kv_indices[req.cached_len:res.prefix_len])
+        self._free_state(state_slot, res.state_adopted)
+        return res
+
     def cache_unfinished_req(self, req: CacheRequest, state_slot: int | None = None,
                              upto: int | None = None) -> InsertResult:
         """Chunked prefill: cache ``req.key[:upto]`` (default: every computed token) with a
@@ -482,14 +495,13 @@ class RadixCache:
 
         Frees the request's duplicate KV slots and rewrites ``req.kv_indices[:inserted_len]``
         to the tree's slots; frees ``state_slot`` itself when the tree does not adopt it.
+
+        Raises:
+            TypeError / ValueError: bad request fields, ``upto`` out of range, or a missing
+                state on a hybrid cache; nothing changed.
         """
         upto = self._check_req(req, upto)
-        res = self.insert(req.key[:upto], req.kv_indices[:upto], req.extra_key,
-                          state_slot=state_slot, priority=req.priority, rid=req.rid)
-        dup = res.duplicate_indices
-        if len(dup):
-            self.kv.allocator.free(dup)
-        self._free_state(state_slot, res.state_adopted)
+        res = self._insert_req(req, state_slot, upto)
         n = res.inserted_len
         if res.prefix_len > req.cached_len:
             req.kv_indices = torch.cat([self._path_indices(res.last_node), req.kv_indices[n:]])
@@ -504,17 +516,15 @@ class RadixCache:
         """Cache ``req.key[:upto]`` (default: every computed token) with a state at its end,
         free duplicates and every computed slot not kept (``req.kv_indices[inserted_len:]``),
         release the request's lock. Frees ``state_slot`` when the tree does not adopt it.
+
+        Raises:
+            TypeError / ValueError: as :meth:`cache_unfinished_req`; nothing changed.
         """
         upto = self._check_req(req, upto)
-        res = self.insert(req.key[:upto], req.kv_indices[:upto], req.extra_key,
-                          state_slot=state_slot, priority=req.priority, rid=req.rid)
-        dup = res.duplicate_indices
-        if len(dup):
-            self.kv.allocator.free(dup)
+        res = self._insert_req(req, state_slot, upto)
         tail = req.kv_indices[res.inserted_len:]
         if len(tail):
             self.kv.allocator.free(tail)
-        self._free_state(state_slot, res.state_adopted)
         self.dec_lock_ref(req.last_node)
         req.last_node = self.root
         req.cached_len = 0
