@@ -102,6 +102,16 @@ class RadixCache:
         if self.state is not None:
             self.state.on_split(upper, lower, split_len)
 
+    def _split_touched(self, node: TreeNode, split_len: int, now: int) -> TreeNode:
+        """Split a node the walk entered; the walk passed through it, so both halves carry
+        the new stamp (as SGLang's RadixCache stamps the node before splitting it)."""
+        node.last_access_time = now
+        upper = self.tree.split(node, split_len)
+        self.kv.refresh(node)
+        if self.state is not None and self.state.walk == "joint" and node.state_slot is not None:
+            self.state.refresh(node)
+        return upper
+
     # =============================================================== matching
     def match_prefix(self, key: Any, extra_key: Any = None) -> MatchResult:
         """Longest usable cached prefix of ``key``.
@@ -123,10 +133,10 @@ class RadixCache:
         end = len(key) - len(key) % ps
         walk = self.tree.walk(key, end, extra_key)
         path = walk.path
-        if walk.partial is not None:
-            path.append(self.tree.split(walk.partial, walk.partial_len))
-        kv_hit = walk.matched_len
         now = self._tick()
+        if walk.partial is not None:
+            path.append(self._split_touched(walk.partial, walk.partial_len, now))
+        kv_hit = walk.matched_len
         for n in path:
             n.last_access_time = now
         if path:
@@ -248,9 +258,9 @@ class RadixCache:
             )
         # ---- validated: mutate from here on
         path = walk.path
-        if walk.partial is not None:
-            path.append(self.tree.split(walk.partial, walk.partial_len))
         now = self._tick()
+        if walk.partial is not None:
+            path.append(self._split_touched(walk.partial, walk.partial_len, now))
         joint = self.state is not None and self.state.walk == "joint"
         for n in path:
             self._touch_insert(n, now, priority, rid, end)
