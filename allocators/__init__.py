@@ -8,6 +8,7 @@ from __future__ import annotations
 from .base import AllocatorSnapshot, SlotAllocator
 from .kv_pool import KVPool
 from .state_pool import MambaStatePool
+from .swa import SWAAllocator, SWAAllocatorSnapshot
 from .token_allocator import PagedAllocator, TokenAllocator
 from .txn import AllocTxn, alloc_all
 
@@ -17,6 +18,8 @@ __all__ = [
     "KVPool",
     "MambaStatePool",
     "PagedAllocator",
+    "SWAAllocator",
+    "SWAAllocatorSnapshot",
     "SlotAllocator",
     "TokenAllocator",
     "alloc_all",
