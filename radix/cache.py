@@ -14,22 +14,30 @@ the tree and every pool exactly as before.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from components.kv import KVComponent
 from components.state import StateComponent
+from components.swa import SWAComponent
 from radix.config import CacheConfig
+from radix.diagnostics import Diagnostics
 from radix.node import TreeNode
-from radix.results import CacheRequest, EvictResult, InsertResult, MatchResult
-from radix.tree import RadixKey, RadixTree, resolve_key
+from radix.request_helpers import RequestHelpers
+from radix.results import EvictResult, InsertResult, MatchResult
+from radix.tree import RadixTree, resolve_key
 
 if TYPE_CHECKING:
     from allocators import MambaStatePool, SlotAllocator
 
 
-class RadixCache:
+#: Request ids whose hit-count depth is remembered (``insert(rid=...)``), most recent kept.
+MAX_TRACKED_RIDS = 65536
+
+
+class RadixCache(RequestHelpers, Diagnostics):
     """A radix-tree prefix cache with a full-attention KV component and, for hybrid models, a
     recurrent-state component.
 
@@ -65,6 +73,14 @@ class RadixCache:
         self.state: StateComponent | None = None
         if state_allocator is not None:
             self.state = self._new_state_component(state_allocator)
+        self.swa: SWAComponent | None = None
+        if config.sliding_window_size is not None:
+            if not (hasattr(kv_allocator, "free_swa") and hasattr(kv_allocator, "has_swa")):
+                raise TypeError(
+                    "sliding_window_size needs an SWA allocator (allocators.SWAAllocator) as "
+                    f"kv_allocator, got {type(kv_allocator).__name__}"
+                )
+            self.swa = SWAComponent(kv_allocator, config.sliding_window_size)  # type: ignore[arg-type]
         self._clock = 0
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self._init_tree()
@@ -86,8 +102,11 @@ class RadixCache:
             "evicted_states": 0,
             "inserted_tokens": 0,
             "inserted_states": 0,
+            "evicted_swa_tokens": 0,
+            "revived_swa_tokens": 0,
         }
         self._last_watermark = 0.0
+        self._rid_depth: OrderedDict[object, int] = OrderedDict()
 
     @property
     def hybrid(self) -> bool:
@@ -101,15 +120,23 @@ class RadixCache:
         self.kv.on_split(upper, lower, split_len)
         if self.state is not None:
             self.state.on_split(upper, lower, split_len)
+        if self.swa is not None:
+            self.swa.on_split(upper, lower, split_len)
+
+    def _refresh(self, node: TreeNode) -> None:
+        """``node``'s leaf status or locks changed: re-file it in every component's order."""
+        self.kv.refresh(node)
+        if self.state is not None:
+            self.state.refresh(node)
+        if self.swa is not None:
+            self.swa.refresh(node)
 
     def _split_touched(self, node: TreeNode, split_len: int, now: int) -> TreeNode:
         """Split a node the walk entered; the walk passed through it, so both halves carry
         the new stamp (as SGLang's RadixCache stamps the node before splitting it)."""
         node.last_access_time = now
         upper = self.tree.split(node, split_len)
-        self.kv.refresh(node)
-        if self.state is not None and self.state.walk == "joint" and node.state_slot is not None:
-            self.state.refresh(node)
+        self._refresh(node)
         return upper
 
     # =============================================================== matching
@@ -149,13 +176,20 @@ class RadixCache:
 
         usable = len(path)
         state_slot = None
-        if state is not None:
-            while usable > 0 and path[usable - 1].state_slot is None:
+        swa_ok = self.swa.usable_ends(path) if self.swa is not None else None
+        if state is not None or swa_ok is not None:
+            while usable > 0 and not (
+                (state is None or path[usable - 1].state_slot is not None)
+                and (swa_ok is None or swa_ok[usable - 1])
+            ):
                 usable -= 1
-            if usable > 0:
-                node = path[usable - 1]
-                state_slot = node.state_slot
-                state.use(node, now)
+        if self.swa is not None:
+            for n in path:  # stamps moved: re-file live nodes in the SWA order
+                self.swa.refresh(n)
+        if state is not None and usable > 0:
+            node = path[usable - 1]
+            state_slot = node.state_slot
+            state.use(node, now)
         last = path[usable - 1] if usable else self.root
         prefix_len = last.depth if usable else 0
         if usable == 0:
@@ -166,6 +200,8 @@ class RadixCache:
             indices = torch.cat([n.kv_value for n in path[:usable]])  # type: ignore[misc]
         branching = None
         if state is not None and kv_hit > prefix_len:
+            # Where the key leaves the tree past the usable prefix (a fork, or the end of the
+            # cached path): a checkpoint there serves every later key sharing that prefix.
             branching = kv_hit
         st = self._stats
         st["match_calls"] += 1
@@ -231,7 +267,9 @@ class RadixCache:
                 until adopted. Required on a hybrid cache when new tokens are added (a leaf
                 never stays without a state).
             priority: request priority (``priority`` policy: a node keeps the max).
-            rid: request id: a request counts once per node in ``hit_count``.
+            rid: request id: a request counts once per node in ``hit_count``, also across its
+                chunked-prefill re-inserts (the cache remembers how deep each rid counted until
+                ``release_rid(rid)`` or ``cache_finished_req``; at most ``MAX_TRACKED_RIDS``).
 
         Returns:
             :class:`InsertResult`: ``duplicate_indices`` are the caller's to free,
@@ -261,46 +299,142 @@ class RadixCache:
         now = self._tick()
         if walk.partial is not None:
             path.append(self._split_touched(walk.partial, walk.partial_len, now))
+        counted = self._counted_depth(rid, end)
+        revived = self._empty
+        if self.swa is not None:
+            path, revived = self._revive_tombstones(path, value)
         joint = self.state is not None and self.state.walk == "joint"
         for n in path:
-            self._touch_insert(n, now, priority, rid, end)
-            if joint and n.state_slot is not None:
-                self.state.refresh(n)  # type: ignore[union-attr]
+            self._touch_insert(n, now, priority, counted, end)
+            if joint or self.swa is not None:
+                self._refresh(n)
         last = path[-1] if path else self.root
         tree_prefix = [n.kv_value for n in path]
+        inserted = end
         if prefix_len < end:
-            leaf = self.tree.add_leaf(last, key[prefix_len:end], extra_key, now)
-            self.kv.attach(leaf, value[prefix_len:end])
-            self._touch_insert(leaf, now, priority, rid, end)
-            if last is not self.root:
-                self.kv.refresh(last)
-                if self.state is not None:
-                    self.state.refresh(last)
-            last = leaf
-            self._stats["inserted_tokens"] += end - prefix_len
-        self.kv.refresh(last)
+            live_from = prefix_len if self.swa is None else self._live_suffix_start(value, prefix_len, end)
+            if live_from >= end:
+                inserted = prefix_len  # no live SWA KV at all: nothing worth caching
+            else:
+                for n in self._add_new_nodes(last, key, value, prefix_len, live_from, end,
+                                             extra_key, now):
+                    self._touch_insert(n, now, priority, counted, end)
+                    last = n
+                self._stats["inserted_tokens"] += end - prefix_len
+        self._refresh(last)
         adopted = False
-        if state_slot is not None and self.state is not None and end > 0 and last.state_slot is None:
+        if (
+            state_slot is not None
+            and self.state is not None
+            and inserted == end
+            and end > 0
+            and last.state_slot is None
+        ):
             self.state.set_state(last, state_slot, now)
             self._stats["inserted_states"] += 1
             adopted = True
         return InsertResult(
             prefix_len=prefix_len,
-            inserted_len=end,
-            adopted_indices=value[prefix_len:end],
-            remainder_indices=value[end:],
+            inserted_len=inserted,
+            adopted_indices=value[prefix_len:inserted],
+            remainder_indices=value[inserted:],
             last_node=last,
             state_adopted=adopted,
+            revived_indices=revived,
             _caller_prefix=value[:prefix_len],
             _tree_prefix=tree_prefix,  # type: ignore[arg-type]
         )
 
+    def _add_new_nodes(self, parent: TreeNode, key: Any, value: torch.Tensor, start: int,
+                       live_from: int, end: int, extra_key: Any, now: int) -> list[TreeNode]:
+        """Attach ``key[start:end]`` below ``parent``: a tombstone ``[start, live_from)`` (its
+        SWA KV already released by the caller) above a live leaf ``[live_from, end)``.
+        Returns the new nodes, shallowest first."""
+        node = parent
+        created = []
+        for lo, hi, live in ((start, live_from, False), (live_from, end, True)):
+            if lo == hi:
+                continue
+            child = self.tree.add_leaf(node, key[lo:hi], extra_key, now)
+            self.kv.attach(child, value[lo:hi])
+            if self.swa is not None:
+                self.swa.attach(child, live)
+            if node is not self.root:
+                self._refresh(node)
+            node = child
+            created.append(child)
+        return created
+
+    def _live_suffix_start(self, value: torch.Tensor, lo: int, hi: int) -> int:
+        """First page-aligned position in ``[lo, hi]`` from which every caller slot of
+        ``value[lo:hi]`` still has live SWA KV (``hi`` when the last one has none)."""
+        assert self.swa is not None
+        live = self.swa.allocator.has_swa(value[lo:hi])
+        if bool(live.all()):
+            return lo
+        dead = (~live).nonzero()
+        t = lo + int(dead[-1]) + 1
+        ps = self.page_size
+        return min(hi, -(-t // ps) * ps)
+
+    def _revive_tombstones(self, path: list[TreeNode], value: torch.Tensor
+                           ) -> tuple[list[TreeNode], torch.Tensor]:
+        """Insert over tombstones: where the caller still holds live SWA KV for a tombstoned,
+        unlocked node's tokens (its own slots, not the tree's), the node takes the caller's
+        slots and comes back to life; the tree frees its old full slots. A node only partly
+        covered by live caller slots is split at the page where they start."""
+        swa = self.swa
+        assert swa is not None
+        out: list[TreeNode] = []
+        revived: list[torch.Tensor] = []
+        for n in path:
+            if not n.swa_tombstone or n.kv_lock > 0:
+                out.append(n)
+                continue
+            lo, hi = n.start, n.depth
+            caller = value[lo:hi]
+            if bool((caller == n.kv_value).any()):
+                out.append(n)  # the caller got (some of) these slots from the tree
+                continue
+            t = self._live_suffix_start(value, lo, hi)
+            if t >= hi:
+                out.append(n)
+                continue
+            if t > lo:
+                out.append(self.tree.split(n, t - lo))
+            old = n.kv_value
+            assert old is not None
+            n.kv_value = value[t:hi]
+            self.kv.allocator.free(old)
+            swa.revive(n)
+            revived.append(n.kv_value)
+            self._stats["revived_swa_tokens"] += hi - t
+            out.append(n)
+        if not revived:
+            return out, self._empty
+        return out, revived[0] if len(revived) == 1 else torch.cat(revived)
+
+    def _counted_depth(self, rid: object, end: int) -> int:
+        """How deep ``rid`` already counted in ``hit_count`` (0 for a new or absent rid);
+        records ``end`` for its next insert."""
+        if rid is None:
+            return 0
+        seen = self._rid_depth
+        counted = seen.pop(rid, 0)
+        seen[rid] = max(counted, end)
+        if len(seen) > MAX_TRACKED_RIDS:
+            seen.popitem(last=False)
+        return counted
+
+    def release_rid(self, rid: object) -> None:
+        """Forget ``rid``'s hit-count depth (the request finished)."""
+        self._rid_depth.pop(rid, None)
+
     @staticmethod
-    def _touch_insert(n: TreeNode, now: int, priority: int, rid: object, end: int) -> None:
+    def _touch_insert(n: TreeNode, now: int, priority: int, counted: int, end: int) -> None:
         n.last_access_time = now
-        if rid is None or n.last_rid != rid:
+        if n.depth > counted:
             n.hit_count += 1
-            n.last_rid = rid
         if priority > n.priority:
             n.priority = priority
         if end > n.history_len:
@@ -314,71 +448,109 @@ class RadixCache:
             raise ValueError(f"node {node.id} is not in this cache (removed, reset, or another cache's)")
         return node
 
-    def inc_lock_ref(self, node: TreeNode) -> None:
-        """Protect ``node``'s KV path and its state from eviction while a request uses them.
+    def inc_lock_ref(self, node: TreeNode) -> int | None:
+        """Protect ``node``'s KV path, its state, and (SWA) the live nodes covering the last
+        ``sliding_window_size`` tokens before it, while a request uses them.
+
+        Returns:
+            With an SWA component, the start position [tokens] of the SWA lock: pass it to
+            :meth:`dec_lock_ref`; otherwise ``None`` (also for the root).
 
         Raises:
             TypeError / ValueError: not a node of this cache.
         """
         node = self._check_node(node)
         if node is self.root:
-            return
+            return None
+        node.lock_ref += 1
         self.kv.lock(node)
         if self.state is not None:
             self.state.lock(node)
+        start = self.swa.lock(node) if self.swa is not None else None
+        self._refresh(node)
+        return start
 
-    def dec_lock_ref(self, node: TreeNode) -> None:
+    def dec_lock_ref(self, node: TreeNode, swa_lock_start: int | None = None) -> None:
         """Release one lock taken by :meth:`inc_lock_ref` on ``node``.
 
+        Args:
+            swa_lock_start: what ``inc_lock_ref`` returned (required with an SWA component).
+
         Raises:
-            ValueError: ``node`` is not locked (an unlock without a lock), or not in this cache.
+            ValueError: ``node`` holds no lock (an unlock without a lock), a missing or wrong
+                ``swa_lock_start``, or a node not in this cache. Nothing changes then.
         """
         node = self._check_node(node)
         if node is self.root:
             return
-        if node.kv_lock <= 0 or (self.state is not None and node.state_lock <= 0):
-            raise ValueError(f"dec_lock_ref on node {node.id}, which holds no lock")
+        if node.lock_ref <= 0:
+            raise ValueError(
+                f"dec_lock_ref on node {node.id}, which holds no lock of its own "
+                "(pass the node inc_lock_ref was given)"
+            )
+        if self.swa is not None:
+            if isinstance(swa_lock_start, bool) or not isinstance(swa_lock_start, int):
+                raise ValueError(
+                    "swa_lock_start (the int inc_lock_ref returned) is required on an SWA cache"
+                )
+            if not (0 <= swa_lock_start <= node.depth) or not self.swa.can_unlock(node, swa_lock_start):
+                raise ValueError(f"swa_lock_start={swa_lock_start} does not match a lock on node {node.id}")
+        node.lock_ref -= 1
         self.kv.unlock(node)
         if self.state is not None:
             self.state.unlock(node)
-            self._prune(node)
+        if self.swa is not None:
+            self.swa.unlock(node, swa_lock_start)  # type: ignore[arg-type]
+        self._refresh(node)
+        self._prune(node)
 
     # =============================================================== eviction
-    def _remove_leaf(self, node: TreeNode) -> tuple[int, int]:
-        """Remove a leaf whole and the stateless, childless, unlocked ancestors it leaves.
+    def _dead_leaf(self, node: TreeNode) -> bool:
+        """An unlocked childless node nothing could ever resume from: no state (hybrid) or a
+        tombstone (SWA)."""
+        return (
+            node.parent is not None
+            and not node.children
+            and node.kv_lock == 0
+            and (
+                (self.state is not None and node.state_slot is None)
+                or (self.swa is not None and node.swa_tombstone)
+            )
+        )
 
-        Returns (tokens freed, states freed).
+    def _remove_leaf(self, node: TreeNode) -> tuple[int, int, int]:
+        """Remove a leaf whole, then the ancestors it leaves as dead leaves.
+
+        Returns (full KV tokens, states, live SWA tokens) freed.
         """
-        tokens = states = 0
-        state = self.state
+        tokens = states = swa_tokens = 0
+        state, swa = self.state, self.swa
         while True:
             tokens += len(node.key)
             if state is not None and node.state_slot is not None:
                 states += 1
                 state.on_remove(node)
+            if swa is not None:
+                if not node.swa_tombstone:
+                    swa_tokens += len(node.key)
+                swa.on_remove(node)
             self.kv.on_remove(node)
             parent = self.tree.remove_leaf(node)
             if parent is self.root:
                 break
-            if state is not None and not parent.children and parent.state_slot is None and parent.kv_lock == 0:
+            if self._dead_leaf(parent):
                 node = parent
                 continue
-            self.kv.refresh(parent)
-            if state is not None:
-                state.refresh(parent)
+            self._refresh(parent)
             break
-        self._stats["evicted_tokens"] += tokens
-        self._stats["evicted_states"] += states
-        return tokens, states
+        st = self._stats
+        st["evicted_tokens"] += tokens
+        st["evicted_states"] += states
+        st["evicted_swa_tokens"] += swa_tokens
+        return tokens, states, swa_tokens
 
     def _prune(self, node: TreeNode) -> None:
-        """A hybrid leaf without a state can never be resumed: drop it once unlocked."""
-        if (
-            node.parent is not None
-            and not node.children
-            and node.state_slot is None
-            and node.kv_lock == 0
-        ):
+        if self._dead_leaf(node):
             self._remove_leaf(node)
 
     @staticmethod
@@ -391,22 +563,23 @@ class RadixCache:
 
     def evict(self, num_tokens: int) -> EvictResult:
         """Free at least ``num_tokens`` evictable KV tokens, unlocked leaves first in policy
-        order (a freed leaf's state goes with it; whole nodes, so it may overshoot).
+        order (a freed leaf's state and SWA KV go with it; whole nodes, so it may overshoot).
 
         Returns what was freed (less than asked when everything left is locked).
         Complexity: O(log n) per freed node.
         """
         self._check_count(num_tokens, "num_tokens")
-        tokens = states = 0
+        tokens = states = swa = 0
         leaves = self.kv.leaves
         while tokens < num_tokens:
             node = leaves.pop_first()
             if node is None:
                 break
-            t, s = self._remove_leaf(node)
+            t, s, w = self._remove_leaf(node)
             tokens += t
             states += s
-        return EvictResult(tokens, states)
+            swa += w
+        return EvictResult(tokens, states, swa)
 
     def evict_states(self, num_states: int) -> EvictResult:
         """Free ``num_states`` recurrent states in the state walk's order (GDS or LRU).
@@ -420,7 +593,7 @@ class RadixCache:
         state = self.state
         if state is None:
             raise ValueError("evict_states on a cache without a recurrent-state component")
-        tokens = states = 0
+        tokens = states = swa = 0
         while states < num_states:
             node = state.pop_victim()
             if node is None:
@@ -430,10 +603,38 @@ class RadixCache:
                 states += 1
                 self._stats["evicted_states"] += 1
             else:
-                t, s = self._remove_leaf(node)
+                t, s, w = self._remove_leaf(node)
                 tokens += t
                 states += s
-        return EvictResult(tokens, states)
+                swa += w
+        return EvictResult(tokens, states, swa)
+
+    def evict_swa(self, num_tokens: int) -> EvictResult:
+        """Free at least ``num_tokens`` SWA KV tokens, least recently used live nodes first:
+        an internal node becomes a tombstone (its full KV stays), a leaf leaves whole.
+
+        Raises:
+            ValueError: the cache has no SWA component, or a bad count.
+        """
+        self._check_count(num_tokens, "num_tokens")
+        swa_c = self.swa
+        if swa_c is None:
+            raise ValueError("evict_swa on a cache without a sliding-window component")
+        tokens = states = swa = 0
+        while swa < num_tokens:
+            node = swa_c.pop_victim()
+            if node is None:
+                break
+            if node.children:
+                swa_c.tombstone(node)
+                swa += len(node.key)
+                self._stats["evicted_swa_tokens"] += len(node.key)
+            else:
+                t, s, w = self._remove_leaf(node)
+                tokens += t
+                states += s
+                swa += w
+        return EvictResult(tokens, states, swa)
 
     # ================================================================ sizes
     def evictable_size(self) -> int:
@@ -455,91 +656,17 @@ class RadixCache:
     def state_protected_size(self) -> int:
         return self.state.protected_size() if self.state is not None else 0
 
+    def swa_evictable_size(self) -> int:
+        """Live SWA KV tokens no request's window protects (0 without an SWA component)."""
+        return self.swa.evictable_size() if self.swa is not None else 0
+
+    def swa_protected_size(self) -> int:
+        return self.swa.protected_size() if self.swa is not None else 0
+
     @property
     def watermark(self) -> float:
         """The GDS watermark ``L`` (0.0 when GDS is not the state walk)."""
         return self.state.gds.watermark if self.state is not None and self.state.gds else 0.0
-
-    # ======================================================== request helpers
-    def _path_indices(self, node: TreeNode) -> torch.Tensor:
-        vals = [n.kv_value for n in reversed(node.path_to_root())]
-        if not vals:
-            return self._empty
-        return vals[0] if len(vals) == 1 else torch.cat(vals)  # type: ignore[arg-type, return-value]
-
-    def _check_req(self, req: Any, upto: Any) -> int:
-        if not isinstance(req, CacheRequest):
-            raise TypeError(f"req must be a CacheRequest, got {type(req).__name__}")
-        n = len(req.kv_indices)
-        if upto is None:
-            upto = n
-        self._check_count(upto, "upto")
-        if upto > n or n > len(req.key):
-            raise ValueError(
-                f"need upto ({upto}) <= len(req.kv_indices) ({n}) <= len(req.key) ({len(req.key)})"
-            )
-        self._check_node(req.last_node)
-        return upto
-
-    def _free_state(self, slot: int | None, adopted: bool) -> None:
-        if slot is not None and not adopted and self.state is not None:
-            self.state.allocator.free(torch.tensor([slot], dtype=torch.int64))
-
-    def _insert_req(self, req: CacheRequest, state_slot: int | None, upto: int) -> InsertResult:
-        """Insert ``req.key[:upto]``; free the request's duplicate slots and an unadopted state.
-
-        The request's slots in ``[cached_len, prefix_len)`` are its own copies of tokens the
-        tree already holds (its slots below ``cached_len`` came from the tree): duplicates.
-        """
-        res = self.insert(req.key[:upto], req.kv_indices[:upto], req.extra_key,
-                          state_slot=state_slot, priority=req.priority, rid=req.rid)
-        if res.prefix_len > req.cached_len:
-            self.kv.allocator.free(req.kv_indices[req.cached_len:res.prefix_len])
-        self._free_state(state_slot, res.state_adopted)
-        return res
-
-    def cache_unfinished_req(self, req: CacheRequest, state_slot: int | None = None,
-                             upto: int | None = None) -> InsertResult:
-        """Chunked prefill: cache ``req.key[:upto]`` (default: every computed token) with a
-        state checkpoint, keep the request's lock (moved down to the new node).
-
-        Frees the request's duplicate KV slots and rewrites ``req.kv_indices[:inserted_len]``
-        to the tree's slots; frees ``state_slot`` itself when the tree does not adopt it.
-
-        Raises:
-            TypeError / ValueError: bad request fields, ``upto`` out of range, or a missing
-                state on a hybrid cache; nothing changed.
-        """
-        upto = self._check_req(req, upto)
-        res = self._insert_req(req, state_slot, upto)
-        n = res.inserted_len
-        if res.prefix_len > req.cached_len:
-            req.kv_indices = torch.cat([self._path_indices(res.last_node), req.kv_indices[n:]])
-        self.inc_lock_ref(res.last_node)
-        self.dec_lock_ref(req.last_node)
-        req.last_node = res.last_node
-        req.cached_len = n
-        return res
-
-    def cache_finished_req(self, req: CacheRequest, state_slot: int | None = None,
-                           upto: int | None = None) -> InsertResult:
-        """Cache ``req.key[:upto]`` (default: every computed token) with a state at its end,
-        free duplicates and every computed slot not kept (``req.kv_indices[inserted_len:]``),
-        release the request's lock. Frees ``state_slot`` when the tree does not adopt it.
-
-        Raises:
-            TypeError / ValueError: as :meth:`cache_unfinished_req`; nothing changed.
-        """
-        upto = self._check_req(req, upto)
-        res = self._insert_req(req, state_slot, upto)
-        tail = req.kv_indices[res.inserted_len:]
-        if len(tail):
-            self.kv.allocator.free(tail)
-        self.dec_lock_ref(req.last_node)
-        req.last_node = self.root
-        req.cached_len = 0
-        req.kv_indices = self._empty
-        return res
 
     # ============================================================ maintenance
     def reset(self) -> None:
@@ -549,67 +676,22 @@ class RadixCache:
             ValueError: a request still holds a lock (its slots would be freed under it).
         """
         nodes = self.tree.iter_nodes()
-        if any(n.kv_lock or n.state_lock for n in nodes):
+        if any(n.kv_lock or n.lock_ref or n.swa_lock for n in nodes):
             raise ValueError("reset while requests hold locks; release them first")
         for n in sorted(nodes, key=lambda x: -x.depth):
             self._remove_leaf_plain(n)
-        self.kv.leaves.clear()
         if self.state is not None:
             self.state = self._new_state_component(self.state.allocator)
+        if self.swa is not None:
+            self.swa = SWAComponent(self.swa.allocator, self.swa.window)
         self.kv = KVComponent(self.kv.allocator, self.policy.kv_key)
         self._init_tree()
 
     def _remove_leaf_plain(self, node: TreeNode) -> None:
         if self.state is not None and node.state_slot is not None:
             self.state.on_remove(node)
+        if self.swa is not None:
+            self.swa.on_remove(node)
         self.kv.on_remove(node)
         self.tree.remove_leaf(node)
 
-    def stats(self) -> dict[str, Any]:
-        """Counters: match calls, requested / usable-hit / KV-hit tokens, evicted tokens and
-        states, inserted tokens and states, sizes per component, the watermark."""
-        st = dict(self._stats)
-        st.update(
-            num_nodes=self.tree.num_nodes,
-            kv_evictable=self.evictable_size(),
-            kv_protected=self.protected_size(),
-            state_evictable=self.state_evictable_size(),
-            state_protected=self.state_protected_size(),
-            watermark=self.watermark,
-            policy=self.policy.name,
-        )
-        return st
-
-    def pretty_print(self, file: Any = None) -> str:
-        """Render the tree (one line per node: span, tokens, locks, state); print to ``file``."""
-        lines = [f"root  policy={self.policy.name} page_size={self.page_size}"]
-
-        def rec(node: TreeNode, indent: int) -> None:
-            for child in sorted(node.children.values(), key=lambda c: c.id):
-                head = child.key[:6].tolist()
-                lines.append(
-                    f"{'  ' * indent}[{child.start},{child.depth}) id={child.id} "
-                    f"key={head}{'...' if len(child.key) > 6 else ''} kv_lock={child.kv_lock} "
-                    f"state={child.state_slot} state_lock={child.state_lock} "
-                    f"t={child.last_access_time}"
-                )
-                rec(child, indent + 1)
-
-        rec(self.root, 1)
-        text = "\n".join(lines)
-        if file is not None:
-            print(text, file=file)
-        return text
-
-    def sanity_check(self) -> None:
-        """Recompute every counter and check every invariant; raise ``AssertionError`` with
-        the printed tree on failure."""
-        try:
-            self._sanity_check()
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{self.pretty_print()}") from None
-
-    def _sanity_check(self) -> None:
-        from radix.invariants import check_cache
-
-        check_cache(self)

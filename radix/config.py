@@ -16,7 +16,12 @@ from typing import Any
 
 from radix.policies import ResolvedPolicy, resolve_policy
 
-_FIELDS = ("page_size", "radix_eviction_policy", "radix_eviction_policy_config")
+_FIELDS = (
+    "page_size",
+    "radix_eviction_policy",
+    "radix_eviction_policy_config",
+    "sliding_window_size",
+)
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,8 @@ class CacheConfig:
         radix_eviction_policy: a name from ``radix.policies.POLICY_REGISTRY`` or ``None``
             (resolved to ``"lru"``). ``"gds"`` is opt-in only.
         radix_eviction_policy_config: knobs of that policy (``POLICIES.md``), or ``None``.
+        sliding_window_size: tokens an SWA layer attends to (>= 1), or ``None`` for a model
+            without sliding-window layers. Needs an ``allocators.SWAAllocator`` as KV allocator.
 
     Raises:
         TypeError / ValueError: naming the argument, on a bad page size, unknown policy name,
@@ -38,6 +45,7 @@ class CacheConfig:
     page_size: int = 1
     radix_eviction_policy: str | None = None
     radix_eviction_policy_config: Mapping[str, Any] | None = None
+    sliding_window_size: int | None = None
     policy: ResolvedPolicy = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -46,6 +54,12 @@ class CacheConfig:
             raise TypeError(f"page_size must be an int >= 1, got {type(ps).__name__}")
         if ps < 1:
             raise ValueError(f"page_size must be an int >= 1, got {ps}")
+        w = self.sliding_window_size
+        if w is not None:
+            if isinstance(w, bool) or not isinstance(w, int):
+                raise TypeError(f"sliding_window_size must be an int >= 1 or None, got {type(w).__name__}")
+            if w < 1:
+                raise ValueError(f"sliding_window_size must be an int >= 1 or None, got {w}")
         object.__setattr__(
             self,
             "policy",
@@ -99,6 +113,7 @@ class CacheConfig:
             "page_size": self.page_size,
             "radix_eviction_policy": self.radix_eviction_policy,
             "radix_eviction_policy_config": dict(self.radix_eviction_policy_config or {}),
+            "sliding_window_size": self.sliding_window_size,
             "resolved_policy": self.policy.name,
             "resolved_knobs": dict(self.policy.knobs),
             "policy_explicit": self.policy_explicit,

@@ -27,9 +27,12 @@ def check_cache(cache: RadixCache) -> None:
         assert p.children.get(ck) is n, f"{n} filed under the wrong child key in {p}"
         if p is not root:
             assert n.extra_key == p.extra_key, f"{n}: extra_key differs from its parent"
+        assert 0 <= n.lock_ref <= n.kv_lock, f"direct locks {n.lock_ref} vs kv_lock {n.kv_lock}: {n}"
         if cache.state is not None:
-            if not n.children and n.kv_lock == 0:
-                assert n.state_slot is not None, f"unlocked leaf without a state: {n}"
+            assert n.state_lock == n.lock_ref, f"state_lock differs from direct locks: {n}"
+        if not n.children and n.kv_lock == 0:
+            assert not cache._dead_leaf(n), f"unlocked dead leaf (no state / tombstone): {n}"
+        if cache.state is not None:
             if n.state_lock > 0:
                 assert n.kv_lock > 0, f"state locked but KV not: {n}"
 
@@ -53,6 +56,8 @@ def check_cache(cache: RadixCache) -> None:
         wm = cache.watermark
         assert wm >= cache._last_watermark, f"watermark fell {cache._last_watermark} -> {wm}"
         cache._last_watermark = wm
+    if cache.swa is not None:
+        cache.swa.check(nodes)
     total = sum(len(n.key) for n in nodes)
     assert cache.evictable_size() + cache.protected_size() == total, (
         f"evictable {cache.evictable_size()} + protected {cache.protected_size()} != held {total}"

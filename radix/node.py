@@ -13,9 +13,8 @@ it, where ``end = node.depth`` and ``start = node.depth - len(node.key)``::
 
 from __future__ import annotations
 
-from typing import Any
-
 from array import array
+from typing import Any
 
 import torch
 
@@ -31,8 +30,11 @@ class TreeNode:
         depth: tokens from the root to the end of this node (the position of its last token + 1).
         kv_value: int64 tensor of KV slot indices, one per token of ``key`` (``None`` at the root).
         kv_lock: requests holding this node's KV (the node or a descendant is locked).
+        lock_ref: requests that locked exactly this node (``inc_lock_ref`` handles).
         state_slot: recurrent-state checkpoint valid after ``depth`` tokens, or ``None``.
         state_lock: requests that locked exactly this node (protects its state).
+        swa_tombstone: the SWA KV of these tokens was freed while the full KV stays.
+        swa_lock: requests whose sliding window covers this node (protects its SWA KV).
         last_access_time: logical clock stamp of the last match/insert passing through.
         state_access_time: logical clock stamp of the last use of this node's state.
         hit_count: requests whose insert walked through or created this node.
@@ -55,10 +57,12 @@ class TreeNode:
         "kv_lock",
         "state_slot",
         "state_lock",
+        "swa_tombstone",
+        "swa_lock",
         "last_access_time",
         "state_access_time",
         "hit_count",
-        "last_rid",
+        "lock_ref",
         "priority",
         "creation_time",
         "history_len",
@@ -81,10 +85,12 @@ class TreeNode:
         self.kv_lock = 0
         self.state_slot: int | None = None
         self.state_lock = 0
+        self.swa_tombstone = False
+        self.swa_lock = 0
         self.last_access_time = clock
         self.state_access_time = clock
         self.hit_count = 0
-        self.last_rid: object = None
+        self.lock_ref = 0
         self.priority = 0
         self.creation_time = clock
         self.history_len = 0

@@ -59,6 +59,8 @@ class InsertResult:
         duplicate_indices: the caller's slots in ``[0, prefix_len)`` that differ from the tree's
             slots there: the caller must free them (slots it got from the tree are not listed).
         last_node: the node ending at ``inserted_len`` (the root when 0).
+        revived_indices: the caller's slots the tree took over tombstoned SWA nodes (their old
+            full slots were freed by the tree); not duplicates, not the caller's any more.
         state_adopted: whether the tree took ``state_slot``; when False the caller still owns it.
     """
 
@@ -68,6 +70,7 @@ class InsertResult:
     remainder_indices: torch.Tensor
     last_node: TreeNode
     state_adopted: bool
+    revived_indices: torch.Tensor
     _caller_prefix: torch.Tensor = field(repr=False)
     _tree_prefix: list[torch.Tensor] = field(repr=False)
 
@@ -81,10 +84,12 @@ class InsertResult:
 
 @dataclass(frozen=True)
 class EvictResult:
-    """What one eviction call freed: KV tokens [tokens] and recurrent states [slots]."""
+    """What one eviction call freed: full KV tokens [tokens], recurrent states [slots] and
+    SWA KV tokens [tokens] (tombstoned or removed with their node)."""
 
     num_tokens: int = 0
     num_states: int = 0
+    num_swa_tokens: int = 0
 
 
 @dataclass
@@ -102,6 +107,9 @@ class CacheRequest:
         extra_key: namespace (LoRA id, cache salt).
         priority: request priority (``priority`` policy).
         rid: request id; a request counts once per node in ``hit_count``.
+        swa_lock_start: what ``inc_lock_ref`` returned for ``last_node`` (SWA caches).
+        swa_evicted_seqlen: leading tokens whose SWA KV this request already released
+            (they slid out of its window) [tokens].
     """
 
     key: list[int]
@@ -111,3 +119,5 @@ class CacheRequest:
     extra_key: Any = None
     priority: int = 0
     rid: object = None
+    swa_lock_start: int | None = None
+    swa_evicted_seqlen: int = 0

@@ -35,11 +35,17 @@ def as_tokens(key: Any, name: str = "key") -> Tokens:
     if isinstance(key, array) and key.typecode == "q":
         out = key
     elif isinstance(key, (list, tuple)):
+        kinds = set(map(type, key))  # C speed; refuses bool (an int subclass) and floats
+        if kinds - {int} and not all(
+            issubclass(k, (int, np.integer)) and not issubclass(k, (bool, np.bool_)) for k in kinds
+        ):
+            bad = next(t for t in key if type(t) not in (int,) and (
+                isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))))
+            raise TypeError(f"{name} must contain int token ids, found {bad!r}")
         try:
             out = array("q", key)
-        except (TypeError, OverflowError):
-            bad = next((t for t in key if not isinstance(t, (int, np.integer)) or isinstance(t, bool)), None)
-            raise TypeError(f"{name} must contain int token ids, found {bad!r}") from None
+        except OverflowError:
+            raise ValueError(f"{name} has a token id outside the int64 range") from None
     elif isinstance(key, torch.Tensor):
         if key.dim() != 1 or key.dtype.is_floating_point or key.dtype.is_complex or key.dtype == torch.bool:
             raise TypeError(
@@ -71,6 +77,8 @@ class RadixKey:
 
     def __init__(self, token_ids: Any, extra_key: Any = None) -> None:
         self.token_ids: Tokens = as_tokens(token_ids, "token_ids")
+        if extra_key is not None:
+            resolve_key(self.token_ids, extra_key)  # hashability check
         self.extra_key = extra_key
 
     def __len__(self) -> int:
@@ -94,6 +102,13 @@ def resolve_key(key: Any, extra_key: Any) -> tuple[Tokens, Any]:
     Raises:
         ValueError: a ``RadixKey`` and a different ``extra_key`` argument.
     """
+    if extra_key is not None:
+        try:
+            hash(extra_key)
+        except TypeError:
+            raise TypeError(
+                f"extra_key must be hashable (str, int, tuple...), got {type(extra_key).__name__}"
+            ) from None
     if isinstance(key, RadixKey):
         if extra_key is not None and extra_key != key.extra_key:
             raise ValueError(
@@ -214,7 +229,6 @@ class RadixTree:
         upper.last_access_time = node.last_access_time
         upper.state_access_time = node.last_access_time
         upper.hit_count = node.hit_count
-        upper.last_rid = node.last_rid
         upper.priority = node.priority
         upper.history_len = node.history_len
         ck = self.child_key(parent, node.key, 0, node.extra_key)

@@ -213,11 +213,6 @@ def test_bad_configuration_fails_when_built(name: str, build_it: Callable[[], An
     assert word in str(info.value), f"{name}: message {str(info.value)!r} does not name {word!r}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a bool token id inside a list/tuple key is accepted as 0/1 (bool tensors and "
-    "arrays are refused with TypeError)",
-)
 def test_bool_token_ids_in_a_list_are_refused() -> None:
     env = build()
     before = fingerprint(env)
@@ -226,11 +221,6 @@ def test_bool_token_ids_in_a_list_are_refused() -> None:
     assert fingerprint(env) == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: an unhashable extra_key raises a bare `TypeError: unhashable type: 'list'` "
-    "from the child dict, naming neither extra_key nor the cause",
-)
 def test_unhashable_extra_key_is_refused_by_name() -> None:
     env = build()
     before = fingerprint(env)

@@ -77,7 +77,6 @@ def assert_lower_bounds(cache: RadixCache, d: float, e: float) -> None:
 
 # ====================================================================== cost
 def test_cost_function_by_hand() -> None:
-    # Imported here: importing components.* before radix fails today (see the xfail below).
     from components.gds import gds_cost
 
     assert gds_cost(0, 100, 1.0, 0.0) == 100.0
@@ -91,12 +90,6 @@ def test_cost_function_by_hand() -> None:
     assert gds_cost(300, 900, 2.0, 4.0) == pytest.approx(2 * gds_cost(300, 900, 1.0, 2.0))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: circular import: `import components.gds` (or .state/.kv) in a fresh "
-    "interpreter fails: components.gds -> radix.node -> radix/__init__ -> radix.cache -> "
-    "components.state -> components.gds (partially initialised)",
-)
 @pytest.mark.parametrize("module", ["components.gds", "components.state", "components.kv"])
 def test_components_import_on_their_own(module: str) -> None:
     proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True)

@@ -74,11 +74,6 @@ def test_hit_count_once_per_request_and_per_insert_without_rid() -> None:
     cache.sanity_check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: hit_count remembers only the last rid per node, so request 'a' counts twice "
-    "when request 'b' inserts through the node between a's chunked-prefill inserts",
-)
 def test_hit_count_never_counts_one_request_twice_when_requests_interleave() -> None:
     cache, kv = make("lfu")
     put(cache, kv, [5, 5], rid="a")

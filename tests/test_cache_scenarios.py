@@ -284,11 +284,6 @@ def test_unlocking_an_unlocked_node_raises_and_changes_nothing() -> None:
     cache.sanity_check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: KV-only dec_lock_ref accepts an ancestor of a locked node that was never "
-    "locked itself (its kv_lock > 0 comes from the descendant) and corrupts the lock counts",
-)
 def test_unlocking_an_ancestor_that_was_never_locked_raises() -> None:
     cache, kv = make(size=16)
     put(cache, kv, [1, 2, 3, 4])

@@ -1,0 +1,140 @@
+"""Request-level helpers: a thin layer over the value-level API of :class:`RadixCache`.
+
+They read and write only the fields of :class:`radix.results.CacheRequest`, never an engine's
+own request object.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radix.results import CacheRequest, InsertResult
+
+if TYPE_CHECKING:
+    from radix.cache import RadixCache
+    from radix.node import TreeNode
+
+
+class RequestHelpers:
+    """Mixed into :class:`RadixCache`: chunked-prefill and completion helpers."""
+
+    def _path_indices(self: RadixCache, node: TreeNode) -> torch.Tensor:
+        vals = [n.kv_value for n in reversed(node.path_to_root())]
+        if not vals:
+            return self._empty
+        return vals[0] if len(vals) == 1 else torch.cat(vals)  # type: ignore[arg-type, return-value]
+
+    def _check_req(self: RadixCache, req: Any, upto: Any) -> int:
+        if not isinstance(req, CacheRequest):
+            raise TypeError(f"req must be a CacheRequest, got {type(req).__name__}")
+        n = len(req.kv_indices)
+        if upto is None:
+            upto = n
+        self._check_count(upto, "upto")
+        if upto > n or n > len(req.key):
+            raise ValueError(
+                f"need upto ({upto}) <= len(req.kv_indices) ({n}) <= len(req.key) ({len(req.key)})"
+            )
+        self._check_node(req.last_node)
+        if self.swa is not None and req.last_node is not self.root and req.swa_lock_start is None:
+            raise ValueError("req.swa_lock_start must hold what inc_lock_ref returned (SWA cache)")
+        return upto
+
+    def _free_state(self: RadixCache, slot: int | None, adopted: bool) -> None:
+        if slot is not None and not adopted and self.state is not None:
+            self.state.allocator.free(torch.tensor([slot], dtype=torch.int64))
+
+    def _insert_req(self: RadixCache, req: CacheRequest, state_slot: int | None, upto: int
+                    ) -> InsertResult:
+        """Insert ``req.key[:upto]``; free the request's duplicate slots and an unadopted state.
+
+        The request's slots in ``[cached_len, prefix_len)`` are its own copies of tokens the
+        tree already holds (its slots below ``cached_len`` came from the tree): duplicates,
+        except those the tree took over a tombstone (SWA revival).
+        """
+        res = self.insert(req.key[:upto], req.kv_indices[:upto], req.extra_key,
+                          state_slot=state_slot, priority=req.priority, rid=req.rid)
+        if res.prefix_len > req.cached_len:
+            if self.swa is None:
+                self.kv.allocator.free(req.kv_indices[req.cached_len:res.prefix_len])
+            else:
+                dup = res.duplicate_indices
+                if len(dup):
+                    self.kv.allocator.free(dup)
+        self._free_state(state_slot, res.state_adopted)
+        return res
+
+    def cache_unfinished_req(self: RadixCache, req: CacheRequest, state_slot: int | None = None,
+                             upto: int | None = None) -> InsertResult:
+        """Chunked prefill: cache ``req.key[:upto]`` (default: every computed token) with a
+        state checkpoint, keep the request's lock (moved down to the new node).
+
+        Frees the request's duplicate KV slots and rewrites ``req.kv_indices[:inserted_len]``
+        to the tree's slots; frees ``state_slot`` itself when the tree does not adopt it.
+
+        Raises:
+            TypeError / ValueError: bad request fields, ``upto`` out of range, or a missing
+                state on a hybrid cache; nothing changed.
+        """
+        upto = self._check_req(req, upto)
+        res = self._insert_req(req, state_slot, upto)
+        n = res.inserted_len
+        if res.prefix_len > req.cached_len:
+            req.kv_indices = torch.cat([self._path_indices(res.last_node), req.kv_indices[n:]])
+        start = self.inc_lock_ref(res.last_node)
+        self.dec_lock_ref(req.last_node, req.swa_lock_start)
+        req.last_node = res.last_node
+        req.swa_lock_start = start
+        req.cached_len = n
+        return res
+
+    def cache_finished_req(self: RadixCache, req: CacheRequest, state_slot: int | None = None,
+                           upto: int | None = None) -> InsertResult:
+        """Cache ``req.key[:upto]`` (default: every computed token) with a state at its end,
+        free duplicates and every computed slot not kept (``req.kv_indices[inserted_len:]``),
+        release the request's lock. Frees ``state_slot`` when the tree does not adopt it.
+
+        Raises:
+            TypeError / ValueError: as :meth:`cache_unfinished_req`; nothing changed.
+        """
+        upto = self._check_req(req, upto)
+        res = self._insert_req(req, state_slot, upto)
+        tail = req.kv_indices[res.inserted_len:]
+        if len(tail):
+            self.kv.allocator.free(tail)
+        self.dec_lock_ref(req.last_node, req.swa_lock_start)
+        self.release_rid(req.rid)
+        req.last_node = self.root
+        req.swa_lock_start = None
+        req.cached_len = 0
+        req.kv_indices = self._empty
+        return res
+
+    def release_swa(self: RadixCache, req: CacheRequest, seq_len: int) -> int:
+        """Free the SWA KV of the request's own tokens that slid out of its window.
+
+        Keeps the last ``max(sliding_window_size, page_size)`` tokens before ``seq_len`` live
+        (so a page larger than the window never tombstones the leaf the request will insert);
+        call it with the boundary the next ``cache_*_req`` will use (its ``upto``). Tokens
+        below ``req.cached_len`` belong to the tree, which tombstones them itself.
+
+        Returns the tokens released now. Raises ``ValueError`` without an SWA component or
+        with ``seq_len`` outside ``[0, len(req.kv_indices)]``.
+        """
+        swa = self.swa
+        if swa is None:
+            raise ValueError("release_swa on a cache without a sliding-window component")
+        self._check_count(seq_len, "seq_len")
+        if seq_len > len(req.kv_indices):
+            raise ValueError(f"seq_len ({seq_len}) > len(req.kv_indices) ({len(req.kv_indices)})")
+        ps = self.page_size
+        margin = max(swa.window, ps)
+        upto = max(seq_len - margin, 0) // ps * ps
+        start = max(req.swa_evicted_seqlen, req.cached_len)
+        if upto <= start:
+            return 0
+        swa.allocator.free_swa(req.kv_indices[start:upto])
+        req.swa_evicted_seqlen = upto
+        return upto - start
