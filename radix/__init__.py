@@ -22,7 +22,18 @@ _EXPORTS = {
     "RadixKey": "radix.tree",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "POLICY_REGISTRY",
+    "CacheConfig",
+    "CacheRequest",
+    "EvictResult",
+    "InsertResult",
+    "MatchResult",
+    "RadixCache",
+    "RadixKey",
+    "TreeNode",
+    "resolve_policy",
+]
 
 if TYPE_CHECKING:
     from radix.cache import RadixCache
