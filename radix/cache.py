@@ -176,13 +176,18 @@ class RadixCache(RequestHelpers, Diagnostics):
 
         usable = len(path)
         state_slot = None
-        swa_ok = self.swa.usable_ends(path) if self.swa is not None else None
-        if state is not None or swa_ok is not None:
+        if state is not None:
+            while usable > 0 and path[usable - 1].state_slot is None:
+                usable -= 1
+        swa_miss = 0
+        if self.swa is not None:
+            swa_ok = self.swa.usable_ends(path)
+            state_ok_len = path[usable - 1].depth if usable else 0
             while usable > 0 and not (
-                (state is None or path[usable - 1].state_slot is not None)
-                and (swa_ok is None or swa_ok[usable - 1])
+                swa_ok[usable - 1] and (state is None or path[usable - 1].state_slot is not None)
             ):
                 usable -= 1
+            swa_miss = state_ok_len - (path[usable - 1].depth if usable else 0)
         if self.swa is not None:
             for n in path:  # stamps moved: re-file live nodes in the SWA order
                 self.swa.refresh(n)
@@ -217,6 +222,7 @@ class RadixCache(RequestHelpers, Diagnostics):
             branching_seqlen=branching,
             last_host_node=last,
             host_hit_length=prefix_len,
+            swa_miss_tokens=swa_miss,
         )
 
     # ============================================================== inserting

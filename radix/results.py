@@ -30,6 +30,8 @@ class MatchResult:
             none or no state component.
         last_host_node / host_hit_length: deepest matched node backed up on host and the
             prefix it covers [tokens] (equal to the device values without HiCache).
+        swa_miss_tokens: tokens the sliding-window rule alone cut off (a tombstone within a
+            window of the end), beyond what the state rule cut [tokens]; 0 without SWA.
     """
 
     device_indices: torch.Tensor
@@ -40,6 +42,7 @@ class MatchResult:
     branching_seqlen: int | None = None
     last_host_node: TreeNode | None = None
     host_hit_length: int = 0
+    swa_miss_tokens: int = 0
 
     @property
     def state_miss_tokens(self) -> int:
