@@ -7,6 +7,17 @@ from __future__ import annotations
 
 from .base import AllocatorSnapshot, SlotAllocator
 from .kv_pool import KVPool
+from .lora import (
+    BASE_MODEL,
+    LoraAdapter,
+    LoraArgs,
+    LoraBatch,
+    LoraBatchError,
+    LoraManager,
+    LoraMemoryPool,
+    LoraUid,
+    lora_extra_key,
+)
 from .state_pool import MambaStatePool
 from .swa import SWAAllocator, SWAAllocatorSnapshot
 from .token_allocator import PagedAllocator, TokenAllocator
@@ -15,7 +26,15 @@ from .txn import AllocTxn, alloc_all
 __all__ = [
     "AllocTxn",
     "AllocatorSnapshot",
+    "BASE_MODEL",
     "KVPool",
+    "LoraAdapter",
+    "LoraArgs",
+    "LoraBatch",
+    "LoraBatchError",
+    "LoraManager",
+    "LoraMemoryPool",
+    "LoraUid",
     "MambaStatePool",
     "PagedAllocator",
     "SWAAllocator",
@@ -23,4 +42,5 @@ __all__ = [
     "SlotAllocator",
     "TokenAllocator",
     "alloc_all",
+    "lora_extra_key",
 ]
