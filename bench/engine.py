@@ -39,10 +39,10 @@ from typing import Any, Literal
 
 import torch
 
-from allocators import MambaStatePool, PagedAllocator, TokenAllocator
+from allocators import MambaStatePool, PagedAllocator, SWAAllocator, TokenAllocator
 from bench.metrics import RequestLog
 from bench.traces import TraceRequest
-from radix import CacheConfig, CacheRequest, RadixCache, RadixKey
+from radix import CacheConfig, CacheRequest, EvictResult, RadixCache, RadixKey
 
 __all__ = ["EndCheckpoint", "EngineConfig", "EngineCounters", "ReplayEngine"]
 
@@ -62,6 +62,8 @@ class EngineConfig:
         chunk_size: prefill chunk [tokens]; a state checkpoint at every chunk end.
         concurrency: requests in flight at most.
         end_checkpoint: where a finished prompt's state is cached (see module docstring).
+        sliding_window: SWA window [tokens]; 0 = no sliding-window layers.
+        swa_tokens: SWA pool size [tokens] (with a window); the full pool is ``kv_tokens``.
     """
 
     policy: str = "lru"
@@ -72,6 +74,8 @@ class EngineConfig:
     chunk_size: int = 8192
     concurrency: int = 32
     end_checkpoint: EndCheckpoint = "block"
+    sliding_window: int = 0
+    swa_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("kv_tokens", "page_size", "chunk_size", "concurrency"):
@@ -80,6 +84,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.state_slots < 0:
             raise ValueError(f"state_slots must be >= 0, got {self.state_slots}")
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0 (0 = no SWA layers), got {self.sliding_window}")
+        if self.sliding_window and not self.page_size <= self.swa_tokens <= self.kv_tokens:
+            raise ValueError(
+                f"swa_tokens ({self.swa_tokens}) must be in [page_size, kv_tokens] with a sliding window"
+            )
         if self.kv_tokens < self.page_size:
             raise ValueError(f"kv_tokens ({self.kv_tokens}) must hold one page ({self.page_size})")
         if self.end_checkpoint not in ("block", "exact"):
@@ -101,6 +111,7 @@ class EngineCounters:
 
     evicted_kv_tokens: int = 0
     evicted_states: int = 0
+    evicted_swa_tokens: int = 0
     checkpoints: int = 0
     skipped_checkpoints: int = 0
     forced_finishes: int = 0
@@ -133,9 +144,13 @@ class ReplayEngine:
         cfg = self.config
         ps = cfg.page_size
         num_slots = cfg.kv_tokens // ps * ps
-        self.kv_allocator: TokenAllocator | PagedAllocator = (
-            TokenAllocator(num_slots) if ps == 1 else PagedAllocator(num_slots, ps)
-        )
+        self.kv_allocator: TokenAllocator | PagedAllocator | SWAAllocator
+        if cfg.sliding_window:
+            self.kv_allocator = SWAAllocator(num_slots, cfg.swa_tokens // ps * ps, ps)
+        elif ps == 1:
+            self.kv_allocator = TokenAllocator(num_slots)
+        else:
+            self.kv_allocator = PagedAllocator(num_slots, ps)
         self.state_pool: MambaStatePool | None = None
         if cfg.state_slots:
             self.state_pool = MambaStatePool(
@@ -145,6 +160,7 @@ class ReplayEngine:
             page_size=ps,
             radix_eviction_policy=cfg.policy,
             radix_eviction_policy_config=cfg.policy_config,
+            sliding_window_size=cfg.sliding_window or None,
         )
         self.cache = RadixCache(
             cache_cfg, kv_allocator=self.kv_allocator, state_allocator=self.state_pool
@@ -169,7 +185,7 @@ class ReplayEngine:
         cache = self.cache
         m = cache.match_prefix(tokens[:-1])
         node = m.last_device_node
-        cache.inc_lock_ref(node)
+        swa_start = cache.inc_lock_ref(node)
         usable = m.prefix_len
 
         slot = None
@@ -177,7 +193,7 @@ class ReplayEngine:
         if pool is not None:
             slot = self._alloc_state(finish_running=True)
             if slot is None:
-                return self._skip(node)
+                return self._skip(node, swa_start)
             if m.state_slot is not None:
                 pool.copy(m.state_slot, slot)
 
@@ -189,7 +205,7 @@ class ReplayEngine:
         if kv is None:
             if pool is not None and slot is not None:
                 pool.free(torch.tensor([slot], dtype=torch.int64))
-            return self._skip(node)
+            return self._skip(node, swa_start)
         own = kv[full_len - usable :]
         req = CacheRequest(
             key=tokens,
@@ -199,8 +215,9 @@ class ReplayEngine:
             cached_len=usable,
             last_node=node,
             rid=rid,
+            swa_lock_start=swa_start,
         )
-        self.log.record(prompt_len, usable, m.kv_hit_length)
+        self.log.record(prompt_len, usable, m.kv_hit_length, m.swa_miss_tokens)
         self._prefill_checkpoints(req, slot, usable, prompt_len, m.branching_seqlen)
         keep = prompt_len if cfg.end_checkpoint == "exact" else tr.num_full_blocks * tr.block_size
         self._running.append(_Running(req, slot, own, min(keep, prompt_len) // ps * ps))
@@ -233,6 +250,8 @@ class ReplayEngine:
                     self.counters.skipped_checkpoints += 1
                     continue
                 pool.copy(slot, snap)  # the running state at ``pos`` (notionally)
+            if self.config.sliding_window:
+                self.cache.release_swa(req, pos)  # SWA KV that slid out of the window
             self.cache.cache_unfinished_req(req, state_slot=snap, upto=pos)
             self.counters.checkpoints += 1
 
@@ -240,12 +259,14 @@ class ReplayEngine:
         """Cache the prompt up to its end checkpoint, release the lock, free the rest."""
         req = run.req
         keep = max(run.keep_len, req.cached_len)
+        if self.config.sliding_window:
+            self.cache.release_swa(req, keep)  # same boundary as the insert below
         self.cache.cache_finished_req(req, state_slot=run.state_slot, upto=keep)
         if run.own_slots.numel():
             self.kv_allocator.free(run.own_slots)
 
-    def _skip(self, node: Any) -> bool:
-        self.cache.dec_lock_ref(node)
+    def _skip(self, node: Any, swa_start: int | None) -> bool:
+        self.cache.dec_lock_ref(node, swa_start)
         self.log.skip()
         return False
 
@@ -257,6 +278,12 @@ class ReplayEngine:
         return True
 
     # ------------------------------------------------------------------ memory
+    def _count(self, res: EvictResult) -> None:
+        c = self.counters
+        c.evicted_kv_tokens += res.num_tokens
+        c.evicted_states += res.num_states
+        c.evicted_swa_tokens += res.num_swa_tokens
+
     def _alloc_kv(self, n: int) -> torch.Tensor | None:
         """``n`` KV slots (a page multiple), evicting and then finishing running requests."""
         if n == 0:
@@ -266,9 +293,15 @@ class ReplayEngine:
             kv = alloc.alloc(n)
             if kv is not None:
                 return kv
-            res = self.cache.evict(n - alloc.available_size())
-            self.counters.evicted_kv_tokens += res.num_tokens
-            self.counters.evicted_states += res.num_states
+            if isinstance(alloc, SWAAllocator):
+                res = self.cache.evict(max(n - alloc.full_available_size(), 0))
+                self._count(res)
+                short = n - alloc.swa_available_size()
+                res = self.cache.evict_swa(short) if short > 0 else None
+            else:
+                res = self.cache.evict(n - alloc.available_size())
+            if res is not None:
+                self._count(res)
             kv = alloc.alloc(n)
             if kv is not None:
                 return kv
@@ -283,9 +316,7 @@ class ReplayEngine:
             t = pool.alloc(1)
             if t is not None:
                 return int(t[0])
-            res = self.cache.evict_states(1)
-            self.counters.evicted_kv_tokens += res.num_tokens
-            self.counters.evicted_states += res.num_states
+            self._count(self.cache.evict_states(1))
             t = pool.alloc(1)
             if t is not None:
                 return int(t[0])

@@ -78,27 +78,32 @@ class RequestLog:
     ``record`` is O(1) amortized; nothing else is computed until :func:`summarize`.
     """
 
-    __slots__ = ("prompt_len", "usable_len", "kv_hit_len", "skipped")
+    __slots__ = ("prompt_len", "usable_len", "kv_hit_len", "swa_miss_len", "skipped")
 
     def __init__(self) -> None:
         self.prompt_len = array("q")
         self.usable_len = array("q")
         self.kv_hit_len = array("q")
+        self.swa_miss_len = array("q")
         self.skipped = 0
 
     def __len__(self) -> int:
         return len(self.prompt_len)
 
-    def record(self, prompt_len: int, usable_len: int, kv_hit_len: int) -> None:
-        """Log one served request.
+    def record(self, prompt_len: int, usable_len: int, kv_hit_len: int, swa_miss_len: int = 0) -> None:
+        """Log one served request (``swa_miss_len``: tokens the sliding-window rule cut).
 
         Raises:
-            ValueError: unless ``0 <= usable_len <= kv_hit_len <= prompt_len``.
+            ValueError: unless ``0 <= usable_len <= kv_hit_len <= prompt_len`` and
+                ``0 <= swa_miss_len <= kv_hit_len - usable_len``.
         """
         if not 0 <= usable_len <= kv_hit_len <= prompt_len:
             raise ValueError(
                 f"need 0 <= usable ({usable_len}) <= kv_hit ({kv_hit_len}) <= prompt ({prompt_len})"
             )
+        if not 0 <= swa_miss_len <= kv_hit_len - usable_len:
+            raise ValueError(f"need 0 <= swa_miss ({swa_miss_len}) <= kv_hit - usable")
+        self.swa_miss_len.append(swa_miss_len)
         self.prompt_len.append(prompt_len)
         self.usable_len.append(usable_len)
         self.kv_hit_len.append(kv_hit_len)
@@ -120,6 +125,7 @@ class ReplayMetrics:
     token_hit_rate: float
     kv_hit_rate: float
     state_miss_tokens: Distribution
+    swa_miss_tokens: Distribution
     uncached_tokens: Distribution
     prefill_cost: Distribution
 
@@ -134,6 +140,7 @@ def summarize(log: RequestLog, d: float = COST_D, e: float = COST_E) -> ReplayMe
     prompt = np.frombuffer(log.prompt_len, dtype=np.int64).copy()
     usable = np.frombuffer(log.usable_len, dtype=np.int64).copy()
     kv_hit = np.frombuffer(log.kv_hit_len, dtype=np.int64).copy()
+    swa_miss = np.frombuffer(log.swa_miss_len, dtype=np.int64).copy()
     total = int(prompt.sum())
     return ReplayMetrics(
         requests=len(log),
@@ -143,7 +150,8 @@ def summarize(log: RequestLog, d: float = COST_D, e: float = COST_E) -> ReplayMe
         kv_hit_tokens=int(kv_hit.sum()),
         token_hit_rate=float(usable.sum()) / total if total else 0.0,
         kv_hit_rate=float(kv_hit.sum()) / total if total else 0.0,
-        state_miss_tokens=Distribution.of(kv_hit - usable),
+        state_miss_tokens=Distribution.of(kv_hit - usable - swa_miss),
+        swa_miss_tokens=Distribution.of(swa_miss),
         uncached_tokens=Distribution.of(prompt - usable),
         prefill_cost=Distribution.of(prefill_cost(usable, prompt, d, e)),
     )

@@ -29,7 +29,7 @@ import resource
 import sys
 import time
 from collections.abc import Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
 from tqdm import tqdm
 
@@ -144,8 +144,48 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="hit rate and state-miss vs memory, one line per policy (needs a sweep and matplotlib)",
     )
+    p.add_argument(
+        "--policy-config",
+        metavar="NAME=JSON",
+        action="append",
+        default=[],
+        help="knobs of one policy, e.g. tlru='{\"threshold\": 8192}' (repeatable); tlru "
+        f"defaults to {DEFAULT_POLICY_CONFIG['tlru']} here",
+    )
+    p.add_argument(
+        "--sliding-window",
+        type=parse_count,
+        default=0,
+        help="SWA window [tokens] of a model with sliding-window layers (default 0: none)",
+    )
+    p.add_argument(
+        "--swa-tokens",
+        type=parse_count,
+        default=None,
+        help="SWA pool size [tokens] with --sliding-window (default: kv-tokens / 4)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+#: Knobs the replay passes when the command line gives none (tlru has no library default).
+DEFAULT_POLICY_CONFIG: dict[str, dict[str, Any]] = {"tlru": {"threshold": 8192}}
+
+
+def _policy_configs(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+    out = {k: dict(v) for k, v in DEFAULT_POLICY_CONFIG.items()}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--policy-config needs NAME=JSON, got {item!r}")
+        try:
+            knobs = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--policy-config {name}: invalid JSON ({exc})") from None
+        if not isinstance(knobs, dict):
+            raise ValueError(f"--policy-config {name}: expected a JSON object, got {text!r}")
+        out[name] = knobs
+    return out
 
 
 def peak_rss_mib() -> float:
@@ -198,18 +238,27 @@ def replay_one(
 
 def _configs(args: argparse.Namespace) -> list[EngineConfig]:
     """Every (policy, kv size, state slots) combination, validated before any run starts."""
+    knobs = _policy_configs(args.policy_config)
     out = []
     for kv, slots, policy in itertools.product(args.kv_tokens, args.state_slots, args.policy):
-        CacheConfig(page_size=args.page_size, radix_eviction_policy=policy)  # fails on a bad name
+        # fails on a bad name or knob before anything runs
+        CacheConfig(page_size=args.page_size, radix_eviction_policy=policy,
+                    radix_eviction_policy_config=knobs.get(policy))
+        swa_tokens = 0
+        if args.sliding_window:
+            swa_tokens = args.swa_tokens if args.swa_tokens is not None else kv // 4
         out.append(
             EngineConfig(
                 policy=policy,
+                policy_config=knobs.get(policy),
                 kv_tokens=kv,
                 state_slots=slots,
                 page_size=args.page_size,
                 chunk_size=args.chunk_size,
                 concurrency=args.concurrency,
                 end_checkpoint=args.end_checkpoint,
+                sliding_window=args.sliding_window,
+                swa_tokens=swa_tokens,
             )
         )
     return out

@@ -85,6 +85,14 @@ def _rows(runs: Sequence[RunResult]) -> list[tuple[str, list[str]]]:
         ("  p90", col(lambda r: f"{r.metrics.prefill_cost.p90:.4f}")),
         ("evicted KV tokens", col(lambda r: _fmt_int(r.counters.evicted_kv_tokens))),
         ("evicted states", col(lambda r: _fmt_int(r.counters.evicted_states))),
+        *(
+            [
+                ("SWA-miss tok/req mean", col(lambda r: f"{r.metrics.swa_miss_tokens.mean:,.1f}")),
+                ("evicted SWA tokens", col(lambda r: _fmt_int(r.counters.evicted_swa_tokens))),
+            ]
+            if any(r.config.sliding_window for r in runs)
+            else []
+        ),
         (
             "checkpoints (skipped)",
             col(lambda r: f"{r.counters.checkpoints:,} ({r.counters.skipped_checkpoints:,})"),
@@ -108,7 +116,9 @@ def render_table(
     lines = [
         f"trace: {trace.path} ({trace.fmt}, {trace.requests:,} requests, "
         f"{trace.prompt_tokens:,} prompt tokens, block {trace.block_size})",
-        f"engine: page {cfg.page_size}, chunk {cfg.chunk_size:,}, concurrency {cfg.concurrency}",
+        f"engine: page {cfg.page_size}, chunk {cfg.chunk_size:,}, concurrency {cfg.concurrency}"
+        + (f", sliding window {cfg.sliding_window:,} (SWA pool {cfg.swa_tokens:,} tokens)"
+           if cfg.sliding_window else ""),
         f"end checkpoint: {END_CHECKPOINT_NOTE[cfg.end_checkpoint]}",
         "",
     ]
@@ -163,6 +173,7 @@ def to_json_dict(
                 **r.metrics.as_dict(),
                 "evicted_kv_tokens": r.counters.evicted_kv_tokens,
                 "evicted_states": r.counters.evicted_states,
+                "evicted_swa_tokens": r.counters.evicted_swa_tokens,
                 "checkpoints": r.counters.checkpoints,
                 "skipped_checkpoints": r.counters.skipped_checkpoints,
                 "forced_finishes": r.counters.forced_finishes,
