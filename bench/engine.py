@@ -174,13 +174,24 @@ class ReplayEngine:
         while self._running:
             self._finish(self._running.popleft())
 
-    def admit(self, tr: TraceRequest, rid: object = None) -> bool:
+    def finish(self, rid: object) -> bool:
+        """Finish the running request ``rid`` now (for a scheduler that decides completion
+        order). False when it is not running (already finished to free memory, or skipped)."""
+        for i, run in enumerate(self._running):
+            if run.req.rid == rid:
+                del self._running[i]
+                self._finish(run)
+                return True
+        return False
+
+    def admit(self, tr: TraceRequest, rid: object = None, extra_key: Any = None) -> bool:
         """Serve one request: match, allocate, prefill with checkpoints; it then runs until
-        the window pushes it out. Returns False when it had to be skipped (memory)."""
+        the window pushes it out (or :meth:`finish`). Returns False when it had to be skipped
+        (memory). ``extra_key``: the request's namespace (a LoRA adapter's uid), or ``None``."""
         cfg = self.config
         if len(self._running) >= cfg.concurrency:
             self._finish(self._running.popleft())
-        tokens = RadixKey(tr.tokens)  # validated once, reused by every cache call below
+        tokens = RadixKey(tr.tokens, extra_key)  # validated once, reused by every cache call
         prompt_len = len(tokens)
         cache = self.cache
         m = cache.match_prefix(tokens[:-1])
