@@ -10,6 +10,8 @@ Examples::
     python -m bench.replay --max-requests 2000 --policy lru gds --kv-tokens 16M --state-slots 512
     python -m bench.replay --trace ../shared/traces/lmbench_gmi_trace.jsonl --kv-tokens 1M --json out.json
     python -m bench.replay --state-slots 128 256 512 --policy lru gds --json -   # a sweep, JSON on stdout
+    python -m bench.replay --max-requests 2000 --adapters 32 --adapter-skew zipf:1.1 --max-loras-per-batch 8
+        # LoRA adapters (bench.lora_replay): slot loads, evictions, hit rate; lru vs fifo
 
 Memory sizes accept ``16000000``, ``16e6``, ``16M`` or ``512K``. Several ``--kv-tokens`` /
 ``--state-slots`` values run every combination (a sweep). ``--state-slots 0`` replays a
@@ -35,6 +37,7 @@ from tqdm import tqdm
 
 from bench.bounds import compute_bounds
 from bench.engine import EngineConfig, ReplayEngine
+from bench.lora_replay import add_lora_arguments, lora_replay_configs, run_lora_replays
 from bench.metrics import summarize
 from bench.plot import sweep_axis_of, write_plot
 from bench.report import RunResult, TraceInfo, render_table, to_json_dict
@@ -165,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="SWA pool size [tokens] with --sliding-window (default: kv-tokens / 4)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_lora_arguments(p)
     return p
 
 
@@ -270,6 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         configs = _configs(args)
+        loras = lora_replay_configs(args)  # None unless --adapters N
         path = resolve_trace_path(args.trace)
         fmt = sniff_format(path) if args.trace_format == "auto" else args.trace_format
         trace = load_trace(
@@ -293,6 +298,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     bounds = compute_bounds(trace, exclude_last_token=True, page_size=args.page_size)
     notes_bounds = compute_bounds(trace)
     progress = False if args.no_progress else None
+    if loras is not None:
+        return run_lora_replays(
+            trace, configs, loras, info, bounds, notes_bounds, args.json, progress
+        )
     runs = []
     for config in configs:
         gc.collect()
