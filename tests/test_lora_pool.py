@@ -408,3 +408,25 @@ def test_apply_arguments_are_validated(call, exc, msg) -> None:
     x = torch.zeros(2, 8, dtype=torch.float64)
     with pytest.raises(exc, match=msg):
         call(pool, x, batch.weight_indices)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_overlap_loading_uses_pinned_host_memory_and_async_fills() -> None:
+    pool = LoraMemoryPool(SHAPES, 4, 2, dtype=torch.float32, device="cuda", overlap_loading=True)
+    gen = torch.Generator().manual_seed(8)
+    a = pool.add_adapter("a", make_adapter(gen, 3, dtype=torch.float32))
+    b = pool.add_adapter("b", make_adapter(gen, 2, ("q_proj",), dtype=torch.float32))
+    assert all(w.is_pinned() for pair in pool.adapter(a).weights.values() for w in pair)
+    c = pool.add_adapter("c", make_adapter(gen, 4, dtype=torch.float32))
+    rows = [a, b, a]
+    batch = pool.prepare_batch(rows)
+    assert batch.weight_indices.device.type == "cuda"
+    x = torch.randn(3, 8, device="cuda")
+    y = pool.apply("q_proj", x, batch.weight_indices)  # same stream: ordered after the fills
+    for i, uid in enumerate(rows):
+        want = pool.adapter(uid).delta("q_proj", x[i : i + 1].cpu())[0]
+        assert torch.allclose(y[i].cpu(), want, atol=1e-5)
+    pool.prepare_batch([c, BASE_MODEL])  # evicts both, async fills again
+    torch.cuda.synchronize()
+    pool.check()
+    pool.check_weights()
