@@ -27,8 +27,15 @@ class KVComponent:
 
     name = "kv"
 
-    def __init__(self, allocator: SlotAllocator, key_fn: KeyFn) -> None:
+    def __init__(self, allocator: SlotAllocator, key_fn: KeyFn, host_tier: bool = False) -> None:
+        """Args:
+            allocator: device KV slots.
+            key_fn: the radix eviction policy's key.
+            host_tier: nodes may be host-only (HiCache): an eviction candidate is then a
+                *device* leaf (on device, no child on device) rather than a childless node.
+        """
         self.allocator = allocator
+        self.host_tier = host_tier
         self.leaves = OrderedNodeSet(key_fn)
         self._evictable = 0
         self._protected = 0
@@ -41,7 +48,8 @@ class KVComponent:
 
     def on_split(self, upper: TreeNode, lower: TreeNode, split_len: int) -> None:
         value = lower.kv_value
-        assert value is not None
+        if value is None:  # a host-only node (HiCache)
+            return
         upper.kv_value = value[:split_len]
         lower.kv_value = value[split_len:]
         if lower in self.leaves:  # its key may depend on its start (tlru)
@@ -55,8 +63,16 @@ class KVComponent:
         self.allocator.free(value)
         node.kv_value = None
 
+    def is_candidate(self, node: TreeNode) -> bool:
+        """An unlocked device leaf."""
+        if node.parent is None or node.kv_lock or node.kv_value is None:
+            return False
+        if not self.host_tier:
+            return not node.children
+        return not any(c.kv_value is not None for c in node.children.values())
+
     def refresh(self, node: TreeNode) -> None:
-        if node.parent is not None and not node.children and node.kv_lock == 0:
+        if self.is_candidate(node):
             self.leaves.update(node)
         else:
             self.leaves.discard(node)
@@ -98,7 +114,14 @@ class KVComponent:
         expected_leaves = set()
         for n in nodes:
             v = n.kv_value
-            assert v is not None and v.dtype == torch.int64 and v.dim() == 1, n
+            if v is None:
+                assert self.host_tier and n.host_value is not None, f"node with no KV anywhere: {n}"
+                assert n.kv_lock == 0, f"host-only node locked: {n}"
+                assert all(c.kv_value is None for c in n.children.values()), (
+                    f"device node below a host-only one: {n}"
+                )
+                continue
+            assert v.dtype == torch.int64 and v.dim() == 1, n
             assert len(v) == len(n.key), f"{n}: {len(v)} slots for {len(n.key)} tokens"
             assert n.kv_lock >= 0, n
             p = n.parent
@@ -109,7 +132,7 @@ class KVComponent:
                 ev += len(v)
             else:
                 pr += len(v)
-            if not n.children and n.kv_lock == 0:
+            if self.is_candidate(n):
                 expected_leaves.add(n.id)
         assert ev == self._evictable, f"kv evictable {self._evictable} != recomputed {ev}"
         assert pr == self._protected, f"kv protected {self._protected} != recomputed {pr}"

@@ -22,8 +22,10 @@ import torch
 from components.kv import KVComponent
 from components.state import StateComponent
 from components.swa import SWAComponent
+from hicache import HiCacheConfig, HiCacheController
 from radix.config import CacheConfig
 from radix.diagnostics import Diagnostics
+from radix.host_tier import HostTier
 from radix.node import TreeNode
 from radix.request_helpers import RequestHelpers
 from radix.results import EvictResult, InsertResult, MatchResult
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
 MAX_TRACKED_RIDS = 65536
 
 
-class RadixCache(RequestHelpers, Diagnostics):
+class RadixCache(HostTier, RequestHelpers, Diagnostics):
     """A radix-tree prefix cache with a full-attention KV component and, for hybrid models, a
     recurrent-state component.
 
@@ -56,6 +58,7 @@ class RadixCache(RequestHelpers, Diagnostics):
         *,
         kv_allocator: SlotAllocator,
         state_allocator: MambaStatePool | None = None,
+        hicache: HiCacheConfig | None = None,
     ) -> None:
         config = config if config is not None else CacheConfig()
         if not isinstance(config, CacheConfig):
@@ -69,7 +72,14 @@ class RadixCache(RequestHelpers, Diagnostics):
         self.page_size = config.page_size
         self.policy = config.policy
         self.device = torch.device(getattr(kv_allocator, "device", "cpu"))
-        self.kv = KVComponent(kv_allocator, self.policy.kv_key)
+        if hicache is not None and not isinstance(hicache, HiCacheConfig):
+            raise TypeError(f"hicache must be a HiCacheConfig or None, got {type(hicache).__name__}")
+        if hicache is not None and config.sliding_window_size is not None:
+            raise ValueError("hicache with sliding_window_size is not supported yet (no host SWA pool)")
+        self.kv = KVComponent(kv_allocator, self.policy.kv_key, host_tier=hicache is not None)
+        self.hicache = (
+            HiCacheController(kv_allocator, state_allocator, hicache) if hicache is not None else None
+        )
         self.state: StateComponent | None = None
         if state_allocator is not None:
             self.state = self._new_state_component(state_allocator)
@@ -104,7 +114,13 @@ class RadixCache(RequestHelpers, Diagnostics):
             "inserted_states": 0,
             "evicted_swa_tokens": 0,
             "revived_swa_tokens": 0,
+            "backup_tokens": 0,
+            "demoted_tokens": 0,
+            "host_evicted_tokens": 0,
+            "load_back_tokens": 0,
+            "host_hit_tokens": 0,
         }
+        self._init_host()
         self._last_watermark = 0.0
         self._rid_depth: OrderedDict[object, int] = OrderedDict()
 
@@ -122,6 +138,8 @@ class RadixCache(RequestHelpers, Diagnostics):
             self.state.on_split(upper, lower, split_len)
         if self.swa is not None:
             self.swa.on_split(upper, lower, split_len)
+        if self.hicache is not None:
+            self._host_split(upper, lower, split_len)
 
     def _refresh(self, node: TreeNode) -> None:
         """``node``'s leaf status or locks changed: re-file it in every component's order."""
@@ -130,6 +148,8 @@ class RadixCache(RequestHelpers, Diagnostics):
             self.state.refresh(node)
         if self.swa is not None:
             self.swa.refresh(node)
+        if self.hicache is not None:
+            self._host_refresh(node)
 
     def _split_touched(self, node: TreeNode, split_len: int, now: int) -> TreeNode:
         """Split a node the walk entered; the walk passed through it, so both halves carry
@@ -156,16 +176,26 @@ class RadixCache(RequestHelpers, Diagnostics):
             TypeError / ValueError: bad token ids. Complexity: O(matched nodes + key length).
         """
         key, extra_key = resolve_key(key, extra_key)
+        if self.hicache is not None:
+            self.poll_transfers()
         ps = self.page_size
         end = len(key) - len(key) % ps
         walk = self.tree.walk(key, end, extra_key)
-        path = walk.path
+        full_path = walk.path
         now = self._tick()
         if walk.partial is not None:
-            path.append(self._split_touched(walk.partial, walk.partial_len, now))
+            full_path.append(self._split_touched(walk.partial, walk.partial_len, now))
         kv_hit = walk.matched_len
-        for n in path:
+        for n in full_path:
             n.last_access_time = now
+        path = full_path
+        if self.hicache is not None:  # the device part: a prefix of the path
+            dev = 0
+            while dev < len(full_path) and full_path[dev].kv_value is not None:
+                dev += 1
+            path = full_path[:dev]
+            for n in full_path[dev:]:
+                self._host_refresh(n)
         if path:
             self.kv.refresh(path[-1])
         state = self.state
@@ -203,6 +233,18 @@ class RadixCache(RequestHelpers, Diagnostics):
             indices = path[0].kv_value
         else:
             indices = torch.cat([n.kv_value for n in path[:usable]])  # type: ignore[misc]
+        last_host, host_hit = last, 0
+        if self.hicache is not None:
+            h = len(full_path)
+            if state is not None:
+                while h > usable and full_path[h - 1].state_slot is None and (
+                    full_path[h - 1].host_state_slot is None
+                ):
+                    h -= 1
+            if h > usable:
+                last_host = full_path[h - 1]
+                host_hit = last_host.depth - prefix_len
+                self._stats["host_hit_tokens"] += host_hit
         branching = None
         if state is not None and kv_hit > prefix_len:
             # Where the key leaves the tree past the usable prefix (a fork, or the end of the
@@ -220,8 +262,8 @@ class RadixCache(RequestHelpers, Diagnostics):
             last_device_node=last,
             state_slot=state_slot,
             branching_seqlen=branching,
-            last_host_node=last,
-            host_hit_length=prefix_len,
+            last_host_node=last_host,
+            host_hit_length=host_hit,
             swa_miss_tokens=swa_miss,
         )
 
@@ -309,6 +351,8 @@ class RadixCache(RequestHelpers, Diagnostics):
         revived = self._empty
         if self.swa is not None:
             path, revived = self._revive_tombstones(path, value)
+        if self.hicache is not None:
+            revived = self._revive_host_only(path, value)
         joint = self.state is not None and self.state.walk == "joint"
         for n in path:
             self._touch_insert(n, now, priority, counted, end)
@@ -339,6 +383,8 @@ class RadixCache(RequestHelpers, Diagnostics):
             self.state.set_state(last, state_slot, now)
             self._stats["inserted_states"] += 1
             adopted = True
+        if self.hicache is not None:
+            self._write_policy_backup(path, last)
         return InsertResult(
             prefix_len=prefix_len,
             inserted_len=inserted,
@@ -350,6 +396,40 @@ class RadixCache(RequestHelpers, Diagnostics):
             _caller_prefix=value[:prefix_len],
             _tree_prefix=tree_prefix,  # type: ignore[arg-type]
         )
+
+    def _revive_host_only(self, path: list[TreeNode], value: torch.Tensor) -> torch.Tensor:
+        """Insert through host-only nodes: they take the caller's device slots (the caller
+        computed those tokens itself), keeping their host copy."""
+        revived = []
+        for n in path:
+            if n.kv_value is None:
+                self.kv.attach(n, value[n.start:n.depth])
+                revived.append(n.kv_value)
+        for n in path:
+            self._refresh(n)
+        if not revived:
+            return self._empty
+        return revived[0] if len(revived) == 1 else torch.cat(revived)  # type: ignore[arg-type]
+
+    def _write_policy_backup(self, path: list[TreeNode], last: TreeNode) -> None:
+        """``write_through``: back up what was inserted; ``write_through_selective``: the
+        deepest node hit at least twice (and its ancestors); ``write_back``: nothing now."""
+        hc = self.hicache
+        assert hc is not None
+        policy = hc.config.hicache_write_policy
+        target: TreeNode | None = None
+        if policy == "write_through":
+            target = last if last is not self.root else None
+        elif policy == "write_through_selective":
+            for n in [*path, last]:
+                if n is not self.root and n.hit_count >= 2:
+                    target = n
+        if target is not None:
+            if target.host_value is None:
+                self._backup_chain(target)
+            else:
+                self._backup_state(target)
+        self.poll_transfers()
 
     def _add_new_nodes(self, parent: TreeNode, key: Any, value: torch.Tensor, start: int,
                        live_from: int, end: int, extra_key: Any, now: int) -> list[TreeNode]:
@@ -447,11 +527,14 @@ class RadixCache(RequestHelpers, Diagnostics):
             n.history_len = end
 
     # ================================================================== locks
-    def _check_node(self, node: Any) -> TreeNode:
+    def _check_node(self, node: Any, device: bool = True) -> TreeNode:
+        """Validate a node handle; ``device``: it must also be on device (lockable)."""
         if not isinstance(node, TreeNode):
             raise TypeError(f"node must be a TreeNode from match_prefix/insert, got {type(node).__name__}")
         if not self.tree.is_attached(node):
             raise ValueError(f"node {node.id} is not in this cache (removed, reset, or another cache's)")
+        if device and node.parent is not None and node.kv_value is None:
+            raise ValueError(f"node {node.id} is host-only; load_back it before locking it")
         return node
 
     def inc_lock_ref(self, node: TreeNode) -> int | None:
@@ -519,7 +602,7 @@ class RadixCache(RequestHelpers, Diagnostics):
             and not node.children
             and node.kv_lock == 0
             and (
-                (self.state is not None and node.state_slot is None)
+                (self.state is not None and node.state_slot is None and node.host_state_slot is None)
                 or (self.swa is not None and node.swa_tombstone)
             )
         )
@@ -541,6 +624,8 @@ class RadixCache(RequestHelpers, Diagnostics):
                     swa_tokens += len(node.key)
                 swa.on_remove(node)
             self.kv.on_remove(node)
+            if self.hicache is not None:
+                self._free_host(node)
             parent = self.tree.remove_leaf(node)
             if parent is self.root:
                 break
@@ -576,12 +661,14 @@ class RadixCache(RequestHelpers, Diagnostics):
         """
         self._check_count(num_tokens, "num_tokens")
         tokens = states = swa = 0
+        if self.hicache is not None:
+            self.poll_transfers()
         leaves = self.kv.leaves
         while tokens < num_tokens:
             node = leaves.pop_first()
             if node is None:
                 break
-            t, s, w = self._remove_leaf(node)
+            t, s, w = self._evict_device_leaf(node)
             tokens += t
             states += s
             swa += w
@@ -609,7 +696,7 @@ class RadixCache(RequestHelpers, Diagnostics):
                 states += 1
                 self._stats["evicted_states"] += 1
             else:
-                t, s, w = self._remove_leaf(node)
+                t, s, w = self._evict_device_leaf(node)
                 tokens += t
                 states += s
                 swa += w
@@ -681,16 +768,18 @@ class RadixCache(RequestHelpers, Diagnostics):
         Raises:
             ValueError: a request still holds a lock (its slots would be freed under it).
         """
+        if self.hicache is not None:
+            self.poll_transfers()
         nodes = self.tree.iter_nodes()
         if any(n.kv_lock or n.lock_ref or n.swa_lock for n in nodes):
-            raise ValueError("reset while requests hold locks; release them first")
+            raise ValueError("reset while requests hold locks or copies are in flight; release them first")
         for n in sorted(nodes, key=lambda x: -x.depth):
             self._remove_leaf_plain(n)
         if self.state is not None:
             self.state = self._new_state_component(self.state.allocator)
         if self.swa is not None:
             self.swa = SWAComponent(self.swa.allocator, self.swa.window)
-        self.kv = KVComponent(self.kv.allocator, self.policy.kv_key)
+        self.kv = KVComponent(self.kv.allocator, self.policy.kv_key, self.kv.host_tier)
         self._init_tree()
 
     def _remove_leaf_plain(self, node: TreeNode) -> None:
@@ -698,6 +787,9 @@ class RadixCache(RequestHelpers, Diagnostics):
             self.state.on_remove(node)
         if self.swa is not None:
             self.swa.on_remove(node)
-        self.kv.on_remove(node)
+        if node.kv_value is not None:
+            self.kv.on_remove(node)
+        if self.hicache is not None:
+            self._free_host(node)
         self.tree.remove_leaf(node)
 

@@ -26,6 +26,7 @@ class Diagnostics:
             swa_protected=self.swa_protected_size(),
             watermark=self.watermark,
             policy=self.policy.name,
+            host_tokens=self.host_size(),
         )
         return st
 
@@ -38,6 +39,10 @@ class Diagnostics:
             for child in sorted(node.children.values(), key=lambda c: c.id):
                 head = child.key[:6].tolist()
                 swa = ""
+                if self.hicache is not None:
+                    where = ("dev+host" if child.host_value is not None else "dev") if (
+                        child.kv_value is not None) else "host"
+                    swa = f" at={where} host_state={child.host_state_slot}"
                 if self.swa is not None:
                     swa = f" swa={'tomb' if child.swa_tombstone else 'live'} swa_lock={child.swa_lock}"
                 lines.append(

@@ -37,8 +37,9 @@ def check_cache(cache: RadixCache) -> None:
                 assert n.kv_lock > 0, f"state locked but KV not: {n}"
 
     # Slots: no slot held twice, none of them free in the allocator.
-    if nodes:
-        held = torch.cat([n.kv_value for n in nodes])  # type: ignore[misc]
+    dev_nodes = [n for n in nodes if n.kv_value is not None]
+    if dev_nodes:
+        held = torch.cat([n.kv_value for n in dev_nodes])  # type: ignore[misc]
         assert held.unique().numel() == held.numel(), "a KV slot is held by two nodes"
         is_free = getattr(cache.kv.allocator, "is_free", None)
         if callable(is_free):
@@ -58,7 +59,52 @@ def check_cache(cache: RadixCache) -> None:
         cache._last_watermark = wm
     if cache.swa is not None:
         cache.swa.check(nodes)
-    total = sum(len(n.key) for n in nodes)
+    if cache.hicache is not None:
+        _check_host(cache, nodes)
+    else:
+        assert all(n.host_value is None and n.host_state_slot is None for n in nodes)
+    total = sum(len(n.key) for n in dev_nodes)
     assert cache.evictable_size() + cache.protected_size() == total, (
         f"evictable {cache.evictable_size()} + protected {cache.protected_size()} != held {total}"
     )
+
+
+def _check_host(cache: RadixCache, nodes: list) -> None:
+    hc = cache.hicache
+    assert hc is not None
+    host_tokens = 0
+    host_slots = []
+    host_states = []
+    expected_leaves = set()
+    for n in nodes:
+        hv = n.host_value
+        assert n.kv_value is not None or hv is not None, f"node with no KV anywhere: {n}"
+        if n.kv_value is None:
+            assert n.state_slot is None, f"device state on a host-only node: {n}"
+            if not n.children:
+                expected_leaves.add(n.id)
+        if hv is None:
+            assert n.host_state_slot is None, f"host state without host KV: {n}"
+            continue
+        assert len(hv) == len(n.key), f"{n}: {len(hv)} host slots for {len(n.key)} tokens"
+        p = n.parent
+        assert p is not None
+        if p.parent is not None:
+            assert p.host_value is not None, f"backed up before its parent: {n}"
+        host_tokens += len(hv)
+        host_slots.append(hv)
+        if n.host_state_slot is not None:
+            host_states.append(n.host_state_slot)
+    assert host_tokens == cache.host_size(), f"host tokens {cache.host_size()} != {host_tokens}"
+    if host_slots:
+        held = torch.cat(host_slots)
+        assert held.unique().numel() == held.numel(), "a host slot is held by two nodes"
+        assert not bool(hc.host_kv.is_free(held).any()), "a host slot held by the tree is free"
+    assert len(set(host_states)) == len(host_states), "a host state slot is held twice"
+    if host_states and hc.host_state is not None:
+        assert not bool(hc.host_state.is_free(torch.tensor(host_states)).any()), (
+            "a host state slot held by the tree is free"
+        )
+    got = {n.id for n in cache.host_leaves}
+    assert got == expected_leaves, f"host eviction set differs: {got ^ expected_leaves}"
+    cache.host_leaves.check()

@@ -28,8 +28,9 @@ class MatchResult:
         branching_seqlen: where the key leaves the tree past the usable prefix (a branch point,
             page aligned) so the engine checkpoints its state there; ``None`` when there is
             none or no state component.
-        last_host_node / host_hit_length: deepest matched node backed up on host and the
-            prefix it covers [tokens] (equal to the device values without HiCache).
+        last_host_node / host_hit_length: with HiCache, the deepest matched node usable once
+            its host-only chain is loaded back (``RadixCache.load_back``), and the tokens past
+            ``prefix_len`` that would add [tokens]; ``last_device_node`` and 0 otherwise.
         swa_miss_tokens: tokens the sliding-window rule alone cut off (a tombstone within a
             window of the end), beyond what the state rule cut [tokens]; 0 without SWA.
     """
