@@ -26,6 +26,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Final
 
 import torch
@@ -116,7 +117,8 @@ class LoraAdapter:
 
     Attributes:
         weights: module name -> ``(A, B)``, ``A: [rank, in]``, ``B: [out, rank]``, 2-D
-            floating-point CPU tensors of one dtype; at least one module.
+            floating-point CPU tensors of one dtype; at least one module. Stored as a
+            read-only mapping (the tensors are not copied; the pool keeps its own copies).
         scaling: multiplier of ``B @ A`` (PEFT's ``lora_alpha / r``), finite float.
         rank: ``A.shape[0]`` of every module (derived).
 
@@ -153,7 +155,7 @@ class LoraAdapter:
             raise ValueError(f"every module must have the same rank, got {sorted(ranks)}")
         if len(dtypes) != 1:
             raise ValueError(f"every weight must have one dtype, got {sorted(map(str, dtypes))}")
-        object.__setattr__(self, "weights", frozen)
+        object.__setattr__(self, "weights", MappingProxyType(frozen))
         object.__setattr__(self, "scaling", float(self.scaling))
         object.__setattr__(self, "rank", ranks.pop())
 

@@ -134,7 +134,7 @@ class LoraReplayConfig:
             raise ValueError(f"base_fraction must be in [0, 1], got {self.base_fraction}")
         if not (math.isfinite(self.decode_step_s) and self.decode_step_s > 0):
             raise ValueError(f"decode_step_s must be > 0, got {self.decode_step_s}")
-        self.lora_args(["x=/dev/null"])  # validates the SGLang-side arguments
+        self.lora_args([])  # validates the SGLang-side arguments (no adapters needed)
 
     def lora_args(self, lora_paths: Sequence[str], max_lora_rank: int | None = None) -> LoraArgs:
         """The serving arguments for this replay with the given initial ``lora_paths``

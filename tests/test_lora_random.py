@@ -149,7 +149,7 @@ def random_walk(h: Harness, rnd: random.Random, steps: int) -> None:
 @pytest.mark.parametrize(("k", "cap", "seed"), [(1, None, 0), (3, None, 1), (4, 6, 2), (6, 8, 3)])
 def test_random_operations_match_the_reference_model(policy, k, cap, seed) -> None:
     h = Harness(k, policy, cap, seed)
-    random_walk(h, random.Random(seed * 7919 + len(policy)), 600)
+    random_walk(h, random.Random(seed * 7919 + len(policy)), 400)
     assert h.pool.eviction_count > 0 or k == 1 and h.pool.num_loads > 0
 
 
@@ -217,7 +217,7 @@ class LoraPoolMachine(RuleBasedStateMachine):
 
 
 TestLoraPoolMachine = LoraPoolMachine.TestCase
-TestLoraPoolMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+TestLoraPoolMachine.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
 
 
 def test_lora_batch_error_is_a_value_error() -> None:

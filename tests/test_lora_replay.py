@@ -137,10 +137,16 @@ def test_host_tier_reload_gives_a_new_namespace(adapter_files) -> None:
 
 # ---------------------------------------------------------------------- CLI
 def test_cli_reports_both_policies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [
+        {"timestamp": i // 4, "input_length": 1000, "output_length": 20 + i, "hash_ids": [0, 1 + i]}
+        for i in range(24)
+    ]  # 24 sessions (distinct second block), four arriving per second
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "r.json"
     argv = [
-        "--max-requests", "60", "--adapters", "6", "--max-loras-per-batch", "2",
-        "--concurrency", "4", "--policy", "lru", "--kv-tokens", "2M", "--state-slots", "16",
+        "--trace", str(trace), "--adapters", "6", "--max-loras-per-batch", "2",
+        "--concurrency", "4", "--policy", "lru", "--kv-tokens", "100K", "--state-slots", "16",
         "--no-progress", "--json", str(out),
     ]  # fmt: skip
     assert main(argv) == 0
@@ -149,7 +155,7 @@ def test_cli_reports_both_policies(tmp_path: Path, capsys: pytest.CaptureFixture
     data = json.loads(out.read_text())
     loras = [r["lora"] for r in data["runs"]]
     assert [x["eviction_policy"] for x in loras] == ["lru", "fifo"]
-    assert all(x["requests"] == 60 and x["slot_evictions"] > 0 for x in loras)
+    assert all(x["requests"] == 24 and x["slot_evictions"] > 0 for x in loras)
     assert all(x["slot_loads"] == x["slot_evictions"] + 2 for x in loras)
 
 
@@ -165,5 +171,5 @@ def test_cli_reports_both_policies(tmp_path: Path, capsys: pytest.CaptureFixture
 )
 def test_cli_refuses_bad_lora_options(bad: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        main(["--max-requests", "5", "--adapters", "4", "--no-progress", *bad])
+        main(["--max-requests", "1", "--adapters", "4", "--no-progress", *bad])
     assert exc.value.code == 2
