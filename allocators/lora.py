@@ -4,7 +4,9 @@
 |---|---|
 | :mod:`~allocators.lora_adapter` | adapter identity (``LoraUid``, ``BASE_MODEL``), weights, file format |
 | :mod:`~allocators.lora_policy` | ``mark_used / select_victim / remove``: ``lru`` (default), ``fifo`` |
-| :mod:`~allocators.lora_pool` | ``uids -> slots``: host tier + device slots, pinning, ``prepare_batch``, ``apply`` |
+| :mod:`~allocators.lora_slots` | ``slots -> tensors``: A / B / scaling buffers, slot maps, batched ``apply`` |
+| :mod:`~allocators.lora_pool` | ``uids -> slots``: host tier + device slots, pinning, ``prepare_batch`` |
+| :mod:`~allocators.lora_invariants` | what ``LoraMemoryPool.check`` / ``check_weights`` recompute |
 | :mod:`~allocators.lora_args` | SGLang's serving arguments, ``lora_paths`` parsing |
 | :mod:`~allocators.lora_manager` | names and files over the pool: dynamic load / unload / reload |
 """

@@ -126,18 +126,21 @@ LORA_EVICTION_POLICIES: dict[str, type[LoraEvictionPolicy]] = {
 """Policy classes by ``lora_eviction_policy`` name."""
 
 
-def make_lora_eviction_policy(name: object) -> LoraEvictionPolicy:
-    """A fresh policy for ``lora_eviction_policy`` ``name`` (``"lru"`` or ``"fifo"``).
+def make_lora_eviction_policy(
+    name: object, arg: str = "lora_eviction_policy"
+) -> LoraEvictionPolicy:
+    """A fresh policy for ``name`` (``"lru"`` or ``"fifo"``); ``arg`` names the argument in
+    error messages.
 
     Raises:
         TypeError: ``name`` is not a str.
         ValueError: an unknown name (the message lists the known ones).
     """
     if not isinstance(name, str):
-        raise TypeError(f"lora_eviction_policy must be a str, got {type(name).__name__}")
+        raise TypeError(f"{arg} must be a str, got {type(name).__name__}")
     try:
         return LORA_EVICTION_POLICIES[name]()
     except KeyError:
         raise ValueError(
-            f"lora_eviction_policy must be one of {sorted(LORA_EVICTION_POLICIES)}, got {name!r}"
+            f"{arg} must be one of {sorted(LORA_EVICTION_POLICIES)}, got {name!r}"
         ) from None

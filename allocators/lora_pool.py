@@ -119,7 +119,7 @@ class LoraMemoryPool:
         self.max_loaded_loras = effective_max_loaded_loras(
             self.max_loras_per_batch, max_loaded_loras, overlap_loading
         )
-        self.policy: LoraEvictionPolicy = make_lora_eviction_policy(eviction_policy)
+        self.policy: LoraEvictionPolicy = make_lora_eviction_policy(eviction_policy, "eviction_policy")
         self.dtype = check_float_dtype(dtype, "dtype")
         # Resolved through a tensor so that "cuda" becomes "cuda:0", as tensors report it.
         self.device = torch.empty(0, device=check_device(device, "device")).device

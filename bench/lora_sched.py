@@ -84,8 +84,11 @@ def parse_adapter_skew(text: str) -> AdapterSkew:
     """``"uniform"`` or ``"zipf:S"`` with ``S >= 0`` (e.g. ``zipf:1.1``).
 
     Raises:
+        TypeError: not a str.
         ValueError: anything else (the message shows the accepted forms).
     """
+    if not isinstance(text, str):
+        raise TypeError(f"adapter skew must be a str, got {type(text).__name__}")
     kind, sep, value = text.strip().partition(":")
     if kind == "uniform" and not sep:
         return AdapterSkew("uniform")
@@ -130,6 +133,8 @@ class LoraReplayConfig:
             raise TypeError(f"num_adapters must be an int, got {type(self.num_adapters).__name__}")
         if self.num_adapters < 1:
             raise ValueError(f"num_adapters must be >= 1, got {self.num_adapters}")
+        if not isinstance(self.skew, AdapterSkew):
+            raise TypeError(f"skew must be an AdapterSkew, got {type(self.skew).__name__}")
         if not 0.0 <= self.base_fraction <= 1.0:
             raise ValueError(f"base_fraction must be in [0, 1], got {self.base_fraction}")
         if not (math.isfinite(self.decode_step_s) and self.decode_step_s > 0):

@@ -310,7 +310,7 @@ def test_max_loaded_loras_caps_the_host_tier() -> None:
         ({"target_modules": [("q", (1, 2))]}, TypeError, "target_modules must map"),
         ({"max_lora_rank": 0}, ValueError, "max_lora_rank must be >= 1"),
         ({"max_loras_per_batch": True}, TypeError, "max_loras_per_batch must be an int"),
-        ({"eviction_policy": "random"}, ValueError, "lora_eviction_policy must be one of"),
+        ({"eviction_policy": "random"}, ValueError, "eviction_policy must be one of"),
         ({"dtype": torch.int32}, ValueError, "dtype must be a floating-point"),
         ({"device": 3}, TypeError, "device must be a str or torch.device"),
         ({"overlap_loading": "yes"}, TypeError, "overlap_loading must be a bool"),
