@@ -118,10 +118,22 @@ class SWAComponent:
             covered += len(n.key)
             start = n.depth - len(n.key)
             n = n.parent
+        starts = node.swa_lock_starts
+        if starts is None:
+            starts = node.swa_lock_starts = {}
+        starts[start] = starts.get(start, 0) + 1
         return start
 
     def unlock(self, node: TreeNode, start: int) -> None:
         """Release the SWA lock taken by :meth:`lock` (``start`` as it returned)."""
+        starts = node.swa_lock_starts
+        assert starts is not None and starts.get(start, 0) > 0, (node, start)
+        if starts[start] == 1:
+            del starts[start]
+            if not starts:
+                node.swa_lock_starts = None
+        else:
+            starts[start] -= 1
         n = node
         while n.parent is not None and n.depth > start:
             n.swa_lock -= 1
@@ -132,13 +144,11 @@ class SWAComponent:
             self.refresh(n)
             n = n.parent
 
-    def can_unlock(self, node: TreeNode, start: int) -> bool:
-        n = node
-        while n.parent is not None and n.depth > start:
-            if n.swa_lock <= 0:
-                return False
-            n = n.parent
-        return True
+    @staticmethod
+    def can_unlock(node: TreeNode, start: int) -> bool:
+        """Whether a lock taken on ``node`` returned ``start`` and is still held."""
+        starts = node.swa_lock_starts
+        return starts is not None and starts.get(start, 0) > 0
 
     # ------------------------------------------------------------------- rules
     def usable_ends(self, path: list[TreeNode]) -> list[bool]:
@@ -172,6 +182,8 @@ class SWAComponent:
         expected = set()
         for n in nodes:
             assert n.swa_lock >= 0, n
+            held = sum(n.swa_lock_starts.values()) if n.swa_lock_starts else 0
+            assert held == n.lock_ref, f"SWA lock handles {held} != direct locks {n.lock_ref}: {n}"
             v = n.kv_value
             assert v is not None
             live = self.allocator.has_swa(v)

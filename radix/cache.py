@@ -279,6 +279,15 @@ class RadixCache(HostTier, RequestHelpers, Diagnostics):
             raise ValueError(f"value has {len(value)} slots but key has {n} tokens; lengths must match")
         if value.device != self.device:
             raise ValueError(f"value is on {value.device}, the KV allocator on {self.device}")
+        if n:
+            lo, hi = torch.aminmax(value)
+            alloc = self.kv.allocator
+            if int(lo) < self.page_size or int(hi) >= alloc.size + self.page_size:
+                bad = int(lo) if int(lo) < self.page_size else int(hi)
+                raise ValueError(
+                    f"value holds slot {bad}, outside the KV pool's slots "
+                    f"[{self.page_size}, {alloc.size + self.page_size})"
+                )
         return value
 
     def _check_state_slot(self, state_slot: Any) -> None:
@@ -438,6 +447,11 @@ class RadixCache(HostTier, RequestHelpers, Diagnostics):
         Returns the new nodes, shallowest first."""
         node = parent
         created = []
+        if self.swa is not None and live_from > start:
+            dead_part = value[start:live_from]
+            still = dead_part[self.swa.allocator.has_swa(dead_part)]
+            if len(still):  # live slots before released ones: the tombstone owns no SWA KV
+                self.swa.allocator.free_swa(still)
         for lo, hi, live in ((start, live_from, False), (live_from, end, True)):
             if lo == hi:
                 continue
@@ -582,7 +596,7 @@ class RadixCache(HostTier, RequestHelpers, Diagnostics):
                 raise ValueError(
                     "swa_lock_start (the int inc_lock_ref returned) is required on an SWA cache"
                 )
-            if not (0 <= swa_lock_start <= node.depth) or not self.swa.can_unlock(node, swa_lock_start):
+            if not self.swa.can_unlock(node, swa_lock_start):
                 raise ValueError(f"swa_lock_start={swa_lock_start} does not match a lock on node {node.id}")
         node.lock_ref -= 1
         self.kv.unlock(node)

@@ -35,6 +35,7 @@ class TreeNode:
         state_lock: requests that locked exactly this node (protects its state).
         swa_tombstone: the SWA KV of these tokens was freed while the full KV stays.
         swa_lock: requests whose sliding window covers this node (protects its SWA KV).
+        swa_lock_starts: for locks taken on exactly this node, SWA lock start -> count.
         last_access_time: logical clock stamp of the last match/insert passing through.
         state_access_time: logical clock stamp of the last use of this node's state.
         hit_count: requests whose insert walked through or created this node.
@@ -59,6 +60,7 @@ class TreeNode:
         "state_lock",
         "swa_tombstone",
         "swa_lock",
+        "swa_lock_starts",
         "last_access_time",
         "state_access_time",
         "hit_count",
@@ -87,6 +89,7 @@ class TreeNode:
         self.state_lock = 0
         self.swa_tombstone = False
         self.swa_lock = 0
+        self.swa_lock_starts: dict[int, int] | None = None
         self.last_access_time = clock
         self.state_access_time = clock
         self.hit_count = 0

@@ -178,12 +178,6 @@ def test_release_swa_refuses_a_bad_seq_len(seq_len: object, exc: type) -> None:
 
 
 # ====================================================================== insert
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: on an SWA cache, insert() checks its slots (has_swa -> translate range check) "
-    "only after it split the node and stamped the path: the ValueError comes, but the tree "
-    "has changed (the class promises 'a refused call leaves the tree exactly as before')",
-)
 def test_insert_with_a_slot_outside_the_pool_changes_nothing() -> None:
     kv = SWAAllocator(16, 8)
     cache = Checked(RadixCache(CacheConfig(sliding_window_size=2), kv_allocator=kv))
@@ -194,13 +188,6 @@ def test_insert_with_a_slot_outside_the_pool_changes_nothing() -> None:
     assert state_of(cache, kv) == before  # today: [0,4) split at 2, stamps moved
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: insert() makes the whole new span before the caller's last SWA-released slot "
-    "one tombstone node, even where the caller's slots there are still live: the node is a "
-    "'tombstone' that still maps SWA slots (sanity_check fails, those SWA slots are counted "
-    "nowhere: available + evictable + protected + caller-held < swa_size)",
-)
 def test_insert_with_live_slots_before_released_ones_stays_consistent() -> None:
     kv = SWAAllocator(16, 16)
     cache = RadixCache(CacheConfig(sliding_window_size=2), kv_allocator=kv)

@@ -553,13 +553,6 @@ def test_dec_lock_ref_refuses_a_missing_or_shallower_swa_lock_start() -> None:
     cache.sanity_check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: dec_lock_ref accepts a swa_lock_start deeper than the one inc_lock_ref "
-    "returned (can_unlock only checks that the nodes below it are SWA-locked): the window "
-    "lock above it leaks, sanity_check does not see it, and a later evict() trips the "
-    "internal assertion in SWAComponent.on_remove",
-)
 def test_dec_lock_ref_refuses_a_deeper_swa_lock_start() -> None:
     cache, kv, a, b, c, d = four_nodes(4)
     start = cache.inc_lock_ref(d)
