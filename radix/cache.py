@@ -282,8 +282,9 @@ class RadixCache(HostTier, RequestHelpers, Diagnostics):
         if n:
             lo, hi = torch.aminmax(value)
             alloc = self.kv.allocator
-            if int(lo) < self.page_size or int(hi) >= alloc.size + self.page_size:
-                bad = int(lo) if int(lo) < self.page_size else int(hi)
+            limit = alloc.size + self.page_size
+            if int(lo) < self.page_size or int(hi) >= limit:
+                bad = int(value[(value < self.page_size) | (value >= limit)][0])
                 raise ValueError(
                     f"value holds slot {bad}, outside the KV pool's slots "
                     f"[{self.page_size}, {alloc.size + self.page_size})"
