@@ -52,7 +52,9 @@ class GDSStrategy:
         self.e = float(e)
         self.watermark = 0.0
         self._is_candidate = is_candidate
-        self._heap: list[tuple[float, int, int, TreeNode]] = []
+        # (priority, seq, version, node id): ids, not nodes, so that an evicted node is not
+        # kept alive by its stale entries.
+        self._heap: list[tuple[float, int, int, int]] = []
         self._seq = 0
         self._live: dict[int, TreeNode] = {}
 
@@ -74,7 +76,7 @@ class GDSStrategy:
         node.gds_ver += 1
         node.gds_prio = prio
         self._seq += 1
-        heapq.heappush(self._heap, (prio, self._seq, node.gds_ver, node))
+        heapq.heappush(self._heap, (prio, self._seq, node.gds_ver, node.id))
 
     def _reseed_below(self, node: TreeNode) -> None:
         stack = list(node.children.values())
@@ -120,12 +122,14 @@ class GDSStrategy:
         node) or the whole leaf, and must then call :meth:`on_remove`.
         """
         heap = self._heap
-        held: list[tuple[float, int, int, TreeNode]] = []
+        live = self._live
+        held: list[tuple[float, int, int, int]] = []
         victim: TreeNode | None = None
         while heap:
             entry = heapq.heappop(heap)
-            prio, _, ver, node = entry
-            if ver != node.gds_ver or node.state_slot is None:
+            prio, _, ver, nid = entry
+            node = live.get(nid)
+            if node is None or ver != node.gds_ver:
                 continue  # stale
             if not self._is_candidate(node):
                 held.append(entry)
@@ -146,9 +150,10 @@ class GDSStrategy:
         live = {n.id for n in state_nodes}
         assert live == set(self._live), f"gds live set differs: {live ^ set(self._live)}"
         current = {}
-        for prio, _, ver, node in self._heap:
-            if ver == node.gds_ver and node.state_slot is not None:
-                current[node.id] = prio
+        for prio, _, ver, nid in self._heap:
+            node = self._live.get(nid)
+            if node is not None and ver == node.gds_ver:
+                current[nid] = prio
         for n in state_nodes:
             assert n.id in current, f"state on {n} has no current GDS heap entry"
             true = self.true_priority(n)
