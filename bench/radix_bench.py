@@ -89,6 +89,8 @@ def make_workload(args: argparse.Namespace) -> list[list[int]]:
 class CountingKVAllocator:
     """The anchor's allocator convention: ids from a counter, ``free`` only counts."""
 
+    size = 1 << 60  # ids are never reused: the pool is as large as the counter goes
+
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
         self.device = "cpu"
