@@ -14,25 +14,12 @@ pytest.importorskip("transformers", reason="model tests need the optional extra:
 from transformers import DynamicCache  # noqa: E402
 
 from bench.model_adapter import (  # noqa: E402
-    ARCHITECTURES,
     CacheLayout,
     ModelAdapter,
     ModelPools,
     build_tiny_model,
 )
-
-ARCHS = sorted(ARCHITECTURES)
-HYBRID = ["bamba", "falcon_h1", "qwen3_next"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run far faster on one thread than on a contended pool."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
+from tests.test_model_common import ARCHS, HYBRID, one_thread  # noqa: E402, F401  (autouse fixture)
 
 _MODELS: dict[str, object] = {}
 
