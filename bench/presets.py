@@ -1,0 +1,175 @@
+"""Model presets for memory accounting: ``--model PRESET --memory-gb G --state-fraction F``.
+
+A hybrid model's cache memory holds two kinds of things: per-token KV of its attention layers
+(``kv_bytes_per_token``) and fixed-size recurrent-state checkpoints of its linear layers
+(``state_bytes_per_slot``, one slot = every recurrent layer's conv + temporal state at one
+position). Given a memory budget and the share of it given to states, :func:`split_memory`
+returns the replay's two pool sizes::
+
+    state_slots = floor(F * G * 1e9 / state_bytes_per_slot)
+    kv_tokens   = floor((1 - F) * G * 1e9 / kv_bytes_per_token)   (rounded down to a page)
+
+``G`` is in decimal gigabytes (``1e9`` bytes), the unit of the option's name.
+
+Per-layer sizes (``dtype`` bytes in brackets):
+
+* attention KV per token and layer: ``2 (K and V) * kv_heads * head_dim`` [kv dtype];
+* Mamba-2 state per layer: temporal ``heads * head_dim * d_state`` [ssm dtype] plus conv
+  ``(d_conv - 1) * (heads * head_dim + 2 * n_groups * d_state)`` [conv dtype];
+* Gated DeltaNet (GDN) state per layer: temporal ``v_heads * k_head_dim * v_head_dim``
+  [ssm dtype] plus conv ``(d_conv - 1) * (2 * k_heads * k_head_dim + v_heads * v_head_dim)``
+  [conv dtype].
+
+Sources of the shapes (public configs and papers; numbers as read from them):
+
+``marconi-7b``
+    The 7B hybrid of the Marconi paper (Pan et al., MLSys 2025, arXiv 2411.19379, section 5.1:
+    4 attention, 24 SSM and 28 MLP layers, FP16), i.e. NVIDIA's Mamba-2-Hybrid shape
+    (Waleffe et al., arXiv 2406.07887): d_model 4096, GQA with 8 KV heads of 128; Mamba-2 with
+    128 heads of 64, d_state 128, 8 groups, d_conv 4. Everything FP16. Cross-check: Marconi
+    reports 17.4 GB of state for a 10K-token input checkpointed every 32 tokens; these numbers
+    give 313 checkpoints x 51.8 MB = 16.2 GB plus 0.16 GB of KV.
+``nemotron-h-8b``
+    NVIDIA Nemotron-H-8B (the ``NemotronHConfig`` defaults, "NemotronH-v0.1"): 52 layers with
+    pattern ``M-M-M-M*-...`` = 24 Mamba-2, 4 attention, 24 MLP; 32 heads, 8 KV heads of 128;
+    Mamba-2 128 heads of 64, d_state 128, 8 groups, d_conv 4. The released Nemotron-H configs
+    keep the SSM cache in FP32 (``mamba_ssm_cache_dtype``); KV and conv state BF16.
+``qwen3-next-80b``
+    Qwen3-Next-80B-A3B (``Qwen3NextConfig`` defaults): 48 layers, ``full_attention_interval``
+    4 -> 12 gated-attention + 36 GDN layers; 2 KV heads of 256; GDN with 16 key heads and 32
+    value heads of 128, d_conv 4. Temporal state FP32 (``mamba_ssm_dtype`` of the Qwen3.5
+    configs), conv state and KV BF16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["GB", "PRESETS", "MemorySplit", "ModelPreset", "get_preset", "split_memory"]
+
+GB = 10**9
+"""Bytes per ``--memory-gb`` unit (decimal gigabyte)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPreset:
+    """The cache-memory shape of one hybrid model (all sizes in bytes).
+
+    Attributes:
+        name: the ``--model`` name.
+        attention_layers / recurrent_layers: the layer mix (MLP/MoE layers hold no cache).
+        kv_bytes_per_token: KV of every attention layer for one token.
+        state_bytes_per_slot: conv + temporal state of every recurrent layer (one checkpoint).
+        source: where the numbers come from (one line).
+    """
+
+    name: str
+    attention_layers: int
+    recurrent_layers: int
+    kv_bytes_per_token: int
+    state_bytes_per_slot: int
+    source: str
+
+    def __post_init__(self) -> None:
+        for f in ("attention_layers", "recurrent_layers", "kv_bytes_per_token",
+                  "state_bytes_per_slot"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f} must be an int >= 1, got {v!r}")
+
+    @property
+    def state_to_kv_tokens(self) -> float:
+        """How many tokens of KV one state slot weighs."""
+        return self.state_bytes_per_slot / self.kv_bytes_per_token
+
+
+def attention_kv_bytes(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """KV bytes per token of ``layers`` attention layers (K and V)."""
+    return layers * 2 * kv_heads * head_dim * dtype_bytes
+
+
+def mamba2_state_bytes(layers: int, heads: int, head_dim: int, d_state: int, n_groups: int,
+                       d_conv: int, ssm_bytes: int, conv_bytes: int) -> int:
+    """State bytes of one checkpoint over ``layers`` Mamba-2 layers."""
+    temporal = heads * head_dim * d_state * ssm_bytes
+    conv = (d_conv - 1) * (heads * head_dim + 2 * n_groups * d_state) * conv_bytes
+    return layers * (temporal + conv)
+
+
+def gdn_state_bytes(layers: int, k_heads: int, v_heads: int, k_head_dim: int, v_head_dim: int,
+                    d_conv: int, ssm_bytes: int, conv_bytes: int) -> int:
+    """State bytes of one checkpoint over ``layers`` Gated DeltaNet layers."""
+    temporal = v_heads * k_head_dim * v_head_dim * ssm_bytes
+    conv = (d_conv - 1) * (2 * k_heads * k_head_dim + v_heads * v_head_dim) * conv_bytes
+    return layers * (temporal + conv)
+
+
+PRESETS: dict[str, ModelPreset] = {
+    p.name: p
+    for p in (
+        ModelPreset(
+            "marconi-7b", 4, 24,
+            attention_kv_bytes(4, 8, 128, 2),
+            mamba2_state_bytes(24, 128, 64, 128, 8, 4, 2, 2),
+            "Marconi (arXiv 2411.19379) 7B hybrid = Mamba-2-Hybrid shape (arXiv 2406.07887), FP16",
+        ),
+        ModelPreset(
+            "nemotron-h-8b", 4, 24,
+            attention_kv_bytes(4, 8, 128, 2),
+            mamba2_state_bytes(24, 128, 64, 128, 8, 4, 4, 2),
+            "NemotronHConfig defaults (Nemotron-H-8B), SSM cache FP32, KV/conv BF16",
+        ),
+        ModelPreset(
+            "qwen3-next-80b", 12, 36,
+            attention_kv_bytes(12, 2, 256, 2),
+            gdn_state_bytes(36, 16, 32, 128, 128, 4, 4, 2),
+            "Qwen3NextConfig defaults (Qwen3-Next-80B-A3B), GDN state FP32, KV/conv BF16",
+        ),
+    )
+}
+
+
+def get_preset(name: str) -> ModelPreset:
+    """The preset called ``name``; raises ``ValueError`` listing the known names."""
+    preset = PRESETS.get(name)
+    if preset is None:
+        raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
+    return preset
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySplit:
+    """Pool sizes from a memory budget: KV tokens, state slots, and the bytes each takes."""
+
+    kv_tokens: int
+    state_slots: int
+    kv_bytes: int
+    state_bytes: int
+
+
+def split_memory(preset: ModelPreset, memory_gb: float, state_fraction: float,
+                 page_size: int = 1) -> MemorySplit:
+    """Split ``memory_gb`` (decimal GB) between state slots (``state_fraction``) and KV tokens.
+
+    Example: ``qwen3-next-80b`` with 40 GB and a 0.2 state fraction gives
+    ``floor(8e9 / 77,266,944) = 103`` slots and ``floor(32e9 / 24,576) = 1,302,083`` tokens.
+
+    Raises:
+        ValueError: ``memory_gb <= 0``, ``state_fraction`` outside ``[0, 1)``, or a budget
+            whose KV share does not hold one page.
+    """
+    if not memory_gb > 0:
+        raise ValueError(f"memory_gb must be > 0, got {memory_gb!r}")
+    if not 0.0 <= state_fraction < 1.0:
+        raise ValueError(f"state_fraction must be in [0, 1), got {state_fraction!r}")
+    total = memory_gb * GB
+    state_budget = state_fraction * total
+    slots = int(state_budget // preset.state_bytes_per_slot)
+    kv_tokens = int((total - state_budget) // preset.kv_bytes_per_token) // page_size * page_size
+    if kv_tokens < page_size:
+        raise ValueError(
+            f"{memory_gb} GB with state fraction {state_fraction} leaves no KV page for "
+            f"{preset.name} ({preset.kv_bytes_per_token:,} bytes per token)"
+        )
+    return MemorySplit(kv_tokens, slots, kv_tokens * preset.kv_bytes_per_token,
+                       slots * preset.state_bytes_per_slot)
