@@ -46,25 +46,45 @@ class RequestHelpers:
         if slot is not None and not adopted and self.state is not None:
             self.state.allocator.free(torch.tensor([slot], dtype=torch.int64))
 
-    def _insert_req(self: RadixCache, req: CacheRequest, state_slot: int | None, upto: int
-                    ) -> InsertResult:
+    def _insert_req(self: RadixCache, req: CacheRequest, state_slot: int | None, upto: int,
+                    unfinished: bool) -> tuple[InsertResult, torch.Tensor | None]:
         """Insert ``req.key[:upto]``; free the request's duplicate slots and an unadopted state.
 
-        The request's slots in ``[cached_len, prefix_len)`` are its own copies of tokens the
-        tree already holds (its slots below ``cached_len`` came from the tree): duplicates,
-        except those the tree took over a tombstone (SWA revival).
+        Returns the insert result and, when the request's slots below ``prefix_len`` changed,
+        what they must become (the tree's slots, except the request's own copies it keeps).
+
+        Fast path (no SWA, no HiCache): the request's slots in ``[cached_len, prefix_len)`` are
+        its own copies of tokens the tree already holds (its slots below ``cached_len`` came
+        from the tree), so they are the duplicates. With SWA or HiCache the tree may have taken
+        some of the request's slots (revival), so duplicates are found by comparing slots; and
+        a running request keeps its own live copy where the tree only has a tombstone (it still
+        needs that SWA KV for its window; it frees the copy when it finishes).
         """
         res = self.insert(req.key[:upto], req.kv_indices[:upto], req.extra_key,
                           state_slot=state_slot, priority=req.priority, rid=req.rid)
-        if res.prefix_len > req.cached_len:
-            if self.swa is None:
-                self.kv.allocator.free(req.kv_indices[req.cached_len:res.prefix_len])
-            else:
-                dup = res.duplicate_indices
-                if len(dup):
-                    self.kv.allocator.free(dup)
         self._free_state(state_slot, res.state_adopted)
-        return res
+        p = res.prefix_len
+        alloc = self.kv.allocator
+        if self.swa is None and self.hicache is None:
+            if p <= req.cached_len:
+                return res, None
+            alloc.free(req.kv_indices[req.cached_len:p])
+            return res, self._path_indices(res.last_node)[:p]
+        if p == 0:
+            return res, None
+        caller = req.kv_indices[:p]
+        tree = self._path_indices(res.last_node)[:p]
+        dup = caller != tree
+        if unfinished and self.swa is not None and bool(dup.any()):
+            has_swa = self.swa.allocator.has_swa
+            keep = dup & has_swa(caller) & ~has_swa(tree)
+            dup &= ~keep
+            merged = torch.where(keep, caller, tree)
+        else:
+            merged = tree
+        if bool(dup.any()):
+            alloc.free(caller[dup])
+        return res, merged
 
     def cache_unfinished_req(self: RadixCache, req: CacheRequest, state_slot: int | None = None,
                              upto: int | None = None) -> InsertResult:
@@ -79,10 +99,10 @@ class RequestHelpers:
                 state on a hybrid cache; nothing changed.
         """
         upto = self._check_req(req, upto)
-        res = self._insert_req(req, state_slot, upto)
+        res, merged = self._insert_req(req, state_slot, upto, unfinished=True)
         n = res.inserted_len
-        if res.prefix_len > req.cached_len:
-            req.kv_indices = torch.cat([self._path_indices(res.last_node), req.kv_indices[n:]])
+        if merged is not None:
+            req.kv_indices = torch.cat([merged, req.kv_indices[res.prefix_len:]])
         start = self.inc_lock_ref(res.last_node)
         self.dec_lock_ref(req.last_node, req.swa_lock_start)
         req.last_node = res.last_node
@@ -100,7 +120,7 @@ class RequestHelpers:
             TypeError / ValueError: as :meth:`cache_unfinished_req`; nothing changed.
         """
         upto = self._check_req(req, upto)
-        res = self._insert_req(req, state_slot, upto)
+        res, _ = self._insert_req(req, state_slot, upto, unfinished=False)
         tail = req.kv_indices[res.inserted_len:]
         if len(tail):
             self.kv.allocator.free(tail)

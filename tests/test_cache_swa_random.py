@@ -87,6 +87,10 @@ class SWAHarness:
 
     def caller_slots(self) -> list[int]:
         own = [s for r in self.reqs for s in r.req.kv_indices[r.req.cached_len:].tolist()]
+        for r in self.reqs:  # own live copies kept below cached_len (the tree has a tombstone)
+            tree = self.model.node_slots_path(r.node) if r.node is not None else []
+            head = r.req.kv_indices[: r.req.cached_len].tolist()
+            own += [c for c, t in zip(head, tree, strict=True) if c != t]
         return own + [s for h in self.held for s in h]
 
     # ------------------------------------------------------------------ keys
@@ -332,6 +336,7 @@ class SWAHarness:
             if slot is None:
                 return False
         old_kv = req.kv_indices.tolist()
+        live_before = self.kv.has_swa(req.kv_indices).tolist() if old_kv else []
         old_cached, old_node, old_start = req.cached_len, r.node, req.swa_lock_start
         f0 = len(self.full_free())
         p0 = len(self.pool.snapshot().free_ids()) if self.pool is not None else 0
@@ -341,10 +346,15 @@ class SWAHarness:
         e = self.model.insert(key, old_kv, req.extra_key, state_slot=slot)
         self.check_insert(res, e)
         freed = list(e.freed_old)
-        if e.prefix_len > old_cached:
-            freed += e.duplicate_indices
-        else:
-            assert e.duplicate_indices == []
+        # Duplicates over the whole prefix: a running request keeps its own live copy where the
+        # tree only holds a tombstone (it still needs that SWA KV); it frees it when it finishes.
+        tree_now = self.model.node_slots_path(e.node)[: e.prefix_len]
+        tree_live = self.kv.has_swa(torch.tensor(tree_now, dtype=torch.int64)).tolist() if tree_now else []
+        kept = [
+            i for i, t in enumerate(tree_now)
+            if not finished and old_kv[i] != t and live_before[i] and not tree_live[i]
+        ]
+        freed += [c for i, c in enumerate(old_kv[: e.prefix_len]) if c != tree_now[i] and i not in kept]
         if finished:
             freed += old_kv[e.inserted_len:]
             out = self.model.unlock(old_node, old_start)
@@ -355,6 +365,8 @@ class SWAHarness:
             out = self.model.unlock(old_node, old_start)
             assert req.swa_lock_start == start and req.cached_len == e.inserted_len
             tree = self.model.node_slots_path(e.node)
+            for i in kept:
+                tree[i] = old_kv[i]
             assert req.kv_indices.tolist() == tree + old_kv[e.inserted_len:]
             r.node = e.node
         freed += out.freed_slots
@@ -390,8 +402,13 @@ class SWAHarness:
             assert self.pool.available_size() + stev + stpr + len(self.held_states) == self.pool.size
             assert (sorted(model.held_states() + self.held_states + sfree)
                     == list(range(1, self.pool.size + 1)))
-        for r in self.reqs:  # a request's first cached_len slots are the tree's, locked
-            assert r.req.kv_indices[: r.req.cached_len].tolist() == model.node_slots_path(r.node)
+        for r in self.reqs:  # a request's first cached_len slots are the tree's, locked,
+            # except its own live copies kept where the tree holds a tombstone
+            tree_path = model.node_slots_path(r.node)
+            head = r.req.kv_indices[: r.req.cached_len].tolist()
+            tree_live = kv.has_swa(t64(tree_path)).tolist() if tree_path else []
+            for c, t, live in zip(head, tree_path, tree_live, strict=True):
+                assert c == t or (not live and c not in model.dead), (c, t)
 
     def run(self, steps: int) -> None:
         ops = [(self.op_insert, 25), (self.op_match, 14), (self.op_unlock, 10),
