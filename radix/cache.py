@@ -118,6 +118,7 @@ class RadixCache(HostTier, RequestHelpers, Diagnostics):
             "demoted_tokens": 0,
             "host_evicted_tokens": 0,
             "load_back_tokens": 0,
+            "load_back_states": 0,
             "host_hit_tokens": 0,
         }
         self._init_host()

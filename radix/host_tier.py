@@ -245,7 +245,9 @@ class HostTier:
         to device, all or nothing, with ``node``'s host state when it has one.
 
         Skipped (returns 0) below ``load_back_threshold`` tokens or when device memory cannot
-        be had even after evicting; otherwise returns the tokens loaded. Evicts on device
+        be had even after evicting; otherwise returns the KV tokens copied to device. When
+        ``node``'s KV is already on device and only its state is on host, the state alone is
+        loaded (returns 0; ``stats()["load_back_states"]`` counts it). Re-match afterwards. Evicts on device
         first when short (the device ancestor of the chain is protected meanwhile).
 
         Raises:
@@ -261,14 +263,18 @@ class HostTier:
             chain.append(n)
             n = n.parent
         chain.reverse()
-        if not chain:
+        want_state = (
+            self.state is not None and node.host_state_slot is not None and node.state_slot is None
+        )
+        if not chain:  # KV on device, only the state is on host: bring the state back
+            if want_state and node.parent is not None:
+                return self._load_state_only(node)
             return 0
         anchor = chain[0].parent
         assert anchor is not None
         tokens = sum(len(c.key) for c in chain)
         if tokens < hc.config.load_back_threshold:
             return 0
-        want_state = self.state is not None and node.host_state_slot is not None
         if anchor is not self.root:
             self.kv.lock(anchor)
         try:
@@ -298,6 +304,25 @@ class HostTier:
                 self._refresh(c)
         self._stats["load_back_tokens"] += tokens
         return tokens
+
+    def _load_state_only(self: RadixCache, node: TreeNode) -> int:
+        """``node``'s KV is on device but its state only on host: one state slot back."""
+        hc, state = self.hicache, self.state
+        assert hc is not None and state is not None and node.host_state_slot is not None
+        self.kv.lock(node)  # protect the node while a state slot is made room for
+        try:
+            got = self._alloc_device(0, 1)
+        finally:
+            self.kv.unlock(node)
+            self._refresh(node)
+        if got is None:
+            return 0
+        _, dev_state = got
+        assert dev_state is not None
+        hc.load(self._empty, self._empty, node.host_state_slot, dev_state)
+        state.set_state(node, dev_state, self._tick())
+        self._stats["load_back_states"] += 1
+        return 0
 
     def _alloc_device(self: RadixCache, tokens: int, states: int
                       ) -> tuple[torch.Tensor, int | None] | None:
