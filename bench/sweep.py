@@ -108,6 +108,14 @@ def parse_sweep(text: str) -> Sweep:
 _SHARED: dict[str, Any] = {}
 
 
+def _init_worker() -> None:
+    """One intra-op thread per worker: the cache's tensor ops are tiny, and the workers
+    already take the cores."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def _worker(cfg: SimConfig) -> SimResult:
     return run_policy(_SHARED["trace"], cfg, next_use=_SHARED.get("next_use"))
 
@@ -134,7 +142,7 @@ def run_all(trace: Sequence[TraceRequest], configs: Sequence[SimConfig], jobs: i
             return out
         ctx = mp.get_context("fork")
         results: list[SimResult | None] = [None] * len(configs)
-        with ctx.Pool(min(jobs, len(configs))) as pool:
+        with ctx.Pool(min(jobs, len(configs)), initializer=_init_worker) as pool:
             order = _heaviest_first(configs)
             for k, res in pool.imap_unordered(_indexed, [(i, configs[i]) for i in order]):
                 results[k] = res
