@@ -9,7 +9,10 @@ Per request, in trace order (``L`` = prompt tokens, ``U`` = usable cached prefix
                                                   F = L // page_size * page_size
 
 1. ``m = cache.match_prefix(prompt[:-1])`` (an engine recomputes at least one token to get
-   logits) and ``inc_lock_ref(m.last_device_node)``.
+   logits) and ``inc_lock_ref(m.last_device_node)``. With a host tier (``hicache_ratio``), a
+   match that reaches host-only data (``m.host_hit_length > 0``) first loads it back
+   (``cache.load_back(m.last_host_node)``: KV and state, or only a state) and, when that
+   loaded anything, matches again.
 2. One state slot for the request (copy-on-write: ``state_pool.copy(m.state_slot, slot)``),
    then one KV allocation for the uncached prompt tokens and the output tokens, each rounded
    up to whole pages. On a shortfall: ``cache.evict_states`` / ``cache.evict``, then finish
@@ -42,6 +45,7 @@ import torch
 from allocators import MambaStatePool, PagedAllocator, SWAAllocator, TokenAllocator
 from bench.metrics import RequestLog
 from bench.traces import TraceRequest
+from hicache import HiCacheConfig
 from radix import CacheConfig, CacheRequest, EvictResult, RadixCache, RadixKey
 
 __all__ = ["EndCheckpoint", "EngineConfig", "EngineCounters", "ReplayEngine"]
@@ -64,6 +68,8 @@ class EngineConfig:
         end_checkpoint: where a finished prompt's state is cached (see module docstring).
         sliding_window: SWA window [tokens]; 0 = no sliding-window layers.
         swa_tokens: SWA pool size [tokens] (with a window); the full pool is ``kv_tokens``.
+        hicache_ratio: host (L2) pools of this many times the device pools; 0 = no host tier.
+        hicache_write_policy: ``write_through``, ``write_through_selective`` or ``write_back``.
     """
 
     policy: str = "lru"
@@ -76,6 +82,8 @@ class EngineConfig:
     end_checkpoint: EndCheckpoint = "block"
     sliding_window: int = 0
     swa_tokens: int = 0
+    hicache_ratio: float = 0.0
+    hicache_write_policy: str = "write_through"
 
     def __post_init__(self) -> None:
         for name in ("kv_tokens", "page_size", "chunk_size", "concurrency"):
@@ -96,6 +104,18 @@ class EngineConfig:
             raise ValueError(
                 f"end_checkpoint must be 'block' or 'exact', got {self.end_checkpoint!r}"
             )
+        if self.hicache_ratio:
+            self.hicache_config()  # validates ratio and write policy (ValueError / TypeError)
+            if self.sliding_window:
+                raise ValueError("hicache_ratio with a sliding window is not supported")
+
+    def hicache_config(self) -> HiCacheConfig | None:
+        """The cache's host tier, or ``None`` when ``hicache_ratio`` is 0."""
+        if not self.hicache_ratio:
+            return None
+        return HiCacheConfig(
+            hicache_ratio=self.hicache_ratio, hicache_write_policy=self.hicache_write_policy
+        )
 
 
 @dataclass(slots=True)
@@ -163,7 +183,10 @@ class ReplayEngine:
             sliding_window_size=cfg.sliding_window or None,
         )
         self.cache = RadixCache(
-            cache_cfg, kv_allocator=self.kv_allocator, state_allocator=self.state_pool
+            cache_cfg,
+            kv_allocator=self.kv_allocator,
+            state_allocator=self.state_pool,
+            hicache=cfg.hicache_config(),
         )
         self._running: deque[_Running] = deque()
         self._empty = torch.empty(0, dtype=torch.int64)
@@ -195,6 +218,12 @@ class ReplayEngine:
         prompt_len = len(tokens)
         cache = self.cache
         m = cache.match_prefix(tokens[:-1])
+        if m.host_hit_length > 0:
+            host = m.last_host_node
+            # Re-match when KV, or only the node's state, came back (a skipped or failed load
+            # changes nothing, and a second match would count the same host hit twice).
+            if cache.load_back(host) > 0 or host.state_slot is not None:
+                m = cache.match_prefix(tokens[:-1])
         node = m.last_device_node
         swa_start = cache.inc_lock_ref(node)
         usable = m.prefix_len

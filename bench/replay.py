@@ -12,6 +12,8 @@ Examples::
     python -m bench.replay --state-slots 128 256 512 --policy lru gds --json -   # a sweep, JSON on stdout
     python -m bench.replay --max-requests 2000 --adapters 32 --adapter-skew zipf:1.1 --max-loras-per-batch 8
         # LoRA adapters (bench.lora_replay): slot loads, evictions, hit rate; lru vs fifo
+    python -m bench.replay --kv-tokens 2M --state-slots 256 --hicache-ratio 0 4
+        # without and with a host (L2) tier of 4x the device pools, side by side
 
 Memory sizes accept ``16000000``, ``16e6``, ``16M`` or ``512K``. Several ``--kv-tokens`` /
 ``--state-slots`` values run every combination (a sweep). ``--state-slots 0`` replays a
@@ -48,6 +50,7 @@ from bench.traces import (
     resolve_trace_path,
     sniff_format,
 )
+from hicache import WRITE_POLICIES
 from radix import CacheConfig
 
 __all__ = ["main", "parse_count", "replay_one"]
@@ -76,6 +79,17 @@ def _positive(text: str) -> int:
     value = parse_count(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return value
+
+
+def _ratio(text: str) -> float:
+    """A host-tier ratio: 0 (off) or a finite number (> 1, checked with the config)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or a finite number > 1: {text!r}")
     return value
 
 
@@ -167,6 +181,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="SWA pool size [tokens] with --sliding-window (default: kv-tokens / 4)",
     )
+    p.add_argument(
+        "--hicache-ratio",
+        nargs="+",
+        type=_ratio,
+        default=[0.0],
+        help="host (L2) KV and state pools of R x the device pools (R > 1); 0 = no host tier "
+        "(default); several values run side by side, e.g. 0 4",
+    )
+    p.add_argument(
+        "--hicache-write-policy",
+        choices=WRITE_POLICIES,
+        default="write_through",
+        help="when a node is copied to host (default write_through)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_lora_arguments(p)
     return p
@@ -210,6 +238,8 @@ def replay_one(
     """
     engine = ReplayEngine(config)
     desc = f"{config.policy} kv={config.kv_tokens:,} slots={config.state_slots:,}"
+    if config.hicache_ratio:
+        desc += f" host={config.hicache_ratio:g}x"
     start = time.perf_counter()
     with tqdm(
         total=len(trace),
@@ -241,10 +271,13 @@ def replay_one(
 
 
 def _configs(args: argparse.Namespace) -> list[EngineConfig]:
-    """Every (policy, kv size, state slots) combination, validated before any run starts."""
+    """Every (kv size, state slots, policy, host ratio) combination, validated before any run
+    starts."""
     knobs = _policy_configs(args.policy_config)
     out = []
-    for kv, slots, policy in itertools.product(args.kv_tokens, args.state_slots, args.policy):
+    for kv, slots, policy, host_ratio in itertools.product(
+        args.kv_tokens, args.state_slots, args.policy, args.hicache_ratio
+    ):
         # fails on a bad name or knob before anything runs
         CacheConfig(page_size=args.page_size, radix_eviction_policy=policy,
                     radix_eviction_policy_config=knobs.get(policy))
@@ -263,6 +296,8 @@ def _configs(args: argparse.Namespace) -> list[EngineConfig]:
                 end_checkpoint=args.end_checkpoint,
                 sliding_window=args.sliding_window,
                 swa_tokens=swa_tokens,
+                hicache_ratio=host_ratio,
+                hicache_write_policy=args.hicache_write_policy,
             )
         )
     return out

@@ -45,11 +45,17 @@ class RunResult:
 
     @property
     def label(self) -> str:
-        return self.config.policy
+        ratio = self.config.hicache_ratio
+        return f"{self.config.policy} host {ratio:g}x" if ratio else self.config.policy
 
 
 def _fmt_int(x: float) -> str:
     return f"{int(round(x)):,}"
+
+
+def _host_stat(r: RunResult, name: str) -> int:
+    """A host-tier counter of the run's cache (tokens; 0 without a host tier)."""
+    return int(r.cache_stats.get(name, 0))
 
 
 def _rows(runs: Sequence[RunResult]) -> list[tuple[str, list[str]]]:
@@ -93,6 +99,15 @@ def _rows(runs: Sequence[RunResult]) -> list[tuple[str, list[str]]]:
             if any(r.config.sliding_window for r in runs)
             else []
         ),
+        *(
+            [
+                ("host hit tokens", col(lambda r: _fmt_int(_host_stat(r, "host_hit_tokens")))),
+                ("load-back tokens", col(lambda r: _fmt_int(_host_stat(r, "load_back_tokens")))),
+                ("backup tokens", col(lambda r: _fmt_int(_host_stat(r, "backup_tokens")))),
+            ]
+            if any(r.config.hicache_ratio for r in runs)
+            else []
+        ),
         (
             "checkpoints (skipped)",
             col(lambda r: f"{r.counters.checkpoints:,} ({r.counters.skipped_checkpoints:,})"),
@@ -120,6 +135,12 @@ def render_table(
         + (f", sliding window {cfg.sliding_window:,} (SWA pool {cfg.swa_tokens:,} tokens)"
            if cfg.sliding_window else ""),
         f"end checkpoint: {END_CHECKPOINT_NOTE[cfg.end_checkpoint]}",
+        *(
+            [f"host tier: {cfg.hicache_write_policy}; host hit = tokens a match found on host "
+             "only; load-back / backup = tokens copied host -> device / device -> host"]
+            if any(r.config.hicache_ratio for r in runs)
+            else []
+        ),
         "",
     ]
     rows = _rows(runs)
@@ -170,6 +191,13 @@ def to_json_dict(
                 "policy_config": r.config.policy_config,
                 "kv_tokens": r.config.kv_tokens,
                 "state_slots": r.config.state_slots,
+                "hicache_ratio": r.config.hicache_ratio,
+                "hicache_write_policy": (
+                    r.config.hicache_write_policy if r.config.hicache_ratio else None
+                ),
+                "host_hit_tokens": _host_stat(r, "host_hit_tokens"),
+                "load_back_tokens": _host_stat(r, "load_back_tokens"),
+                "backup_tokens": _host_stat(r, "backup_tokens"),
                 **r.metrics.as_dict(),
                 "evicted_kv_tokens": r.counters.evicted_kv_tokens,
                 "evicted_states": r.counters.evicted_states,
