@@ -81,6 +81,22 @@ def unbacked_pair(page_size: int, hybrid: bool) -> tuple[HC, Callable[[], Any]]:
     return h, lambda: c._backup_chain(node_at(c, KEY[:8]))
 
 
+def state_only_on_host(page_size: int, hybrid: bool) -> tuple[HC, Callable[[], Any]]:
+    """Hybrid: P on device, its state evicted from device but kept on host. The step:
+    ``load_back(P)`` (the state alone: a device state slot, no KV)."""
+    assert hybrid
+    h = make(page_size=page_size, size=24, states=4)
+    c = h.cache
+    put(h, KEY[:4])
+    put(h, KEY[:8], prefix=c.match_prefix(KEY[:4]).device_indices)
+    p = node_at(c, KEY[:4])
+    assert c.evict_states(1).num_states == 1 and p.state_slot is None
+    m = c.match_prefix(KEY[:4])
+    assert (m.prefix_len, m.host_hit_length, m.last_host_node) == (0, 4, p)
+    c.sanity_check()
+    return h, lambda: (c.load_back(p), p.state_slot)
+
+
 CASES = [(ps, hybrid) for ps in (1, 4) for hybrid in (False, True)]
 
 
@@ -135,6 +151,20 @@ def test_load_back_failure_keeps_the_host_copies_loadable(page_size: int, hybrid
     assert m.state_slot == (r.state_slot if hybrid else None)
     c.sanity_check()
     check_accounting(h)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_load_back_of_a_state_alone_is_all_or_nothing(page_size: int) -> None:
+    names, result, after = calls_of(state_only_on_host, page_size, True)
+    assert result == (0, 3)  # no KV tokens; the state came back into slot 3
+    assert names == ["device kv", "device state"]  # (the KV ask is for 0 slots)
+    for k in range(1, len(names) + 1):
+        h, res, before, _ = run_faulty(state_only_on_host, page_size, True, k, "from")
+        assert res == (0, None)
+        assert_same(before, dump(h))
+        h, res, before, f = run_faulty(state_only_on_host, page_size, True, k, "once")
+        assert res == (0, 3) and f.names == names[:k] + names
+        assert_same(after, dump(h))
 
 
 # ======================================================================== backups
