@@ -1,0 +1,69 @@
+"""HiCache L3: pages keyed by a hash chain, in a local file store or Redis / Valkey.
+
+Contract: ``host slots <-> storage pages``.
+
+* :mod:`~hicache.storage.keys` — page keys: SHA-256 chain seeded by layout tag and namespace.
+* :mod:`~hicache.storage.page` — one record: header (version, tag, key, lengths), checksum.
+* :mod:`~hicache.storage.base` — :class:`StorageBackend`: ``exists / get / set``, batch forms,
+  ``batch_exists`` = leading run; verification on read; faults are counted misses.
+* :mod:`~hicache.storage.file_store` / :mod:`~hicache.storage.redis_store` — the backends.
+* :mod:`~hicache.storage.controller` — packing host bytes, background writes, prefetch jobs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hicache.storage.base import COUNTERS, Page, StorageBackend
+from hicache.storage.controller import PrefetchJob, StorageController
+from hicache.storage.file_store import FileStore
+from hicache.storage.keys import (
+    chain_seed,
+    encode_namespace,
+    layout_tag,
+    page_hashes,
+    page_key,
+    state_key,
+)
+from hicache.storage.page import CorruptPage
+from hicache.storage.redis_store import RedisStore, redact_url
+
+if TYPE_CHECKING:
+    from hicache.config import HiCacheConfig
+
+__all__ = [
+    "COUNTERS",
+    "CorruptPage",
+    "FileStore",
+    "Page",
+    "PrefetchJob",
+    "RedisStore",
+    "StorageBackend",
+    "StorageController",
+    "chain_seed",
+    "encode_namespace",
+    "layout_tag",
+    "make_backend",
+    "page_hashes",
+    "page_key",
+    "redact_url",
+    "state_key",
+]
+
+
+def make_backend(config: HiCacheConfig, tag: str) -> StorageBackend | None:
+    """The backend ``config.hicache_storage_backend`` names (``None`` when off).
+
+    Raises:
+        ImportError: ``redis`` without redis-py installed (``pip install .[storage]``).
+        OSError: the file store's directory cannot be created.
+    """
+    name = config.hicache_storage_backend
+    if name is None:
+        return None
+    if name == "file":
+        assert config.hicache_storage_dir is not None
+        return FileStore(config.hicache_storage_dir, config.hicache_storage_max_bytes, tag=tag)
+    assert name == "redis" and config.hicache_storage_url is not None
+    return RedisStore(config.hicache_storage_url, tag=tag,
+                      timeout_s=config.hicache_storage_timeout_s)

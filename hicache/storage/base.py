@@ -1,0 +1,242 @@
+"""The L3 storage interface: ``key -> verified page``, shared by every backend.
+
+Contract (``host slots <-> storage pages``; keys from :mod:`hicache.storage.keys`):
+
+* ``exists(key)`` / ``exists_mask(keys)`` / ``batch_exists(keys)``: presence; ``batch_exists``
+  returns how many keys exist **consecutively from the start** (the usable prefix of a chain),
+  so a gap hides every later page.
+* ``set(key, a, b)`` / ``batch_set(items)``: write once (set-if-absent); a key already present
+  is left as it is. Returns whether / how many records were written by this call.
+* ``get(key)`` / ``batch_get(keys)``: the record's two sections (:class:`Page`) after
+  :func:`hicache.storage.page.decode` checked its length, tag, key and checksum, else ``None``.
+  A corrupt record is counted, logged, deleted (so it can be written again) and reported as a
+  miss: never handed back.
+
+Faults never escape: a backend error or timeout is logged (``logging``, logger
+``hicache.storage``; messages pass through :meth:`StorageBackend.redact`), counted in
+:attr:`StorageBackend.stats`, and answered as a miss (``False`` / ``0`` / ``None``). After a
+fault the backend answers misses at once for ``cooldown_s`` seconds instead of paying a timeout
+on every call, then tries again (the client reconnects).
+
+Subclasses implement four raw calls on whole records (``_exists_raw``, ``_get_raw``,
+``_set_nx_raw``, ``_delete_raw``); they may raise anything. Thread safety: every public
+method may be called from several threads; subclasses lock what they share.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from hicache.storage.keys import STATE_SUFFIX
+from hicache.storage.page import KIND_KV, KIND_STATE, CorruptPage, decode, encode, tag_digest
+
+log = logging.getLogger("hicache.storage")
+
+#: Counters every backend keeps (``stats``).
+COUNTERS = (
+    "get_calls",
+    "get_hits",
+    "get_misses",
+    "corrupt",
+    "set_calls",
+    "written",
+    "already_present",
+    "exists_calls",
+    "errors",
+    "timeouts",
+    "skipped_in_cooldown",
+    "bytes_read",
+    "bytes_written",
+)
+
+
+class Page(NamedTuple):
+    """A verified record's sections: KV page ``(k, v)`` or state ``(conv, ssm)`` bytes."""
+
+    a: memoryview
+    b: memoryview
+
+
+def _split_key(key: str) -> tuple[int, bytes]:
+    if key.endswith(STATE_SUFFIX):
+        return KIND_STATE, bytes.fromhex(key[: -len(STATE_SUFFIX)])
+    return KIND_KV, bytes.fromhex(key)
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    return isinstance(exc, TimeoutError) or "Timeout" in type(exc).__name__
+
+
+class StorageBackend(ABC):
+    """Base of every L3 backend (see the module docstring for the contract).
+
+    Args:
+        tag: the layout tag of the pages this client reads and writes (a record carrying
+            another tag is refused as corrupt).
+        cooldown_s: seconds to answer misses without calling the backend after a fault.
+    """
+
+    name = "abstract"
+
+    def __init__(self, tag: str = "", cooldown_s: float = 1.0) -> None:
+        self.tag = tag
+        self._tag_digest = tag_digest(tag)
+        self.cooldown_s = float(cooldown_s)
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+        self._stats = dict.fromkeys(COUNTERS, 0)
+        self._logged = 0
+
+    # ------------------------------------------------------------ raw calls
+    @abstractmethod
+    def _exists_raw(self, keys: Sequence[str]) -> list[bool]:
+        """Presence of each key (may stop early after the first absent one: the rest False)."""
+
+    @abstractmethod
+    def _get_raw(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The stored record of each key, or ``None``."""
+
+    @abstractmethod
+    def _set_nx_raw(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        """Store each record unless its key exists; whether each was written."""
+
+    @abstractmethod
+    def _delete_raw(self, key: str, record: bytes) -> None:
+        """Remove ``key`` if it still holds ``record`` (a corrupt record seen by ``get``)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections / handles (the backend may be used again: it reopens)."""
+
+    # -------------------------------------------------------------- helpers
+    def redact(self, text: str) -> str:
+        """``text`` with any credential of this backend replaced (override with secrets)."""
+        return text
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """A copy of the counters (:data:`COUNTERS`) and the backend's own figures."""
+        with self._lock:
+            out = dict(self._stats)
+        out.update(self._extra_stats())
+        return out
+
+    def _extra_stats(self) -> dict[str, int]:
+        return {}
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._stats[name] += n
+
+    def _available(self) -> bool:
+        if self._down_until and time.monotonic() < self._down_until:
+            self._count("skipped_in_cooldown")
+            return False
+        return True
+
+    def _fault(self, op: str, exc: BaseException) -> None:
+        kind = "timeouts" if _is_timeout(exc) else "errors"
+        self._count(kind)
+        self._down_until = time.monotonic() + self.cooldown_s if self.cooldown_s > 0 else 0.0
+        self._logged += 1
+        if self._logged <= 10 or self._logged % 1000 == 0:
+            log.warning("L3 %s %s failed (%s: %s); treated as a miss",
+                        self.name, op, type(exc).__name__, self.redact(str(exc)))
+
+    # ------------------------------------------------------------- presence
+    def exists_mask(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key holds a record (unverified: ``get`` still checks it)."""
+        if not keys:
+            return []
+        self._count("exists_calls")
+        if not self._available():
+            return [False] * len(keys)
+        try:
+            return [bool(x) for x in self._exists_raw(list(keys))]
+        except Exception as exc:
+            self._fault("exists", exc)
+            return [False] * len(keys)
+
+    def exists(self, key: str) -> bool:
+        return self.exists_mask([key])[0]
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """How many of ``keys`` exist consecutively from the start (0 on a fault)."""
+        n = 0
+        for present in self.exists_mask(keys):
+            if not present:
+                break
+            n += 1
+        return n
+
+    # ---------------------------------------------------------------- reads
+    def batch_get(self, keys: Sequence[str]) -> list[Page | None]:
+        """Verified sections of each key's record; ``None`` for a miss, a corrupt record or a
+        fault."""
+        if not keys:
+            return []
+        self._count("get_calls")
+        if not self._available():
+            return [None] * len(keys)
+        try:
+            records = self._get_raw(list(keys))
+        except Exception as exc:
+            self._fault("get", exc)
+            return [None] * len(keys)
+        out: list[Page | None] = []
+        for key, rec in zip(keys, records, strict=True):
+            out.append(None if rec is None else self._verify(key, rec))
+        hits = sum(p is not None for p in out)
+        self._count("get_hits", hits)
+        self._count("get_misses", len(out) - hits)
+        return out
+
+    def get(self, key: str) -> Page | None:
+        return self.batch_get([key])[0]
+
+    def _verify(self, key: str, record: bytes) -> Page | None:
+        try:
+            kind, page_hash = _split_key(key)
+            a, b = decode(record, kind, self._tag_digest, page_hash)
+        except (CorruptPage, ValueError) as exc:
+            self._count("corrupt")
+            log.warning("L3 %s: page %s… refused (%s); treated as a miss", self.name, key[:12],
+                        exc)
+            try:
+                self._delete_raw(key, record)
+            except Exception as dexc:  # the miss stands; the next writer may fail NX
+                self._fault("delete", dexc)
+            return None
+        self._count("bytes_read", len(record))
+        return Page(a, b)
+
+    # --------------------------------------------------------------- writes
+    def batch_set(self, items: Sequence[tuple[str, bytes, bytes]]) -> int:
+        """Write each ``(key, a, b)`` unless present; return how many this call wrote."""
+        if not items:
+            return 0
+        self._count("set_calls")
+        if not self._available():
+            return 0
+        records = []
+        for key, a, b in items:
+            kind, page_hash = _split_key(key)
+            records.append((key, encode(kind, self._tag_digest, page_hash, a, b)))
+        try:
+            done = self._set_nx_raw(records)
+        except Exception as exc:
+            self._fault("set", exc)
+            return 0
+        written = sum(map(bool, done))
+        self._count("written", written)
+        self._count("already_present", len(done) - written)
+        self._count("bytes_written", sum(len(r) for (_, r), d in zip(records, done, strict=True)
+                                         if d))
+        return written
+
+    def set(self, key: str, a: bytes, b: bytes) -> bool:
+        return self.batch_set([(key, a, b)]) == 1

@@ -1,0 +1,134 @@
+"""Page keys: a SHA-256 chain over pages, seeded by the layout tag and the namespace.
+
+A prompt's tokens are cut into pages of ``page_size`` tokens (a partial last page is never
+stored). Page ``i``'s hash covers the hash of page ``i - 1`` and page ``i``'s token ids, so it
+names the whole prefix ``[0, (i + 1) * page_size)``::
+
+    seed  = SHA-256(b"hpc-l3/1\\0" + len(tag) + tag + encode_namespace(extra_key))
+    h[0]  = SHA-256(seed   + tokens[0:P]   as int64 little-endian)
+    h[i]  = SHA-256(h[i-1] + tokens[iP:(i+1)P] as int64 little-endian)
+    key i = h[i].hex()                                      (64 characters)
+
+The layout tag (:func:`layout_tag`) names the model and the pool layout (page size, layers,
+heads, head dim, dtypes, state shapes): caches whose pages are not interchangeable never share
+a key. The namespace is encoded with its type (``1``, ``"1"``, ``(1,)`` and ``None`` give
+different seeds), so namespaces never collide. A namespace of a type with no stable encoding
+(:func:`encode_namespace` returns ``None``) is not stored in L3 at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+import sys
+from array import array
+from typing import Any
+
+SEED_PREFIX = b"hpc-l3/1\x00"
+
+#: Suffix of the key of a page's recurrent-state record (the state valid at the page's end).
+STATE_SUFFIX = ".s"
+
+
+def encode_namespace(extra_key: Any) -> bytes | None:
+    """A typed, process-independent encoding of ``extra_key``, or ``None`` when it has none.
+
+    Supported: ``None``, ``bool``, ``int``, ``str``, ``bytes``, ``float``, tuples of these,
+    and frozen dataclasses of these (a ``LoraUid``): their qualified type name and fields.
+
+    >>> encode_namespace(None), encode_namespace(1), encode_namespace("1")
+    (b'N', b'I1;', b'S1:1')
+    """
+    if extra_key is None:
+        return b"N"
+    if isinstance(extra_key, bool):
+        return b"B1" if extra_key else b"B0"
+    if isinstance(extra_key, int):
+        return b"I%d;" % extra_key
+    if isinstance(extra_key, str):
+        raw = extra_key.encode("utf-8", "surrogatepass")
+        return b"S%d:" % len(raw) + raw
+    if isinstance(extra_key, bytes):
+        return b"Y%d:" % len(extra_key) + extra_key
+    if isinstance(extra_key, float):
+        return b"F" + extra_key.hex().encode() + b";"
+    if isinstance(extra_key, tuple):
+        parts = [encode_namespace(x) for x in extra_key]
+        if any(p is None for p in parts):
+            return None
+        return b"T%d(" % len(parts) + b"".join(parts) + b")"  # type: ignore[arg-type]
+    if dataclasses.is_dataclass(extra_key) and not isinstance(extra_key, type):
+        if not type(extra_key).__dataclass_params__.frozen:  # type: ignore[attr-defined]
+            return None
+        t = type(extra_key)
+        name = f"{t.__module__}.{t.__qualname__}".encode()
+        fields = tuple(getattr(extra_key, f.name) for f in dataclasses.fields(extra_key))
+        body = encode_namespace(fields)
+        if body is None:
+            return None
+        return b"D%d:" % len(name) + name + body
+    return None
+
+
+def chain_seed(tag: str, extra_key: Any) -> bytes | None:
+    """The hash before the first page: layout tag and namespace (``None``: not storable)."""
+    ns = encode_namespace(extra_key)
+    if ns is None:
+        return None
+    t = tag.encode("utf-8")
+    return hashlib.sha256(SEED_PREFIX + struct.pack("<I", len(t)) + t + ns).digest()
+
+
+def _le_bytes(tokens: array) -> bytes:
+    if sys.byteorder == "little":
+        return tokens.tobytes()
+    swapped = array("q", tokens)
+    swapped.byteswap()
+    return swapped.tobytes()
+
+
+def page_hashes(prev: bytes, tokens: array, page_size: int) -> list[bytes]:
+    """Chain hashes of the whole pages of ``tokens`` (``array('q')``), after hash ``prev``.
+
+    Complexity: one SHA-256 per page over ``32 + 8 * page_size`` bytes.
+    """
+    raw = _le_bytes(tokens)
+    step = 8 * page_size
+    out: list[bytes] = []
+    h = prev
+    sha = hashlib.sha256
+    for off in range(0, len(tokens) // page_size * step, step):
+        h = sha(h + raw[off : off + step]).digest()
+        out.append(h)
+    return out
+
+
+def page_key(h: bytes) -> str:
+    """The storage key of a page hash (lowercase hex)."""
+    return h.hex()
+
+
+def state_key(h: bytes) -> str:
+    """The storage key of the state record at the end of page ``h``."""
+    return h.hex() + STATE_SUFFIX
+
+
+def layout_tag(model: str, page_size: int, kv_pool: Any, state_pool: Any) -> str:
+    """A readable tag naming the model and the layout of one page's bytes.
+
+    ``kv_pool``: a :class:`~allocators.KVPool` or ``None`` (index-only replays store empty
+    pages); ``state_pool``: a :class:`~allocators.MambaStatePool` or ``None``.
+    """
+    parts = [f"model={model}", f"page={page_size}"]
+    if kv_pool is None:
+        parts.append("kv=none")
+    else:
+        parts.append(
+            f"kv={kv_pool.num_layers}x{kv_pool.num_heads}x{kv_pool.head_dim}:{kv_pool.dtype}"
+        )
+    if state_pool is not None:
+        conv = "x".join(map(str, state_pool.conv_state_shape))
+        ssm = "x".join(map(str, state_pool.ssm_state_shape))
+        parts.append(f"state={state_pool.num_layers}:{conv}/{ssm}:{state_pool.dtype}")
+    return ";".join(parts)
