@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: Write policies (SGLang ``--hicache-write-policy``).
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+#: L3 storage backends (``hicache_storage_backend``) and prefetch policies.
+STORAGE_BACKENDS = (None, "file", "redis")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,21 @@ class HiCacheConfig:
             when it is evicted from device).
         load_back_threshold: host-only chains shorter than this are not loaded back [tokens]
             (SGLang's default 10: reloading a few tokens costs more than recomputing them).
+        hicache_storage_backend: L3 below the host tier: ``None`` (off), ``"file"`` (pages as
+            files in ``hicache_storage_dir``) or ``"redis"`` (``hicache_storage_url``).
+        hicache_storage_dir: the file store's directory.
+        hicache_storage_max_bytes: the file store's size cap [bytes] (``None``: no cap); the
+            least recently used pages go first.
+        hicache_storage_url: ``redis://[user:password@]host:port[/db]`` or ``rediss://``
+            (TLS); comma-separated URLs are startup nodes of one cluster. Not in ``repr``.
+        hicache_storage_timeout_s: connect / socket timeout of one storage call [s].
+        hicache_storage_model: model name mixed into the page keys with the pool layout, so
+            two models with the same layout never share pages.
+        hicache_prefetch_policy: on a miss whose key continues in L3: ``best_effort`` (fetch
+            in the background; the pages join the tree at a later ``match_prefix`` /
+            ``poll_storage``), ``wait_complete`` (fetch before ``match_prefix`` returns) or
+            ``timeout`` (wait at most ``hicache_prefetch_timeout_s``, then as best_effort).
+        hicache_prefetch_timeout_s: the ``timeout`` policy's wait [s].
 
     Raises:
         TypeError / ValueError: naming the argument.
@@ -32,6 +51,14 @@ class HiCacheConfig:
     hicache_size_bytes: int | None = None
     hicache_write_policy: str = "write_through"
     load_back_threshold: int = 10
+    hicache_storage_backend: str | None = None
+    hicache_storage_dir: str | None = None
+    hicache_storage_max_bytes: int | None = None
+    hicache_storage_url: str | None = field(default=None, repr=False)
+    hicache_storage_timeout_s: float = 1.0
+    hicache_storage_model: str = "default"
+    hicache_prefetch_policy: str = "best_effort"
+    hicache_prefetch_timeout_s: float = 0.5
 
     def __post_init__(self) -> None:
         r = self.hicache_ratio
@@ -50,3 +77,46 @@ class HiCacheConfig:
         t = self.load_back_threshold
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise ValueError(f"load_back_threshold must be an int >= 0 [tokens], got {t!r}")
+        self._check_storage()
+
+    def _check_storage(self) -> None:
+        """L3 fields (``hicache_storage_*``, ``hicache_prefetch_*``); errors name the field and
+        never echo a URL's credentials."""
+        backend = self.hicache_storage_backend
+        if backend not in STORAGE_BACKENDS:
+            raise ValueError(
+                f"hicache_storage_backend={backend!r} is unknown; expected one of {list(STORAGE_BACKENDS)}"
+            )
+        d, url, cap = self.hicache_storage_dir, self.hicache_storage_url, self.hicache_storage_max_bytes
+        if d is not None and not isinstance(d, str):
+            raise TypeError(f"hicache_storage_dir must be a str path or None, got {type(d).__name__}")
+        if url is not None and not isinstance(url, str):
+            raise TypeError(f"hicache_storage_url must be a str or None, got {type(url).__name__}")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
+            raise ValueError(f"hicache_storage_max_bytes must be a positive int or None, got {cap!r}")
+        if backend == "file" and not d:
+            raise ValueError('hicache_storage_backend="file" needs hicache_storage_dir (a directory)')
+        if backend != "file" and (d is not None or cap is not None):
+            raise ValueError(
+                "hicache_storage_dir / hicache_storage_max_bytes are for the file backend; "
+                f"hicache_storage_backend is {backend!r}"
+            )
+        if backend == "redis":
+            if not url:
+                raise ValueError('hicache_storage_backend="redis" needs hicache_storage_url (redis://host:port)')
+            from hicache.storage.redis_store import split_urls
+
+            split_urls(url)  # ValueError with credentials masked
+        elif url is not None:
+            raise ValueError(f"hicache_storage_url is for the redis backend; hicache_storage_backend is {backend!r}")
+        for name in ("hicache_storage_timeout_s", "hicache_prefetch_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name} must be a finite number > 0 [s], got {v!r}")
+        if not isinstance(self.hicache_storage_model, str):
+            raise TypeError(f"hicache_storage_model must be a str, got {type(self.hicache_storage_model).__name__}")
+        if self.hicache_prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(
+                f"hicache_prefetch_policy={self.hicache_prefetch_policy!r} is unknown; expected one of "
+                f"{list(PREFETCH_POLICIES)}"
+            )

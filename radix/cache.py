@@ -29,6 +29,7 @@ from radix.host_tier import HostTier
 from radix.node import TreeNode
 from radix.request_helpers import RequestHelpers
 from radix.results import EvictResult, InsertResult, MatchResult
+from radix.storage_tier import StorageTier  # L3 (hicache_storage_backend)
 from radix.tree import RadixTree, resolve_key
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 MAX_TRACKED_RIDS = 65536
 
 
-class RadixCache(HostTier, RequestHelpers, Diagnostics):
+class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
     """A radix-tree prefix cache with a full-attention KV component and, for hybrid models, a
     recurrent-state component.
 
@@ -94,6 +95,7 @@ class RadixCache(HostTier, RequestHelpers, Diagnostics):
         self._clock = 0
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self._init_tree()
+        self._init_storage()  # L3 hook: no-op without hicache_storage_backend
 
     def _new_state_component(self, allocator: MambaStatePool) -> StateComponent:
         walk = self.policy.state_walk
@@ -179,6 +181,7 @@ class RadixCache(HostTier, RequestHelpers, Diagnostics):
         key, extra_key = resolve_key(key, extra_key)
         if self.hicache is not None:
             self.poll_transfers()
+            self._l3_before_match(key, extra_key)  # L3 hook: prefetch past the tree; never raises
         ps = self.page_size
         end = len(key) - len(key) % ps
         walk = self.tree.walk(key, end, extra_key)

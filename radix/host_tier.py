@@ -117,8 +117,10 @@ class HostTier:
             return
         node.host_state_slot = int(got[0])
         hc.save_state(node.state_slot, node.host_state_slot)
+        self._l3_backup(node)  # L3 hook: the state joins the node's pages; never raises
 
     def _on_write_done(self: RadixCache, node: TreeNode, demote_after: bool) -> None:
+        self._l3_backup(node)  # L3 hook: host copy landed -> pages to L3; never raises
         if node.kv_value is None or not self.tree.is_attached(node):
             return
         self.kv.unlock(node)

@@ -1,0 +1,333 @@
+"""HiCache L3 inside the one tree: page backups after host backups, prefetch on a miss.
+
+::
+
+    device ──write──> host ──(copy landed)──> L3 pages      backup: per write policy, pages
+                        ^                        |          already in L3 are not sent again
+                        └──── prefetch ──────────┘          match: key continues past the tree
+
+* Backup (:meth:`StorageTier._l3_backup`): when a node's host copy has landed (and when a
+  state joins a backed-up node), the node's pages (and the state at its end) are packed from
+  the host pool and queued for the writer thread; the writer stores only missing pages.
+* Prefetch (:meth:`StorageTier._l3_before_match`, at the start of ``match_prefix``): the key's
+  whole pages past the tree's match are hashed and looked up in L3; the leading run found (for
+  a hybrid model: up to the deepest page whose end state is stored) is read, verified, copied
+  into fresh host slots and attached as one host-only node below the match, so the match
+  reports it as a host hit (``last_host_node``) and ``load_back`` brings it to device.
+  ``best_effort``: the lookup runs in the background and its pages join at a later
+  ``match_prefix`` / :meth:`StorageTier.poll_storage`; ``wait_complete``: before the match
+  returns; ``timeout``: waits ``hicache_prefetch_timeout_s`` at most, then as best_effort.
+* Faults never reach the engine: every L3 step is guarded; a fault is logged, counted
+  (``stats()["l3_faults"]``, backend ``l3_backend_errors`` / ``_timeouts`` / ``_corrupt``)
+  and is a miss. Only verified pages are attached, and the tree is changed on the engine
+  thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hicache.storage import (
+    PrefetchJob,
+    StorageController,
+    layout_tag,
+    make_backend,
+    page_hashes,
+    page_key,
+    state_key,
+)
+from radix.node import TreeNode
+
+if TYPE_CHECKING:
+    from hicache.storage import Page
+    from radix.cache import RadixCache
+    from radix.tree import Walk
+
+log = logging.getLogger("hicache.storage")
+
+#: Prefetch jobs in flight at once (a new miss beyond this is not looked up).
+MAX_JOBS = 64
+
+
+class StorageTier:
+    """Mixed into :class:`RadixCache`; everything is a no-op without an L3 backend."""
+
+    storage: StorageController | None
+
+    def _init_storage(self: RadixCache) -> None:
+        """Build the L3 controller when ``hicache_storage_backend`` is set."""
+        self.storage = None
+        self._l3_hashes: weakref.WeakKeyDictionary[TreeNode, list[bytes]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._l3_jobs: dict[str, PrefetchJob] = {}
+        hc = self.hicache
+        if hc is None or hc.config.hicache_storage_backend is None:
+            return
+        cfg = hc.config
+        tag = layout_tag(cfg.hicache_storage_model, self.page_size,
+                         getattr(hc.host_kv, "pool", None), hc.host_state)
+        backend = make_backend(cfg, tag)
+        assert backend is not None
+        self.storage = StorageController(backend, hc.host_kv, hc.host_state, self.page_size, tag,
+                                         cfg.hicache_prefetch_policy,
+                                         cfg.hicache_prefetch_timeout_s)
+
+    def _l3_fault(self: RadixCache, op: str, exc: BaseException) -> None:
+        assert self.storage is not None
+        self.storage.count("faults")
+        log.warning("L3 %s failed (%s: %s); treated as a miss", op, type(exc).__name__,
+                    self.storage.backend.redact(str(exc)))
+
+    # ---------------------------------------------------------------- hashes
+    def _l3_node_hashes(self: RadixCache, node: TreeNode) -> list[bytes] | None:
+        """Chain hashes of ``node``'s pages (memoised per node; a split node keeps the suffix
+        of its list). ``None`` when the namespace cannot be stored."""
+        assert self.storage is not None
+        memo, ps = self._l3_hashes, self.page_size
+        chain: list[TreeNode] = []
+        n = node
+        prev: bytes | None = None
+        while n.parent is not None:
+            cached = memo.get(n)
+            if cached is not None:
+                npages = len(n.key) // ps
+                if len(cached) != npages:  # split: this node kept the lower pages
+                    cached = memo[n] = cached[-npages:]
+                prev = cached[-1]
+                break
+            chain.append(n)
+            n = n.parent
+        if prev is None:
+            prev = self.storage.seed(node.extra_key)
+            if prev is None:
+                return None
+        for m in reversed(chain):
+            hs = page_hashes(prev, m.key, ps)
+            memo[m] = hs
+            prev = hs[-1]
+        return memo[node]
+
+    def _l3_hash_at(self: RadixCache, walk: Walk, extra_key: Any) -> bytes | None:
+        """The chain hash at the end of ``walk``'s match (the seed at 0)."""
+        assert self.storage is not None
+        if walk.partial is not None:
+            hs = self._l3_node_hashes(walk.partial)
+            return None if hs is None else hs[walk.partial_len // self.page_size - 1]
+        if walk.path:
+            hs = self._l3_node_hashes(walk.path[-1])
+            return None if hs is None else hs[-1]
+        return self.storage.seed(extra_key)
+
+    # ---------------------------------------------------------------- backup
+    def _l3_backup(self: RadixCache, node: TreeNode) -> None:
+        """Hook: ``node``'s host copy (KV, or a state that joined it) is complete."""
+        if self.storage is None:
+            return
+        try:
+            self._l3_backup_node(node)
+        except Exception as exc:
+            self._l3_fault("backup", exc)
+
+    def _l3_backup_node(self: RadixCache, node: TreeNode) -> None:
+        st = self.storage
+        assert st is not None
+        if node.parent is None or node.host_value is None:
+            return
+        hashes = self._l3_node_hashes(node)
+        if hashes is None:
+            return
+        ps = self.page_size
+        keys = [page_key(h) for h in hashes]
+        todo = [i for i, k in enumerate(keys) if not st.is_known(k)]
+        st.count("backup_known_skipped", len(keys) - len(todo))
+        items = []
+        if todo:
+            hv = node.host_value
+            slots = hv if len(todo) == len(keys) else torch.cat([hv[i * ps:(i + 1) * ps] for i in todo])
+            for i, (a, b) in zip(todo, st.pack_kv(slots), strict=True):
+                items.append((keys[i], a, b))
+        if node.host_state_slot is not None:
+            sk = state_key(hashes[-1])
+            if st.is_known(sk):
+                st.count("backup_known_skipped")
+            else:
+                items.append((sk, *st.pack_state(node.host_state_slot)))
+        st.submit_writes(items)
+
+    # -------------------------------------------------------------- prefetch
+    def _l3_before_match(self: RadixCache, key: Any, extra_key: Any) -> None:
+        """Hook at the start of ``match_prefix``: attach finished prefetches, then look the
+        key's continuation past the tree up in L3 (per the prefetch policy)."""
+        if self.storage is None:
+            return
+        try:
+            self._l3_harvest()
+            self._l3_prefetch(key, extra_key)
+        except Exception as exc:
+            self._l3_fault("prefetch", exc)
+
+    def _l3_prefetch(self: RadixCache, key: Any, extra_key: Any) -> None:
+        st = self.storage
+        hc = self.hicache
+        assert st is not None and hc is not None
+        ps = self.page_size
+        end = len(key) - len(key) % ps
+        walk = self.tree.walk(key, end, extra_key)
+        m = walk.matched_len
+        npages = min(end - m, hc.host_kv.size) // ps
+        if npages <= 0:
+            return
+        prev = self._l3_hash_at(walk, extra_key)
+        if prev is None:
+            return
+        upto = m + npages * ps
+        hashes = page_hashes(prev, key[m:upto], ps)
+        jk = page_key(hashes[0])
+        job = self._l3_jobs.get(jk)
+        if job is None:
+            if len(self._l3_jobs) >= MAX_JOBS:
+                st.count("prefetch_in_flight_skipped")
+                return
+            job = PrefetchJob(key[:upto], extra_key, m, hashes, self.state is not None)
+            if st.prefetch_policy == "wait_complete":
+                st.start(job, inline=True)
+                self._l3_attach(job, *job.snapshot()[:2])
+                return
+            self._l3_jobs[jk] = job
+            st.start(job, inline=False)
+        if st.prefetch_policy == "wait_complete":
+            job.done.wait()
+        elif st.prefetch_policy == "timeout" and not job.done.wait(st.prefetch_timeout_s):
+            st.count("prefetch_timeouts")
+        self._l3_harvest()
+
+    def _l3_harvest(self: RadixCache) -> int:
+        """Attach the pages prefetch jobs have brought so far; return the tokens attached."""
+        got = 0
+        for jk, job in list(self._l3_jobs.items()):
+            pages, state, finished = job.snapshot()
+            if finished:
+                del self._l3_jobs[jk]
+            if pages and (finished or not job.want_state):
+                got += self._l3_attach(job, pages, state)
+        return got
+
+    def _l3_attach(self: RadixCache, job: PrefetchJob, pages: list[Page], state: Page | None) -> int:
+        """Attach ``pages`` (from ``job.start``) as one host-only node below what the tree
+        already holds of ``job.tokens``; returns the tokens attached (0: dropped)."""
+        st = self.storage
+        assert st is not None
+        if not pages or (job.want_state and state is None):
+            return 0
+        ps = self.page_size
+        upto = job.start + len(pages) * ps
+        walk = self.tree.walk(job.tokens, upto, job.extra_key)
+        m = walk.matched_len
+        if m >= upto:
+            return 0  # the engine computed (or another job brought) these pages meanwhile
+        if m < job.start:
+            st.count("prefetch_dropped", len(pages))  # the prefix left the tree meanwhile
+            return 0
+        first = (m - job.start) // ps
+        now = self._tick()
+        if walk.partial is not None:
+            anchor = self._split_touched(walk.partial, walk.partial_len, now)
+        else:
+            anchor = walk.path[-1] if walk.path else self.root
+        if anchor is not self.root and anchor.host_value is None and not self._backup_chain(anchor):
+            st.count("prefetch_dropped", len(pages) - first)  # backed-up nodes form a prefix
+            return 0
+        tokens = upto - m
+        got = self._l3_alloc_host(anchor, tokens, state is not None)
+        if got is None:
+            st.count("prefetch_dropped", len(pages) - first)
+            return 0
+        host_slots, host_state = got
+        try:
+            st.unpack_kv(host_slots, pages[first:])
+            if state is not None:
+                assert host_state is not None
+                st.unpack_state(host_state, state)
+        except BaseException:  # nothing attached: give the host slots back
+            self._l3_free_host(host_slots, host_state)
+            raise
+        leaf = self.tree.add_leaf(anchor, job.tokens[m:upto], job.extra_key, now)
+        leaf.host_value = host_slots
+        leaf.host_state_slot = host_state
+        self._host_tokens += tokens
+        hashes = job.hashes[first:len(pages)]
+        self._l3_hashes[leaf] = hashes
+        st.mark_known([page_key(h) for h in hashes] + ([state_key(hashes[-1])] if state else []))
+        self._host_refresh(leaf)
+        if anchor is not self.root:
+            self._refresh(anchor)
+        st.count("prefetch_pages", len(pages) - first)
+        st.count("prefetch_tokens", tokens)
+        st.count("prefetch_states", int(state is not None))
+        return tokens
+
+    def _l3_alloc_host(self: RadixCache, anchor: TreeNode, tokens: int, with_state: bool
+                       ) -> tuple[torch.Tensor, int | None] | None:
+        """Host slots for a prefetched chain, evicting host-only leaves (never ``anchor``)."""
+        hc = self.hicache
+        assert hc is not None
+        got = hc.alloc_host(tokens, int(with_state))
+        if got is not None:
+            return got
+        self.host_leaves.discard(anchor)
+        try:
+            self.evict_host(tokens)
+        finally:
+            if anchor.parent is not None:
+                self._host_refresh(anchor)
+        return hc.alloc_host(tokens, int(with_state))
+
+    def _l3_free_host(self: RadixCache, host_slots: torch.Tensor, host_state: int | None) -> None:
+        hc = self.hicache
+        assert hc is not None
+        hc.host_kv.free(host_slots)
+        if host_state is not None:
+            assert hc.host_state is not None
+            hc.host_state.free(torch.tensor([host_state], dtype=torch.int64))
+
+    # ---------------------------------------------------------------- public
+    def poll_storage(self: RadixCache) -> int:
+        """Attach the pages finished prefetches brought (host-only nodes); return the tokens
+        attached. ``match_prefix`` does this itself; an engine may call it between steps."""
+        if self.storage is None:
+            return 0
+        try:
+            return self._l3_harvest()
+        except Exception as exc:
+            self._l3_fault("prefetch", exc)
+            return 0
+
+    def flush_storage(self: RadixCache, timeout_s: float | None = None) -> bool:
+        """Wait for queued L3 writes and running prefetches (at most ``timeout_s``), then
+        attach what the prefetches brought. Returns whether everything finished."""
+        if self.storage is None:
+            return True
+        self.poll_transfers()
+        done = self.storage.flush(timeout_s)
+        self.poll_storage()
+        return done
+
+    def close_storage(self: RadixCache) -> None:
+        """Finish queued writes and close the backend (``flush_storage`` first to keep
+        prefetched pages)."""
+        if self.storage is not None:
+            self.storage.close()
+
+    def stats(self: RadixCache) -> dict[str, Any]:
+        out = super().stats()  # type: ignore[misc]
+        st = self.storage
+        if st is not None:
+            with st._lock:
+                out.update({f"l3_{k}": v for k, v in st.counters.items()})
+            out.update({f"l3_backend_{k}": v for k, v in st.backend.stats.items()})
+        return out
