@@ -131,6 +131,9 @@ class RedisStore(StorageBackend):
         from redis.connection import SSLConnection, parse_url
 
         parsed = [parse_url(u) for u in self._urls]
+        for kw in parsed:  # rediss://: redis-py takes ssl=True, not a connection class
+            if kw.pop("connection_class", None) is SSLConnection:
+                kw["ssl"] = True
         first = dict(parsed[0])
         cluster = len(parsed) > 1
         if not cluster:
@@ -143,9 +146,7 @@ class RedisStore(StorageBackend):
             if not cluster:
                 self.is_cluster = False
                 return probe
-        kwargs = {k: v for k, v in first.items() if k not in ("host", "port", "db", "connection_class")}
-        if first.get("connection_class") is SSLConnection:
-            kwargs["ssl"] = True
+        kwargs = {k: v for k, v in first.items() if k not in ("host", "port", "db")}
         nodes = [ClusterNode(p["host"], p.get("port", 6379)) for p in parsed]
         self.is_cluster = True
         return RedisCluster(startup_nodes=nodes, **kwargs, **self._common())
