@@ -46,10 +46,6 @@ def need_env(name: str) -> str:
     pytest.skip(msg)
 
 
-def redis_targets() -> list[Any]:
-    return [pytest.param(REDIS_ENV, id="redis-single"), pytest.param(CLUSTER_ENV, id="redis-cluster")]
-
-
 def fresh_model() -> str:
     return f"test-{uuid.uuid4().hex[:12]}"
 
@@ -257,8 +253,11 @@ class RedisServer:
         self.start()
 
     def start(self) -> None:
+        ports = ["--port", str(self.port)]
+        if "--tls-cert-file" in self.args:  # TLS only: the plain port off
+            ports = ["--port", "0", "--tls-port", str(self.port)]
         self.proc = subprocess.Popen(
-            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [self.exe, *ports, "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", self.tmp, *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
@@ -293,8 +292,8 @@ def redis_server(tmp_path: Any) -> Any:
 def test_random_bits_cover_nan_payloads_and_round_trip() -> None:
     gen = torch.Generator().manual_seed(0)
     x = random_bits((4096,), torch.float32, gen)
-    assert bool(torch.isnan(x).any()) or bool(torch.isinf(x).any()) or x.numel() == 4096
-    assert torch.equal(bits(x.clone()), bits(x))
+    assert bool(torch.isnan(x).any())  # about 0.4% of float32 bit patterns are NaNs...
+    assert not torch.equal(x, x.clone()) and torch.equal(bits(x.clone()), bits(x))  # ...so compare bits
 
 
 def test_flaky_numbers_calls_and_raises_on_the_chosen_ones(tmp_path: Any) -> None:

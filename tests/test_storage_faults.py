@@ -248,3 +248,36 @@ def test_credentials_never_in_repr_logs_or_stats(secret_server: RedisServer, cac
     with pytest.raises(ValueError) as exc:
         HiCacheConfig(hicache_storage_backend="redis", hicache_storage_url="http://alice:alice-s3cret-pw@h:1")
     assert "alice-s3cret-pw" not in str(exc.value)
+
+
+@pytest.fixture
+def tls_server(tmp_path: Any) -> Iterator[tuple[RedisServer, str]]:
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed (needed to make a test certificate)")
+    cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key,
+                    "-out", cert, "-days", "2", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    server = RedisServer(str(tmp_path), "--tls-cert-file", cert, "--tls-key-file", key,
+                         "--tls-ca-cert-file", cert, "--tls-auth-clients", "no")
+    yield server, cert
+    server.kill()
+
+
+def test_tls_round_trip_and_an_unverified_server_is_a_miss(tls_server: tuple[RedisServer, str]) -> None:
+    server, cert = tls_server
+    url = f"rediss://127.0.0.1:{server.port}/0?ssl_ca_certs={cert}&ssl_cert_reqs=required"
+    store = RedisStore(url, tag="t")
+    key = "cd" * 32
+    assert store.set(key, b"over", b"tls")
+    page = store.get(key)
+    assert page is not None and bytes(page.a) + bytes(page.b) == b"overtls"
+    no_ca = RedisStore(f"rediss://127.0.0.1:{server.port}/0", tag="t", timeout_s=1.0)
+    assert no_ca.get(key) is None and no_ca.stats["errors"] == 1  # self-signed: refused
+    plain = RedisStore(f"redis://127.0.0.1:{server.port}/0", tag="t", timeout_s=0.5)
+    assert plain.get(key) is None and plain.stats["errors"] + plain.stats["timeouts"] == 1
+    for s in (store, no_ca, plain):
+        s.close()

@@ -20,6 +20,7 @@ from tests.test_storage_common import (
     REDIS_ENV,
     assert_same_kv,
     assert_same_state,
+    bits,
     drop_everything,
     fresh_model,
     make,
@@ -190,7 +191,7 @@ def test_prefetch_continues_below_a_partial_match(tmp_path: Any, caches: list[L3
     assert m.prefix_len == 12
     assert torch.equal(m.device_indices[:4], wb.slots[:4])  # B's own first pages
     pool = b.pool
-    assert torch.equal(pool.k_all[:, m.device_indices[4:]], w.k[:, 4:])
+    assert torch.equal(bits(pool.k_all[:, m.device_indices[4:]]), bits(w.k[:, 4:]))
     b.cache.sanity_check()
 
 
@@ -287,4 +288,30 @@ def test_file_store_cap_under_a_working_cache(tmp_path: Any, caches: list[L3]) -
     hits = [b.cache.match_prefix(k).host_hit_length for k in keys]
     assert hits[:-3] == [0] * 9  # their first pages were evicted: a gap hides the rest
     assert hits[-2:] == [8, 8]
+    b.cache.sanity_check()
+
+
+def test_prefetch_below_a_device_only_node_backs_it_up_first(tmp_path: Any, caches: list[L3]) -> None:
+    """write_back: B's own prefix is on device only; backed-up nodes must form a prefix from
+    the root, so B backs its prefix up before attaching the L3 pages below it."""
+    where, model = str(tmp_path), fresh_model()
+    gen = torch.Generator().manual_seed(10)
+    a = make("file", where=where, page_size=2, model=model)
+    b = make("file", where=where, page_size=2, model=model, policy="write_back")
+    caches += [a, b]
+    key = key_of(12)
+    w = put_random(a, key, gen)
+    a.cache.flush_storage(10)
+    put_random(b, key[:4], gen)
+    own = b.cache.match_prefix(key[:4]).last_device_node
+    assert own.host_value is None
+    m = b.cache.match_prefix(key)
+    assert (m.prefix_len, m.host_hit_length) == (4, 8)
+    assert own.host_value is not None  # backed up on the way
+    b.cache.poll_transfers()
+    b.cache.sanity_check()
+    assert b.cache.load_back(m.last_host_node) == 8
+    m = b.cache.match_prefix(key)
+    assert m.prefix_len == 12
+    assert torch.equal(bits(b.pool.k_all[:, m.device_indices[4:]]), bits(w.k[:, 4:]))
     b.cache.sanity_check()
