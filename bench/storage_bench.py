@@ -1,0 +1,93 @@
+"""Page throughput of the L3 backends: pages/s and MiB/s, written and read, batched or not.
+
+    python -m bench.storage_bench                                  # file store only
+    eval "$(bash .ci/redis-up)"; python -m bench.storage_bench     # + Redis node and cluster
+    python -m bench.storage_bench --page-bytes 1M --pages 128 --batch 1 64 --json out.json
+
+Each run writes ``--pages`` fresh pages of ``--page-bytes`` random bytes (through the whole
+interface: record header, checksum, set-if-absent) in batches of ``--batch`` pages, then
+reads them back (verification included) in the same batches. Redis URLs come from
+``--redis-url`` / ``--cluster-urls`` or the ``HPC_REDIS_URL`` / ``HPC_REDIS_CLUSTER_URLS``
+variables that ``.ci/redis-up`` prints; a backend without a URL is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.replay import parse_count
+from hicache.storage import FileStore, RedisStore, StorageBackend
+
+
+def bench_one(store: StorageBackend, page_bytes: int, pages: int, batch: int) -> dict[str, Any]:
+    run = uuid.uuid4().hex
+    keys = [hashlib.sha256(f"{run}/{i}".encode()).hexdigest() for i in range(pages)]
+    half = page_bytes // 2
+    body = os.urandom(page_bytes)
+    a, b = body[:half], body[half:]
+    t0 = time.perf_counter()
+    written = 0
+    for lo in range(0, pages, batch):
+        written += store.batch_set([(k, a, b) for k in keys[lo:lo + batch]])
+    t1 = time.perf_counter()
+    got = 0
+    for lo in range(0, pages, batch):
+        got += sum(p is not None for p in store.batch_get(keys[lo:lo + batch]))
+    t2 = time.perf_counter()
+    mib = pages * page_bytes / 2**20
+    assert written == pages and got == pages, (written, got, store.stats)
+    return {
+        "write_pages_s": round(pages / (t1 - t0), 1),
+        "write_mib_s": round(mib / (t1 - t0), 1),
+        "read_pages_s": round(pages / (t2 - t1), 1),
+        "read_mib_s": round(mib / (t2 - t1), 1),
+    }
+
+
+def backends(args: argparse.Namespace, tmp: str) -> list[tuple[str, StorageBackend]]:
+    out: list[tuple[str, StorageBackend]] = [("file", FileStore(Path(tmp) / "l3", tag="bench"))]
+    single = args.redis_url or os.environ.get("HPC_REDIS_URL")
+    cluster = args.cluster_urls or os.environ.get("HPC_REDIS_CLUSTER_URLS")
+    if single:
+        out.append(("redis-single", RedisStore(single, tag="bench", prefix="bench:", timeout_s=10)))
+    if cluster:
+        out.append(("redis-cluster", RedisStore(cluster, tag="bench", prefix="bench:", timeout_s=10)))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.storage_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--page-bytes", type=parse_count, default=parse_count("256K"))
+    p.add_argument("--pages", type=int, default=256)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--redis-url", default=None)
+    p.add_argument("--cluster-urls", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, store in backends(args, tmp):
+            for batch in args.batch:
+                r = {"backend": name, "batch": batch, "page_bytes": args.page_bytes,
+                     "pages": args.pages, **bench_one(store, args.page_bytes, args.pages, batch)}
+                rows.append(r)
+                print(f"{name:14s} batch={batch:<4d} write {r['write_pages_s']:>9.1f} pages/s "
+                      f"{r['write_mib_s']:>8.1f} MiB/s   read {r['read_pages_s']:>9.1f} pages/s "
+                      f"{r['read_mib_s']:>8.1f} MiB/s", flush=True)
+            store.close()
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
