@@ -102,6 +102,13 @@ class SlotAllocator(ABC):
         Complexity: O(n), vectorised.
         """
 
+    def free_owned(self, indices: torch.Tensor | int) -> None:
+        """Free slots the caller provably holds. Subclasses may skip the boundary checks
+        (foreign / double free) here; this default runs them (:meth:`free`)."""
+        if isinstance(indices, int):
+            indices = torch.tensor([indices], dtype=torch.int64)
+        self.free(indices)
+
     @abstractmethod
     def undo_alloc(self, indices: torch.Tensor) -> None:
         """Give back slots from a recent ``alloc`` to the *front* of the free list.

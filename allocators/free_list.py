@@ -137,6 +137,15 @@ class FreeList:
         self._write((self._head + self._num_free) % self._capacity, arr)
         self._mark_free(arr)
 
+    def release_owned(self, arr: np.ndarray) -> None:
+        """Free ids the caller provably holds (the cache freeing its own nodes' slots):
+        like :meth:`release` without the checks. Misuse is caught by ``check()`` and the
+        cache's ``sanity_check``, not here."""
+        if arr.size == 0:
+            return
+        self._write((self._head + self._num_free) % self._capacity, arr)
+        self._mark_free(arr)
+
     def restore(self, ids: torch.Tensor) -> None:
         """Undo a ``take``: prepend ``ids`` (in the given order) to the front of the free list.
 

@@ -24,6 +24,7 @@ Bookkeeping stays on the CPU (numpy ring buffer + ``is_free`` mask); results are
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ._checks import as_index_tensor, check_device, check_int, check_positive_int
@@ -84,6 +85,17 @@ class _FreeListAllocator(SlotAllocator):
     def free(self, indices: torch.Tensor) -> None:
         pages = self._slots_to_pages(as_index_tensor(indices, "indices"))
         self._pages.release(pages)
+
+    def free_owned(self, indices: torch.Tensor | int) -> None:
+        """Free slots the caller provably holds, skipping the foreign / double-free checks
+        (the radix cache frees its own nodes' slots this way). Same order as :meth:`free`."""
+        if isinstance(indices, int):
+            arr = np.array([indices], dtype=np.int64)
+        else:
+            arr = (indices if indices.device.type == "cpu" else indices.cpu()).numpy()
+        if self._page_size != 1:
+            arr = arr[:: self._page_size] // self._page_size
+        self._pages.release_owned(arr)
 
     def undo_alloc(self, indices: torch.Tensor) -> None:
         pages = self._slots_to_pages(as_index_tensor(indices, "indices"))

@@ -35,6 +35,8 @@ class KVComponent:
                 *device* leaf (on device, no child on device) rather than a childless node.
         """
         self.allocator = allocator
+        # The tree frees only slots its nodes hold: skip the allocator's boundary checks.
+        self._free = getattr(allocator, "free_owned", allocator.free)
         self.host_tier = host_tier
         self.leaves = OrderedNodeSet(key_fn)
         self._evictable = 0
@@ -42,9 +44,10 @@ class KVComponent:
 
     # ------------------------------------------------------------------ values
     def attach(self, node: TreeNode, value: torch.Tensor) -> None:
-        """Give a new node (``kv_lock == 0``) its slots."""
-        node.kv_value = value
-        self._evictable += len(value)
+        """Give a node (``kv_lock == 0``) its slots: a copy, so the node does not keep the
+        caller's whole tensor alive (8 bytes per cached token, not the request's length)."""
+        node.kv_value = value.clone()
+        self._evictable += value.shape[0]
 
     def on_split(self, upper: TreeNode, lower: TreeNode, split_len: int) -> None:
         value = lower.kv_value
@@ -59,8 +62,8 @@ class KVComponent:
         value = node.kv_value
         assert value is not None and node.kv_lock == 0, node
         self.leaves.discard(node)
-        self._evictable -= len(value)
-        self.allocator.free(value)
+        self._evictable -= value.shape[0]
+        self._free(value)
         node.kv_value = None
 
     def is_candidate(self, node: TreeNode) -> bool:

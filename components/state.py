@@ -112,7 +112,11 @@ class StateComponent:
         del self.slot_to_node[slot]
         node.state_slot = None
         self._evictable -= 1
-        self.allocator.free(_slot_tensor(slot))
+        free_owned = getattr(self.allocator, "free_owned", None)
+        if free_owned is not None:
+            free_owned(slot)
+        else:
+            self.allocator.free(_slot_tensor(slot))
 
     def on_split(self, upper: TreeNode, lower: TreeNode, split_len: int) -> None:
         """The state stays on ``lower`` (valid at its end); ``upper`` starts without one."""

@@ -259,17 +259,8 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         st["match_tokens"] += len(key)
         st["hit_tokens"] += prefix_len
         st["kv_hit_tokens"] += kv_hit
-        return MatchResult(
-            device_indices=indices,  # type: ignore[arg-type]
-            prefix_len=prefix_len,
-            kv_hit_length=kv_hit,
-            last_device_node=last,
-            state_slot=state_slot,
-            branching_seqlen=branching,
-            last_host_node=last_host,
-            host_hit_length=host_hit,
-            swa_miss_tokens=swa_miss,
-        )
+        return MatchResult(indices, prefix_len, kv_hit, last, state_slot, branching,  # type: ignore[arg-type]
+                           last_host, host_hit, swa_miss)
 
     # ============================================================== inserting
     def _check_value(self, value: Any, n: int) -> torch.Tensor:
@@ -279,11 +270,15 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
             raise TypeError(f"value must have dtype torch.int64, got {value.dtype}")
         if value.dim() != 1:
             raise ValueError(f"value must be 1-D, got shape {tuple(value.shape)}")
-        if len(value) != n:
-            raise ValueError(f"value has {len(value)} slots but key has {n} tokens; lengths must match")
+        if value.shape[0] != n:
+            raise ValueError(f"value has {value.shape[0]} slots but key has {n} tokens; lengths must match")
         if value.device != self.device:
             raise ValueError(f"value is on {value.device}, the KV allocator on {self.device}")
-        if n:
+        return value
+
+    def _check_value_range(self, value: torch.Tensor) -> None:
+        """The slots the tree may adopt lie inside the KV pool (checked before any mutation)."""
+        if value.shape[0]:
             lo, hi = torch.aminmax(value)
             alloc = self.kv.allocator
             limit = alloc.size + self.page_size
@@ -293,7 +288,6 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
                     f"value holds slot {bad}, outside the KV pool's slots "
                     f"[{self.page_size}, {alloc.size + self.page_size})"
                 )
-        return value
 
     def _check_state_slot(self, state_slot: Any) -> None:
         if state_slot is None:
@@ -356,6 +350,10 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
                 f"component (the key adds tokens [{prefix_len}, {end}) and a leaf never stays "
                 "without a state)"
             )
+        # Only slots the tree may adopt need a range check: the new tail, and with SWA or
+        # HiCache (revival) every position.
+        revive = self.swa is not None or self.hicache is not None
+        self._check_value_range(value[: end] if revive else value[prefix_len:end])
         # ---- validated: mutate from here on
         path = walk.path
         now = self._tick()
@@ -399,17 +397,7 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
             adopted = True
         if self.hicache is not None:
             self._write_policy_backup(path, last)
-        return InsertResult(
-            prefix_len=prefix_len,
-            inserted_len=inserted,
-            adopted_indices=value[prefix_len:inserted],
-            remainder_indices=value[inserted:],
-            last_node=last,
-            state_adopted=adopted,
-            revived_indices=revived,
-            _caller_prefix=value[:prefix_len],
-            _tree_prefix=tree_prefix,  # type: ignore[arg-type]
-        )
+        return InsertResult(prefix_len, inserted, last, adopted, revived, value, tree_prefix)  # type: ignore[arg-type]
 
     def _revive_host_only(self, path: list[TreeNode], value: torch.Tensor) -> torch.Tensor:
         """Insert through host-only nodes: they take the caller's device slots (the caller

@@ -23,6 +23,7 @@ class TreeNode:
     """One node of the radix tree.
 
     Attributes (units in brackets):
+        owner: id of the tree holding the node; 0 once removed (handles are checked in O(1)).
         key: token ids of this segment, ``array('q')`` [tokens]; a whole number of pages.
         children: first page of a child's key -> child. At the root the page is prefixed by the
             request's ``extra_key``: ``(extra_key, page)``.
@@ -49,6 +50,7 @@ class TreeNode:
 
     __slots__ = (
         "id",
+        "owner",
         "key",
         "children",
         "parent",
@@ -76,8 +78,9 @@ class TreeNode:
         "__weakref__",
     )
 
-    def __init__(self, node_id: int, clock: int) -> None:
+    def __init__(self, node_id: int, clock: int, owner: int = 0) -> None:
         self.id = node_id
+        self.owner = owner
         self.key: array = array("q")
         self.children: dict[Any, TreeNode] = {}
         self.parent: TreeNode | None = None

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
 from radix.node import TreeNode
 
 
-@dataclass(frozen=True)
-class MatchResult:
-    """Result of :meth:`RadixCache.match_prefix`.
+class MatchResult(NamedTuple):
+    """Result of :meth:`RadixCache.match_prefix` (an immutable tuple: cheap to build).
 
     Attributes:
         device_indices: 1-D int64 tensor of KV slot indices of the usable prefix,
@@ -51,39 +49,50 @@ class MatchResult:
         return self.kv_hit_length - self.prefix_len
 
 
-@dataclass(frozen=True)
-class InsertResult:
+class InsertResult(NamedTuple):
     """Result of :meth:`RadixCache.insert`: exactly what happened to the caller's slots.
 
     Attributes:
         prefix_len: leading tokens that were already cached [tokens].
         inserted_len: tokens of the key now in the tree (the key cut to whole pages).
-        adopted_indices: the caller's slots the tree now owns (``value[prefix_len:inserted_len]``).
-        remainder_indices: the partial-page tail ``value[inserted_len:]``; still the caller's.
-        duplicate_indices: the caller's slots in ``[0, prefix_len)`` that differ from the tree's
-            slots there: the caller must free them (slots it got from the tree are not listed).
         last_node: the node ending at ``inserted_len`` (the root when 0).
-        revived_indices: the caller's slots the tree took over tombstoned SWA nodes (their old
-            full slots were freed by the tree); not duplicates, not the caller's any more.
         state_adopted: whether the tree took ``state_slot``; when False the caller still owns it.
+        revived_indices: the caller's slots the tree took over tombstoned SWA nodes or
+            host-only nodes (their old device slots, if any, were freed by the tree); not
+            duplicates, not the caller's any more.
+        value: the caller's slot tensor, as passed.
+        tree_slots: the tree's slot tensors over ``[0, prefix_len)``, one per node.
+
+    Properties (computed on access): ``adopted_indices`` (``value[prefix_len:inserted_len]``,
+    now the tree's), ``remainder_indices`` (``value[inserted_len:]``, the partial-page tail,
+    still the caller's), ``duplicate_indices`` (the caller's slots in ``[0, prefix_len)`` that
+    differ from the tree's: the caller frees them; slots it got from the tree are not listed).
     """
 
     prefix_len: int
     inserted_len: int
-    adopted_indices: torch.Tensor
-    remainder_indices: torch.Tensor
     last_node: TreeNode
     state_adopted: bool
     revived_indices: torch.Tensor
-    _caller_prefix: torch.Tensor = field(repr=False)
-    _tree_prefix: list[torch.Tensor] = field(repr=False)
+    value: torch.Tensor
+    tree_slots: list[torch.Tensor]
 
-    @cached_property
+    @property
+    def adopted_indices(self) -> torch.Tensor:
+        return self.value[self.prefix_len : self.inserted_len]
+
+    @property
+    def remainder_indices(self) -> torch.Tensor:
+        return self.value[self.inserted_len :]
+
+    @property
     def duplicate_indices(self) -> torch.Tensor:
+        caller = self.value[: self.prefix_len]
         if self.prefix_len == 0:
-            return self._caller_prefix[:0]
-        tree = self._tree_prefix[0] if len(self._tree_prefix) == 1 else torch.cat(self._tree_prefix)
-        return self._caller_prefix[self._caller_prefix != tree]
+            return caller
+        ts = self.tree_slots
+        tree = ts[0] if len(ts) == 1 else torch.cat(ts)
+        return caller[caller != tree]
 
 
 @dataclass(frozen=True)

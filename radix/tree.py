@@ -154,7 +154,11 @@ class Walk:
 class RadixTree:
     """Nodes over page-aligned token keys, namespaced by ``extra_key`` at the root."""
 
+    _next_uid = 0
+
     def __init__(self, page_size: int, split_hook: SplitHook) -> None:
+        RadixTree._next_uid += 1
+        self.uid = RadixTree._next_uid
         self.page_size = page_size
         self._split_hook = split_hook
         self._next_id = 0
@@ -162,7 +166,7 @@ class RadixTree:
         self.num_nodes = 0  # excluding the root
 
     def new_node(self, clock: int) -> TreeNode:
-        node = TreeNode(self._next_id, clock)
+        node = TreeNode(self._next_id, clock, self.uid)
         self._next_id += 1
         return node
 
@@ -258,15 +262,13 @@ class RadixTree:
         del parent.children[self.child_key(parent, node.key, 0, node.extra_key)]
         node.parent = None
         node.depth = -1
+        node.owner = 0
         self.num_nodes -= 1
         return parent
 
     def is_attached(self, node: TreeNode) -> bool:
-        """Whether ``node`` is in this tree (not removed, not from another cache). O(depth)."""
-        n = node
-        while n.parent is not None:
-            n = n.parent
-        return n is self.root
+        """Whether ``node`` is in this tree (not removed, not from another cache). O(1)."""
+        return node.owner == self.uid
 
     def iter_nodes(self) -> list[TreeNode]:
         """Every node except the root, parents before children."""
