@@ -233,12 +233,12 @@ class HostTier:
         hc = self.hicache
         assert hc is not None
         if node.host_value is not None:
-            hc.host_kv.free(node.host_value)
+            hc.host_kv.free_owned(node.host_value)
             self._host_tokens -= len(node.key)
             node.host_value = None
         if node.host_state_slot is not None:
             assert hc.host_state is not None
-            hc.host_state.free(torch.tensor([node.host_state_slot], dtype=torch.int64))
+            hc.host_state.free_owned(node.host_state_slot)
             node.host_state_slot = None
 
     # ------------------------------------------------------------ load back
