@@ -109,6 +109,11 @@ class GDSStrategy:
         self._live.pop(node.id, None)
         node.gds_ver += 1
 
+    def requeue(self, node: TreeNode) -> None:
+        """Give ``node`` a current heap entry again (it was popped but kept its state)."""
+        if node.id in self._live:
+            self._push(node, self.true_priority(node))
+
     def _compact(self) -> None:
         self._heap = []
         for n in self._live.values():

@@ -142,6 +142,15 @@ class StateComponent:
                 self.gds.on_use(node)  # released by its last request
         self.refresh(node)
 
+    def requeue(self, node: TreeNode) -> None:
+        """A popped victim kept its state (its write-back copy is in flight): file it again."""
+        if node.state_slot is None:
+            return
+        if self.gds is not None:
+            self.gds.requeue(node)
+        else:
+            self.refresh(node)
+
     # ---------------------------------------------------------------- eviction
     def pop_victim(self) -> TreeNode | None:
         """The next state to evict (walk order of the configured strategy), or ``None``."""

@@ -670,8 +670,10 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         tokens = states = swa = 0
         if self.hicache is not None:
             self.poll_transfers()
+        pending = self._evict_pending
+        start = pending[0]
         leaves = self.kv.leaves
-        while tokens < num_tokens:
+        while tokens + pending[0] - start < num_tokens:  # write-back copies in flight count
             node = leaves.pop_first()
             if node is None:
                 break
@@ -694,7 +696,9 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         if state is None:
             raise ValueError("evict_states on a cache without a recurrent-state component")
         tokens = states = swa = 0
-        while states < num_states:
+        pending = self._evict_pending
+        start = pending[1]
+        while states + pending[1] - start < num_states:  # write-back copies in flight count
             node = state.pop_victim()
             if node is None:
                 break
@@ -707,6 +711,8 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
                 tokens += t
                 states += s
                 swa += w
+                if node.state_slot is not None and node.owner:  # copy in flight: state stays
+                    state.requeue(node)
         return EvictResult(tokens, states, swa)
 
     def evict_swa(self, num_tokens: int) -> EvictResult:

@@ -41,6 +41,8 @@ class HostTier:
     def _init_host(self: RadixCache) -> None:
         self.host_leaves = OrderedNodeSet(_lru)
         self._host_tokens = 0
+        self._host_pinned: set[int] = set()  # node ids a load_back is bringing to device
+        self._evict_pending = [0, 0]  # write-back tokens / states in flight for eviction
 
     # ------------------------------------------------------------ residency
     @staticmethod
@@ -53,6 +55,7 @@ class HostTier:
             and node.kv_value is None
             and node.host_value is not None
             and not node.children
+            and node.id not in self._host_pinned
         ):
             self.host_leaves.update(node)
         else:
@@ -121,12 +124,20 @@ class HostTier:
 
     def _on_write_done(self: RadixCache, node: TreeNode, demote_after: bool) -> None:
         self._l3_backup(node)  # L3 hook: host copy landed -> pages to L3; never raises
+        if demote_after:
+            self._evict_pending[0] -= len(node.key)
+            self._evict_pending[1] -= int(node.state_slot is not None)
         if node.kv_value is None or not self.tree.is_attached(node):
             return
         self.kv.unlock(node)
         self._refresh(node)
+        if self._dead_leaf(node):  # its children left while the copy was in flight
+            self._remove_leaf(node)
+            return
         if demote_after and node.kv_lock == 0 and self._is_device_leaf(node):
             self._demote(node)
+        if self.state is not None and node.state_slot is not None:
+            self.state.requeue(node)
 
     def poll_transfers(self: RadixCache) -> int:
         """Finish completed device -> host copies (unlock, demote); returns how many."""
@@ -150,6 +161,8 @@ class HostTier:
             return self._remove_leaf(node)
         if node.host_value is None and hc.config.hicache_write_policy == "write_back":
             if self._backup_chain(node, demote_after=True):
+                self._evict_pending[0] += len(node.key)
+                self._evict_pending[1] += int(node.state_slot is not None)
                 before = self._stats["evicted_tokens"], self._stats["evicted_states"]
                 self.poll_transfers()
                 return (self._stats["evicted_tokens"] - before[0],
@@ -208,11 +221,10 @@ class HostTier:
         """Remove a host-only leaf: free its host slots and host state; cascade."""
         hc = self.hicache
         assert hc is not None and node.kv_value is None and not node.children, node
-        freed = 0
+        before = self._host_tokens
         while True:
             self.host_leaves.discard(node)
             self._free_host(node)
-            freed += len(node.key)
             parent = self.tree.remove_leaf(node)
             if parent is self.root:
                 break
@@ -223,9 +235,10 @@ class HostTier:
                     continue
                 break
             self._refresh(parent)
-            if self._dead_leaf(parent):
+            if self._dead_leaf(parent):  # a device node left a dead leaf: its host copy goes too
                 self._remove_leaf(parent)
             break
+        freed = before - self._host_tokens
         self._stats["host_evicted_tokens"] += freed
         return freed
 
@@ -279,9 +292,16 @@ class HostTier:
             return 0
         if anchor is not self.root:
             self.kv.lock(anchor)
+        pinned = {c.id for c in chain}
+        self._host_pinned |= pinned  # making room must not evict the chain from host
+        for c in chain:
+            self.host_leaves.discard(c)
         try:
             got = self._alloc_device(tokens, int(want_state))
         finally:
+            self._host_pinned -= pinned
+            for c in chain:
+                self._host_refresh(c)
             if anchor is not self.root:
                 self.kv.unlock(anchor)
                 self._refresh(anchor)

@@ -1,8 +1,4 @@
-"""Library bugs of the host tier, each pinned by a minimal repro as a strict xfail.
-
-Each test states the expected behaviour; when the library is fixed the test passes, the strict
-xfail turns into a failure, and the marker must be removed.
-"""
+"""Regressions: host-tier bugs found by these tests, each a minimal repro, now fixed."""
 
 from __future__ import annotations
 
@@ -21,10 +17,6 @@ from tests.test_hicache_common import (
 )
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "BUG: load_back under write_back evicts on device; the write-back copy of the evicted leaf "
-    "calls evict_host, which removes the very host-only chain being loaded back; load_back then "
-    "concatenates host_value=None (TypeError) after taking device slots it never gives back"))
 def test_load_back_under_write_back_does_not_host_evict_its_own_chain() -> None:
     h = make(size=8, policy="write_back", ratio=1.5)  # host: 12 slots
     c = h.cache
@@ -44,10 +36,6 @@ def test_load_back_under_write_back_does_not_host_evict_its_own_chain() -> None:
         assert x.kv_value is not None and c.match_prefix([1, 2, 3, 4, 5, 6]).prefix_len == 6
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a node backed up without any state (split upper / internal node) whose children are "
-    "removed while its copy is in flight is unlocked by _on_write_done without being pruned: "
-    "an unlocked dead leaf (sanity_check fails)"))
 def test_stateless_node_whose_copy_lands_childless_is_pruned() -> None:
     h = make(size=16, states=4, policy="write_through_selective")
     c = h.cache
@@ -66,10 +54,6 @@ def test_stateless_node_whose_copy_lands_childless_is_pruned() -> None:
     check_accounting(h)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: evict(n) under write_back does not count tokens whose write-back copy is in flight, "
-    "so while copies are asynchronous (CUDA; hold_completions on CPU) it starts a backup of "
-    "every unlocked device leaf and all of them are demoted when the copies land"))
 def test_write_back_eviction_in_flight_stops_at_its_target() -> None:
     h = make(size=16, policy="write_back")
     c = h.cache
@@ -84,11 +68,6 @@ def test_write_back_eviction_in_flight_stops_at_its_target() -> None:
     assert free_slots(h.kv)[-4:] == [1, 2, 3, 4] and h.kv.available_size() == 8
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: GDS evict_states pops a leaf's heap entry and starts its write-back copy; while the "
-    "copy is in flight nothing is freed and the entry is never re-seeded, so the state has no "
-    "heap entry (sanity_check fails) and, if a request locks the node before the copy lands, "
-    "the state can never be evicted again"))
 def test_gds_state_popped_for_an_in_flight_write_back_stays_evictable() -> None:
     h = make(size=16, states=4, policy="write_back", eviction="gds")
     c = h.cache
@@ -108,10 +87,6 @@ def test_gds_state_popped_for_an_in_flight_write_back_stays_evictable() -> None:
     c.sanity_check()  # actual: "state on ... has no current GDS heap entry"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: evict_host returns (and host_evicted_tokens counts) only host-only leaves; when their "
-    "removal leaves a device parent as a dead leaf (hybrid, no state anywhere), that parent is "
-    "removed too and its host copy freed without being counted"))
 def test_evict_host_counts_every_host_token_it_frees() -> None:
     h = make(size=16, states=4)
     c = h.cache

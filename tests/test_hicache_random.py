@@ -295,9 +295,11 @@ def test_random_operations(policy: str, hybrid: bool, page_size: int, seed: int)
 @pytest.mark.parametrize("eviction", ["gds", "joint_lru", "mru", "lfu"])
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_random_operations_under_other_eviction_policies(eviction: str, policy: str) -> None:
-    # GDS with write-back copies held in flight trips the bug pinned by
-    # test_hicache_bugs.test_gds_state_popped_for_an_in_flight_write_back_stays_evictable.
-    hold = not (eviction == "gds" and policy == "write_back")
-    hz = Harness(31, policy, True, 1, eviction=eviction, hold=hold)
-    hz.run(200)
-    assert hz.c.stats()["load_back_tokens"] > 0
+    # Copies held in flight (the GDS write-back bug is fixed); an evict under write_back
+    # now counts copies in flight, so fewer nodes reach host: two seeds, some load-back.
+    loaded = 0
+    for seed in (31, 32):
+        hz = Harness(seed, policy, True, 1, eviction=eviction, hold=True)
+        hz.run(200)
+        loaded += hz.c.stats()["load_back_tokens"]
+    assert loaded > 0
