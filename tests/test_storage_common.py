@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -231,10 +232,22 @@ def wrap_flaky(h: L3, **kw: Any) -> Flaky:
 
 
 # =============================================================== redis servers
-def free_port() -> int:
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port() -> int:
+    """A free loopback port whose cluster-bus port (+10000) is free too."""
+    rng = random.Random()
+    while True:
+        port = rng.randint(20000, 45000)
+        if _bindable(port) and _bindable(port + 10000):
+            return port
 
 
 class RedisServer:

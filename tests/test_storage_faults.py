@@ -281,3 +281,83 @@ def test_tls_round_trip_and_an_unverified_server_is_a_miss(tls_server: tuple[Red
     assert plain.get(key) is None and plain.stats["errors"] + plain.stats["timeouts"] == 1
     for s in (store, no_ca, plain):
         s.close()
+
+
+@pytest.fixture
+def private_cluster(tmp_path: Any) -> Iterator[list[RedisServer]]:
+    import shutil
+    import subprocess
+
+    if shutil.which("redis-cli") is None:
+        pytest.skip("redis-cli is not installed (.ci/redis-up installs it)")
+    nodes = []
+    for i in range(3):
+        d = tmp_path / f"n{i}"
+        d.mkdir()
+        nodes.append(RedisServer(str(d), "--cluster-enabled", "yes", "--cluster-config-file",
+                                 "nodes.conf", "--cluster-node-timeout", "1000"))
+    try:
+        subprocess.run(["redis-cli", "--cluster", "create",
+                        *[f"127.0.0.1:{n.port}" for n in nodes],
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True,
+                       timeout=30)
+        wait_cluster_ok(nodes)
+        yield nodes
+    finally:
+        for n in nodes:
+            n.kill()
+
+
+def wait_cluster_ok(nodes: list[RedisServer], timeout_s: float = 15.0) -> None:
+    import redis
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if all(redis.Redis(port=n.port).cluster("info").get("cluster_state") == "ok"
+                   for n in nodes):
+                return
+        except Exception:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError("private cluster did not reach cluster_state:ok")
+
+
+def test_a_cluster_node_killed_mid_replay_and_restarted(private_cluster: list[RedisServer],
+                                                        caches: list[L3]) -> None:
+    nodes = private_cluster
+    urls = ",".join(n.url for n in nodes)
+    gen = torch.Generator().manual_seed(12)
+    model = fresh_model()
+    a = make("redis", where=urls, page_size=2, model=model, size=64)
+    caches.append(a)
+    a.cache.storage.backend.cooldown_s = 0.05  # type: ignore[union-attr]
+    keys = [key_of(8, base=1000 * i) for i in range(9)]
+    written = []
+    for i, k in enumerate(keys):
+        if i == 3:
+            nodes[1].kill()  # a third of the hash slots gone
+        if i == 6:
+            nodes[1].start()  # rejoins with its slots (nodes.conf), without its data
+            wait_cluster_ok(nodes)
+            time.sleep(0.1)
+        written.append(put_random(a, k, gen))  # never raises
+        a.cache.flush_storage(30)
+        a.cache.evict(a.kv.size)
+        a.cache.sanity_check()
+    st = a.cache.stats()
+    assert st["l3_backend_errors"] + st["l3_backend_timeouts"] >= 1
+    b = make("redis", where=urls, page_size=2, model=model, size=64)
+    caches.append(b)
+    hits = []
+    for k, w in zip(keys, written, strict=True):
+        m = b.cache.match_prefix(k)
+        hits.append(m.host_hit_length)
+        if m.host_hit_length:
+            assert b.cache.load_back(m.last_host_node) == m.host_hit_length
+            m = b.cache.match_prefix(k)
+            assert_same_kv(b, m.device_indices, w, m.prefix_len)  # what survived is exact
+        b.cache.sanity_check()
+    assert hits[6:] == [8, 8, 8]  # written after the restart: found through the whole cluster
+    # Before it: the leading run of pages that survived (the restarted node lost its own).
+    assert all(h % 2 == 0 and h <= 8 for h in hits[:6])
