@@ -12,7 +12,7 @@ from bench.trace_stats import main as stats_main
 from bench.tracelab_convert import block_runs, convert, to_mooncake_lines
 from bench.traces import TraceRequest, load_trace
 
-TRACELAB = Path("/work/shared/traces/tracelab_example_round_trace.jsonl")
+TRACELAB = Path(__file__).resolve().parents[2] / "shared" / "traces" / "tracelab_example_round_trace.jsonl"
 
 
 def req(ids: list[int], length: int, ts: float = 0.0) -> TraceRequest:
