@@ -35,7 +35,15 @@ from bench.presets import PRESETS, get_preset, split_memory
 from bench.replay import parse_count
 from bench.sim_policies import BASELINE_POLICIES
 from bench.simulator import SimConfig, SimResult
-from bench.sweep import Sweep, csv_row, parse_sweep, run_all, write_csv, write_sweep_plot
+from bench.sweep import (
+    Sweep,
+    csv_row,
+    fmt_value,
+    parse_sweep,
+    run_all,
+    write_csv,
+    write_sweep_plot,
+)
 from bench.traces import TraceFormatError, load_trace, resolve_trace_path, sniff_format
 from radix import CacheConfig
 
@@ -165,7 +173,7 @@ _COLUMNS = (
 def _row(r: SimResult, value: float | None) -> list[str]:
     m, t, e = r.metrics, r.timing, r.config.engine
     return [
-        "" if value is None else f"{value:,g}", r.label, f"{e.kv_tokens:,}", f"{e.state_slots:,}",
+        "" if value is None else fmt_value(value), r.label, f"{e.kv_tokens:,}", f"{e.state_slots:,}",
         str(e.concurrency), f"{m.token_hit_rate:.4f}", f"{m.kv_hit_rate:.4f}",
         f"{m.state_miss_tokens.mean:,.1f}", f"{m.prefill_cost.mean:.4f}",
         f"{t.ttft_p50:.2f}", f"{t.ttft_p90:.2f}",
@@ -206,9 +214,9 @@ def beats_reference(results: Sequence[SimResult], values: Sequence[float | None]
             won.append(f"prefill {r.metrics.prefill_cost.mean:.4f} < "
                        f"{b.metrics.prefill_cost.mean:.4f} s/req")
         if r.timing.ttft_p90 < b.timing.ttft_p90:
-            won.append(f"p90 TTFT {r.timing.ttft_p90:.2f} < {b.timing.ttft_p90:.2f} s")
+            won.append(f"p90 TTFT {r.timing.ttft_p90:.3f} < {b.timing.ttft_p90:.3f} s")
         if won:
-            where = "" if v is None else f" at {v:,g}"
+            where = "" if v is None else f" at {fmt_value(v)}"
             out.append(f"{r.label}{where}: " + ", ".join(won))
     return out
 

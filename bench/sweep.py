@@ -31,6 +31,7 @@ from bench.traces import TraceRequest
 
 __all__ = [
     "AXES",
+    "fmt_value",
     "CSV_FIELDS",
     "Sweep",
     "csv_row",
@@ -102,6 +103,18 @@ def parse_sweep(text: str) -> Sweep:
     if axis in _INT_AXES:
         values = tuple(int(v) for v in values)
     return Sweep(axis, values)
+
+
+def fmt_value(v: float) -> str:
+    """A swept value for tables and ticks: ``16M``, ``512K``, ``2,048``, ``0.25``."""
+    if float(v).is_integer():
+        n = int(v)
+        if n >= 100_000 and n % 1_000_000 == 0:
+            return f"{n // 1_000_000}M"
+        if n >= 100_000 and n % 1_000 == 0:
+            return f"{n // 1_000}K"
+        return f"{n:,}"
+    return f"{v:g}"
 
 
 # ------------------------------------------------------------------- parallel runs
@@ -242,7 +255,7 @@ def write_sweep_plot(path: str | Path, results: Sequence[SimResult], sweep: Swee
         if log:
             ax.set_xscale("log")
             ax.minorticks_off()
-        ax.set_xticks(ticks, [f"{t:,g}" for t in ticks])
+        ax.set_xticks(ticks, [fmt_value(t) for t in ticks])
         ax.set_xlabel(sweep.axis)
         ax.set_title(name)
         ax.grid(True, alpha=0.3)

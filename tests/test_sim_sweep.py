@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.simulate import build_parser, main, plan_runs
-from bench.sweep import Sweep, parse_sweep
+from bench.sweep import Sweep, fmt_value, parse_sweep
 
 
 @pytest.mark.parametrize(
@@ -126,3 +126,8 @@ def test_cli_plot_needs_a_sweep(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as e:
         main(["--trace", str(_tiny_trace(tmp_path / "t.jsonl")), "--plot", str(tmp_path / "x.png")])
     assert e.value.code == 2
+
+
+def test_fmt_value() -> None:
+    assert [fmt_value(v) for v in (16_000_000, 512_000, 2048, 0.25, 40.0)] == [
+        "16M", "512K", "2,048", "0.25", "40"]
