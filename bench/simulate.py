@@ -214,7 +214,7 @@ def beats_reference(results: Sequence[SimResult], values: Sequence[float | None]
             won.append(f"prefill {r.metrics.prefill_cost.mean:.4f} < "
                        f"{b.metrics.prefill_cost.mean:.4f} s/req")
         if r.timing.ttft_p90 < b.timing.ttft_p90:
-            won.append(f"p90 TTFT {r.timing.ttft_p90:.3f} < {b.timing.ttft_p90:.3f} s")
+            won.append(f"p90 TTFT {r.timing.ttft_p90:.4g} < {b.timing.ttft_p90:.4g} s")
         if won:
             where = "" if v is None else f" at {fmt_value(v)}"
             out.append(f"{r.label}{where}: " + ", ".join(won))
