@@ -337,7 +337,7 @@ class SWAHarness:
                 return False
         old_kv = req.kv_indices.tolist()
         live_before = self.kv.has_swa(req.kv_indices).tolist() if old_kv else []
-        old_cached, old_node, old_start = req.cached_len, r.node, req.swa_lock_start
+        old_node, old_start = r.node, req.swa_lock_start
         f0 = len(self.full_free())
         p0 = len(self.pool.snapshot().free_ids()) if self.pool is not None else 0
         call = self.cache.cache_finished_req if finished else self.cache.cache_unfinished_req
