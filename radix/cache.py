@@ -353,7 +353,8 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         # Only slots the tree may adopt need a range check: the new tail, and with SWA or
         # HiCache (revival) every position.
         revive = self.swa is not None or self.hicache is not None
-        self._check_value_range(value[: end] if revive else value[prefix_len:end])
+        tail = value[prefix_len:end]  # the slots new nodes adopt (one slice, reused below)
+        self._check_value_range(value[:end] if revive else tail)
         # ---- validated: mutate from here on
         path = walk.path
         now = self._tick()
@@ -379,7 +380,7 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
                 inserted = prefix_len  # no live SWA KV at all: nothing worth caching
             else:
                 for n in self._add_new_nodes(last, key, value, prefix_len, live_from, end,
-                                             extra_key, now):
+                                             extra_key, now, tail):
                     self._touch_insert(n, now, priority, counted, end)
                     last = n
                 self._stats["inserted_tokens"] += end - prefix_len
@@ -434,10 +435,19 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         self.poll_transfers()
 
     def _add_new_nodes(self, parent: TreeNode, key: Any, value: torch.Tensor, start: int,
-                       live_from: int, end: int, extra_key: Any, now: int) -> list[TreeNode]:
+                       live_from: int, end: int, extra_key: Any, now: int,
+                       tail: torch.Tensor) -> list[TreeNode]:
         """Attach ``key[start:end]`` below ``parent``: a tombstone ``[start, live_from)`` (its
         SWA KV already released by the caller) above a live leaf ``[live_from, end)``.
-        Returns the new nodes, shallowest first."""
+        ``tail`` is ``value[start:end]``. Returns the new nodes, shallowest first."""
+        if live_from == start:  # the common case: one live leaf
+            child = self.tree.add_leaf(parent, key[start:end], extra_key, now)
+            self.kv.attach(child, tail)
+            if self.swa is not None:
+                self.swa.attach(child, True)
+            if parent is not self.root:
+                self._refresh(parent)
+            return [child]
         node = parent
         created = []
         if self.swa is not None and live_from > start:

@@ -18,6 +18,9 @@ from typing import Any
 
 import torch
 
+#: The key of a node that holds no tokens yet (the root): shared, never mutated.
+_NO_TOKENS = array("q")
+
 
 class TreeNode:
     """One node of the radix tree.
@@ -81,7 +84,7 @@ class TreeNode:
     def __init__(self, node_id: int, clock: int, owner: int = 0) -> None:
         self.id = node_id
         self.owner = owner
-        self.key: array = array("q")
+        self.key: array = _NO_TOKENS  # replaced, never mutated in place
         self.children: dict[Any, TreeNode] = {}
         self.parent: TreeNode | None = None
         self.depth = 0

@@ -246,12 +246,14 @@ class RadixTree:
 
     def add_leaf(self, parent: TreeNode, seg: Tokens, extra_key: Any, clock: int) -> TreeNode:
         """Attach a new leaf holding ``seg`` (a page multiple, first page new under ``parent``)."""
-        leaf = self.new_node(clock)
+        leaf = TreeNode(self._next_id, clock, self.uid)
+        self._next_id += 1
         leaf.key = seg
         leaf.depth = parent.depth + len(seg)
         leaf.extra_key = extra_key
         leaf.parent = parent
-        parent.children[self.child_key(parent, seg, 0, extra_key)] = leaf
+        pk = seg[0] if self.page_size == 1 else seg[: self.page_size].tobytes()
+        parent.children[(extra_key, pk) if parent is self.root else pk] = leaf
         self.num_nodes += 1
         return leaf
 
