@@ -173,8 +173,11 @@ class FreeList:
 
     def _write(self, start: int, arr: np.ndarray) -> None:
         """Write ``arr`` into the ring from ``start``, wrapping around."""
-        first = min(arr.size, self._capacity - start)
-        self._ring[start : start + first] = arr[:first]
+        first = self._capacity - start
+        if arr.size <= first:
+            self._ring[start : start + arr.size] = arr
+            return
+        self._ring[start:] = arr[:first]
         self._ring[: arr.size - first] = arr[first:]
 
     # ---------------------------------------------------------------- queries

@@ -144,6 +144,12 @@ class CountingReal:
         self.freed_tokens += int(idx.numel())
         self.inner.free(idx)
 
+    def free_owned(self, idx: torch.Tensor) -> None:
+        """The cache frees its own nodes' slots through this (unchecked) path, as it would on
+        the bare allocator: the wrapper must not route it through the checked ``free``."""
+        self.freed_tokens += int(idx.numel())
+        self.inner.free_owned(idx)
+
     def used_size(self) -> int:
         return self.inner.used_size()
 
