@@ -683,11 +683,12 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         pending = self._evict_pending
         start = pending[0]
         leaves = self.kv.leaves
+        free_leaf = self._remove_leaf if self.hicache is None else self._evict_device_leaf
         while tokens + pending[0] - start < num_tokens:  # write-back copies in flight count
             node = leaves.pop_first()
             if node is None:
                 break
-            t, s, w = self._evict_device_leaf(node)
+            t, s, w = free_leaf(node)
             tokens += t
             states += s
             swa += w

@@ -261,7 +261,9 @@ class RadixTree:
         """Detach a leaf; return its former parent. The node is marked detached."""
         assert not node.children and node.parent is not None, node
         parent = node.parent
-        del parent.children[self.child_key(parent, node.key, 0, node.extra_key)]
+        key = node.key
+        pk = key[0] if self.page_size == 1 else key[: self.page_size].tobytes()
+        del parent.children[(node.extra_key, pk) if parent is self.root else pk]
         node.parent = None
         node.depth = -1
         node.owner = 0
