@@ -214,7 +214,7 @@ class ReplayEngine:
         cfg = self.config
         if len(self._running) >= cfg.concurrency:
             self._finish(self._running.popleft())
-        tokens = RadixKey(tr.tokens, extra_key)  # validated once, reused by every cache call
+        tokens = RadixKey(tr.token_array, extra_key)  # validated once, reused by every cache call
         prompt_len = len(tokens)
         cache = self.cache
         m = cache.match_prefix(tokens[:-1])

@@ -27,18 +27,22 @@ Three public formats are understood (detected from the first non-blank line, or 
 Token ids are plain ``int``. A prompt is stored as a few ``(first_id, length)`` runs of
 consecutive ids, so a 12,031-request trace holds kilobytes of token data, and
 :attr:`TraceRequest.tokens` builds the id list in C (``list.extend(range(...))``), well under
-a millisecond for a 126k-token prompt.
+a millisecond for a 126k-token prompt; :attr:`TraceRequest.token_array` builds the
+``array('q')`` a cache key holds with numpy, about 60x faster (the replay uses it).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
+
+import numpy as np
 
 __all__ = [
     "GMI_BLOCK_SIZE",
@@ -105,6 +109,21 @@ class TraceRequest:
         out: list[int] = []
         for first, length in self.runs:
             out.extend(range(first, first + length))
+        return out
+
+    @property
+    def token_array(self) -> array:
+        """The prompt's token ids as ``array('q')`` (what the cache keys hold), built on each
+        access with numpy: about 1 ns/token, against ~60 ns/token for :attr:`tokens` plus the
+        list's validation and conversion in ``RadixKey``."""
+        out = array("q")
+        if len(self.runs) == 1:
+            first, length = self.runs[0]
+            out.frombytes(np.arange(first, first + length, dtype=np.int64).tobytes())
+        elif self.runs:
+            out.frombytes(np.concatenate(
+                [np.arange(first, first + length, dtype=np.int64) for first, length in self.runs]
+            ).tobytes())
         return out
 
 
