@@ -31,12 +31,6 @@ def _put(cache: RadixCache, kv: TokenAllocator, sp: MambaStatePool, key: list[in
     cache.sanity_check()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: evict() under write_back under-reports what it freed: the write-back backup of the "
-    "victim calls evict_host, whose cascade removes a stateless device parent of the host-only "
-    "leaves it evicts (4 device tokens here), but _evict_device_leaf measures the freed tokens "
-    "only from after _backup_chain; EvictResult says 10, 14 slots came back (stats() counts 14). "
-    "Found by the state machine, HostMachine, write_back, derandomized run"))
 def test_write_back_evict_counts_every_device_token() -> None:
     kv, sp = TokenAllocator(20), _states(10)
     cache = RadixCache(CacheConfig(), kv_allocator=kv, state_allocator=sp,
