@@ -534,3 +534,18 @@ def test_10_typed_namespaces_never_share_through_a_shared_l3(tmp_path: Any) -> N
     for cache in (a, b):
         assert_idle_without_leaks(cache)
         cache.close_storage()
+
+
+def test_10_l3_seeds_of_equal_value_but_different_type_differ(tmp_path: Any) -> None:
+    """The L3 seed cache is keyed by the typed encoding: asking for 1 first must not hand
+    True (or 1.0) namespace 1's seed."""
+    from hicache.storage.keys import chain_seed
+
+    cache = hybrid(size=64, hicache=HiCacheConfig(hicache_storage_backend="file",
+                                                  hicache_storage_dir=str(tmp_path)))
+    storage = cache.storage
+    assert storage is not None
+    seeds = [storage.seed(ns) for ns in (1, True, 1.0, (1,), (True,))]
+    assert len(set(seeds)) == 5
+    assert seeds == [chain_seed(storage.tag, ns) for ns in (1, True, 1.0, (1,), (True,))]
+    cache.close_storage()
