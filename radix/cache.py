@@ -73,6 +73,15 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         self.page_size = config.page_size
         self.policy = config.policy
         self.device = torch.device(getattr(kv_allocator, "device", "cpu"))
+        if state_allocator is not None and not (
+            callable(getattr(state_allocator, "alloc", None))
+            and callable(getattr(state_allocator, "free", None))
+        ):
+            raise TypeError(
+                "state_allocator must be a recurrent-state pool (allocators.MambaStatePool, or "
+                f"an allocator of state slots with alloc / free) or None, got "
+                f"{type(state_allocator).__name__}"
+            )
         if hicache is not None and not isinstance(hicache, HiCacheConfig):
             raise TypeError(f"hicache must be a HiCacheConfig or None, got {type(hicache).__name__}")
         if hicache is not None and config.sliding_window_size is not None:
@@ -340,6 +349,13 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         self._check_state_slot(state_slot)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if rid is not None:
+            try:
+                hash(rid)
+            except TypeError:
+                raise TypeError(
+                    f"rid must be hashable (an int, a str, an object), got {type(rid).__name__}"
+                ) from None
         ps = self.page_size
         end = len(key) - len(key) % ps
         walk = self.tree.walk(key, end, extra_key)
@@ -579,18 +595,7 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         node = self._check_node(node)
         if node is self.root:
             return
-        if node.lock_ref <= 0:
-            raise ValueError(
-                f"dec_lock_ref on node {node.id}, which holds no lock of its own "
-                "(pass the node inc_lock_ref was given)"
-            )
-        if self.swa is not None:
-            if isinstance(swa_lock_start, bool) or not isinstance(swa_lock_start, int):
-                raise ValueError(
-                    "swa_lock_start (the int inc_lock_ref returned) is required on an SWA cache"
-                )
-            if not self.swa.can_unlock(node, swa_lock_start):
-                raise ValueError(f"swa_lock_start={swa_lock_start} does not match a lock on node {node.id}")
+        self._check_unlock(node, swa_lock_start)
         node.lock_ref -= 1
         self.kv.unlock(node)
         if self.state is not None:
@@ -599,6 +604,26 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
             self.swa.unlock(node, swa_lock_start)  # type: ignore[arg-type]
         self._refresh(node)
         self._prune(node)
+
+    def _check_unlock(self, node: TreeNode, swa_lock_start: Any, node_name: str = "node",
+                      start_name: str = "swa_lock_start") -> None:
+        """Raise ``ValueError`` unless :meth:`dec_lock_ref` may release a lock on ``node`` (a
+        checked non-root node) with ``swa_lock_start``; the names say where they came from."""
+        if node.lock_ref <= 0:
+            raise ValueError(
+                f"{node_name} {node.id} holds no lock of its own "
+                "(pass the node inc_lock_ref was given)"
+            )
+        if self.swa is not None:
+            if isinstance(swa_lock_start, bool) or not isinstance(swa_lock_start, int):
+                raise ValueError(
+                    f"{start_name} (the int inc_lock_ref returned) is required on an SWA cache, "
+                    f"got {swa_lock_start!r}"
+                )
+            if not self.swa.can_unlock(node, swa_lock_start):
+                raise ValueError(
+                    f"{start_name}={swa_lock_start} does not match a lock on node {node.id}"
+                )
 
     # =============================================================== eviction
     def _dead_leaf(self, node: TreeNode) -> bool:
