@@ -316,12 +316,13 @@ class HostTier:
             return 0
         dev_slots, dev_state = got
         host_slots = torch.cat([c.host_value for c in chain])  # type: ignore[misc]
+        self.kv.claim(dev_slots.cpu().numpy())  # fresh from the allocator: marked held
         hc.load(host_slots, dev_slots, node.host_state_slot if want_state else None, dev_state)
         off = 0
         now = self._tick()
         for c in chain:
             size = len(c.key)
-            self.kv.attach(c, dev_slots[off:off + size])
+            self.kv.attach(c, dev_slots[off:off + size].clone())
             off += size
             c.last_access_time = now
             self._host_refresh(c)

@@ -1,8 +1,5 @@
-"""Library bugs found by the reliability suite, each pinned by a minimal repro as a strict xfail.
-
-When a fix lands the xfail turns into a failure: remove the marker then (and the matching
-tolerance in ``reliability_harness.Harness.check_freed``).
-"""
+"""Regressions: library bugs found by the reliability suite (once strict xfails), each a
+minimal repro, now fixed."""
 
 from __future__ import annotations
 
