@@ -743,15 +743,23 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         """Free at least ``num_tokens`` evictable KV tokens, unlocked leaves first in policy
         order (a freed leaf's state and SWA KV go with it; whole nodes, so it may overshoot).
 
-        Returns what was freed (less than asked when everything left is locked).
+        Returns exactly what this call freed on device (less than asked when everything left
+        is locked). Under ``write_back`` a victim's device slots are freed when its host copy
+        lands: a copy still in flight counts towards ``num_tokens`` but not in the result,
+        which counts it in the call during which it lands.
         Complexity: O(log n) per freed node.
         """
         self._check_count(num_tokens, "num_tokens")
         tokens = states = swa = 0
-        if self.hicache is not None:
-            self.poll_transfers()
         pending = self._evict_pending
         start = pending[0]
+        if self.hicache is not None:
+            # Earlier write-back evictions whose copies land now free their slots in this call:
+            # counted in the result, not towards num_tokens (they leave the pending count).
+            st = self._stats
+            t0, s0 = st["evicted_tokens"], st["evicted_states"]
+            self.poll_transfers()
+            tokens, states = st["evicted_tokens"] - t0, st["evicted_states"] - s0
         leaves = self.kv.leaves
         while tokens + pending[0] - start < num_tokens:  # write-back copies in flight count
             node = leaves.pop_first()

@@ -96,3 +96,27 @@ def test_a_chunk_ending_before_cached_len_is_refused_a_finish_keeps_the_trees_sl
     assert kv.available_size() == free_before + 2 and bool(kv.is_free(own).all())
     assert not bool(kv.is_free(m.device_indices).any())
     cache.sanity_check()
+
+
+def test_write_back_evict_counts_earlier_copies_landing_during_it() -> None:
+    """evict(4) under write_back with the copy held: nothing freed yet (the copy is in flight,
+    counted towards the target). The next evict lands it first: those 4 tokens are freed in
+    that call and reported there, but do not count towards its own target."""
+    kv, sp = TokenAllocator(20), _states(10)
+    cache = RadixCache(CacheConfig(), kv_allocator=kv, state_allocator=sp,
+                       hicache=HiCacheConfig(hicache_write_policy="write_back"))
+    hc = cache.hicache
+    assert hc is not None
+    for key in ([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]):
+        _put(cache, kv, sp, key)
+    hc.hold_completions = True
+    free0 = kv.available_size()
+    res = cache.evict(4)
+    assert (res.num_tokens, res.num_states, hc.num_inflight) == (0, 0, 1)
+    assert kv.available_size() == free0
+    hc.hold_completions = False
+    hc.release_held()
+    res = cache.evict(4)
+    cache.sanity_check()
+    assert (res.num_tokens, res.num_states) == (8, 2) and hc.num_inflight == 0
+    assert kv.available_size() == free0 + 8
