@@ -211,6 +211,13 @@ class FreeList:
         ok[ok] = ~self._is_free[arr[ok]]
         return ok
 
+    def free_mask(self) -> np.ndarray:
+        """A read-only live view of the ``is_free`` mask (``capacity + 1`` bools, index 0
+        never free): it follows every later ``take`` / ``release``. O(1)."""
+        view = self._is_free.view()
+        view.flags.writeable = False
+        return view
+
     def free_order(self) -> np.ndarray:
         """The logical free list, front first, as a new int64 numpy array. O(num_free)."""
         return self._read(self._head, self._num_free)

@@ -229,6 +229,12 @@ class SWAAllocator(SlotAllocator):
         check_range(idx, "indices", low=0, high=self.size + self._page_size)
         return self._full.is_free(idx)
 
+    @property
+    def free_mask(self) -> np.ndarray:
+        """The full side's read-only live free mask over ids (pages when paged); see
+        :attr:`TokenAllocator.free_mask`. A tombstoned slot is not free."""
+        return self._full.free_mask
+
     def translate(self, indices: torch.Tensor) -> torch.Tensor:
         """SWA slot ids of full slot ids ``indices`` (0 where there is none: a tombstone, a
         free slot, or the padding slot), as an int64 tensor on ``device``.

@@ -49,6 +49,7 @@ class _FreeListAllocator(SlotAllocator):
         self._page_size = page_size
         self._device = device
         self._pages = FreeList(num_pages, unit)
+        self._free_mask = self._pages.free_mask()
         self._arange_page = torch.arange(page_size, dtype=torch.int64)
 
     # ------------------------------------------------------------------ facts
@@ -103,6 +104,17 @@ class _FreeListAllocator(SlotAllocator):
 
     def clear(self) -> None:
         self._pages.reset()
+
+    @property
+    def free_mask(self) -> np.ndarray:
+        """Read-only live view: ``free_mask[i]`` is True while id ``i`` is free, ids being
+        pages when paged (slot ``s`` is in page ``s // page_size``) and slots otherwise;
+        ``num ids + 1`` entries, index 0 (padding) never free.
+
+        For vectorised ownership checks on hot paths (the radix cache checks that slots it
+        adopts are handed out with one gather). O(1); the view follows every later call.
+        """
+        return self._free_mask
 
     def is_free(self, indices: torch.Tensor) -> torch.Tensor:
         """Bool tensor: which of ``indices`` (in-range slot ids) are currently free.

@@ -132,6 +132,7 @@ class CountingReal:
         self.page_size = inner.page_size
         self.device = inner.device
         self.size = inner.size
+        self.free_mask = inner.free_mask  # the cache checks the slots it adopts against it
         self.freed_tokens = 0
 
     def alloc(self, n: int) -> torch.Tensor:

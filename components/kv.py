@@ -2,12 +2,22 @@
 
 Eviction candidates are unlocked leaves, ordered by the radix eviction policy's key
 (``radix.policies``) in one exact ordered set.
+
+Ownership: the component marks every id (slot, or page when paged) its nodes hold in
+``_held``, so :meth:`KVComponent.claim` can refuse, with a few vectorised gathers, slots the
+tree is about to adopt that are free in the allocator, already held by a node, or repeated::
+
+    _held[id] == 0      not the tree's (free, or a caller's)
+    _held[id] >  0      held by a node (the value is the position the claim stamped)
+    _held[0], _held[-1] == -1: the padding id and one past the last id (``take(mode="clip")``
+                        lands every out-of-range id on one of them)
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from radix.node import TreeNode
@@ -41,13 +51,140 @@ class KVComponent:
         self.leaves = OrderedNodeSet(key_fn)
         self._evictable = 0
         self._protected = 0
+        self.page_size: int = allocator.page_size
+        #: The allocator's live free mask over ids (``None``: an allocator without one; then
+        #: :meth:`claim` checks only the range).
+        self._free_mask: np.ndarray | None = getattr(allocator, "free_mask", None)
+        self._held: np.ndarray | None = None
+        if self._free_mask is not None:
+            held = np.zeros(len(self._free_mask) + 1, dtype=np.int32)
+            held[0] = held[-1] = -1
+            self._held = held
+        self._pos = np.arange(1, 1025, dtype=np.int32)  # claim stamps; grown on demand
+        self._page_offsets = np.arange(self.page_size, dtype=np.int64)
+
+    # --------------------------------------------------------------- ownership
+    def claim(self, slots: np.ndarray) -> None:
+        """Validate the caller's slots the tree is about to adopt and mark them held.
+
+        Every slot must lie in the pool, be handed out by the allocator (not free), be held by
+        no node, and appear once; when paged, ``slots`` must be whole pages, each page's slots
+        in order (what ``free`` takes back). The caller attaches exactly these slots to nodes
+        in the same step, with nothing that can fail in between; :meth:`on_remove` and
+        :meth:`replace` clear the marks.
+
+        Args:
+            slots: 1-D int64 numpy array (CPU) of the slots to adopt, page aligned.
+
+        Raises:
+            ValueError: naming ``value`` and the first bad slot; nothing is marked then.
+
+        Complexity: O(len), about six numpy calls (two gathers, a scatter, a gather back).
+        """
+        n = slots.shape[0]
+        if n == 0:
+            return
+        held = self._held
+        ps = self.page_size
+        if held is None:
+            self.check_range(slots)
+            return
+        ids = slots if ps == 1 else self._page_ids(slots)
+        k = ids.shape[0]
+        if np.count_nonzero(held.take(ids, mode="clip")) or np.count_nonzero(
+            self._free_mask.take(ids, mode="clip")  # type: ignore[union-attr]
+        ):
+            self._refuse(slots, ids)
+        if k > self._pos.shape[0]:
+            self._pos = np.arange(1, 2 * k + 1, dtype=np.int32)
+        pos = self._pos[:k]
+        held[ids] = pos  # a repeated id keeps one position only: the gather back tells
+        if np.count_nonzero(held.take(ids) - pos):
+            held[ids] = 0
+            self._refuse(slots, ids)
+
+    def _page_ids(self, slots: np.ndarray) -> np.ndarray:
+        """Page ids of whole, in-order pages of ``slots``; raises ``ValueError`` otherwise."""
+        ps = self.page_size
+        if slots.shape[0] % ps:
+            raise ValueError(
+                f"value: {slots.shape[0]} slots to adopt is not a whole number of pages ({ps})"
+            )
+        ids = slots[::ps] // ps
+        expect = ((ids * ps)[:, None] + self._page_offsets).reshape(-1)
+        if expect.tobytes() != np.ascontiguousarray(slots).tobytes():
+            bad = int(np.flatnonzero(expect != slots)[0]) // ps * ps
+            raise ValueError(
+                f"value: slots from position {bad} ({slots[bad:bad + ps].tolist()}) are not the "
+                f"{ps} slots of one page in order (page p holds slots p*{ps} .. p*{ps}+{ps - 1})"
+            )
+        return ids
+
+    def check_range(self, slots: np.ndarray) -> None:
+        """Raise ``ValueError`` naming ``value`` unless every slot lies in the pool."""
+        if slots.shape[0] == 0:
+            return
+        ps = self.page_size
+        limit = self.allocator.size + ps
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < ps or hi >= limit:
+            bad = int(slots[(slots < ps) | (slots >= limit)][0])
+            raise ValueError(
+                f"value holds slot {bad}, outside the KV pool's slots [{ps}, {limit})"
+            )
+
+    def _refuse(self, slots: np.ndarray, ids: np.ndarray) -> None:
+        """Raise the ``ValueError`` that names the first slot :meth:`claim` cannot adopt."""
+        self.check_range(slots)
+        ps = self.page_size
+        held = self._held
+        free = self._free_mask
+        assert held is not None and free is not None
+        unit = "slot" if ps == 1 else "page"
+        for i, pid in enumerate(ids.tolist()):
+            if free[pid]:
+                raise ValueError(
+                    f"value holds {unit} {pid} (slot {slots[i * ps]}), which is free in the KV "
+                    "allocator: the tree adopts only slots the caller got from alloc"
+                )
+            if held[pid] > 0:
+                raise ValueError(
+                    f"value holds {unit} {pid} (slot {slots[i * ps]}) for new tokens, but a node "
+                    "of the tree already holds it (pass the tree's slots only for the cached "
+                    "prefix)"
+                )
+        seen: dict[int, int] = {}
+        for i, pid in enumerate(ids.tolist()):
+            if pid in seen:
+                raise ValueError(
+                    f"value repeats {unit} {pid} (slot {slots[i * ps]}) at positions "
+                    f"{seen[pid] * ps} and {i * ps}: two tokens cannot share a KV slot"
+                )
+            seen[pid] = i
+        raise AssertionError("claim refused slots it cannot explain")  # pragma: no cover
+
+    def _unmark(self, value: torch.Tensor) -> None:
+        held = self._held
+        if held is None:
+            return
+        arr = (value if value.device.type == "cpu" else value.cpu()).numpy()
+        held[arr if self.page_size == 1 else arr[:: self.page_size] // self.page_size] = 0
 
     # ------------------------------------------------------------------ values
     def attach(self, node: TreeNode, value: torch.Tensor) -> None:
-        """Give a node (``kv_lock == 0``) its slots: a copy, so the node does not keep the
-        caller's whole tensor alive (8 bytes per cached token, not the request's length)."""
-        node.kv_value = value.clone()
+        """Give a node (``kv_lock == 0``) its slots, already :meth:`claim`-ed. The node keeps
+        ``value`` itself: pass a tensor of its own (a copy, not a view of the caller's whole
+        tensor: 8 bytes per cached token, not the request's length)."""
+        node.kv_value = value
         self._evictable += value.shape[0]
+
+    def replace(self, node: TreeNode, value: torch.Tensor) -> None:
+        """``node`` (unlocked) takes claimed ``value`` instead of its slots, which are freed."""
+        old = node.kv_value
+        assert old is not None and node.kv_lock == 0 and len(old) == len(value), node
+        self._unmark(old)
+        self._free(old)
+        node.kv_value = value
 
     def on_split(self, upper: TreeNode, lower: TreeNode, split_len: int) -> None:
         value = lower.kv_value
@@ -63,6 +200,7 @@ class KVComponent:
         assert value is not None and node.kv_lock == 0, node
         self.leaves.discard(node)
         self._evictable -= value.shape[0]
+        self._unmark(value)
         self._free(value)
         node.kv_value = None
 
@@ -137,6 +275,20 @@ class KVComponent:
                 pr += len(v)
             if self.is_candidate(n):
                 expected_leaves.add(n.id)
+        held = self._held
+        if held is not None:
+            ps = self.page_size
+            want = np.zeros(held.shape[0], dtype=np.bool_)
+            for n in nodes:
+                if n.kv_value is not None:
+                    arr = n.kv_value.cpu().numpy()
+                    want[arr if ps == 1 else arr[::ps] // ps] = True
+            marked = held[1:-1] > 0
+            assert held[0] == -1 and held[-1] == -1, "held-mark sentinels overwritten"
+            assert bool((marked == want[1:-1]).all()), (
+                f"held marks differ from the nodes' slots at ids "
+                f"{(np.flatnonzero(marked != want[1:-1]) + 1)[:16].tolist()}"
+            )
         assert ev == self._evictable, f"kv evictable {self._evictable} != recomputed {ev}"
         assert pr == self._protected, f"kv protected {self._protected} != recomputed {pr}"
         got = {n.id for n in self.leaves}

@@ -51,6 +51,8 @@ class StateComponent:
         if (walk == "gds") != (gds is not None):
             raise ValueError("gds=(d, e) is required with walk='gds' and only then")
         self.allocator = allocator
+        #: The pool's live free mask over slots (``None`` for a pool without one).
+        self.free_mask = getattr(allocator, "free_mask", None)
         self.walk = walk
         self.gds: GDSStrategy | None = (
             GDSStrategy(gds[0], gds[1], self.is_candidate) if gds is not None else None

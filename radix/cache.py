@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from components.kv import KVComponent
@@ -30,7 +31,7 @@ from radix.node import TreeNode
 from radix.request_helpers import RequestHelpers
 from radix.results import EvictResult, InsertResult, MatchResult
 from radix.storage_tier import StorageTier  # L3 (hicache_storage_backend)
-from radix.tree import RadixTree, resolve_key
+from radix.tree import RadixTree, Walk, resolve_key
 
 if TYPE_CHECKING:
     from allocators import MambaStatePool, SlotAllocator
@@ -73,6 +74,15 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         self.page_size = config.page_size
         self.policy = config.policy
         self.device = torch.device(getattr(kv_allocator, "device", "cpu"))
+        if state_allocator is not None and not (
+            callable(getattr(state_allocator, "alloc", None))
+            and callable(getattr(state_allocator, "free", None))
+        ):
+            raise TypeError(
+                "state_allocator must be a recurrent-state pool (allocators.MambaStatePool, or "
+                f"an allocator of state slots with alloc / free) or None, got "
+                f"{type(state_allocator).__name__}"
+            )
         if hicache is not None and not isinstance(hicache, HiCacheConfig):
             raise TypeError(f"hicache must be a HiCacheConfig or None, got {type(hicache).__name__}")
         if hicache is not None and config.sliding_window_size is not None:
@@ -276,19 +286,6 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
             raise ValueError(f"value is on {value.device}, the KV allocator on {self.device}")
         return value
 
-    def _check_value_range(self, value: torch.Tensor) -> None:
-        """The slots the tree may adopt lie inside the KV pool (checked before any mutation)."""
-        if value.shape[0]:
-            lo, hi = torch.aminmax(value)
-            alloc = self.kv.allocator
-            limit = alloc.size + self.page_size
-            if int(lo) < self.page_size or int(hi) >= limit:
-                bad = int(value[(value < self.page_size) | (value >= limit)][0])
-                raise ValueError(
-                    f"value holds slot {bad}, outside the KV pool's slots "
-                    f"[{self.page_size}, {alloc.size + self.page_size})"
-                )
-
     def _check_state_slot(self, state_slot: Any) -> None:
         if state_slot is None:
             return
@@ -301,6 +298,12 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
             raise ValueError(f"state_slot must be in [1, {size}], got {state_slot}")
         if state_slot in self.state.slot_to_node:
             raise ValueError(f"state_slot {state_slot} is already held by the tree")
+        free = self.state.free_mask
+        if free is not None and free[state_slot]:
+            raise ValueError(
+                f"state_slot {state_slot} is free in the state pool: the tree adopts only a slot "
+                "the caller got from alloc"
+            )
 
     def insert(
         self,
@@ -333,13 +336,27 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
             ``state_adopted`` says who owns ``state_slot``.
 
         Raises:
-            TypeError / ValueError: bad key, value, slot or a missing state; nothing changed.
+            TypeError / ValueError: bad key or value; a slot the tree would adopt (the new
+                tail, or what revival takes) that is outside the pool, free in the allocator,
+                held by a node, repeated, or (paged) not whole pages in order; a
+                ``state_slot`` that is free in the pool or held by the tree; an unhashable
+                ``rid``; a missing state. Nothing changed then.
+
+        Complexity: O(key length) in C (walk, slot checks: a few vectorised gathers over the
+        adopted slots) plus O(matched nodes) in Python.
         """
         key, extra_key = resolve_key(key, extra_key)
         value = self._check_value(value, len(key))
         self._check_state_slot(state_slot)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if rid is not None:
+            try:
+                hash(rid)
+            except TypeError:
+                raise TypeError(
+                    f"rid must be hashable (an int, a str, an object), got {type(rid).__name__}"
+                ) from None
         ps = self.page_size
         end = len(key) - len(key) % ps
         walk = self.tree.walk(key, end, extra_key)
@@ -350,11 +367,20 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
                 f"component (the key adds tokens [{prefix_len}, {end}) and a leaf never stays "
                 "without a state)"
             )
-        # Only slots the tree may adopt need a range check: the new tail, and with SWA or
-        # HiCache (revival) every position.
-        revive = self.swa is not None or self.hicache is not None
-        tail = value[prefix_len:end]  # the slots new nodes adopt (one slice, reused below)
-        self._check_value_range(value[:end] if revive else tail)
+        # The caller's slots the tree adopts: the new tail (with SWA, only when some of it
+        # has live SWA KV) and what revival takes (tombstones, host-only nodes). One
+        # vectorised claim validates and marks them: the last check before anything changes.
+        if self.swa is not None:  # the SWA map is read at every position below
+            self.kv.check_range(value[:end].cpu().numpy())
+        plan = None
+        if self.swa is not None or self.hicache is not None:
+            plan = self._revival_plan(walk, value)
+        live_from = prefix_len
+        if self.swa is not None and prefix_len < end:
+            live_from = self._live_suffix_start(value, prefix_len, end)
+        grow = live_from < end
+        varr = value.numpy() if value.is_cpu else None
+        self._claim(value, varr, plan, prefix_len if grow else end, end)
         # ---- validated: mutate from here on
         path = walk.path
         now = self._tick()
@@ -363,9 +389,10 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         counted = self._counted_depth(rid, end)
         revived = self._empty
         if self.swa is not None:
-            path, revived = self._revive_tombstones(path, value)
+            assert plan is not None
+            path, revived = self._revive_tombstones(path, value, varr, plan)
         if self.hicache is not None:
-            revived = self._revive_host_only(path, value)
+            revived = self._revive_host_only(path, value, varr)
         joint = self.state is not None and self.state.walk == "joint"
         for n in path:
             self._touch_insert(n, now, priority, counted, end)
@@ -375,12 +402,11 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         tree_prefix = [n.kv_value for n in path]
         inserted = end
         if prefix_len < end:
-            live_from = prefix_len if self.swa is None else self._live_suffix_start(value, prefix_len, end)
-            if live_from >= end:
+            if not grow:
                 inserted = prefix_len  # no live SWA KV at all: nothing worth caching
             else:
-                for n in self._add_new_nodes(last, key, value, prefix_len, live_from, end,
-                                             extra_key, now, tail):
+                for n in self._add_new_nodes(last, key, value, varr, prefix_len, live_from, end,
+                                             extra_key, now):
                     self._touch_insert(n, now, priority, counted, end)
                     last = n
                 self._stats["inserted_tokens"] += end - prefix_len
@@ -400,13 +426,64 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
             self._write_policy_backup(path, last)
         return InsertResult(prefix_len, inserted, last, adopted, revived, value, tree_prefix)  # type: ignore[arg-type]
 
-    def _revive_host_only(self, path: list[TreeNode], value: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _own(value: torch.Tensor, varr: np.ndarray | None, lo: int, hi: int) -> torch.Tensor:
+        """A node's own copy of ``value[lo:hi]`` (``varr``: ``value`` as numpy, CPU only;
+        slicing and copying there costs a third of torch's)."""
+        if varr is not None:
+            return torch.from_numpy(varr[lo:hi].copy())
+        return value[lo:hi].clone()
+
+    def _claim(self, value: torch.Tensor, varr: np.ndarray | None, plan: dict[int, int] | None,
+               lo: int, hi: int) -> None:
+        """Claim (``KVComponent.claim``) the slots the insert adopts: ``value[lo:hi]`` and the
+        revival ranges of ``plan``, as one array (a slot repeated across them is refused)."""
+        ranges = sorted((t, end) for end, t in plan.items()) if plan else []
+        if lo < hi:
+            ranges.append((lo, hi))
+        if not ranges:
+            return
+        if varr is None:
+            parts = [value[a:b].cpu().numpy() for a, b in ranges]
+        else:
+            parts = [varr[a:b] for a, b in ranges]
+        self.kv.claim(parts[0] if len(parts) == 1 else np.concatenate(parts))
+
+    def _revival_plan(self, walk: Walk, value: torch.Tensor) -> dict[int, int]:
+        """Where the insert revives matched nodes with the caller's slots, computed before
+        anything changes: node end -> first position it takes from ``value``.
+
+        SWA: a tombstoned, unlocked node whose slots the caller did not get from the tree,
+        from the page where the caller's slots are live (``_revive_tombstones``). HiCache: a
+        host-only node, whole (``_revive_host_only``). The node the walk ends inside counts
+        with its matched part (it is split there first).
+        """
+        spans = [(n, n.start, n.depth, n.kv_value) for n in walk.path]
+        part = walk.partial
+        if part is not None:
+            lo, kvv = part.start, part.kv_value
+            spans.append((part, lo, lo + walk.partial_len,
+                          None if kvv is None else kvv[: walk.partial_len]))
+        plan: dict[int, int] = {}
+        for n, lo, hi, kvv in spans:
+            if self.swa is not None:
+                if not n.swa_tombstone or n.kv_lock > 0 or bool((value[lo:hi] == kvv).any()):
+                    continue  # live, in use, or the caller got (some of) these slots from the tree
+                t = self._live_suffix_start(value, lo, hi)
+                if t < hi:
+                    plan[hi] = t
+            elif kvv is None:
+                plan[hi] = lo
+        return plan
+
+    def _revive_host_only(self, path: list[TreeNode], value: torch.Tensor,
+                          varr: np.ndarray | None) -> torch.Tensor:
         """Insert through host-only nodes: they take the caller's device slots (the caller
-        computed those tokens itself), keeping their host copy."""
+        computed those tokens itself; claimed by ``_claim``), keeping their host copy."""
         revived = []
         for n in path:
             if n.kv_value is None:
-                self.kv.attach(n, value[n.start:n.depth])
+                self.kv.attach(n, self._own(value, varr, n.start, n.depth))
                 revived.append(n.kv_value)
         for n in path:
             self._refresh(n)
@@ -434,15 +511,15 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
                 self._backup_state(target)
         self.poll_transfers()
 
-    def _add_new_nodes(self, parent: TreeNode, key: Any, value: torch.Tensor, start: int,
-                       live_from: int, end: int, extra_key: Any, now: int,
-                       tail: torch.Tensor) -> list[TreeNode]:
+    def _add_new_nodes(self, parent: TreeNode, key: Any, value: torch.Tensor,
+                       varr: np.ndarray | None, start: int, live_from: int, end: int,
+                       extra_key: Any, now: int) -> list[TreeNode]:
         """Attach ``key[start:end]`` below ``parent``: a tombstone ``[start, live_from)`` (its
         SWA KV already released by the caller) above a live leaf ``[live_from, end)``.
-        ``tail`` is ``value[start:end]``. Returns the new nodes, shallowest first."""
+        Returns the new nodes, shallowest first."""
         if live_from == start:  # the common case: one live leaf
             child = self.tree.add_leaf(parent, key[start:end], extra_key, now)
-            self.kv.attach(child, tail)
+            self.kv.attach(child, self._own(value, varr, start, end))
             if self.swa is not None:
                 self.swa.attach(child, True)
             if parent is not self.root:
@@ -459,7 +536,7 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
             if lo == hi:
                 continue
             child = self.tree.add_leaf(node, key[lo:hi], extra_key, now)
-            self.kv.attach(child, value[lo:hi])
+            self.kv.attach(child, self._own(value, varr, lo, hi))
             if self.swa is not None:
                 self.swa.attach(child, live)
             if node is not self.root:
@@ -480,37 +557,29 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         ps = self.page_size
         return min(hi, -(-t // ps) * ps)
 
-    def _revive_tombstones(self, path: list[TreeNode], value: torch.Tensor
+    def _revive_tombstones(self, path: list[TreeNode], value: torch.Tensor,
+                           varr: np.ndarray | None, plan: dict[int, int]
                            ) -> tuple[list[TreeNode], torch.Tensor]:
         """Insert over tombstones: where the caller still holds live SWA KV for a tombstoned,
         unlocked node's tokens (its own slots, not the tree's), the node takes the caller's
         slots and comes back to life; the tree frees its old full slots. A node only partly
-        covered by live caller slots is split at the page where they start."""
+        covered by live caller slots is split at the page where they start. Which nodes, from
+        where: ``plan`` (``_revival_plan``, node end -> first revived position)."""
         swa = self.swa
         assert swa is not None
         out: list[TreeNode] = []
         revived: list[torch.Tensor] = []
         for n in path:
-            if not n.swa_tombstone or n.kv_lock > 0:
+            t = plan.get(n.depth)
+            if t is None:
                 out.append(n)
                 continue
             lo, hi = n.start, n.depth
-            caller = value[lo:hi]
-            if bool((caller == n.kv_value).any()):
-                out.append(n)  # the caller got (some of) these slots from the tree
-                continue
-            t = self._live_suffix_start(value, lo, hi)
-            if t >= hi:
-                out.append(n)
-                continue
             if t > lo:
                 out.append(self.tree.split(n, t - lo))
-            old = n.kv_value
-            assert old is not None
-            n.kv_value = value[t:hi]
-            self.kv.allocator.free(old)
+            self.kv.replace(n, self._own(value, varr, t, hi))
             swa.revive(n)
-            revived.append(n.kv_value)
+            revived.append(n.kv_value)  # type: ignore[arg-type]
             self._stats["revived_swa_tokens"] += hi - t
             out.append(n)
         if not revived:
@@ -589,18 +658,7 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         node = self._check_node(node)
         if node is self.root:
             return
-        if node.lock_ref <= 0:
-            raise ValueError(
-                f"dec_lock_ref on node {node.id}, which holds no lock of its own "
-                "(pass the node inc_lock_ref was given)"
-            )
-        if self.swa is not None:
-            if isinstance(swa_lock_start, bool) or not isinstance(swa_lock_start, int):
-                raise ValueError(
-                    "swa_lock_start (the int inc_lock_ref returned) is required on an SWA cache"
-                )
-            if not self.swa.can_unlock(node, swa_lock_start):
-                raise ValueError(f"swa_lock_start={swa_lock_start} does not match a lock on node {node.id}")
+        self._check_unlock(node, swa_lock_start)
         node.lock_ref -= 1
         self.kv.unlock(node)
         if self.state is not None:
@@ -609,6 +667,26 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
             self.swa.unlock(node, swa_lock_start)  # type: ignore[arg-type]
         self._refresh(node)
         self._prune(node)
+
+    def _check_unlock(self, node: TreeNode, swa_lock_start: Any, node_name: str = "node",
+                      start_name: str = "swa_lock_start") -> None:
+        """Raise ``ValueError`` unless :meth:`dec_lock_ref` may release a lock on ``node`` (a
+        checked non-root node) with ``swa_lock_start``; the names say where they came from."""
+        if node.lock_ref <= 0:
+            raise ValueError(
+                f"{node_name} {node.id} holds no lock of its own "
+                "(pass the node inc_lock_ref was given)"
+            )
+        if self.swa is not None:
+            if isinstance(swa_lock_start, bool) or not isinstance(swa_lock_start, int):
+                raise ValueError(
+                    f"{start_name} (the int inc_lock_ref returned) is required on an SWA cache, "
+                    f"got {swa_lock_start!r}"
+                )
+            if not self.swa.can_unlock(node, swa_lock_start):
+                raise ValueError(
+                    f"{start_name}={swa_lock_start} does not match a lock on node {node.id}"
+                )
 
     # =============================================================== eviction
     def _dead_leaf(self, node: TreeNode) -> bool:
@@ -673,15 +751,23 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         """Free at least ``num_tokens`` evictable KV tokens, unlocked leaves first in policy
         order (a freed leaf's state and SWA KV go with it; whole nodes, so it may overshoot).
 
-        Returns what was freed (less than asked when everything left is locked).
+        Returns exactly what this call freed on device (less than asked when everything left
+        is locked). Under ``write_back`` a victim's device slots are freed when its host copy
+        lands: a copy still in flight counts towards ``num_tokens`` but not in the result,
+        which counts it in the call during which it lands.
         Complexity: O(log n) per freed node.
         """
         self._check_count(num_tokens, "num_tokens")
         tokens = states = swa = 0
-        if self.hicache is not None:
-            self.poll_transfers()
         pending = self._evict_pending
         start = pending[0]
+        if self.hicache is not None:
+            # Earlier write-back evictions whose copies land now free their slots in this call:
+            # counted in the result, not towards num_tokens (they leave the pending count).
+            st = self._stats
+            t0, s0 = st["evicted_tokens"], st["evicted_states"]
+            self.poll_transfers()
+            tokens, states = st["evicted_tokens"] - t0, st["evicted_states"] - s0
         leaves = self.kv.leaves
         free_leaf = self._remove_leaf if self.hicache is None else self._evict_device_leaf
         while tokens + pending[0] - start < num_tokens:  # write-back copies in flight count

@@ -153,30 +153,37 @@ class HostTier:
     def _evict_device_leaf(self: RadixCache, node: TreeNode) -> tuple[int, int, int]:
         """Free a device leaf: demote it when it is (or can be) backed up, else remove it.
 
-        Returns (device KV tokens, device states, SWA tokens) freed now (a write-back copy
-        still in flight frees its slots when it lands).
+        Returns (device KV tokens, device states, SWA tokens) freed now, counted from the
+        ``evicted_*`` stats around the whole step: a write-back backup may itself evict on
+        host, and that cascade can remove a stateless device parent of the host-only leaves
+        it frees; copies landing meanwhile demote nodes too. (A write-back copy still in
+        flight frees its slots when it lands.)
         """
-        hc = self.hicache
-        if hc is None:
+        if self.hicache is None:
             return self._remove_leaf(node)
+        st = self._stats
+        tokens, states = st["evicted_tokens"], st["evicted_states"]
+        self._evict_device_leaf_host(node)
+        return st["evicted_tokens"] - tokens, st["evicted_states"] - states, 0
+
+    def _evict_device_leaf_host(self: RadixCache, node: TreeNode) -> None:
+        hc = self.hicache
+        assert hc is not None
         if node.host_value is None and hc.config.hicache_write_policy == "write_back":
             if self._backup_chain(node, demote_after=True):
                 self._evict_pending[0] += len(node.key)
                 self._evict_pending[1] += int(node.state_slot is not None)
-                before = self._stats["evicted_tokens"], self._stats["evicted_states"]
                 self.poll_transfers()
-                return (self._stats["evicted_tokens"] - before[0],
-                        self._stats["evicted_states"] - before[1], 0)
+                return
         if node.host_value is not None:
             self._backup_state(node)
-            return self._demote(node)
-        if node.children:  # host-only children below: keep the node, drop its state only
-            s = 0
+            self._demote(node)
+        elif node.children:  # host-only children below: keep the node, drop its state only
             if self.state is not None and node.state_slot is not None:
                 self.state.remove_state(node)
-                s = 1
-            return 0, s, 0
-        return self._remove_leaf(node)
+                self._stats["evicted_states"] += 1
+        else:
+            self._remove_leaf(node)
 
     def _demote(self: RadixCache, node: TreeNode) -> tuple[int, int, int]:
         """Free ``node``'s device KV and state; it stays in the tree, host-only."""
@@ -309,12 +316,13 @@ class HostTier:
             return 0
         dev_slots, dev_state = got
         host_slots = torch.cat([c.host_value for c in chain])  # type: ignore[misc]
+        self.kv.claim(dev_slots.cpu().numpy())  # fresh from the allocator: marked held
         hc.load(host_slots, dev_slots, node.host_state_slot if want_state else None, dev_state)
         off = 0
         now = self._tick()
         for c in chain:
             size = len(c.key)
-            self.kv.attach(c, dev_slots[off:off + size])
+            self.kv.attach(c, dev_slots[off:off + size].clone())
             off += size
             c.last_access_time = now
             self._host_refresh(c)

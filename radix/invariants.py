@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radix.tree import namespace_key
+
 if TYPE_CHECKING:
     from radix.cache import RadixCache
 
@@ -26,7 +28,9 @@ def check_cache(cache: RadixCache) -> None:
         ck = tree.child_key(p, n.key, 0, n.extra_key)
         assert p.children.get(ck) is n, f"{n} filed under the wrong child key in {p}"
         if p is not root:
-            assert n.extra_key == p.extra_key, f"{n}: extra_key differs from its parent"
+            assert namespace_key(n.extra_key) == namespace_key(p.extra_key), (
+                f"{n}: extra_key differs from its parent"
+            )
         assert 0 <= n.lock_ref <= n.kv_lock, f"direct locks {n.lock_ref} vs kv_lock {n.kv_lock}: {n}"
         if cache.state is not None:
             assert n.state_lock == n.lock_ref, f"state_lock differs from direct locks: {n}"

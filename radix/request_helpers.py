@@ -27,19 +27,50 @@ class RequestHelpers:
         return vals[0] if len(vals) == 1 else torch.cat(vals)  # type: ignore[arg-type, return-value]
 
     def _check_req(self: RadixCache, req: Any, upto: Any) -> int:
+        """Validate a request record before anything changes; returns ``upto``.
+
+        Checks the types of ``req``, ``req.key`` and ``req.kv_indices``, ``upto <=
+        len(kv_indices) <= len(key)``, that ``req.last_node`` is a device node of this cache
+        holding a lock its ``swa_lock_start`` can release, and ``0 <= req.cached_len <=
+        min(len(kv_indices), last_node's depth)``: the leading slots that came from the tree
+        lie under the request's lock (a wrong ``cached_len`` would make the request free the
+        tree's slots, or leak its own).
+        """
         if not isinstance(req, CacheRequest):
             raise TypeError(f"req must be a CacheRequest, got {type(req).__name__}")
+        try:
+            key_len = len(req.key)
+        except TypeError:
+            raise TypeError(
+                "req.key must be token ids (a list of int, a RadixKey, a 1-D integer tensor or "
+                f"array), got {type(req.key).__name__}"
+            ) from None
+        if not isinstance(req.kv_indices, torch.Tensor):
+            raise TypeError(
+                "req.kv_indices must be a 1-D torch.int64 tensor of KV slots, got "
+                f"{type(req.kv_indices).__name__}"
+            )
         n = len(req.kv_indices)
         if upto is None:
             upto = n
         self._check_count(upto, "upto")
-        if upto > n or n > len(req.key):
+        if upto > n or n > key_len:
             raise ValueError(
-                f"need upto ({upto}) <= len(req.kv_indices) ({n}) <= len(req.key) ({len(req.key)})"
+                f"need upto ({upto}) <= len(req.kv_indices) ({n}) <= len(req.key) ({key_len})"
             )
-        self._check_node(req.last_node)
-        if self.swa is not None and req.last_node is not self.root and req.swa_lock_start is None:
-            raise ValueError("req.swa_lock_start must hold what inc_lock_ref returned (SWA cache)")
+        node = self._check_node(req.last_node)
+        if node is not self.root:
+            self._check_unlock(node, req.swa_lock_start, "req.last_node", "req.swa_lock_start")
+        cached = req.cached_len
+        if isinstance(cached, bool) or not isinstance(cached, int):
+            raise TypeError(f"req.cached_len must be an int, got {type(cached).__name__}")
+        limit = min(n, node.depth)
+        if not 0 <= cached <= limit:
+            raise ValueError(
+                f"req.cached_len must be in [0, {limit}] (the leading tokens whose slots came "
+                f"from the tree: at most len(req.kv_indices) = {n} and the depth of "
+                f"req.last_node = {node.depth}), got {cached}"
+            )
         return upto
 
     def _free_state(self: RadixCache, slot: int | None, adopted: bool) -> None:
@@ -95,10 +126,17 @@ class RequestHelpers:
         to the tree's slots; frees ``state_slot`` itself when the tree does not adopt it.
 
         Raises:
-            TypeError / ValueError: bad request fields, ``upto`` out of range, or a missing
-                state on a hybrid cache; nothing changed.
+            TypeError / ValueError: bad request fields (``req.cached_len`` outside
+                ``[0, min(upto, len(req.kv_indices), depth of req.last_node)]``, a
+                ``req.last_node`` without a lock, a wrong ``req.swa_lock_start``), ``upto`` out
+                of range, bad slots, or a missing state on a hybrid cache; nothing changed.
         """
         upto = self._check_req(req, upto)
+        if req.cached_len > upto:
+            raise ValueError(
+                f"req.cached_len ({req.cached_len}) > upto ({upto}): a chunk must cover what the "
+                "request already holds from the tree (its lock would move above slots it keeps)"
+            )
         res, merged = self._insert_req(req, state_slot, upto, unfinished=True)
         n = res.inserted_len
         if merged is not None:
@@ -117,11 +155,14 @@ class RequestHelpers:
         release the request's lock. Frees ``state_slot`` when the tree does not adopt it.
 
         Raises:
-            TypeError / ValueError: as :meth:`cache_unfinished_req`; nothing changed.
+            TypeError / ValueError: as :meth:`cache_unfinished_req` (``upto`` may end before
+                ``req.cached_len`` here: the tree keeps those slots); nothing changed.
         """
         upto = self._check_req(req, upto)
         res, _ = self._insert_req(req, state_slot, upto, unfinished=False)
-        tail = req.kv_indices[res.inserted_len:]
+        # The request's own slots past what the tree kept; below cached_len they are the
+        # tree's (upto may end before them), never the request's to free.
+        tail = req.kv_indices[max(res.inserted_len, req.cached_len):]
         if len(tail):
             self.kv.allocator.free(tail)
         self.dec_lock_ref(req.last_node, req.swa_lock_start)
@@ -141,11 +182,14 @@ class RequestHelpers:
         below ``req.cached_len`` belong to the tree, which tombstones them itself.
 
         Returns the tokens released now. Raises ``ValueError`` without an SWA component or
-        with ``seq_len`` outside ``[0, len(req.kv_indices)]``.
+        with ``seq_len`` outside ``[0, len(req.kv_indices)]``; ``TypeError`` when ``req`` is not
+        a :class:`CacheRequest`.
         """
         swa = self.swa
         if swa is None:
             raise ValueError("release_swa on a cache without a sliding-window component")
+        if not isinstance(req, CacheRequest):
+            raise TypeError(f"req must be a CacheRequest, got {type(req).__name__}")
         self._check_count(seq_len, "seq_len")
         if seq_len > len(req.kv_indices):
             raise ValueError(f"seq_len ({seq_len}) > len(req.kv_indices) ({len(req.kv_indices)})")

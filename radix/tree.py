@@ -7,6 +7,7 @@ in, so this module knows nothing of what the values are.
 
 from __future__ import annotations
 
+import dataclasses
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,11 +97,51 @@ class RadixKey:
         return f"RadixKey(len={len(self.token_ids)}, extra_key={self.extra_key!r})"
 
 
+def namespace_key(extra_key: Any) -> Any:
+    """The typed form of a namespace, under which the root files its children.
+
+    Namespaces are equal only when their types and values are: ``None``, ``""``, ``"1"``,
+    ``1``, ``True`` and ``1.0`` are six namespaces (Python's ``1 == True == 1.0`` would merge
+    three of them). The typing follows the L3 key encoding
+    (``hicache.storage.keys.encode_namespace``): ``bool``, ``int``, ``str``, ``bytes``,
+    ``float`` (by its hex form, so ``-0.0`` and ``0.0`` differ) and tuples and frozen
+    dataclasses of these, element by element; any other hashable value by its exact type and
+    value. ``None`` stays ``None`` (the common case costs nothing).
+
+    >>> namespace_key(None), namespace_key(1), namespace_key(True)
+    (None, ('i', 1), ('b', True))
+    """
+    if extra_key is None:
+        return None
+    if isinstance(extra_key, bool):
+        return ("b", extra_key)
+    if isinstance(extra_key, int):
+        return ("i", int(extra_key))
+    if isinstance(extra_key, str):
+        return ("s", str.__str__(extra_key))
+    if isinstance(extra_key, bytes):
+        return ("y", bytes(extra_key))
+    if isinstance(extra_key, float):
+        return ("f", extra_key.hex())
+    if isinstance(extra_key, tuple):
+        return ("t", tuple(namespace_key(x) for x in extra_key))
+    t = type(extra_key)
+    if (
+        dataclasses.is_dataclass(extra_key)
+        and t.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    ):
+        fields = tuple(getattr(extra_key, f.name) for f in dataclasses.fields(extra_key))
+        return ("d", t, namespace_key(fields))
+    return ("o", t, extra_key)
+
+
 def resolve_key(key: Any, extra_key: Any) -> tuple[Tokens, Any]:
     """``(token ids, extra_key)`` from a :class:`RadixKey` or a plain token sequence.
 
     Raises:
-        ValueError: a ``RadixKey`` and a different ``extra_key`` argument.
+        TypeError: an unhashable ``extra_key``.
+        ValueError: a ``RadixKey`` and a different ``extra_key`` argument (different in type
+            or value: see :func:`namespace_key`).
     """
     if extra_key is not None:
         try:
@@ -110,7 +151,7 @@ def resolve_key(key: Any, extra_key: Any) -> tuple[Tokens, Any]:
                 f"extra_key must be hashable (str, int, tuple...), got {type(extra_key).__name__}"
             ) from None
     if isinstance(key, RadixKey):
-        if extra_key is not None and extra_key != key.extra_key:
+        if extra_key is not None and namespace_key(extra_key) != namespace_key(key.extra_key):
             raise ValueError(
                 f"extra_key={extra_key!r} conflicts with the RadixKey's {key.extra_key!r}"
             )
@@ -178,11 +219,16 @@ class RadixTree:
         return key[pos : pos + self.page_size].tobytes()
 
     def child_key(self, parent: TreeNode, key: Tokens, pos: int, extra_key: Any) -> Any:
+        """Child-index key of the page at ``pos`` below ``parent``; at the root it is prefixed
+        by the typed namespace (:func:`namespace_key`)."""
         pk = self.page_key(key, pos)
-        return (extra_key, pk) if parent is self.root else pk
+        if parent is not self.root:
+            return pk
+        return (None if extra_key is None else namespace_key(extra_key), pk)
 
     def walk(self, key: Tokens, end: int, extra_key: Any) -> Walk:
         """Match ``key[:end]`` (``end`` a page multiple) against the tree; mutates nothing."""
+        ns = None if extra_key is None else namespace_key(extra_key)
         node = self.root
         pos = 0
         path: list[TreeNode] = []
@@ -190,7 +236,7 @@ class RadixTree:
         ps = self.page_size
         while pos < end:
             if node is self.root:
-                ck: Any = (extra_key, key[pos] if ps == 1 else key[pos : pos + ps].tobytes())
+                ck: Any = (ns, key[pos] if ps == 1 else key[pos : pos + ps].tobytes())
             else:
                 ck = key[pos] if ps == 1 else key[pos : pos + ps].tobytes()
             child = children.get(ck)
@@ -253,7 +299,9 @@ class RadixTree:
         leaf.extra_key = extra_key
         leaf.parent = parent
         pk = seg[0] if self.page_size == 1 else seg[: self.page_size].tobytes()
-        parent.children[(extra_key, pk) if parent is self.root else pk] = leaf
+        if parent is self.root:
+            pk = (None if extra_key is None else namespace_key(extra_key), pk)
+        parent.children[pk] = leaf
         self.num_nodes += 1
         return leaf
 
@@ -263,7 +311,10 @@ class RadixTree:
         parent = node.parent
         key = node.key
         pk = key[0] if self.page_size == 1 else key[: self.page_size].tobytes()
-        del parent.children[(node.extra_key, pk) if parent is self.root else pk]
+        if parent is self.root:
+            ek = node.extra_key
+            pk = (None if ek is None else namespace_key(ek), pk)
+        del parent.children[pk]
         node.parent = None
         node.depth = -1
         node.owner = 0

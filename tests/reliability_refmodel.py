@@ -307,11 +307,14 @@ class CacheModel:
     # -------------------------------------------------------------- absorb
     def absorb(self, view: Any, *, dev_evict: bool = False, state_evict: bool = False,
                tombstone: bool = False, backup: bool = False, host_evict: bool = False,
-               load: bool = False, inflight_new: bool = False) -> dict[str, set[Page]]:
+               load: bool = False, inflight_new: bool = False,
+               state_backup: bool = False) -> dict[str, set[Page]]:
         """Check that ``view`` (the library after a call) differs from the model only by
         changes of the allowed kinds, adopt them, prune dead leaves, and require equality.
 
-        Returns the changes: ``dev_lost`` (pages that left the device), ``removed`` (pages
+        ``state_backup`` allows only host copies of states, onto pages already on host (an
+        eviction copies a backed-up page's state before demoting it, under every write
+        policy). Returns the changes: ``dev_lost`` (pages that left the device), ``removed`` (pages
         that left the tree), ``states_lost``, ``tombstoned``, ``backed_up``, ``loaded``,
         ``host_lost`` (host copies freed).
         """
@@ -333,8 +336,9 @@ class CacheModel:
             self.host.add(p)
             if inflight_new:
                 self.inflight.add(p)
-        for p in view.hstate - self.hstate:
-            if not backup or p not in self.host or (p not in self.dstate and p not in view.dstate):
+        for p in view.hstate - self.hstate:  # state_backup: a state copy only, to a page on host
+            if not (backup or state_backup) or p not in self.host or (
+                    p not in self.dstate and p not in view.dstate):
                 raise ModelError(f"host state on {p} without a device state to copy")
             self.hstate.add(p)
         # (b) host-only leaves evicted from the host

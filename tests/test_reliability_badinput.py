@@ -7,10 +7,11 @@ hold the first kinds; this table adds the missing ones: token ids past int64, wr
 arrays, 0-d tensors, sets and bytes as keys, a value on another device (``meta``), the padding
 slot, typed knobs (bool / float priorities, ``upto``), request records that do not fit their
 own key, use after ``reset`` and after eviction, a double unlock through the request helpers,
-a bool ``swa_lock_start``, component calls on caches without that component, and misuse the
-library does not refuse yet (strict xfails, ``BUG:`` in the reason): slots that are free or
-held twice handed to ``insert``, request records with an out-of-range ``cached_len`` or a lock
-they do not hold, an unhashable ``rid``, a state pool that is not one.
+a bool ``swa_lock_start``, component calls on caches without that component, and misuse found
+by the reliability suite (once strict xfails, now refused): slots that are free, held by a
+node or repeated handed to ``insert`` (also through SWA and HiCache revival, and as pages that
+are not whole), request records with an out-of-range ``cached_len`` or a lock they do not
+hold, an unhashable ``rid``, a state pool that is not one.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from allocators import MambaStatePool, SWAAllocator, TokenAllocator
+from allocators import MambaStatePool, PagedAllocator, SWAAllocator, TokenAllocator
 from hicache import HiCacheConfig
 from radix import CacheConfig, CacheRequest, RadixCache, RadixKey
 
@@ -130,8 +131,9 @@ def req(env: Env, key: list[int], kv: torch.Tensor, **kw: Any) -> CacheRequest:
     return CacheRequest(key=key, kv_indices=kv, **fields)
 
 
-def bug(reason: str) -> Any:
-    return pytest.mark.xfail(strict=True, reason=f"BUG: {reason}")
+def free_state_slot(e: Env) -> int:
+    """A state slot of ``e.c``'s pool that is free (the one the evicted node held)."""
+    return int(np.flatnonzero(e.sp.free_mask)[0])
 
 
 Case = tuple[str, Callable[[Env], Any], type[Exception], str]
@@ -195,78 +197,50 @@ CASES: list[Any] = [
     ("release_swa without a sliding window",
      lambda e: e.c.release_swa(req(e, NEW, e.fresh), 0), ValueError, "sliding-window"),
     ("evict_host without HiCache", lambda e: e.w.evict_host(1), ValueError, "HiCache"),
-    # ---- misuse the library does not refuse yet
-    pytest.param(
-        "insert KV slots that are free in the allocator",
-        lambda e: e.c.insert(NEW, t64(30, 31, 32), state_slot=e.slot), ValueError, "value",
-        marks=bug("insert adopts KV slots that are free in the allocator (no check that value's "
-                  "slots are allocated): the tree then holds free slots, handed out again by the "
-                  "next alloc and double-freed at eviction")),
-    pytest.param(
-        "insert a state slot that is free in the pool",
-        lambda e: e.c.insert(NEW, e.fresh, state_slot=4), ValueError, "state_slot",
-        marks=bug("insert adopts a state_slot that is free in the state pool (only the range and "
-                  "the tree's own slots are checked)")),
-    pytest.param(
-        "insert repeating a KV slot",
-        lambda e: e.c.insert(NEW, torch.cat([e.fresh[:2], e.fresh[:1]]), state_slot=e.slot),
-        ValueError, "value",
-        marks=bug("insert accepts a value that repeats a slot: two tokens share one KV slot and "
-                  "the slot is freed twice at eviction")),
-    pytest.param(
-        "insert new tokens on slots the tree holds",
-        lambda e: e.c.insert([4, 4, 4], e.c.match_prefix([1, 2, 3]).device_indices, state_slot=e.slot),
-        ValueError, "value",
-        marks=bug("insert adopts, for new tokens, slots another node already holds")),
-    pytest.param(
-        "req cached_len negative",
-        lambda e: e.c.cache_finished_req(req(e, NEW, e.fresh, cached_len=-1),
-                                         state_slot=e.slot), ValueError, "cached_len",
-        marks=bug("cache_*_req do not validate req.cached_len: the KV-only fast path frees "
-                  "req.kv_indices[cached_len:prefix_len], so a wrong cached_len frees the wrong "
-                  "slots or none (3 slots leak in tests/test_reliability_regressions.py)")),
-    pytest.param(
-        "req cached_len past kv_indices",
-        lambda e: e.c.cache_finished_req(req(e, NEW, e.fresh, cached_len=9), state_slot=e.slot),
-        ValueError, "cached_len",
-        marks=bug("cache_*_req accept req.cached_len > len(req.kv_indices)")),
-    pytest.param(
-        "req last_node it does not hold a lock on",
-        lambda e: e.c.cache_finished_req(
-            req(e, [1, 2, 3, 4], torch.cat([e.c.match_prefix([1, 2, 3]).device_indices, e.fresh[:1]]),
-                cached_len=3, last_node=e.leaf), state_slot=e.slot), ValueError, "lock",
-        marks=bug("cache_finished_req checks that req.last_node holds a lock only in "
-                  "dec_lock_ref, after inserting and freeing duplicates: the refused call has "
-                  "already changed the tree and the pools")),
-    pytest.param(
-        "SWA req with a wrong swa_lock_start",
-        lambda e: e.w.cache_finished_req(
-            CacheRequest(key=[1, 2, 3, 4, 5, 6], kv_indices=torch.cat([e.w_node.kv_value, e.wfresh]),
-                         cached_len=4, last_node=e.w_node, swa_lock_start=e.w_start + 1),
-            state_slot=e.wslot), ValueError, "swa_lock_start",
-        marks=bug("cache_finished_req validates req.swa_lock_start only in dec_lock_ref, after "
-                  "the insert: a refused call changes the tree")),
-    pytest.param(
-        "insert with an unhashable rid",
-        lambda e: e.c.insert([1, 2, 9], e.fresh, state_slot=e.slot, rid=["r"]), TypeError, "rid",
-        marks=bug("insert hashes rid after splitting the node it walks into: TypeError "
-                  "'unhashable type: list' (not naming rid) from a cache that has changed")),
-    pytest.param(
-        "release_swa with a request that is not a CacheRequest",
-        lambda e: e.w.release_swa("req", 0), TypeError, "req",
-        marks=bug("release_swa does not type-check req: AttributeError instead of TypeError")),
-    pytest.param(
-        "req key None", lambda e: e.c.cache_finished_req(req(e, None, e.fresh), state_slot=e.slot),  # type: ignore[arg-type]
-        TypeError, "key",
-        marks=bug("cache_*_req with req.key None: TypeError \"object of type 'NoneType' has no len()\" "
-                  "does not name req.key")),
-    pytest.param(
-        "state_allocator not a state pool",
-        lambda e: RadixCache(kv_allocator=TokenAllocator(4), state_allocator="pool"),  # type: ignore[arg-type]
-        TypeError,
-        "state_allocator",
-        marks=bug("RadixCache accepts any object as state_allocator; a bad knob should fail when "
-                  "the cache is built")),
+    # ---- misuse: slots the caller does not hold, request records that lie, bad handles
+    ("insert KV slots that are free in the allocator",
+     lambda e: e.c.insert(NEW, t64(30, 31, 32), state_slot=e.slot), ValueError, "value"),
+    ("insert a state slot that is free in the pool",
+     lambda e: e.c.insert(NEW, e.fresh, state_slot=free_state_slot(e)), ValueError, "state_slot"),
+    ("insert repeating a KV slot",
+     lambda e: e.c.insert(NEW, torch.cat([e.fresh[:2], e.fresh[:1]]), state_slot=e.slot),
+     ValueError, "value"),
+    ("insert new tokens on slots the tree holds",
+     lambda e: e.c.insert([4, 4, 4], e.leaf.kv_value.clone(), state_slot=e.slot),
+     ValueError, "value"),
+    ("SWA insert of new tokens on slots the tree holds",
+     lambda e: e.w.insert([9, 9], e.w_node.kv_value[:2].clone(), state_slot=e.wslot),
+     ValueError, "value"),
+    ("SWA insert repeating a slot among its new tokens",
+     lambda e: e.w.insert([1, 2, 3, 4, 5, 6], torch.cat([e.w_node.kv_value, e.wfresh[:1], e.wfresh[:1]]),
+                          state_slot=e.wslot), ValueError, "value"),
+    ("HiCache insert reviving a host-only node with free slots",
+     lambda e: e.hc.insert([7, 8, 9, 10], t64(1, 2, 3, 4)), ValueError, "value"),
+    ("req cached_len negative",
+     lambda e: e.c.cache_finished_req(req(e, NEW, e.fresh, cached_len=-1), state_slot=e.slot),
+     ValueError, "cached_len"),
+    ("req cached_len past kv_indices",
+     lambda e: e.c.cache_finished_req(req(e, NEW, e.fresh, cached_len=9), state_slot=e.slot),
+     ValueError, "cached_len"),
+    ("req last_node it does not hold a lock on",
+     lambda e: e.c.cache_finished_req(
+         req(e, [1, 2, 3, 4], torch.cat([e.leaf.kv_value, e.fresh[:1]]),
+             cached_len=3, last_node=e.leaf), state_slot=e.slot), ValueError, "lock"),
+    ("SWA req with a wrong swa_lock_start",
+     lambda e: e.w.cache_finished_req(
+         CacheRequest(key=[1, 2, 3, 4, 5, 6], kv_indices=torch.cat([e.w_node.kv_value, e.wfresh]),
+                      cached_len=4, last_node=e.w_node, swa_lock_start=e.w_start + 1),
+         state_slot=e.wslot), ValueError, "swa_lock_start"),
+    ("insert with an unhashable rid",
+     lambda e: e.c.insert([1, 2, 9], e.fresh, state_slot=e.slot, rid=["r"]), TypeError, "rid"),
+    ("release_swa with a request that is not a CacheRequest",
+     lambda e: e.w.release_swa("req", 0), TypeError, "req"),  # type: ignore[arg-type]
+    ("req key None",
+     lambda e: e.c.cache_finished_req(req(e, None, e.fresh), state_slot=e.slot),  # type: ignore[arg-type]
+     TypeError, "key"),
+    ("state_allocator not a state pool",
+     lambda e: RadixCache(kv_allocator=TokenAllocator(4), state_allocator="pool"),  # type: ignore[arg-type]
+     TypeError, "state_allocator"),
 ]
 
 
@@ -292,6 +266,8 @@ def test_the_table_is_long_enough_and_its_environment_is_sound() -> None:
     assert len(CASES) >= 20
     env = build()
     assert env.leaf.kv_lock == 0 and env.locked.kv_lock == 1 and env.evicted.parent is None
+    assert env.leaf.parent is env.c.root and env.leaf.key.tolist() == [1, 2, 3]  # kv_value: all 3
+    assert free_state_slot(env) not in (env.slot, *env.c.state.slot_to_node)  # type: ignore[union-attr]
     assert env.host_only.kv_value is None and env.host_only.host_value is not None
     assert env.w_node.lock_ref == 1 and isinstance(env.w_start, int)
     # the good versions of a few refused calls work
@@ -301,3 +277,29 @@ def test_the_table_is_long_enough_and_its_environment_is_sound() -> None:
     assert env.hc.load_back(env.host_only) == 4
     for cache in env.caches():
         cache.sanity_check()
+
+
+def test_paged_insert_refuses_slots_that_are_not_whole_pages_and_repeated_pages() -> None:
+    kv, sp = PagedAllocator(32, 4), _states()
+    c = RadixCache(CacheConfig(page_size=4), kv_allocator=kv, state_allocator=sp)
+    mine, slot = kv.alloc(8), int(sp.alloc(1)[0])
+    key = list(range(1, 9))
+    before = c.pretty_print(), kv.snapshot(), sp.snapshot()
+    bad_values = [
+        ("of one page", torch.cat([mine[1:4], mine[:1], mine[4:]])),  # a page out of order
+        ("of one page", torch.cat([mine[:2], mine[6:8], mine[4:]])),  # halves of two pages
+        ("repeats page", torch.cat([mine[:4], mine[:4]])),
+        ("free in the KV allocator", torch.cat([mine[:4], t64(28, 29, 30, 31)])),
+        ("outside the KV pool", torch.cat([mine[:4], t64(36, 37, 38, 39)])),
+    ]
+    for why, value in bad_values:
+        with pytest.raises(ValueError, match="value") as info:
+            c.insert(key, value, state_slot=slot)
+        assert why in str(info.value), (why, str(info.value))
+        assert (c.pretty_print(), kv.snapshot(), sp.snapshot()) == before, why
+    res = c.insert(key, mine, state_slot=slot)
+    assert res.inserted_len == 8 and res.state_adopted
+    with pytest.raises(ValueError, match="already holds"):  # the tree's pages for new tokens
+        c.insert(list(range(11, 19)), mine.clone(), state_slot=int(sp.alloc(1)[0]))
+    c.sanity_check()
+

@@ -208,8 +208,6 @@ def run_with_faults(build: Callable[[], Harness], step: Callable[[Harness], None
 def test_host_tier_steps_survive_every_allocation_failure(page_size: int, write_policy: str,
                                                          step: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    if step == "load_back" and write_policy == "write_back":
-        pytest.skip("known bug: load_back under write_back host-evicts its own chain")
     n = run_with_faults(lambda: host_cache(page_size, write_policy), STEPS[step], monkeypatch)
     assert n >= 0
 
@@ -226,8 +224,6 @@ def test_the_scenarios_allocate_inside_the_library() -> None:
     seen: dict[str, int] = {}
     for wp in ("write_through", "write_back"):
         for step in ("insert", "chunk", "finish", "evict", "evict_states", "load_back"):
-            if step == "load_back" and wp == "write_back":
-                continue
             h = host_cache(2, wp)
             with FailAt(h) as probe:
                 STEPS[step](h)

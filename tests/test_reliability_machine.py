@@ -202,9 +202,6 @@ class HostMachine(_Machine):
 
         self._do(step)
 
-    # Copies are held in flight only under write_through: under write_back and
-    # write_through_selective, in-flight copies hit known library bugs (tests/test_hicache_bugs.py).
-    @precondition(lambda m: m.h.write_policy == "write_through")
     @rule()
     def hold(self) -> None:
         self._do(self.h.hold, not self.h.hc.hold_completions)

@@ -17,7 +17,7 @@ import torch
 
 from allocators import KVPool, MambaStatePool, PagedAllocator, SWAAllocator, TokenAllocator
 from hicache import HiCacheConfig
-from radix import CacheConfig, CacheRequest, RadixCache
+from radix import CacheConfig, CacheRequest, RadixCache, RadixKey
 from radix.policies import POLICY_REGISTRY
 
 KNOBS: dict[str, dict[str, Any]] = {"gds": {"d": 1.0, "e": 0.0},
@@ -484,16 +484,23 @@ def test_10_typed_namespaces_never_share(kind: str) -> None:
     assert_idle_without_leaks(cache)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: extra_key namespaces compare with Python ==, so 1, True and 1.0 (and 0, False, 0.0) are "
-    "one namespace in the radix tree, while the L3 key encoding (hicache.storage.keys."
-    "encode_namespace) types them apart: an engine whose adapter ids are ints shares prefixes "
-    "with a salt True; the tree should key namespaces by (type, value) as L3 does"))
 def test_10_namespaces_of_equal_value_but_different_type_do_not_share() -> None:
-    cache = hybrid(size=64)
+    """1 == True == 1.0 in Python, but they are three namespaces (typed as the L3 key
+    encoding types them), and so are None, "" and "1", and (1,) and (True,)."""
+    cache = hybrid(size=64, n_states=12)
     put(cache, [5, 6, 7, 8], 1)
-    for other in (True, 1.0):
+    for other in (True, 1.0, "1", None, "", (1,)):
         assert cache.match_prefix([5, 6, 7, 8], other).kv_hit_length == 0, other
+    assert cache.match_prefix([5, 6, 7, 8], 1).prefix_len == 4
+    for ns in (True, 1.0, (1,), (True,), 0, False, 0.0, -0.0):
+        put(cache, [5, 6, 7, 8], ns)
+    seen = {tuple(cache.match_prefix([5, 6, 7, 8], ns).device_indices.tolist())
+            for ns in (1, True, 1.0, (1,), (True,), 0, False, 0.0, -0.0)}
+    assert len(seen) == 9
+    with pytest.raises(ValueError, match="extra_key"):
+        cache.match_prefix(RadixKey([5, 6, 7, 8], 1), True)
+    cache.sanity_check()
+    assert_idle_without_leaks(cache)
 
 
 def test_10_typed_namespaces_never_share_through_a_shared_l3(tmp_path: Any) -> None:
@@ -527,3 +534,18 @@ def test_10_typed_namespaces_never_share_through_a_shared_l3(tmp_path: Any) -> N
     for cache in (a, b):
         assert_idle_without_leaks(cache)
         cache.close_storage()
+
+
+def test_10_l3_seeds_of_equal_value_but_different_type_differ(tmp_path: Any) -> None:
+    """The L3 seed cache is keyed by the typed encoding: asking for 1 first must not hand
+    True (or 1.0) namespace 1's seed."""
+    from hicache.storage.keys import chain_seed
+
+    cache = hybrid(size=64, hicache=HiCacheConfig(hicache_storage_backend="file",
+                                                  hicache_storage_dir=str(tmp_path)))
+    storage = cache.storage
+    assert storage is not None
+    seeds = [storage.seed(ns) for ns in (1, True, 1.0, (1,), (True,))]
+    assert len(set(seeds)) == 5
+    assert seeds == [chain_seed(storage.tag, ns) for ns in (1, True, 1.0, (1,), (True,))]
+    cache.close_storage()

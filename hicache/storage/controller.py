@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from hicache.storage.base import Page, StorageBackend
-from hicache.storage.keys import chain_seed, page_key, state_key
+from hicache.storage.keys import chain_seed, encode_namespace, page_key, state_key
 
 log = logging.getLogger("hicache.storage")
 
@@ -114,7 +114,7 @@ class StorageController:
                                         n * math.prod(host_state.ssm_state_shape) * elem)
         else:
             self.state_section_bytes = (0, 0)
-        self._seeds: dict[Any, bytes | None] = {}
+        self._seeds: dict[bytes, bytes | None] = {}
         self._known: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
         self.counters = dict.fromkeys(CONTROLLER_COUNTERS, 0)
@@ -133,13 +133,17 @@ class StorageController:
     # ------------------------------------------------------------------ keys
     def seed(self, extra_key: Any) -> bytes | None:
         """The chain seed of a namespace (``None``: not storable; counted once per call)."""
-        try:
-            s = self._seeds[extra_key]
-        except KeyError:
-            s = self._seeds[extra_key] = chain_seed(self.tag, extra_key)
-        if s is None:
+        # Cached by the typed encoding, not by the value: 1, True and 1.0 are equal as dict
+        # keys but three namespaces.
+        ns = encode_namespace(extra_key)
+        if ns is None:
             self.count("unkeyable")
-        return s
+            return None
+        try:
+            return self._seeds[ns]
+        except KeyError:
+            s = self._seeds[ns] = chain_seed(self.tag, extra_key)
+            return s
 
     def is_known(self, key: str) -> bool:
         with self._lock:
