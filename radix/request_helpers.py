@@ -154,6 +154,11 @@ class RequestHelpers:
         free duplicates and every computed slot not kept (``req.kv_indices[inserted_len:]``),
         release the request's lock. Frees ``state_slot`` when the tree does not adopt it.
 
+        Returns:
+            the insert's :class:`InsertResult`. Its ``last_node`` is informational: once the
+            lock is released the node may already be gone (a dead leaf, e.g. an SWA tombstone
+            nothing can resume from, is pruned at once); match again before locking anything.
+
         Raises:
             TypeError / ValueError: as :meth:`cache_unfinished_req` (``upto`` may end before
                 ``req.cached_len`` here: the tree keeps those slots); nothing changed.
