@@ -15,7 +15,7 @@ live state is ``s``; ``extended``: a state was cached below ``s`` after ``s`` wa
 below``: matches that consumed ``s`` while it had states below):
 
 * ``leaf`` (nothing below): ``w`` = the learned reuse probability of its *seen-share bucket*
-  relative to all leaves. The bucket is the share of ``s``'s prefix that other requests had
+  relative to all leaves, times ``min(1, hit rate of leaves / hit rate of all states)``. The bucket is the share of ``s``'s prefix that other requests had
   inserted before (the deepest node on its path with ``hit_count >= 2``): under 30 %, 30-90 %,
   at least 90 %. A continuing conversation's new end state lies under a prefix seen before; a
   new conversation's lies under fresh tokens. On the Mooncake conversation trace the end state
@@ -38,8 +38,9 @@ Learning, all online and without knobs a user must tune:
   survived: the estimate is not censored by the walk's own evictions (a state the walk evicts
   early would otherwise never be seen reused, and its bucket would look useless). Counts decay
   by ``1 - 1/2048`` per outcome; each bucket has a prior of 16 outcomes at the overall mean.
-* *Chain vs leaf hit rates*: hits per state per store event, exposure and hits decayed with a
-  half-life of 4,096 stores, prior 4 exposure units at the overall rate.
+* *Hit rates per kind*: hits per state per store event, exposure and hits decayed with a
+  half-life of 4,096 stores, prior 4 exposure units at the overall rate; they decide the
+  chain rule and scale the leaves.
 
 Sources: GreedyDual-Size (Cao & Irani, USITS 1997) and GDSF (Cherkasova, HPL-98-69, 1998) for
 the frame and the frequency term; ARC's ghost idea and admission control were measured and
@@ -112,9 +113,9 @@ class AdaptiveGDSStrategy(GDSStrategy):
         self.reuses = [0.0, 0.0, 0.0]
         self._keep = 1.0 - 1.0 / BUCKET_MEMORY
         self._decay = 0.5 ** (1.0 / RATE_HALF_LIFE)
-        self.count = [0, 0]  # live leaf / chain states
-        self.exposure = [0.0, 0.0]
-        self.rate_hits = [0.0, 0.0]
+        self.count = [0, 0, 0, 0]  # live states per kind
+        self.exposure = [0.0, 0.0, 0.0, 0.0]
+        self.rate_hits = [0.0, 0.0, 0.0, 0.0]
         self.chain_weight = 1.0  # 0.0 while chains are hit less often than leaves
 
     # ---------------------------------------------------------------- weights
@@ -125,11 +126,19 @@ class AdaptiveGDSStrategy(GDSStrategy):
             return HUB
         return CHAIN if self.extended[nid] else HUB0
 
+    def overall_rate(self) -> float:
+        """Learned hits per state per store over every kind."""
+        return (sum(self.rate_hits) + 1.0) / (sum(self.exposure) + 1.0)
+
     def rate(self, k: int) -> float:
-        """Learned hits per state per store of kind ``LEAF`` or ``CHAIN``."""
-        base = (self.rate_hits[0] + self.rate_hits[1] + 1.0) / (
-            self.exposure[0] + self.exposure[1] + 1.0)
-        return (self.rate_hits[k] + RATE_PRIOR * base) / (self.exposure[k] + RATE_PRIOR)
+        """Learned hits per state per store of kind ``k``."""
+        return (self.rate_hits[k] + RATE_PRIOR * self.overall_rate()) / (
+            self.exposure[k] + RATE_PRIOR)
+
+    def leaf_scale(self) -> float:
+        """``min(1, rate(leaf) / overall rate)``: leaves weigh less where they are hit less
+        often than states in general (LMBench GMI: only shared prefixes are resumed)."""
+        return min(1.0, self.rate(LEAF) / self.overall_rate())
 
     def bucket_weight(self, b: int) -> float:
         """Learned reuse probability of seen-share bucket ``b`` over that of all leaves."""
@@ -139,7 +148,7 @@ class AdaptiveGDSStrategy(GDSStrategy):
     def weight_of(self, nid: int) -> float:
         k = self.kind[nid]
         if k == LEAF:
-            return self.bucket_weight(self.bucket[nid])
+            return self.bucket_weight(self.bucket[nid]) * self.leaf_scale()
         if k == CHAIN:
             return self.chain_weight
         if k == HUB:
@@ -166,10 +175,9 @@ class AdaptiveGDSStrategy(GDSStrategy):
         new = self.kind_of(nid)
         if old == new:
             return
-        if old is not None and old <= CHAIN:
+        if old is not None:
             self.count[old] -= 1
-        if new <= CHAIN:
-            self.count[new] += 1
+        self.count[new] += 1
         self.kind[nid] = new
         if old is not None:
             self._reweigh(node)
@@ -200,7 +208,7 @@ class AdaptiveGDSStrategy(GDSStrategy):
         """One store: age the rates, then resolve the bucket outcomes that came due."""
         self.stores += 1
         f = self._decay
-        for k in (LEAF, CHAIN):
+        for k in (LEAF, CHAIN, HUB0, HUB):
             self.exposure[k] = self.exposure[k] * f + self.count[k]
             self.rate_hits[k] *= f
         chain_weight = 0.0 if self.rate(CHAIN) < self.rate(LEAF) else 1.0
@@ -250,9 +258,7 @@ class AdaptiveGDSStrategy(GDSStrategy):
     def on_hit(self, node: TreeNode) -> None:
         nid = node.id
         node.gds_stamp = self.watermark
-        k = self.kind[nid]
-        if k <= CHAIN:
-            self.rate_hits[k] += 1.0
+        self.rate_hits[self.kind[nid]] += 1.0
         if self.below[nid]:
             self.hits_below[nid] += 1
             self._set_kind(node)
@@ -265,9 +271,7 @@ class AdaptiveGDSStrategy(GDSStrategy):
         direct = self._direct_below(node)
         above = self._nearest_shallower(node)
         super().on_remove(node)
-        k = self.kind.pop(nid)
-        if k <= CHAIN:
-            self.count[k] -= 1
+        self.count[self.kind.pop(nid)] -= 1
         for d in (self.below, self.extended, self.hits_below, self.bucket, self.weight):
             d.pop(nid, None)
         if above is not None:
@@ -293,4 +297,4 @@ class AdaptiveGDSStrategy(GDSStrategy):
             assert self.below[n.id] == len(self._direct_below(n)), f"below count wrong for {n}"
             assert self.kind[n.id] == self.kind_of(n.id), f"kind wrong for {n}"
         kinds = list(self.kind.values())
-        assert self.count == [kinds.count(LEAF), kinds.count(CHAIN)], "leaf / chain counts wrong"
+        assert self.count == [kinds.count(k) for k in (LEAF, CHAIN, HUB0, HUB)], "kind counts wrong"
