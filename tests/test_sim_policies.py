@@ -202,3 +202,20 @@ def test_marconi_on_a_cache_evicts_and_checks() -> None:
     # equal efficiencies normalise to 0: recency alone decides, the two oldest went
     assert cache.match_prefix([40, 41, 42, 43, 44, 99]).prefix_len == 5
     assert cache.match_prefix([1, 2, 3, 4, 5, 99]).prefix_len == 0
+
+
+def test_hit_breakdown_counts_every_consumed_state() -> None:
+    """bench.hit_breakdown: the recorder sees every consumed state (its tokens add up to the
+    depth of the states the matches used) and passes the walk's decisions through."""
+    from bench.hit_breakdown import breakdown
+    from bench.simulator import SimConfig
+    from bench.traces import load_trace
+
+    trace = load_trace(None, max_requests=120)
+    for policy in ("gds_adaptive", "belady"):
+        hit, rec = breakdown(trace, SimConfig.of(policy, kv_tokens=2_000_000, state_slots=16,
+                                                 concurrency=4))
+        assert 0 < hit < 1
+        assert sum(rec.count.values()) > 0 and sum(rec.tokens.values()) > 0
+        assert all(first in ("first", "again") and where in ("leaf", "below") and b in (0, 1, 2)
+                   for first, where, b in rec.tokens)
