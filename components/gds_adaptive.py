@@ -57,6 +57,7 @@ rise, an evicted ancestor only raises ``cost``, a lower weight always comes with
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable
 
@@ -108,7 +109,11 @@ class AdaptiveGDSStrategy(GDSStrategy):
         self.weight: dict[int, float] = {}  # the weight of the current heap entry
         # learned: seen-share buckets (decayed outcomes / reuses), chain vs leaf hit rates
         self.stores = 0
-        self._pending: deque[tuple[int, TreeNode, int, int]] = deque()
+        # outcomes due: [store, weak ref to the node, hit_count at store, bucket, hit_count
+        # when its state left (None while it is cached), node id]; weak, so that a node
+        # leaving the tree is freed at once
+        self._pending: deque[list] = deque()
+        self._pending_of: dict[int, list] = {}
         self.outcomes = [0.0, 0.0, 0.0]
         self.reuses = [0.0, 0.0, 0.0]
         self._keep = 1.0 - 1.0 / BUCKET_MEMORY
@@ -220,13 +225,18 @@ class AdaptiveGDSStrategy(GDSStrategy):
         horizon = HORIZON * max(len(self._live), 1)
         pending = self._pending
         while pending and self.stores - pending[0][0] >= horizon:
-            _, node, hc0, b = pending.popleft()
+            entry = pending.popleft()
+            _, ref, hc0, b, hc_left, nid = entry
+            if self._pending_of.get(nid) is entry:
+                del self._pending_of[nid]
+            node = ref()
+            hc = node.hit_count if node is not None else hc0 if hc_left is None else hc_left
             keep = self._keep
             for i in range(3):
                 self.outcomes[i] *= keep
                 self.reuses[i] *= keep
             self.outcomes[b] += 1.0
-            if node.hit_count > hc0:
+            if hc > hc0:
                 self.reuses[b] += 1.0
 
     # ------------------------------------------------------------ state events
@@ -242,7 +252,9 @@ class AdaptiveGDSStrategy(GDSStrategy):
         self.hits_below[nid] = 0
         b = seen_bucket(node)
         self.bucket[nid] = b
-        self._pending.append((self.stores, node, node.hit_count, b))
+        entry = [self.stores, weakref.ref(node), node.hit_count, b, None, nid]
+        self._pending.append(entry)
+        self._pending_of[nid] = entry
         self._set_kind(node)
         self.weight[nid] = self.weight_of(nid)
         self._push(node, self.true_priority(node))
@@ -268,6 +280,9 @@ class AdaptiveGDSStrategy(GDSStrategy):
         nid = node.id
         if nid not in self._live:
             return
+        entry = self._pending_of.pop(nid, None)
+        if entry is not None:  # the node may leave the tree with its state: keep its count
+            entry[4] = node.hit_count
         direct = self._direct_below(node)
         above = self._nearest_shallower(node)
         super().on_remove(node)
