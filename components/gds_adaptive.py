@@ -20,12 +20,13 @@ below``: matches that consumed ``s`` while it had states below):
   at least 90 %. A continuing conversation's new end state lies under a prefix seen before; a
   new conversation's lies under fresh tokens. On the Mooncake conversation trace the end state
   of a request whose prompt was >= 90 % seen is reused within 600 requests 60 % of the time,
-  against 17 % under 30 % seen (``bench/README.md``).
+  against 17 % under 30 % seen (whole-trace analysis, ``bench/README.md``, "Beyond GDS").
 * ``chain`` (extended, no hit since it had states below): the turn moved past it. ``w = 0``
   (evicted first, oldest stamp first) while the learned hit rate of chain states is below that
-  of leaves, else 1 (decided at every store; when it flips, every chain state is re-weighed). Conversations make chains dead weight (Mooncake: 0.002 vs 0.086 hits per
-  state per 1,000 stores); shared system prompts reached once and then extended make them hot
-  (LMBench GMI: 0.68 vs 0.024); the rule follows the workload.
+  of leaves, else 1 (decided at every store; when it flips, every chain state is
+  re-weighed). Conversations make chains dead weight (Mooncake, learned hit rates relative to
+  the mean: chains 0.002, leaves 0.086); shared system prompts reached once and then extended
+  make them hot (LMBench GMI: chains 0.68, leaves 0.024); the rule follows the workload.
 * ``hub0`` (states below since it was cached, no hit since): ``w = 1`` (plain GDS).
 * ``hub`` (consumed ``k >= 1`` times while it had states below: a shared prefix): ``w = 1 + k``
   (GreedyDual-Size-Frequency on those hits).
