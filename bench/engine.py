@@ -45,6 +45,7 @@ import torch
 from allocators import MambaStatePool, PagedAllocator, SWAAllocator, TokenAllocator
 from bench.metrics import RequestLog
 from bench.traces import TraceRequest
+from components.state import StateWalkFactory
 from hicache import HiCacheConfig
 from radix import CacheConfig, CacheRequest, EvictResult, RadixCache, RadixKey
 
@@ -159,6 +160,8 @@ class ReplayEngine:
     config: EngineConfig
     log: RequestLog = field(default_factory=RequestLog)
     counters: EngineCounters = field(default_factory=EngineCounters)
+    state_walk: StateWalkFactory | None = None
+    """Passed to ``RadixCache(state_walk=...)``: a replay-side state walk (``bench.sim_policies``)."""
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -187,6 +190,7 @@ class ReplayEngine:
             kv_allocator=self.kv_allocator,
             state_allocator=self.state_pool,
             hicache=cfg.hicache_config(),
+            state_walk=self.state_walk,
         )
         self._running: deque[_Running] = deque()
         self._empty = torch.empty(0, dtype=torch.int64)

@@ -2,10 +2,10 @@
 
 Neither is offered to engines (they are not in ``radix.policies``): the offline one reads the
 future of the trace, and the Marconi one needs its alpha tuned on the trace. Both are
-*state walks* with the interface of :class:`components.gds.GDSStrategy` (``on_set`` /
-``on_use`` / ``on_remove`` / ``pop_victim`` / ``check`` and a ``watermark``), installed on a
-fresh cache built with the ``gds`` policy by :func:`install_strategy`. Everything else stays
-the library's: KV leaves are evicted in LRU order (the ``gds`` policy's KV key), a leaf's
+*state walks* (:class:`components.state.StateWalk`: ``on_set`` / ``on_hit`` / ``on_use`` /
+``on_remove`` / ``requeue`` / ``pop_victim`` / ``check`` and a ``watermark``), given to a cache
+built with the ``gds`` policy through its ``state_walk=`` factory (the replay engine's
+``state_walk`` field; :func:`state_walk_factory`). Everything else stays the library's: KV leaves are evicted in LRU order (the ``gds`` policy's KV key), a leaf's
 state leaves with it, and a popped leaf state takes its leaf along (``evict_states``).
 
 ``marconi`` (Pan et al., MLSys 2025, section 4.2, from its description)::
@@ -38,17 +38,16 @@ import heapq
 import math
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from bench.metrics import COST_D, COST_E
 from bench.presets import ModelPreset
+from bench.sim_ideas import IDEAS
 from bench.traces import TraceRequest
+from components.state import StateWalk
 from radix.node import TreeNode
-
-if TYPE_CHECKING:
-    from radix import RadixCache
 
 __all__ = [
     "BASELINE_POLICIES",
@@ -57,46 +56,37 @@ __all__ = [
     "MarconiStrategy",
     "NextUseIndex",
     "StateStrategy",
-    "install_strategy",
     "minmax",
+    "state_walk_factory",
 ]
 
-BASELINE_POLICIES = ("marconi", "belady")
-"""Policy names the replay runs with a replay-side state walk on top of ``gds``."""
+BASELINE_POLICIES = ("marconi", "belady", *IDEAS)
+"""Policy names the replay runs with a replay-side state walk on top of ``gds`` (the
+baselines, and the experimental walks of :mod:`bench.sim_ideas`, ``idea:...``)."""
 
 NEVER = 1 << 62
 """Next-use index of a prefix no later request needs."""
 
 
-class StateStrategy(Protocol):
-    """What :class:`components.state.StateComponent` calls on its ``gds`` strategy."""
+class StateStrategy(StateWalk, Protocol):
+    """A replay-side state walk: a :class:`components.state.StateWalk` that is also told which
+    trace request the replay serves next (``before_admit``)."""
 
-    watermark: float
-
-    def on_set(self, node: TreeNode) -> None: ...
-    def on_use(self, node: TreeNode) -> None: ...
-    def on_remove(self, node: TreeNode) -> None: ...
-    def pop_victim(self) -> TreeNode | None: ...
-    def check(self, state_nodes: list[TreeNode]) -> None: ...
     def before_admit(self, index: int) -> None: ...
 
 
-def install_strategy(cache: RadixCache, make: Callable[[Callable[[TreeNode], bool]], StateStrategy]
-                     ) -> StateStrategy:
-    """Replace the state walk of a fresh ``gds`` cache with ``make(is_candidate)``.
+def state_walk_factory(
+    make: Callable[[Callable[[TreeNode], bool]], StateStrategy], built: list[StateStrategy]
+) -> Callable[[Callable[[TreeNode], bool]], StateStrategy]:
+    """``make`` as a ``state_walk=`` factory that also appends every walk it builds to
+    ``built`` (the replay drives the latest one: ``before_admit``, Marconi's alpha)."""
 
-    Raises:
-        ValueError: the cache has no state component, does not use the GDS walk (the only
-            walk that consults a strategy object), or already holds states.
-    """
-    state = cache.state
-    if state is None or state.walk != "gds":
-        raise ValueError("install_strategy needs a hybrid cache built with the 'gds' policy")
-    if state.slot_to_node:
-        raise ValueError("install_strategy needs a fresh cache (it already holds states)")
-    strategy = make(state.is_candidate)
-    state.gds = strategy  # type: ignore[assignment]
-    return strategy
+    def factory(is_candidate: Callable[[TreeNode], bool]) -> StateStrategy:
+        walk = make(is_candidate)
+        built.append(walk)
+        return walk
+
+    return factory
 
 
 def minmax(x: np.ndarray) -> np.ndarray:
@@ -121,9 +111,6 @@ class _LiveSet:
         self.first_eviction_index: int | None = None  # request being served at the first pop
         self.index = -1  # the request being served (``before_admit``)
 
-    def __bool__(self) -> bool:  # the cache tests ``if state.gds``
-        return True
-
     def before_admit(self, index: int) -> None:
         self.index = index
 
@@ -131,7 +118,14 @@ class _LiveSet:
         self._live[node.id] = node
 
     def on_use(self, node: TreeNode) -> None:
-        """Consumed or released: nothing to do (recency is the node's own stamp)."""
+        """Released: nothing to do (recency is the node's own stamp)."""
+
+    def on_hit(self, node: TreeNode) -> None:
+        """Consumed: nothing to do (recency is the node's own stamp)."""
+
+    def requeue(self, node: TreeNode) -> None:
+        """Popped but kept (write-back copy in flight): tracked again."""
+        self.on_set(node)
 
     def on_remove(self, node: TreeNode) -> None:
         self._live.pop(node.id, None)

@@ -59,13 +59,14 @@ import numpy as np
 from bench.engine import EngineConfig, EngineCounters, ReplayEngine
 from bench.metrics import COST_D, COST_E, ReplayMetrics, prefill_cost, summarize
 from bench.presets import get_preset
+from bench.sim_ideas import IDEAS
 from bench.sim_policies import (
     BASELINE_POLICIES,
     BeladyStrategy,
     MarconiStrategy,
     NextUseIndex,
     StateStrategy,
-    install_strategy,
+    state_walk_factory,
 )
 from bench.traces import TraceRequest
 
@@ -260,8 +261,8 @@ class Simulator:
                  alpha_switch: tuple[int, float] | None = None) -> None:
         self.trace = trace
         self.cfg = config
-        self.engine = ReplayEngine(config.engine)
-        self.strategy = self._install(next_use)
+        self._walks: list[StateStrategy] = []
+        self.engine = ReplayEngine(config.engine, state_walk=self._state_walk(next_use))
         self._alpha_switch = alpha_switch
         n = len(trace)
         ts = np.fromiter((r.timestamp_s for r in trace), np.float64, n)
@@ -282,17 +283,26 @@ class Simulator:
         if config.arrivals == "closed":
             self.arrival[: self._released] = 0.0
 
-    def _install(self, next_use: NextUseIndex | None) -> StateStrategy | None:
+    def _state_walk(self, next_use: NextUseIndex | None
+                    ) -> Callable[[Callable[[Any], bool]], StateStrategy] | None:
+        """The ``state_walk=`` factory of a baseline run (``None`` for a library policy)."""
         cfg = self.cfg
         if cfg.policy == "marconi":
             preset = get_preset(cfg.model)
             alpha = cfg.marconi_alpha or 0.0
-            return install_strategy(self.engine.cache, lambda ok: MarconiStrategy(
-                ok, preset, alpha, cfg.cost_d, cfg.cost_e))
+            return state_walk_factory(lambda ok: MarconiStrategy(
+                ok, preset, alpha, cfg.cost_d, cfg.cost_e), self._walks)
         if cfg.policy == "belady":
             index = next_use or NextUseIndex(self.trace, cfg.engine.page_size)
-            return install_strategy(self.engine.cache, lambda ok: BeladyStrategy(ok, index))
+            return state_walk_factory(lambda ok: BeladyStrategy(ok, index), self._walks)
+        if cfg.policy in IDEAS:
+            return state_walk_factory(IDEAS[cfg.policy], self._walks)
         return None
+
+    @property
+    def strategy(self) -> StateStrategy | None:
+        """The replay-side state walk the cache uses now (``None`` for a library policy)."""
+        return self._walks[-1] if self._walks else None
 
     # ------------------------------------------------------------------ loop
     def run(self, stop: Callable[[Simulator], bool] | None = None,

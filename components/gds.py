@@ -29,6 +29,9 @@ from radix.node import TreeNode
 
 _EPS = 1e-12
 
+#: ``StateComponent`` walks built from ``(d, e)`` by :func:`make_gds_walk`.
+GDS_WALKS = ("gds", "gdsf", "gds_adaptive")
+
 
 def gds_cost(a: int, b: int, d: float, e: float) -> float:
     """Prefill cost of rebuilding a state at position ``b`` from one at ``a`` [cost units].
@@ -98,10 +101,14 @@ class GDSStrategy:
             self._compact()
 
     def on_use(self, node: TreeNode) -> None:
-        """Matched, loaded back or released by its last request: stamp at the watermark.
+        """Loaded back or released by its last request: stamp at the watermark.
 
         The true priority can only rise, so the current entry stays a lower bound.
         """
+        node.gds_stamp = self.watermark
+
+    def on_hit(self, node: TreeNode) -> None:
+        """Consumed by a match: the same as :meth:`on_use` under plain GDS."""
         node.gds_stamp = self.watermark
 
     def on_remove(self, node: TreeNode) -> None:
@@ -167,3 +174,58 @@ class GDSStrategy:
             )
             assert n.gds_stamp <= self.watermark + _EPS
             assert math.isfinite(true)
+
+
+class GDSFStrategy(GDSStrategy):
+    """GreedyDual-Size-Frequency (Cherkasova 1998, "Improving WWW proxies performance with
+    Greedy-Dual-Size-Frequency caching policy", HPL-98-69): the GDS walk with the cost scaled
+    by how often the state was consumed while cached::
+
+        priority(s) = stamp(s) + cost(a, b) * (1 + hits(s))
+
+    ``hits(s)`` counts matches that consumed ``s`` (``on_hit``) since it was cached; a
+    release by the last request (``on_use``) is not a hit. The count starts at 0 when a state
+    is cached (also when loaded back from host) and is forgotten when it leaves. Hits only
+    rise, so a hit keeps the current heap entry a lower bound, as a stamp does under GDS.
+    Rationale: on conversation traffic a prefix that was resumed once (a system prompt, a
+    long shared document) is likelier to be resumed again than one that never was; the count
+    lets such states outlive equally costly one-off checkpoints.
+    """
+
+    def __init__(self, d: float, e: float, is_candidate: Callable[[TreeNode], bool]) -> None:
+        super().__init__(d, e, is_candidate)
+        self.hits: dict[int, int] = {}
+
+    def true_priority(self, node: TreeNode) -> float:
+        cost = gds_cost(self.nearest_shallower_pos(node), node.depth, self.d, self.e)
+        return node.gds_stamp + cost * (1 + self.hits.get(node.id, 0))
+
+    def on_set(self, node: TreeNode) -> None:
+        self.hits[node.id] = 0
+        super().on_set(node)
+
+    def on_hit(self, node: TreeNode) -> None:
+        node.gds_stamp = self.watermark
+        self.hits[node.id] = self.hits.get(node.id, 0) + 1
+
+    def on_remove(self, node: TreeNode) -> None:
+        super().on_remove(node)
+        self.hits.pop(node.id, None)
+
+    def check(self, state_nodes: list[TreeNode]) -> None:
+        super().check(state_nodes)
+        assert set(self.hits) == {n.id for n in state_nodes}, "gdsf hit counts out of step"
+
+
+def make_gds_walk(walk: str, d: float, e: float,
+                  is_candidate: Callable[[TreeNode], bool]) -> GDSStrategy:
+    """The GDS-family walk named ``walk`` (one of :data:`GDS_WALKS`)."""
+    if walk == "gds":
+        return GDSStrategy(d, e, is_candidate)
+    if walk == "gdsf":
+        return GDSFStrategy(d, e, is_candidate)
+    if walk == "gds_adaptive":
+        from components.gds_adaptive import AdaptiveGDSStrategy  # imports this module
+
+        return AdaptiveGDSStrategy(d, e, is_candidate)
+    raise ValueError(f"not a GDS walk: {walk!r}; expected one of {GDS_WALKS}")

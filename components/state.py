@@ -5,23 +5,66 @@ per token. A node may carry one checkpoint (``node.state_slot``, a slot of the s
 valid after ``node.depth`` tokens. A match is usable only up to the deepest matched node that
 holds a state; a hit refreshes only the state it consumed.
 
-Eviction: the state walk is GreedyDual-Size (``components.gds``) under ``gds``, else LRU on the
-state's own access stamp. A state is a candidate when it is unlocked and, on a leaf, the leaf's
-KV is unlocked too (the leaf leaves whole: a leaf never stays without a state).
+Eviction: the state walk is GreedyDual-Size (``components.gds``) under ``gds`` (``gdsf``: with
+frequency), else LRU on the state's own access stamp; a caller may instead supply its own walk
+(``state_walk=``, a factory; the :class:`StateWalk` protocol). A state is a candidate when it
+is unlocked and, on a leaf, the leaf's KV is unlocked too (the leaf leaves whole: a leaf never
+stays without a state).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from components.gds import GDSStrategy
+from components.gds import GDS_WALKS, make_gds_walk
 from radix.node import TreeNode
 from radix.ordered import OrderedNodeSet
 
 if TYPE_CHECKING:
     from allocators import MambaStatePool
+
+
+@runtime_checkable
+class StateWalk(Protocol):
+    """A state eviction walk: what :class:`StateComponent` calls on every state event.
+
+    The contract is the one of :class:`components.gds.GDSStrategy`: ``on_set`` when a state is
+    cached on a node (stored, loaded back), ``on_hit`` when a match consumes it, ``on_use``
+    when its last request releases it, ``on_remove`` when it leaves (always after a pop, and
+    for states removed with their leaf), ``requeue`` when a popped victim kept its state (a
+    write-back copy in flight), ``pop_victim`` for the next evictable state (``None`` when
+    none; only nodes for which ``is_candidate`` holds may be returned), ``check`` to assert
+    that the walk tracks exactly ``state_nodes``. ``watermark`` is what
+    ``RadixCache.watermark`` reports (0.0 for walks without one).
+    """
+
+    watermark: float
+
+    def on_set(self, node: TreeNode) -> None: ...
+    def on_hit(self, node: TreeNode) -> None: ...
+    def on_use(self, node: TreeNode) -> None: ...
+    def on_remove(self, node: TreeNode) -> None: ...
+    def requeue(self, node: TreeNode) -> None: ...
+    def pop_victim(self) -> TreeNode | None: ...
+    def check(self, state_nodes: list[TreeNode]) -> None: ...
+
+
+#: Builds a state walk for a component, given its ``is_candidate`` predicate.
+StateWalkFactory = Callable[[Callable[[TreeNode], bool]], StateWalk]
+
+_WALK_METHODS = ("on_set", "on_hit", "on_use", "on_remove", "requeue", "pop_victim", "check")
+
+
+def check_state_walk_factory(state_walk: object) -> None:
+    """``TypeError`` naming ``state_walk`` unless it is ``None`` or callable."""
+    if state_walk is not None and not callable(state_walk):
+        raise TypeError(
+            "state_walk must be a callable (is_candidate) -> state walk, or None; "
+            f"got {type(state_walk).__name__}"
+        )
 
 
 def _state_lru_key(n: TreeNode) -> tuple[int]:
@@ -38,28 +81,58 @@ class StateComponent:
     name = "state"
 
     def __init__(
-        self, allocator: MambaStatePool, walk: str = "lru", gds: tuple[float, float] | None = None
+        self,
+        allocator: MambaStatePool,
+        walk: str = "lru",
+        gds: tuple[float, float] | None = None,
+        state_walk: StateWalkFactory | None = None,
     ) -> None:
         """Args:
             allocator: the state pool (slots).
             walk: ``"lru"`` (order by the state's own access stamp: a hit refreshes only the
                 consumed state), ``"joint"`` (order by the node's stamp, shared with KV:
-                ``joint_lru``) or ``"gds"`` (GreedyDual-Size with coefficients ``gds``).
+                ``joint_lru``), ``"gds"`` (GreedyDual-Size with coefficients ``gds``),
+                ``"gdsf"`` (GDS with frequency: cost x (1 + hits)) or ``"gds_adaptive"``
+                (:class:`components.gds_adaptive.AdaptiveGDSStrategy`).
+            gds: ``(d, e)``, required with the three GDS walks and only then.
+            state_walk: a factory ``is_candidate -> walk`` (:class:`StateWalk`) that replaces
+                the walk named by ``walk`` (``walk`` then only says which policy the cache was
+                built with; ``self.walk`` becomes ``"custom"``). Called once here, and again
+                on every ``RadixCache.reset``.
+
+        Raises:
+            TypeError: ``state_walk`` is not callable, or built an object lacking a walk method.
+            ValueError: unknown ``walk``, or ``gds`` given / missing.
         """
-        if walk not in ("lru", "joint", "gds"):
-            raise ValueError(f"walk must be 'lru', 'joint' or 'gds', got {walk!r}")
-        if (walk == "gds") != (gds is not None):
-            raise ValueError("gds=(d, e) is required with walk='gds' and only then")
+        if walk not in ("lru", "joint") + GDS_WALKS:
+            raise ValueError(
+                f"walk must be one of 'lru', 'joint', {', '.join(map(repr, GDS_WALKS))}; got {walk!r}"
+            )
+        if (walk in GDS_WALKS) != (gds is not None):
+            raise ValueError(f"gds=(d, e) is required with walk in {GDS_WALKS} and only then")
+        check_state_walk_factory(state_walk)
         self.allocator = allocator
         #: The pool's live free mask over slots (``None`` for a pool without one).
         self.free_mask = getattr(allocator, "free_mask", None)
         self.walk = walk
-        self.gds: GDSStrategy | None = (
-            GDSStrategy(gds[0], gds[1], self.is_candidate) if gds is not None else None
-        )
+        self.gds: StateWalk | None = None
+        """The strategy object every state event goes to (GDS or a custom walk); ``None``
+        under the LRU walks."""
+        if state_walk is not None:
+            built = state_walk(self.is_candidate)
+            missing = [m for m in _WALK_METHODS if not callable(getattr(built, m, None))]
+            if missing or not hasattr(built, "watermark"):
+                raise TypeError(
+                    f"state_walk built a {type(built).__name__} without "
+                    f"{', '.join(missing) or 'watermark'} (see components.state.StateWalk)"
+                )
+            self.walk = "custom"
+            self.gds = built
+        elif gds is not None:
+            self.gds = make_gds_walk(walk, gds[0], gds[1], self.is_candidate)
         self.lru = (
             OrderedNodeSet(_joint_key if walk == "joint" else _state_lru_key)
-            if gds is None
+            if self.gds is None
             else None
         )
         self.slot_to_node: dict[int, TreeNode] = {}
@@ -100,7 +173,7 @@ class StateComponent:
         """The state on ``node`` was consumed by a match (only that state is refreshed)."""
         node.state_access_time = clock
         if self.gds is not None:
-            self.gds.on_use(node)
+            self.gds.on_hit(node)
         self.refresh(node)
 
     def remove_state(self, node: TreeNode) -> None:

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from components.gds import GDS_WALKS
 from components.kv import KVComponent
-from components.state import StateComponent
+from components.state import StateComponent, StateWalkFactory, check_state_walk_factory
 from components.swa import SWAComponent
 from hicache import HiCacheConfig, HiCacheController
 from radix.config import CacheConfig
@@ -49,9 +50,15 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         config: page size and radix eviction policy (validated when built).
         kv_allocator: KV slot allocator; its ``page_size`` must equal ``config.page_size``.
         state_allocator: recurrent-state pool, or ``None`` for a KV-only cache.
+        hicache: host tier (HiCache L2), or ``None``.
+        state_walk: a factory ``is_candidate -> walk`` building the recurrent-state eviction
+            walk (``components.state.StateWalk``) in place of the policy's; the policy still
+            orders KV leaves. ``reset()`` calls it again for a fresh walk. Meant for replay
+            baselines and experiments (``bench.sim_policies``); engines pick walks by name.
 
     Raises:
-        TypeError / ValueError: bad config or mismatched page sizes.
+        TypeError / ValueError: bad config, mismatched page sizes, a ``state_walk`` that is
+            not callable (``TypeError``) or given without a state allocator.
     """
 
     def __init__(
@@ -61,8 +68,13 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         kv_allocator: SlotAllocator,
         state_allocator: MambaStatePool | None = None,
         hicache: HiCacheConfig | None = None,
+        state_walk: StateWalkFactory | None = None,
     ) -> None:
         config = config if config is not None else CacheConfig()
+        check_state_walk_factory(state_walk)
+        if state_walk is not None and state_allocator is None:
+            raise ValueError("state_walk needs a state_allocator (a hybrid cache)")
+        self._state_walk = state_walk
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
         alloc_ps = getattr(kv_allocator, "page_size", None)
@@ -109,8 +121,8 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
 
     def _new_state_component(self, allocator: MambaStatePool) -> StateComponent:
         walk = self.policy.state_walk
-        gds = (self.policy.knobs["d"], self.policy.knobs["e"]) if walk == "gds" else None
-        return StateComponent(allocator, walk, gds)
+        gds = (self.policy.knobs["d"], self.policy.knobs["e"]) if walk in GDS_WALKS else None
+        return StateComponent(allocator, walk, gds, self._state_walk)
 
     def _init_tree(self) -> None:
         self.tree = RadixTree(self.page_size, self._on_split)
@@ -868,8 +880,8 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
 
     @property
     def watermark(self) -> float:
-        """The GDS watermark ``L`` (0.0 when GDS is not the state walk)."""
-        return self.state.gds.watermark if self.state is not None and self.state.gds else 0.0
+        """The GDS watermark ``L`` (0.0 under the LRU walks; a custom walk's ``watermark``)."""
+        return self.state.gds.watermark if self.state is not None and self.state.gds is not None else 0.0
 
     # ============================================================ maintenance
     def reset(self) -> None:

@@ -38,7 +38,7 @@ class Knob:
 class PolicySpec:
     name: str
     make_key: Callable[[Mapping[str, Any]], KeyFn]
-    state_walk: str  # "lru" (state stamps), "joint" (node stamps) or "gds"
+    state_walk: str  # "lru" (state stamps), "joint" (node stamps), "gds", "gdsf", ...
     key_can_decrease: bool
     knobs: Mapping[str, Knob] = field(default_factory=dict)
     cross_check: Callable[[Mapping[str, Any]], str | None] | None = None
@@ -171,6 +171,12 @@ POLICY_REGISTRY: dict[str, PolicySpec] = {
         ),
         PolicySpec("gds", _lru, "gds", False, _D, cross_check=_gds_cross,
                    doc="GreedyDual-Size on recurrent states (FlashState); LRU on KV leaves"),
+        PolicySpec("gdsf", _lru, "gdsf", False, _D, cross_check=_gds_cross,
+                   doc="GreedyDual-Size-Frequency on recurrent states: GDS with the cost x "
+                       "(1 + the state's hit count); LRU on KV leaves"),
+        PolicySpec("gds_adaptive", _lru, "gds_adaptive", False, _D, cross_check=_gds_cross,
+                   doc="GDS with learned reuse weights on recurrent states "
+                       "(components.gds_adaptive); LRU on KV leaves"),
         PolicySpec("fifo", _fifo, "lru", False, doc="oldest creation_time first"),
         PolicySpec("mru", _mru, "lru", True, doc="most recent first"),
         PolicySpec("filo", _filo, "lru", True, doc="newest creation_time first"),

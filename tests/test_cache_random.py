@@ -385,6 +385,8 @@ def _oracle_key(name: str, knobs: dict[str, Any]) -> Any:
         "tlru": lambda s: (-1 if s["start"] >= max(s["history"] + nps - thr, 0) else 0, s["t"]),
         "joint_lru": lambda s: (s["t"],),
         "gds": lambda s: (s["t"],),  # KV leaves follow lru under gds
+        "gdsf": lambda s: (s["t"],),  # ... and under its variants
+        "gds_adaptive": lambda s: (s["t"],),
         "fifo": lambda s: (s["created"],),
         "mru": lambda s: (-s["t"],),
         "filo": lambda s: (-s["created"],),

@@ -15,8 +15,9 @@ from bench.sim_policies import (
     BeladyStrategy,
     MarconiStrategy,
     NextUseIndex,
-    install_strategy,
+    StateStrategy,
     minmax,
+    state_walk_factory,
 )
 from bench.traces import TraceRequest
 from radix import CacheConfig, RadixCache
@@ -45,12 +46,14 @@ PREFIX = {"A": 1, "B": 9, "C": 17, "D": 25}  # first token of each prefix
 
 def belady_cache(now: int) -> tuple[RadixCache, BeladyStrategy, dict[int, str]]:
     """A gds cache with the offline walk; states on A, B, C, D (depth 8) set at ``now``."""
+    index = NextUseIndex(TRACE)
+    built: list[StateStrategy] = []
     cache = RadixCache(CacheConfig(page_size=1, radix_eviction_policy="gds"),
                        kv_allocator=TokenAllocator(100),
-                       state_allocator=MambaStatePool(8, 1, (1,), (1,)))
-    index = NextUseIndex(TRACE)
-    strategy = install_strategy(cache, lambda ok: BeladyStrategy(ok, index))
-    assert isinstance(strategy, BeladyStrategy)
+                       state_allocator=MambaStatePool(8, 1, (1,), (1,)),
+                       state_walk=state_walk_factory(lambda ok: BeladyStrategy(ok, index), built))
+    strategy = built[-1]
+    assert isinstance(strategy, BeladyStrategy) and cache.state.gds is strategy  # type: ignore[union-attr]
     strategy.before_admit(now)
     slot_name = {}
     for name, first in PREFIX.items():
@@ -108,11 +111,22 @@ def test_next_use_inside_a_block() -> None:
     assert index.block_first_tokens(req([3, 9, 2], 10)) == [13, 37, 9]
 
 
-def test_install_strategy_refuses_other_walks() -> None:
-    lru = RadixCache(CacheConfig(page_size=1, radix_eviction_policy="lru"),
-                     kv_allocator=TokenAllocator(10), state_allocator=MambaStatePool(2, 1, (1,), (1,)))
-    with pytest.raises(ValueError, match="gds"):
-        install_strategy(lru, lambda ok: BeladyStrategy(ok, NextUseIndex(TRACE)))
+def test_state_walk_factory_rebuilt_by_reset() -> None:
+    """The hook builds the walk at construction and again on reset (a fresh walk, the same
+    factory); the baseline then drives the latest one."""
+    built: list[StateStrategy] = []
+    cache = RadixCache(CacheConfig(page_size=1, radix_eviction_policy="lru"),
+                       kv_allocator=TokenAllocator(100), state_allocator=MambaStatePool(4, 1, (1,), (1,)),
+                       state_walk=state_walk_factory(lambda ok: BeladyStrategy(ok, NextUseIndex(TRACE)),
+                                                     built))
+    assert len(built) == 1 and cache.state.gds is built[0] and cache.state.walk == "custom"  # type: ignore[union-attr]
+    slot = int(cache.state.allocator.alloc(1)[0])  # type: ignore[union-attr]
+    cache.insert(list(range(1, 9)), cache.kv.allocator.alloc(8), state_slot=slot)
+    cache.sanity_check()
+    cache.reset()
+    assert len(built) == 2 and cache.state.gds is built[1]  # type: ignore[union-attr]
+    cache.sanity_check()
+    assert cache.state.gds.pop_victim() is None  # type: ignore[union-attr]
 
 
 # ----------------------------------------------------------------------- Marconi
@@ -172,10 +186,13 @@ def test_marconi_prefers_nodes_with_at_most_one_child() -> None:
 
 
 def test_marconi_on_a_cache_evicts_and_checks() -> None:
+    built: list[StateStrategy] = []
     cache = RadixCache(CacheConfig(page_size=1, radix_eviction_policy="gds"),
                        kv_allocator=TokenAllocator(100),
-                       state_allocator=MambaStatePool(4, 1, (1,), (1,)))
-    s = install_strategy(cache, lambda ok: MarconiStrategy(ok, MODEL, 1.0))
+                       state_allocator=MambaStatePool(4, 1, (1,), (1,)),
+                       state_walk=state_walk_factory(lambda ok: MarconiStrategy(ok, MODEL, 1.0), built))
+    s = built[-1]
+    assert isinstance(s, MarconiStrategy)
     for first in (1, 20, 40):
         slot = int(cache.state.allocator.alloc(1)[0])  # type: ignore[union-attr]
         cache.insert(list(range(first, first + 5)), cache.kv.allocator.alloc(5), state_slot=slot)
@@ -185,3 +202,20 @@ def test_marconi_on_a_cache_evicts_and_checks() -> None:
     # equal efficiencies normalise to 0: recency alone decides, the two oldest went
     assert cache.match_prefix([40, 41, 42, 43, 44, 99]).prefix_len == 5
     assert cache.match_prefix([1, 2, 3, 4, 5, 99]).prefix_len == 0
+
+
+def test_hit_breakdown_counts_every_consumed_state() -> None:
+    """bench.hit_breakdown: the recorder sees every consumed state (its tokens add up to the
+    depth of the states the matches used) and passes the walk's decisions through."""
+    from bench.hit_breakdown import breakdown
+    from bench.simulator import SimConfig
+    from bench.traces import load_trace
+
+    trace = load_trace(None, max_requests=120)
+    for policy in ("gds_adaptive", "belady"):
+        hit, rec = breakdown(trace, SimConfig.of(policy, kv_tokens=2_000_000, state_slots=16,
+                                                 concurrency=4))
+        assert 0 < hit < 1
+        assert sum(rec.count.values()) > 0 and sum(rec.tokens.values()) > 0
+        assert all(first in ("first", "again") and where in ("leaf", "below") and b in (0, 1, 2)
+                   for first, where, b in rec.tokens)
