@@ -62,7 +62,8 @@ class KVComponent:
             self._held = held
         self._pos = np.arange(1, 1025, dtype=np.int32)  # claim stamps; grown on demand
         self._zeros = bytes(4 * len(self._pos))  # what the marks of unheld ids read as
-        self._page_offsets = np.arange(self.page_size, dtype=np.int64)
+        #: 0, 1, .., page_size - 1, repeated (page structure checks); grown on demand
+        self._page_offsets = np.tile(np.arange(self.page_size, dtype=np.int64), 64)
 
     # --------------------------------------------------------------- ownership
     def claim(self, slots: np.ndarray) -> None:
@@ -114,10 +115,16 @@ class KVComponent:
             raise ValueError(
                 f"value: {slots.shape[0]} slots to adopt is not a whole number of pages ({ps})"
             )
+        n = slots.shape[0]
+        if n > len(self._page_offsets):
+            self._page_offsets = np.tile(np.arange(ps, dtype=np.int64), 2 * n // ps)
         ids = slots[::ps] // ps
-        expect = ((ids * ps)[:, None] + self._page_offsets).reshape(-1)
-        if expect.tobytes() != np.ascontiguousarray(slots).tobytes():
-            bad = int(np.flatnonzero(expect != slots)[0]) // ps * ps
+        # page p's slots minus their offsets in the page are p*ps, p*ps, ...: one comparison
+        # (a misaligned first slot fails it too)
+        within = slots - self._page_offsets[:n]
+        expect = (ids * ps).repeat(ps)
+        if within.tobytes() != expect.tobytes():
+            bad = int(np.flatnonzero(within != expect)[0]) // ps * ps
             raise ValueError(
                 f"value: slots from position {bad} ({slots[bad:bad + ps].tolist()}) are not the "
                 f"{ps} slots of one page in order (page p holds slots p*{ps} .. p*{ps}+{ps - 1})"
