@@ -392,7 +392,10 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
             live_from = self._live_suffix_start(value, prefix_len, end)
         grow = live_from < end
         varr = value.numpy() if value.is_cpu else None
-        self._claim(value, varr, plan, prefix_len if grow else end, end)
+        if plan or varr is None:
+            self._claim(value, varr, plan, prefix_len if grow else end, end)
+        elif grow:  # the common case: only the new tail is adopted
+            self.kv.claim(varr[prefix_len:end])
         # ---- validated: mutate from here on
         path = walk.path
         now = self._tick()

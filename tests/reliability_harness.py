@@ -303,18 +303,20 @@ class Harness(HarnessChecks):
                 for s in slots]
 
     def check_insert(self, res: Any, pred: InsertPred, value: list[int],
-                     finished: bool = False) -> None:
+                     released: bool = False) -> None:
+        """``released``: the call also released the caller's lock (``cache_finished_req``),
+        so ``res.last_node`` may have left the tree since (a dead leaf, pruned: checked by
+        the caller against the model once the model has released the lock too)."""
         got = (res.prefix_len, res.inserted_len, res.state_adopted,
                res.duplicate_indices.tolist(), res.adopted_indices.tolist(),
                res.remainder_indices.tolist(), res.revived_indices.tolist())
         exp = (pred.prefix_len, pred.inserted_len, pred.state_adopted, pred.duplicates,
                pred.adopted, value[pred.inserted_len:], pred.revived_caller)
         assert got == exp, f"insert: library {got}, model {exp}"
+        if released and not self.cache.tree.is_attached(res.last_node):
+            return
         assert res.last_node.depth == pred.inserted_len or (
-            pred.inserted_len == 0 and res.last_node is self.cache.root) or (
-            # a finish unlocks its node, which may then be pruned at once (an SWA tombstone
-            # leaf nothing can resume from); the model comparison after its prune checks that
-            finished and not self.cache.tree.is_attached(res.last_node))
+            pred.inserted_len == 0 and res.last_node is self.cache.root)
         EVENTS["insert new pages"] += pred.inserted_len > pred.prefix_len
         EVENTS["insert duplicates"] += bool(pred.duplicates)
         EVENTS["insert revival"] += bool(pred.revived_caller)
@@ -510,7 +512,7 @@ class Harness(HarnessChecks):
         else:
             res = self.cache.cache_unfinished_req(cr, state_slot=state)
         pred = self.model.insert(r.ns, r.key[:upto], value, live, state, ends)
-        self.check_insert(res, pred, value, finished)
+        self.check_insert(res, pred, value, released=finished)
         p = pred.prefix_len
         tree_live = self.live(pred.tree_prefix) if self.kind == "swa" else []
         keep = [
@@ -548,6 +550,11 @@ class Harness(HarnessChecks):
             if not self.model.locks[old_lock]:
                 del self.model.locks[old_lock]
         self.model.prune()
+        if finished and not self.cache.tree.is_attached(res.last_node):
+            last = self.page_at(r.ns, r.key, pred.inserted_len)
+            assert last is not None and not self.model.in_tree(last), (
+                f"cache_finished_req pruned {last}, which the model keeps")
+            EVENTS["finish prunes its dead leaf"] += 1
         if self.kind == "host":
             self.absorb(**self.host_flags())
 
