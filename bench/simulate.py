@@ -32,6 +32,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from bench.bounds import Bounds, compute_bounds
 from bench.presets import PRESETS, get_preset, split_memory
 from bench.replay import parse_count
@@ -74,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Simulate an engine serving a trace over the hybrid prefix cache.")
     a = p.add_argument
     a("--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)")
+    a("--torch-threads", type=int, default=1,
+      help="torch intra-op threads (default 1, as bench.replay: bookkeeping-sized tensor ops)")
     a("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto")
     a("--mooncake-block-size", type=_positive, default=512,
       help="tokens per hash id of a Mooncake-format file (default 512)")
@@ -255,6 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; 0 ok, 2 bad arguments or trace."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.torch_threads < 1:
+        parser.exit(2, f"error: --torch-threads must be >= 1, got {args.torch_threads}\n")
+    torch.set_num_threads(args.torch_threads)
     try:
         if args.plot is not None and args.sweep is None:
             raise ValueError("--plot needs --sweep AXIS=V1,V2,...")
