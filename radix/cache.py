@@ -256,7 +256,9 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         if usable == 0:
             indices = self._empty
         elif usable == 1:
-            indices = path[0].kv_value
+            kv0 = path[0].kv_value
+            assert kv0 is not None  # a usable (device) node holds KV slots
+            indices = kv0
         else:
             indices = torch.cat([n.kv_value for n in path[:usable]])  # type: ignore[misc]
         last_host, host_hit = last, 0
@@ -482,8 +484,11 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         plan: dict[int, int] = {}
         for n, lo, hi, kvv in spans:
             if self.swa is not None:
-                if not n.swa_tombstone or n.kv_lock > 0 or bool((value[lo:hi] == kvv).any()):
-                    continue  # live, in use, or the caller got (some of) these slots from the tree
+                if not n.swa_tombstone or n.kv_lock > 0:
+                    continue  # live or in use
+                assert kvv is not None  # a tombstone keeps its full-attention slots
+                if bool((value[lo:hi] == kvv).any()):
+                    continue  # the caller got (some of) these slots from the tree
                 t = self._live_suffix_start(value, lo, hi)
                 if t < hi:
                     plan[hi] = t
@@ -495,16 +500,17 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
                           varr: np.ndarray | None) -> torch.Tensor:
         """Insert through host-only nodes: they take the caller's device slots (the caller
         computed those tokens itself; claimed by ``_claim``), keeping their host copy."""
-        revived = []
+        revived: list[torch.Tensor] = []
         for n in path:
             if n.kv_value is None:
-                self.kv.attach(n, self._own(value, varr, n.start, n.depth))
-                revived.append(n.kv_value)
+                own = self._own(value, varr, n.start, n.depth)
+                self.kv.attach(n, own)  # the node keeps ``own`` itself as its kv_value
+                revived.append(own)
         for n in path:
             self._refresh(n)
         if not revived:
             return self._empty
-        return revived[0] if len(revived) == 1 else torch.cat(revived)  # type: ignore[arg-type]
+        return revived[0] if len(revived) == 1 else torch.cat(revived)
 
     def _write_policy_backup(self, path: list[TreeNode], last: TreeNode) -> None:
         """``write_through``: back up what was inserted; ``write_through_selective``: the

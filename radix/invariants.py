@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from radix.tree import namespace_key
 
 if TYPE_CHECKING:
+    from allocators.token_allocator import _FreeListAllocator
     from radix.cache import RadixCache
 
 
@@ -103,7 +104,8 @@ def _check_host(cache: RadixCache, nodes: list) -> None:
     if host_slots:
         held = torch.cat(host_slots)
         assert held.unique().numel() == held.numel(), "a host slot is held by two nodes"
-        assert not bool(hc.host_kv.is_free(held).any()), "a host slot held by the tree is free"
+        host_kv = cast("_FreeListAllocator", hc.host_kv)  # mirror_kv: a Token/PagedAllocator
+        assert not bool(host_kv.is_free(held).any()), "a host slot held by the tree is free"
     assert len(set(host_states)) == len(host_states), "a host state slot is held twice"
     if host_states and hc.host_state is not None:
         assert not bool(hc.host_state.is_free(torch.tensor(host_states)).any()), (

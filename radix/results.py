@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from radix.node import TreeNode
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from radix.tree import RadixKey
 
 
 class MatchResult(NamedTuple):
@@ -125,7 +130,7 @@ class CacheRequest:
             (they slid out of its window) [tokens].
     """
 
-    key: list[int]
+    key: list[int] | RadixKey | torch.Tensor | np.ndarray
     kv_indices: torch.Tensor
     cached_len: int
     last_node: TreeNode
