@@ -92,7 +92,8 @@ def _from_mapping(obj: Mapping[object, object], where: str) -> LoraPathSpec:
             raise ValueError(f"{where}: {key} must not be empty")
     if not isinstance(pinned, bool):
         raise TypeError(f"{where}: pinned must be a bool, got {type(pinned).__name__}")
-    return LoraPathSpec(name.strip(), path.strip(), pinned)  # type: ignore[union-attr]
+    assert isinstance(name, str) and isinstance(path, str)  # checked in the loop above
+    return LoraPathSpec(name.strip(), path.strip(), pinned)
 
 
 def parse_lora_paths(entries: object) -> tuple[LoraPathSpec, ...]:

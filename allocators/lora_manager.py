@@ -16,11 +16,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import cast
 
 import torch
 
 from .lora_adapter import LoraAdapter, LoraUid, read_adapter
-from .lora_args import LoraArgs
+from .lora_args import LoraArgs, LoraPathSpec
 from .lora_pool import LoraMemoryPool
 from .lora_slots import check_module_shapes
 
@@ -57,7 +58,9 @@ class LoraManager:
             raise ValueError("LoRA is disabled (enable_lora=False): nothing to manage")
         self.args = args
         self.base_modules = check_module_shapes(base_modules, "base_modules")
-        initial = [(spec, read_adapter(spec.path)) for spec in args.lora_paths]
+        # LoraArgs.__post_init__ stores lora_paths parsed: a tuple of LoraPathSpec.
+        specs = cast(tuple[LoraPathSpec, ...], args.lora_paths)
+        initial = [(spec, read_adapter(spec.path)) for spec in specs]
         for spec, adapter in initial:
             self._check_base_modules(spec.name, adapter)
         rank = args.max_lora_rank

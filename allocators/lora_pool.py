@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -415,9 +415,10 @@ class LoraMemoryPool:
             u for u in self.slots.slot_to_uid if u not in protect and u not in self._pinned
         ]
         adapters_only = [u for u in candidates if u is not BASE_MODEL]
-        victim = self.policy.select_victim(adapters_only or candidates)
+        # The policy returns one of the candidates it was given (all AdapterIds).
+        victim = cast(AdapterId, self.policy.select_victim(adapters_only or candidates))
         self.policy.remove(victim)
-        return self.slots.vacate(victim), victim  # type: ignore[arg-type]
+        return self.slots.vacate(victim), victim
 
     def _fill(self, uid: AdapterId, slot: int) -> None:
         adapter = self._adapters[uid] if isinstance(uid, LoraUid) else None
