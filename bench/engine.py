@@ -224,6 +224,7 @@ class ReplayEngine:
         m = cache.match_prefix(tokens[:-1])
         if m.host_hit_length > 0:
             host = m.last_host_node
+            assert host is not None  # set whenever host_hit_length > 0
             # Re-match when KV, or only the node's state, came back (a skipped or failed load
             # changes nothing, and a second match would count the same host hit twice).
             if cache.load_back(host) > 0 or host.state_slot is not None:
@@ -337,6 +338,7 @@ class ReplayEngine:
             kv = alloc.alloc(n)
             if kv is not None:
                 return kv
+            res: EvictResult | None
             if isinstance(alloc, SWAAllocator):
                 res = self.cache.evict(max(n - alloc.full_available_size(), 0))
                 self._count(res)

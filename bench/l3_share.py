@@ -53,7 +53,7 @@ class L3EngineConfig(EngineConfig):
         base = EngineConfig.hicache_config(self)
         if base is None or self.l3_backend is None:
             return base
-        where = ({"hicache_storage_dir": self.l3_where} if self.l3_backend == "file"
+        where: dict[str, Any] = ({"hicache_storage_dir": self.l3_where} if self.l3_backend == "file"
                  else {"hicache_storage_url": self.l3_where})
         return dataclasses.replace(base, hicache_storage_backend=self.l3_backend,
                                    hicache_storage_model=self.l3_model,

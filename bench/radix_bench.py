@@ -238,13 +238,13 @@ def run(args: argparse.Namespace, keep: dict[str, Any] | None = None) -> dict[st
             b = b // grid * grid
             if b > hit:
                 bkey = key[:b]
-                slot = int(states.alloc(1)[0])
+                bslot = int(states.alloc(1)[0])
                 t0 = pc()
-                bres = cache.insert(bkey, value[:b], state_slot=slot)
+                bres = cache.insert(bkey, value[:b], state_slot=bslot)
                 T["insert"] += pc() - t0
                 n_branch += 1
                 if not bres.state_adopted:
-                    states.free(torch.tensor([slot], dtype=torch.int64))
+                    states.free(torch.tensor([bslot], dtype=torch.int64))
                 # value[hit:b] is already in the tree: freed as duplicates after the insert below
 
         slot = int(states.alloc(1)[0]) if hybrid else None

@@ -94,7 +94,9 @@ def test_state_alloc_free(benchmark, state: str) -> None:
 
     def run() -> None:
         for _ in range(PAIRS):
-            pool.free(pool.alloc(1))
+            slots = pool.alloc(1)
+            assert slots is not None  # 1 slot out of a free pool
+            pool.free(slots)
 
     benchmark.extra_info["ops_per_round"] = PAIRS
     benchmark.pedantic(run, rounds=10, iterations=1, warmup_rounds=1)
