@@ -539,13 +539,7 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         SWA KV already released by the caller) above a live leaf ``[live_from, end)``.
         Returns the new nodes, shallowest first."""
         if live_from == start:  # the common case: one live leaf
-            child = self.tree.add_leaf(parent, key[start:end], extra_key, now)
-            self.kv.attach(child, self._own(value, varr, start, end))
-            if self.swa is not None:
-                self.swa.attach(child, True)
-            if parent is not self.root:
-                self._refresh(parent)
-            return [child]
+            return [self._attach_leaf(parent, key, value, varr, start, end, extra_key, now, True)]
         node = parent
         created = []
         if self.swa is not None and live_from > start:
@@ -556,15 +550,22 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         for lo, hi, live in ((start, live_from, False), (live_from, end, True)):
             if lo == hi:
                 continue
-            child = self.tree.add_leaf(node, key[lo:hi], extra_key, now)
-            self.kv.attach(child, self._own(value, varr, lo, hi))
-            if self.swa is not None:
-                self.swa.attach(child, live)
-            if node is not self.root:
-                self._refresh(node)
-            node = child
-            created.append(child)
+            node = self._attach_leaf(node, key, value, varr, lo, hi, extra_key, now, live)
+            created.append(node)
         return created
+
+    def _attach_leaf(self, parent: TreeNode, key: Any, value: torch.Tensor,
+                     varr: np.ndarray | None, lo: int, hi: int, extra_key: Any, now: int,
+                     live: bool) -> TreeNode:
+        """One new leaf for ``key[lo:hi]`` with its own copy of ``value[lo:hi]`` (claimed) and,
+        with SWA, live or tombstoned SWA KV; ``parent`` is re-filed (no longer a leaf)."""
+        child = self.tree.add_leaf(parent, key[lo:hi], extra_key, now)
+        self.kv.attach(child, self._own(value, varr, lo, hi))
+        if self.swa is not None:
+            self.swa.attach(child, live)
+        if parent is not self.root:
+            self._refresh(parent)
+        return child
 
     def _live_suffix_start(self, value: torch.Tensor, lo: int, hi: int) -> int:
         """First page-aligned position in ``[lo, hi]`` from which every caller slot of
