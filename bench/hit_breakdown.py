@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.replay import parse_count
+from bench.sim_ideas import live_states_below
 from bench.sim_policies import BASELINE_POLICIES
 from bench.simulator import SimConfig, Simulator
 from bench.traces import load_trace, resolve_trace_path
@@ -58,13 +59,7 @@ class Recorder:
         self.inner.on_set(node)
 
     def _below(self, node: TreeNode) -> bool:
-        stack = list(node.children.values())
-        while stack:
-            n = stack.pop()
-            if n.id in self.live:
-                return True
-            stack.extend(n.children.values())
-        return False
+        return next(live_states_below(node, self.live), None) is not None
 
     def on_hit(self, node: TreeNode) -> None:
         nid = node.id

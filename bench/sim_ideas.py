@@ -11,7 +11,7 @@ priority. Findings (hit rates, why an idea failed) are in ``bench/README.md``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Container, Iterator
 
 from components.gds import gds_cost
 from radix.node import TreeNode
@@ -19,6 +19,16 @@ from radix.policies import GDS_DEFAULT_D, GDS_DEFAULT_E
 
 __all__ = ["IDEAS", "IdeaWalk"]
 
+
+
+def live_states_below(node: TreeNode, live: Container[int]) -> Iterator[TreeNode]:
+    """Nodes strictly below ``node`` whose id is in ``live`` (depth-first, lazily)."""
+    stack = list(node.children.values())
+    while stack:
+        m = stack.pop()
+        if m.id in live:
+            yield m
+        stack.extend(m.children.values())
 
 class IdeaWalk:
     """Generic GreedyDual walk with switchable terms (see :data:`IDEAS`).
@@ -189,13 +199,8 @@ class IdeaWalk:
         r = seen / max(node.depth, 1)
         return 0 if r < 0.3 else 1 if r < 0.9 else 2
 
-    def _states_below(self, node: TreeNode):
-        stack = list(node.children.values())
-        while stack:
-            m = stack.pop()
-            if m.id in self.live:
-                yield m
-            stack.extend(m.children.values())
+    def _states_below(self, node: TreeNode) -> Iterator[TreeNode]:
+        return live_states_below(node, self.live)
 
     def on_hit(self, node: TreeNode) -> None:
         if self.learn:
