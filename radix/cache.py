@@ -753,8 +753,10 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
             break
         st = self._stats
         st["evicted_tokens"] += tokens
-        st["evicted_states"] += states
-        st["evicted_swa_tokens"] += swa_tokens
+        if states:
+            st["evicted_states"] += states
+        if swa_tokens:
+            st["evicted_swa_tokens"] += swa_tokens
         return tokens, states, swa_tokens
 
     def _prune(self, node: TreeNode) -> None:
@@ -779,24 +781,34 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         which counts it in the call during which it lands.
         Complexity: O(log n) per freed node.
         """
-        self._check_count(num_tokens, "num_tokens")
+        if type(num_tokens) is not int or num_tokens < 0:
+            self._check_count(num_tokens, "num_tokens")
         tokens = states = swa = 0
+        if self.hicache is None:  # no copies in flight: the plain loop
+            pop, remove = self.kv.leaves.pop_first, self._remove_leaf
+            while tokens < num_tokens:
+                node = pop()
+                if node is None:
+                    break
+                t, s, w = remove(node)
+                tokens += t
+                states += s
+                swa += w
+            return EvictResult(tokens, states, swa)
         pending = self._evict_pending
         start = pending[0]
-        if self.hicache is not None:
-            # Earlier write-back evictions whose copies land now free their slots in this call:
-            # counted in the result, not towards num_tokens (they leave the pending count).
-            st = self._stats
-            t0, s0 = st["evicted_tokens"], st["evicted_states"]
-            self.poll_transfers()
-            tokens, states = st["evicted_tokens"] - t0, st["evicted_states"] - s0
+        # Earlier write-back evictions whose copies land now free their slots in this call:
+        # counted in the result, not towards num_tokens (they leave the pending count).
+        st = self._stats
+        t0, s0 = st["evicted_tokens"], st["evicted_states"]
+        self.poll_transfers()
+        tokens, states = st["evicted_tokens"] - t0, st["evicted_states"] - s0
         leaves = self.kv.leaves
-        free_leaf = self._remove_leaf if self.hicache is None else self._evict_device_leaf
         while tokens + pending[0] - start < num_tokens:  # write-back copies in flight count
             node = leaves.pop_first()
             if node is None:
                 break
-            t, s, w = free_leaf(node)
+            t, s, w = self._evict_device_leaf(node)
             tokens += t
             states += s
             swa += w
