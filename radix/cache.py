@@ -394,10 +394,7 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
             live_from = self._live_suffix_start(value, prefix_len, end)
         grow = live_from < end
         varr = value.numpy() if value.is_cpu else None
-        if plan or varr is None:
-            self._claim(value, varr, plan, prefix_len if grow else end, end)
-        elif grow:  # the common case: only the new tail is adopted
-            self.kv.claim(varr[prefix_len:end])
+        self._claim(value, varr, plan, prefix_len if grow else end, end)
         # ---- validated: mutate from here on
         path = walk.path
         now = self._tick()
@@ -455,6 +452,10 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
                lo: int, hi: int) -> None:
         """Claim (``KVComponent.claim``) the slots the insert adopts: ``value[lo:hi]`` and the
         revival ranges of ``plan``, as one array (a slot repeated across them is refused)."""
+        if not plan and varr is not None:  # the common case: only the new tail is adopted
+            if lo < hi:
+                self.kv.claim(varr[lo:hi])
+            return
         ranges = sorted((t, end) for end, t in plan.items()) if plan else []
         if lo < hi:
             ranges.append((lo, hi))
@@ -599,9 +600,10 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
             lo, hi = n.start, n.depth
             if t > lo:
                 out.append(self.tree.split(n, t - lo))
-            self.kv.replace(n, self._own(value, varr, t, hi))
+            own = self._own(value, varr, t, hi)
+            self.kv.replace(n, own)  # the node keeps ``own`` itself as its kv_value
             swa.revive(n)
-            revived.append(n.kv_value)  # type: ignore[arg-type]
+            revived.append(own)
             self._stats["revived_swa_tokens"] += hi - t
             out.append(n)
         if not revived:
@@ -784,31 +786,25 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         if type(num_tokens) is not int or num_tokens < 0:
             self._check_count(num_tokens, "num_tokens")
         tokens = states = swa = 0
-        if self.hicache is None:  # no copies in flight: the plain loop
-            pop, remove = self.kv.leaves.pop_first, self._remove_leaf
-            while tokens < num_tokens:
-                node = pop()
-                if node is None:
-                    break
-                t, s, w = remove(node)
-                tokens += t
-                states += s
-                swa += w
-            return EvictResult(tokens, states, swa)
         pending = self._evict_pending
         start = pending[0]
-        # Earlier write-back evictions whose copies land now free their slots in this call:
-        # counted in the result, not towards num_tokens (they leave the pending count).
-        st = self._stats
-        t0, s0 = st["evicted_tokens"], st["evicted_states"]
-        self.poll_transfers()
-        tokens, states = st["evicted_tokens"] - t0, st["evicted_states"] - s0
-        leaves = self.kv.leaves
+        if self.hicache is None:  # no copies in flight: a leaf leaves whole
+            free_leaf = self._remove_leaf
+        else:
+            free_leaf = self._evict_device_leaf
+            # Earlier write-back evictions whose copies land now free their slots in this
+            # call: counted in the result, not towards num_tokens (they leave the pending
+            # count).
+            st = self._stats
+            t0, s0 = st["evicted_tokens"], st["evicted_states"]
+            self.poll_transfers()
+            tokens, states = st["evicted_tokens"] - t0, st["evicted_states"] - s0
+        pop = self.kv.leaves.pop_first
         while tokens + pending[0] - start < num_tokens:  # write-back copies in flight count
-            node = leaves.pop_first()
+            node = pop()
             if node is None:
                 break
-            t, s, w = self._evict_device_leaf(node)
+            t, s, w = free_leaf(node)
             tokens += t
             states += s
             swa += w

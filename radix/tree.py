@@ -221,14 +221,12 @@ class RadixTree:
     def child_key(self, parent: TreeNode, key: Tokens, pos: int, extra_key: Any) -> Any:
         """Child-index key of the page at ``pos`` below ``parent``; at the root it is prefixed
         by the typed namespace (:func:`namespace_key`)."""
-        pk = self.page_key(key, pos)
-        if parent is not self.root:
-            return pk
-        return (None if extra_key is None else namespace_key(extra_key), pk)
+        pk = key[pos] if self.page_size == 1 else key[pos : pos + self.page_size].tobytes()
+        return pk if parent is not self.root else (namespace_key(extra_key), pk)
 
     def walk(self, key: Tokens, end: int, extra_key: Any) -> Walk:
         """Match ``key[:end]`` (``end`` a page multiple) against the tree; mutates nothing."""
-        ns = None if extra_key is None else namespace_key(extra_key)
+        ns = namespace_key(extra_key)
         node = self.root
         pos = 0
         path: list[TreeNode] = []
@@ -298,10 +296,7 @@ class RadixTree:
         leaf.depth = parent.depth + len(seg)
         leaf.extra_key = extra_key
         leaf.parent = parent
-        pk = seg[0] if self.page_size == 1 else seg[: self.page_size].tobytes()
-        if parent is self.root:
-            pk = (None if extra_key is None else namespace_key(extra_key), pk)
-        parent.children[pk] = leaf
+        parent.children[self.child_key(parent, seg, 0, extra_key)] = leaf
         self.num_nodes += 1
         return leaf
 
@@ -309,12 +304,7 @@ class RadixTree:
         """Detach a leaf; return its former parent. The node is marked detached."""
         assert not node.children and node.parent is not None, node
         parent = node.parent
-        key = node.key
-        pk = key[0] if self.page_size == 1 else key[: self.page_size].tobytes()
-        if parent is self.root:
-            ek = node.extra_key
-            pk = (None if ek is None else namespace_key(ek), pk)
-        del parent.children[pk]
+        del parent.children[self.child_key(parent, node.key, 0, node.extra_key)]
         node.parent = None
         node.depth = -1
         node.owner = 0
