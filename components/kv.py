@@ -4,11 +4,12 @@ Eviction candidates are unlocked leaves, ordered by the radix eviction policy's 
 (``radix.policies``) in one exact ordered set.
 
 Ownership: the component marks every id (slot, or page when paged) its nodes hold in
-``_held``, so :meth:`KVComponent.claim` can refuse, with a few vectorised gathers, slots the
-tree is about to adopt that are free in the allocator, already held by a node, or repeated::
+``_held``, so :meth:`KVComponent.claim` can refuse, in one C pass (or a few vectorised
+gathers), slots the tree is about to adopt that are free in the allocator, already held by a
+node, or repeated::
 
     _held[id] == 0      not the tree's (free, or a caller's)
-    _held[id] >  0      held by a node (the value is the position the claim stamped)
+    _held[id] >  0      held by a node (1 from the C claim; the numpy claim stamps positions)
     _held[0], _held[-1] == -1: the padding id and one past the last id (``take(mode="clip")``
                         lands every out-of-range id on one of them)
 """
@@ -23,6 +24,11 @@ import torch
 from radix.node import TreeNode
 from radix.ordered import OrderedNodeSet
 from radix.policies import KeyFn
+
+try:  # the insert's slot claim in C (components/_claim.c), built by ``pip install``
+    from components._claim import claim as _claim_c
+except ImportError:  # pragma: no cover - no compiler at install time: the numpy path
+    _claim_c = None
 
 if TYPE_CHECKING:
     from allocators import SlotAllocator
@@ -66,47 +72,86 @@ class KVComponent:
         self._page_offsets = np.tile(np.arange(self.page_size, dtype=np.int64), 64)
 
     # --------------------------------------------------------------- ownership
-    def claim(self, slots: np.ndarray) -> None:
-        """Validate the caller's slots the tree is about to adopt and mark them held.
+    def claim(self, value: torch.Tensor, lo: int = 0, hi: int | None = None, *,
+              copy: bool = False) -> torch.Tensor | None:
+        """Validate the caller's slots ``value[lo:hi]`` the tree is about to adopt and mark them
+        held; with ``copy``, also return the tree's own copy of them.
 
         Every slot must lie in the pool, be handed out by the allocator (not free), be held by
-        no node, and appear once; when paged, ``slots`` must be whole pages, each page's slots
+        no node, and appear once; when paged, the slots must be whole pages, each page's slots
         in order (what ``free`` takes back). The caller attaches exactly these slots to nodes
         in the same step, with nothing that can fail in between; :meth:`on_remove` and
-        :meth:`replace` clear the marks.
+        :meth:`replace` clear the marks. An allocator without a free mask gets the range check
+        only.
 
         Args:
-            slots: 1-D int64 numpy array (CPU) of the slots to adopt, page aligned.
+            value: 1-D int64 CPU tensor of the caller's slots.
+            lo, hi: the range to adopt [positions in ``value``]; ``hi`` defaults to its end.
+            copy: return a new tensor equal to ``value[lo:hi]``: what a node keeps (a view
+                would pin the caller's whole tensor and see its later writes).
+
+        Returns:
+            The copy with ``copy``, else ``None``.
 
         Raises:
             ValueError: naming ``value`` and the first bad slot; nothing is marked then.
+            TypeError: ``value`` is not a 1-D int64 CPU tensor.
 
-        Complexity: O(len), vectorised: two gathers (the marks, the allocator's free mask), a
-        scatter (the marks, stamped with positions) and a gather back (a repeated id keeps
-        only its last position).
+        Complexity: O(hi - lo). One C pass (``components/_claim.c``: checks, marks and copy
+        in one loop) when the extension is built; else vectorised numpy (:meth:`_claim_numpy`,
+        the reference the C pass is tested against).
         """
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or not value.is_cpu \
+                or value.dim() != 1:
+            raise TypeError("value must be a 1-D int64 CPU tensor of KV slots")
+        n = value.shape[0]
+        if hi is None:
+            hi = n
+        if not 0 <= lo <= hi <= n:
+            raise ValueError(f"claim range [{lo}, {hi}) is outside value's {n} slots")
+        if _claim_c is None:
+            return self._claim_numpy(value.numpy()[lo:hi], copy)
+        if not value.is_contiguous():
+            value = value.contiguous()
+        out = torch.empty(hi - lo, dtype=torch.int64) if copy else None
+        ps = self.page_size
+        bad = _claim_c(value.data_ptr() + 8 * lo, hi - lo, 0 if out is None else out.data_ptr(),
+                       ps, ps, self.allocator.size + ps, self._held, self._free_mask)
+        if bad >= 0:
+            slots = value.numpy()[lo:hi]
+            if self._held is None:
+                self.check_range(slots)
+            else:
+                self._refuse(slots, slots if ps == 1 else self._page_ids(slots))
+            raise AssertionError(f"claim refused position {bad} it cannot explain")  # pragma: no cover
+        return out
+
+    def _claim_numpy(self, slots: np.ndarray, copy: bool) -> torch.Tensor | None:
+        """:meth:`claim` in vectorised numpy: with held marks, a copy, two gathers (the marks,
+        the allocator's free mask), a scatter (the marks, stamped with positions) and a gather
+        back (a repeated id keeps only its last position); without, the range check."""
         held = self._held
+        own = slots.copy() if copy else slots
         if held is None:
-            self.check_range(slots)
-            return
-        ids = slots if self.page_size == 1 else self._page_ids(slots)
+            self.check_range(own)
+            return torch.from_numpy(own) if copy else None
+        ids = own if self.page_size == 1 else self._page_ids(own)
         k = len(ids)
-        if k == 0:
-            return
         pos = self._pos
         if k > len(pos):
             pos = self._pos = np.arange(1, 2 * k + 1, dtype=np.int32)
             self._zeros = bytes(4 * len(pos))
         # (bytes comparisons: one memcmp, cheaper than a numpy reduction on short arrays)
-        if held.take(ids, mode="clip").tobytes() != self._zeros[: 4 * k] or (
+        if k and (held.take(ids, mode="clip").tobytes() != self._zeros[: 4 * k] or (
             1 in self._free_mask.take(ids, mode="clip").tobytes()  # type: ignore[union-attr]
-        ):
-            self._refuse(slots, ids)
+        )):
+            self._refuse(own, ids)
         pos = pos[:k]
         held[ids] = pos  # a repeated id keeps one position only: the gather back tells
         if held.take(ids).tobytes() != pos.tobytes():
             held[ids] = 0
-            self._refuse(slots, ids)
+            self._refuse(own, ids)
+        return torch.from_numpy(own) if copy else None
 
     def _page_ids(self, slots: np.ndarray) -> np.ndarray:
         """Page ids of whole, in-order pages of ``slots``; raises ``ValueError`` otherwise."""

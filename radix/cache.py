@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from components.gds import GDS_WALKS
@@ -86,6 +85,7 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         self.page_size = config.page_size
         self.policy = config.policy
         self.device = torch.device(getattr(kv_allocator, "device", "cpu"))
+        self._cpu = self.device.type == "cpu"
         if state_allocator is not None and not (
             callable(getattr(state_allocator, "alloc", None))
             and callable(getattr(state_allocator, "free", None))
@@ -287,7 +287,9 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
                            last_host, host_hit, swa_miss)
 
     # ============================================================== inserting
-    def _check_value(self, value: Any, n: int) -> torch.Tensor:
+    def _check_value(self, value: Any, n: int) -> None:
+        """Raise unless ``value`` is a 1-D int64 tensor of ``n`` KV slots on the allocator's
+        device."""
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"value must be a 1-D torch.int64 tensor of KV slots, got {type(value).__name__}")
         if value.dtype != torch.int64:
@@ -296,9 +298,9 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
             raise ValueError(f"value must be 1-D, got shape {tuple(value.shape)}")
         if value.shape[0] != n:
             raise ValueError(f"value has {value.shape[0]} slots but key has {n} tokens; lengths must match")
-        if value.device != self.device:
-            raise ValueError(f"value is on {value.device}, the KV allocator on {self.device}")
-        return value
+        if value.is_cpu if self._cpu else value.device != self.device:
+            return
+        raise ValueError(f"value is on {value.device}, the KV allocator on {self.device}")
 
     def _check_state_slot(self, state_slot: Any) -> None:
         if state_slot is None:
@@ -360,9 +362,10 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         adopted slots) plus O(matched nodes) in Python.
         """
         key, extra_key = resolve_key(key, extra_key)
-        value = self._check_value(value, len(key))
-        self._check_state_slot(state_slot)
-        if isinstance(priority, bool) or not isinstance(priority, int):
+        self._check_value(value, len(key))
+        if state_slot is not None:
+            self._check_state_slot(state_slot)
+        if type(priority) is not int and (isinstance(priority, bool) or not isinstance(priority, int)):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         if rid is not None:
             try:
@@ -393,20 +396,19 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         if self.swa is not None and prefix_len < end:
             live_from = self._live_suffix_start(value, prefix_len, end)
         grow = live_from < end
-        varr = value.numpy() if value.is_cpu else None
-        self._claim(value, varr, plan, prefix_len if grow else end, end)
+        own = self._claim(value, plan, prefix_len if grow else end, end)
         # ---- validated: mutate from here on
         path = walk.path
         now = self._tick()
         if walk.partial is not None:
             path.append(self._split_touched(walk.partial, walk.partial_len, now))
-        counted = self._counted_depth(rid, end)
+        counted = 0 if rid is None else self._counted_depth(rid, end)
         revived = self._empty
         if self.swa is not None:
             assert plan is not None
-            path, revived = self._revive_tombstones(path, value, varr, plan)
+            path, revived = self._revive_tombstones(path, value, plan)
         if self.hicache is not None:
-            revived = self._revive_host_only(path, value, varr)
+            revived = self._revive_host_only(path, value)
         joint = self.state is not None and self.state.walk == "joint"
         for n in path:
             self._touch_insert(n, now, priority, counted, end)
@@ -419,7 +421,7 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
             if not grow:
                 inserted = prefix_len  # no live SWA KV at all: nothing worth caching
             else:
-                for n in self._add_new_nodes(last, key, value, varr, prefix_len, live_from, end,
+                for n in self._add_new_nodes(last, key, value, own, prefix_len, live_from, end,
                                              extra_key, now):
                     self._touch_insert(n, now, priority, counted, end)
                     last = n
@@ -441,31 +443,30 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         return InsertResult(prefix_len, inserted, last, adopted, revived, value, tree_prefix)  # type: ignore[arg-type]
 
     @staticmethod
-    def _own(value: torch.Tensor, varr: np.ndarray | None, lo: int, hi: int) -> torch.Tensor:
-        """A node's own copy of ``value[lo:hi]`` (``varr``: ``value`` as numpy, CPU only;
-        slicing and copying there costs a third of torch's)."""
-        if varr is not None:
-            return torch.from_numpy(varr[lo:hi].copy())
+    def _own(value: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """A node's own copy of ``value[lo:hi]`` (on the CPU sliced and copied in numpy: a
+        third of torch's cost)."""
+        if value.is_cpu:
+            return torch.from_numpy(value.numpy()[lo:hi].copy())
         return value[lo:hi].clone()
 
-    def _claim(self, value: torch.Tensor, varr: np.ndarray | None, plan: dict[int, int] | None,
-               lo: int, hi: int) -> None:
+    def _claim(self, value: torch.Tensor, plan: dict[int, int] | None, lo: int,
+               hi: int) -> torch.Tensor | None:
         """Claim (``KVComponent.claim``) the slots the insert adopts: ``value[lo:hi]`` and the
-        revival ranges of ``plan``, as one array (a slot repeated across them is refused)."""
-        if not plan and varr is not None:  # the common case: only the new tail is adopted
-            if lo < hi:
-                self.kv.claim(varr[lo:hi])
-            return
+        revival ranges of ``plan``, as one tensor (a slot repeated across them is refused).
+
+        Returns the claimed copy of ``value[lo:hi]`` when that is all the insert adopts and
+        ``value`` is on the CPU (the common case: the new leaf keeps it), else ``None`` (the
+        nodes copy their parts, :meth:`_own`)."""
+        if not plan and value.is_cpu:  # the common case: only the new tail is adopted
+            return self.kv.claim(value, lo, hi, copy=True) if lo < hi else None
         ranges = sorted((t, end) for end, t in plan.items()) if plan else []
         if lo < hi:
             ranges.append((lo, hi))
-        if not ranges:
-            return
-        if varr is None:
-            parts = [value[a:b].cpu().numpy() for a, b in ranges]
-        else:
-            parts = [varr[a:b] for a, b in ranges]
-        self.kv.claim(parts[0] if len(parts) == 1 else np.concatenate(parts))
+        if ranges:
+            parts = [value[a:b] for a, b in ranges]
+            self.kv.claim((parts[0] if len(parts) == 1 else torch.cat(parts)).cpu())
+        return None
 
     def _revival_plan(self, walk: Walk, value: torch.Tensor) -> dict[int, int]:
         """Where the insert revives matched nodes with the caller's slots, computed before
@@ -497,14 +498,13 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
                 plan[hi] = lo
         return plan
 
-    def _revive_host_only(self, path: list[TreeNode], value: torch.Tensor,
-                          varr: np.ndarray | None) -> torch.Tensor:
+    def _revive_host_only(self, path: list[TreeNode], value: torch.Tensor) -> torch.Tensor:
         """Insert through host-only nodes: they take the caller's device slots (the caller
         computed those tokens itself; claimed by ``_claim``), keeping their host copy."""
         revived: list[torch.Tensor] = []
         for n in path:
             if n.kv_value is None:
-                own = self._own(value, varr, n.start, n.depth)
+                own = self._own(value, n.start, n.depth)
                 self.kv.attach(n, own)  # the node keeps ``own`` itself as its kv_value
                 revived.append(own)
         for n in path:
@@ -534,13 +534,14 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         self.poll_transfers()
 
     def _add_new_nodes(self, parent: TreeNode, key: Any, value: torch.Tensor,
-                       varr: np.ndarray | None, start: int, live_from: int, end: int,
+                       own: torch.Tensor | None, start: int, live_from: int, end: int,
                        extra_key: Any, now: int) -> list[TreeNode]:
         """Attach ``key[start:end]`` below ``parent``: a tombstone ``[start, live_from)`` (its
         SWA KV already released by the caller) above a live leaf ``[live_from, end)``.
+        ``own``: the claimed copy of ``value[start:end]``, if :meth:`_claim` made one.
         Returns the new nodes, shallowest first."""
         if live_from == start:  # the common case: one live leaf
-            return [self._attach_leaf(parent, key, value, varr, start, end, extra_key, now, True)]
+            return [self._attach_leaf(parent, key, value, start, end, extra_key, now, True, own)]
         node = parent
         created = []
         if self.swa is not None and live_from > start:
@@ -551,17 +552,18 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         for lo, hi, live in ((start, live_from, False), (live_from, end, True)):
             if lo == hi:
                 continue
-            node = self._attach_leaf(node, key, value, varr, lo, hi, extra_key, now, live)
+            node = self._attach_leaf(node, key, value, lo, hi, extra_key, now, live)
             created.append(node)
         return created
 
-    def _attach_leaf(self, parent: TreeNode, key: Any, value: torch.Tensor,
-                     varr: np.ndarray | None, lo: int, hi: int, extra_key: Any, now: int,
-                     live: bool) -> TreeNode:
-        """One new leaf for ``key[lo:hi]`` with its own copy of ``value[lo:hi]`` (claimed) and,
-        with SWA, live or tombstoned SWA KV; ``parent`` is re-filed (no longer a leaf)."""
+    def _attach_leaf(self, parent: TreeNode, key: Any, value: torch.Tensor, lo: int, hi: int,
+                     extra_key: Any, now: int, live: bool,
+                     own: torch.Tensor | None = None) -> TreeNode:
+        """One new leaf for ``key[lo:hi]`` with its own copy of ``value[lo:hi]`` (claimed;
+        ``own`` if already made) and, with SWA, live or tombstoned SWA KV; ``parent`` is
+        re-filed (no longer a leaf)."""
         child = self.tree.add_leaf(parent, key[lo:hi], extra_key, now)
-        self.kv.attach(child, self._own(value, varr, lo, hi))
+        self.kv.attach(child, self._own(value, lo, hi) if own is None else own)
         if self.swa is not None:
             self.swa.attach(child, live)
         if parent is not self.root:
@@ -581,8 +583,7 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         return min(hi, -(-t // ps) * ps)
 
     def _revive_tombstones(self, path: list[TreeNode], value: torch.Tensor,
-                           varr: np.ndarray | None, plan: dict[int, int]
-                           ) -> tuple[list[TreeNode], torch.Tensor]:
+                           plan: dict[int, int]) -> tuple[list[TreeNode], torch.Tensor]:
         """Insert over tombstones: where the caller still holds live SWA KV for a tombstoned,
         unlocked node's tokens (its own slots, not the tree's), the node takes the caller's
         slots and comes back to life; the tree frees its old full slots. A node only partly
@@ -600,7 +601,7 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
             lo, hi = n.start, n.depth
             if t > lo:
                 out.append(self.tree.split(n, t - lo))
-            own = self._own(value, varr, t, hi)
+            own = self._own(value, t, hi)
             self.kv.replace(n, own)  # the node keeps ``own`` itself as its kv_value
             swa.revive(n)
             revived.append(own)

@@ -320,7 +320,7 @@ class HostTier:
             return 0
         dev_slots, dev_state = got
         host_slots = torch.cat([c.host_value for c in chain])  # type: ignore[misc]
-        self.kv.claim(dev_slots.cpu().numpy())  # fresh from the allocator: marked held
+        self.kv.claim(dev_slots.cpu())  # fresh from the allocator: marked held
         hc.load(host_slots, dev_slots, node.host_state_slot if want_state else None, dev_state)
         off = 0
         now = self._tick()

@@ -10,8 +10,7 @@ from __future__ import annotations
 import dataclasses
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -177,9 +176,8 @@ def common_prefix_len(seg: Tokens, key: Tokens, pos: int, limit: int) -> int:
     return lo
 
 
-@dataclass(frozen=True)
-class Walk:
-    """A read-only walk of a key.
+class Walk(NamedTuple):
+    """A read-only walk of a key (a tuple: built twice per request, so no dataclass).
 
     ``path``: nodes matched whole, root excluded, shallowest first. ``partial``: the node the
     key leaves inside its segment (``None`` if it left at a node boundary); ``partial_len``:

@@ -1,0 +1,115 @@
+"""The C slot claim (components/_claim.c) against the numpy claim it replaces.
+
+Both run on the same component state and the same candidate slots (drawn from the allocator's
+handed-out slots, the tree's own slots, free slots, out-of-range ids, repeats and pages out of
+order); they must agree on whether the claim is refused, with which message, on the marks left
+behind and on the copy returned. A few hand-built cases pin the expected answer itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import components.kv as kv_mod
+from allocators import PagedAllocator, TokenAllocator
+from components.kv import KVComponent
+
+pytestmark = pytest.mark.skipif(kv_mod._claim_c is None, reason="C claim not built")
+
+SIZE = 64
+
+
+def _component(ps: int) -> tuple[KVComponent, torch.Tensor, torch.Tensor]:
+    """A component over a fresh allocator: half the pool handed out, a quarter of it (the
+    first pages) already held by the tree. Returns (component, held slots, caller's slots)."""
+    alloc = TokenAllocator(SIZE) if ps == 1 else PagedAllocator(SIZE, ps)
+    kv = KVComponent(alloc, lambda n: (n.id,))
+    out = alloc.alloc(SIZE // 2)
+    assert out is not None
+    tree = out[: SIZE // 4]
+    kv.claim(tree)
+    return kv, tree, out[SIZE // 4 :]
+
+
+def _run(kv: KVComponent, slots: torch.Tensor,
+         use_c: bool) -> tuple[str | None, np.ndarray, list[int] | None]:
+    """Claim ``slots`` with a copy: (error message or None, held-mark booleans, copy)."""
+    with pytest.MonkeyPatch.context() as m:
+        if not use_c:
+            m.setattr(kv_mod, "_claim_c", None)
+        try:
+            got = kv.claim(slots, copy=True)
+        except ValueError as e:
+            return str(e), kv._held > 0, None  # type: ignore[operator]
+    assert got is not None
+    return None, kv._held > 0, got.tolist()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_c_claim_agrees_with_numpy(ps: int, data: st.DataObject) -> None:
+    kv_c, tree, mine = _component(ps)
+    kv_np, _, _ = _component(ps)
+    pools = [
+        mine.tolist(),  # the caller's: adoptable
+        tree.tolist(),  # the tree's: refused
+        list(range(SIZE // 2 + ps, SIZE + ps)),  # free: refused
+        [0, -1, -ps, SIZE + ps, SIZE + 2 * ps, 1 << 40],  # out of range: refused
+    ]
+    if ps == 1:
+        weights = data.draw(st.lists(st.integers(0, 3), min_size=0, max_size=24))
+        slots = [data.draw(st.sampled_from(pools[w])) for w in weights]
+    else:  # mostly whole pages in order; sometimes a page broken or shifted
+        pages = data.draw(st.lists(st.integers(0, 3), min_size=0, max_size=6))
+        slots = []
+        for w in pages:
+            first = data.draw(st.sampled_from(pools[w][::ps] if w < 3 else pools[3]))
+            page = [first + j for j in range(ps)]
+            if data.draw(st.integers(0, 9)) == 0:
+                page[data.draw(st.integers(1, ps - 1))] += 1
+            slots += page
+    if slots and data.draw(st.booleans()):
+        slots.append(slots[0])  # a repeat
+        if ps > 1:
+            slots += [slots[-1] + j for j in range(1, ps)]
+    value = torch.tensor(slots, dtype=torch.int64)
+    err_c, held_c, copy_c = _run(kv_c, value, True)
+    err_np, held_np, copy_np = _run(kv_np, value, False)
+    assert err_c == err_np
+    assert (held_c == held_np).all()
+    assert copy_c == copy_np
+    if err_c is None:
+        assert copy_c == slots
+
+
+def test_refusal_leaves_no_mark_and_copy_is_independent() -> None:
+    kv, tree, mine = _component(1)
+    before = kv._held.copy()  # type: ignore[union-attr]
+    bad = torch.cat([mine[:5], tree[:1]])  # five adoptable slots, then one the tree holds
+    with pytest.raises(ValueError, match=f"slot {int(tree[0])} .* already holds it"):
+        kv.claim(bad, copy=True)
+    assert (kv._held == before).all()  # the five marks set before the refusal are undone
+    value = mine[:8].clone()
+    own = kv.claim(value, 2, 6, copy=True)
+    assert own is not None and own.tolist() == mine[2:6].tolist()
+    value[2] = 0  # the caller's later writes never reach the tree's copy
+    assert own.tolist() == mine[2:6].tolist()
+    assert (kv._held[mine[2:6].numpy()] > 0).all() and (kv._held[mine[:2].numpy()] == 0).all()
+
+
+def test_claim_refuses_bad_arguments() -> None:
+    kv, _, mine = _component(1)
+    with pytest.raises(TypeError, match="int64 CPU tensor"):
+        kv.claim(mine.to(torch.int32))
+    with pytest.raises(TypeError, match="int64 CPU tensor"):
+        kv.claim(mine.numpy())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="claim range"):
+        kv.claim(mine, 3, len(mine) + 1)
+    strided = mine[::2]  # not contiguous: claimed through a contiguous copy
+    own = kv.claim(strided, copy=True)
+    assert own is not None and own.tolist() == mine[::2].tolist()
