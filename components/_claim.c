@@ -2,36 +2,39 @@
  *
  * KVComponent.claim validates the caller's KV slots the tree is about to adopt, marks them
  * held and copies them into the tensor the new node keeps. In numpy that is a tensor -> array
- * conversion, a clip or a copy, a few gathers and scatters, and an array -> tensor conversion:
- * each call costs about a microsecond of dispatch, more than the work on ~1,000 slots. This
- * module does the same checks, marks and copy in one loop over raw int64 memory.
+ * conversion, a copy, a few gathers and scatters, and an array -> tensor conversion: each call
+ * costs about a microsecond of dispatch, more than the work on ~1,000 slots. This module does
+ * the same checks, marks and copy in one loop over raw int64 memory.
  *
- * The Python side (components/kv.py) owns every pointer it passes: it takes them from CPU,
- * contiguous int64 tensors it has checked (value, and a torch.empty for the copy), and the
- * lengths with them. The marks and the free mask are numpy arrays passed as buffers, so their
- * lengths are checked here. The numpy code in kv.py is the reference this must agree with
- * (tests/test_claim_fast.py runs both on the same inputs).
+ * The Python side (components/kv.py) owns the one pointer it passes: it takes it from a CPU,
+ * contiguous int64 tensor it has checked, with the length. The copy is a new bytearray (the
+ * node's tensor is made over it with torch.frombuffer, cheaper than torch.empty). The marks
+ * and the free mask are numpy arrays passed as buffers, so their lengths are checked here.
+ * The numpy claim in kv.py is the reference this must agree with (tests/test_compiled.py
+ * runs both on the same inputs).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
 
-/* claim(src, n, dst, page_size, low, high, held, free) -> int
+/* claim(src, n, copy, page_size, low, high, held, free) -> bytearray | int
  *
- *   src, dst   addresses of n int64 slots (dst may be 0: no copy)
+ *   src        address of n int64 slots
+ *   copy       true: return the slots' copy, a new bytearray of 8 * n bytes
  *   page_size  slots per page (n is a multiple of it when held is given)
  *   low, high  the pool's slot range [low, high)
- *   held       None, or a writable int32 buffer: held[id] == 0 while no node holds id
+ *   held       None, or a writable int8 buffer: held[id] == 0 while no node holds id
  *   free       None, or a uint8/bool buffer: free[id] != 0 while id is free in the allocator
  *              (given with held; id = slot / page_size)
  *
  * Every slot must lie in [low, high). With held (and free), also: each page is page_size
  * consecutive slots from a multiple of page_size, and each id is in both buffers, not free,
- * not held, and not repeated (a repeat finds the mark this call just set). On success every id is
- * marked (held[id] = 1), dst holds the slots, and -1 is returned. Otherwise the marks set so
- * far are cleared and the position of the first page that fails is returned (the caller
- * explains it with its numpy reference).
+ * not held, and not repeated (a repeat finds the mark this call just set).
+ *
+ * Returns, on success, the copy (or -1 without copy), every id marked (held[id] = 1).
+ * Otherwise the marks this call set are cleared and the position of the first page that
+ * fails is returned (the caller explains it with its numpy reference).
  */
 static PyObject *
 claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -42,31 +45,24 @@ claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     const int64_t *src = (const int64_t *)PyLong_AsVoidPtr(args[0]);
     Py_ssize_t n = PyLong_AsSsize_t(args[1]);
-    int64_t *dst = (int64_t *)PyLong_AsVoidPtr(args[2]);
+    int want_copy = PyObject_IsTrue(args[2]);
     long long ps = PyLong_AsLongLong(args[3]);
     long long low = PyLong_AsLongLong(args[4]);
     long long high = PyLong_AsLongLong(args[5]);
-    if (PyErr_Occurred())
-        return NULL;
     int have_marks = args[6] != Py_None;
+    if (want_copy < 0 || PyErr_Occurred())
+        return NULL;
     if (n < 0 || ps < 1 || (have_marks && n % ps != 0) || (n > 0 && src == NULL)) {
         PyErr_SetString(PyExc_ValueError, "claim(): bad length, page size or source");
         return NULL;
     }
-    Py_buffer hb, fb;
-    if (have_marks) {
-        if (PyObject_GetBuffer(args[6], &hb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+    PyObject *copy = NULL;
+    int64_t *dst = NULL;
+    if (want_copy) {
+        copy = PyByteArray_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
+        if (copy == NULL)
             return NULL;
-        if (PyObject_GetBuffer(args[7], &fb, PyBUF_C_CONTIGUOUS) < 0) {
-            PyBuffer_Release(&hb);
-            return NULL;
-        }
-        if (hb.itemsize != 4 || fb.itemsize != 1) {
-            PyBuffer_Release(&hb);
-            PyBuffer_Release(&fb);
-            PyErr_SetString(PyExc_TypeError, "claim(): held must be int32, free must be bool");
-            return NULL;
-        }
+        dst = (int64_t *)PyByteArray_AS_STRING(copy);
     }
     Py_ssize_t bad = -1, i;
     if (!have_marks) { /* an allocator without a free mask: the range check only */
@@ -78,11 +74,28 @@ claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         if (bad < 0 && dst != NULL && n > 0)
             memcpy(dst, src, (size_t)n * sizeof(int64_t));
-        return PyLong_FromSsize_t(bad);
+        goto done;
     }
-    int32_t *held = (int32_t *)hb.buf;
+    Py_buffer hb, fb;
+    if (PyObject_GetBuffer(args[6], &hb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        Py_XDECREF(copy);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[7], &fb, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&hb);
+        Py_XDECREF(copy);
+        return NULL;
+    }
+    if (hb.itemsize != 1 || fb.itemsize != 1) {
+        PyBuffer_Release(&hb);
+        PyBuffer_Release(&fb);
+        Py_XDECREF(copy);
+        PyErr_SetString(PyExc_TypeError, "claim(): held must be int8, free must be bool");
+        return NULL;
+    }
+    int8_t *held = (int8_t *)hb.buf;
     const uint8_t *free_ = (const uint8_t *)fb.buf;
-    Py_ssize_t held_len = hb.len / 4, free_len = fb.len;
+    Py_ssize_t held_len = hb.len, free_len = fb.len;
     for (i = 0; i < n; i += ps) {
         int64_t first = src[i];
         if (first < low || first >= high || first % ps != 0) {
@@ -115,12 +128,17 @@ claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyBuffer_Release(&hb);
     PyBuffer_Release(&fb);
+done:
+    if (bad < 0 && copy != NULL)
+        return copy;
+    Py_XDECREF(copy);
     return PyLong_FromSsize_t(bad);
 }
 
 static PyMethodDef methods[] = {
     {"claim", (PyCFunction)(void (*)(void))claim, METH_FASTCALL,
-     "claim(src, n, dst, page_size, low, high, held, free) -> -1, or the first bad position"},
+     "claim(src, n, copy, page_size, low, high, held, free) -> the copy (or -1), or the first "
+     "bad position"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,7 +9,7 @@ gathers), slots the tree is about to adopt that are free in the allocator, alrea
 node, or repeated::
 
     _held[id] == 0      not the tree's (free, or a caller's)
-    _held[id] >  0      held by a node (1 from the C claim; the numpy claim stamps positions)
+    _held[id] == 1      held by a node
     _held[0], _held[-1] == -1: the padding id and one past the last id (``take(mode="clip")``
                         lands every out-of-range id on one of them)
 """
@@ -63,11 +63,9 @@ class KVComponent:
         self._free_mask: np.ndarray | None = getattr(allocator, "free_mask", None)
         self._held: np.ndarray | None = None
         if self._free_mask is not None:
-            held = np.zeros(len(self._free_mask) + 1, dtype=np.int32)
+            held = np.zeros(len(self._free_mask) + 1, dtype=np.int8)  # 1 byte per id
             held[0] = held[-1] = -1
             self._held = held
-        self._pos = np.arange(1, 1025, dtype=np.int32)  # claim stamps; grown on demand
-        self._zeros = bytes(4 * len(self._pos))  # what the marks of unheld ids read as
         #: 0, 1, .., page_size - 1, repeated (page structure checks); grown on demand
         self._page_offsets = np.tile(np.arange(self.page_size, dtype=np.int64), 64)
 
@@ -98,8 +96,8 @@ class KVComponent:
             TypeError: ``value`` is not a 1-D int64 CPU tensor.
 
         Complexity: O(hi - lo). One C pass (``components/_claim.c``: checks, marks and copy
-        in one loop) when the extension is built; else vectorised numpy (:meth:`_claim_numpy`,
-        the reference the C pass is tested against).
+        in one loop) when the extension is built; else vectorised numpy, O(k log k) for the
+        repeat check (:meth:`_claim_numpy`, the reference the C pass is tested against).
         """
         if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or not value.is_cpu \
                 or value.dim() != 1:
@@ -113,44 +111,38 @@ class KVComponent:
             return self._claim_numpy(value.numpy()[lo:hi], copy)
         if not value.is_contiguous():
             value = value.contiguous()
-        out = torch.empty(hi - lo, dtype=torch.int64) if copy else None
         ps = self.page_size
-        bad = _claim_c(value.data_ptr() + 8 * lo, hi - lo, 0 if out is None else out.data_ptr(),
-                       ps, ps, self.allocator.size + ps, self._held, self._free_mask)
-        if bad >= 0:
+        got = _claim_c(value.data_ptr() + 8 * lo, hi - lo, copy, ps, ps,
+                       self.allocator.size + ps, self._held, self._free_mask)
+        if type(got) is bytearray:  # the copy (torch.frombuffer refuses an empty buffer)
+            return torch.frombuffer(got, dtype=torch.int64) if hi > lo else value.new_empty(0)
+        if got >= 0:  # the position of the first bad slot
             slots = value.numpy()[lo:hi]
             if self._held is None:
                 self.check_range(slots)
             else:
                 self._refuse(slots, slots if ps == 1 else self._page_ids(slots))
-            raise AssertionError(f"claim refused position {bad} it cannot explain")  # pragma: no cover
-        return out
+            raise AssertionError(f"claim refused position {got} it cannot explain")  # pragma: no cover
+        return None
 
     def _claim_numpy(self, slots: np.ndarray, copy: bool) -> torch.Tensor | None:
-        """:meth:`claim` in vectorised numpy: with held marks, a copy, two gathers (the marks,
-        the allocator's free mask), a scatter (the marks, stamped with positions) and a gather
-        back (a repeated id keeps only its last position); without, the range check."""
+        """:meth:`claim` in numpy (the fallback without the C extension, and its reference):
+        with held marks, two gathers (the marks, where out-of-range ids land on a sentinel; the
+        allocator's free mask), a sort for repeats (``np.unique``) and a scatter; without, the
+        range check."""
         held = self._held
         own = slots.copy() if copy else slots
         if held is None:
             self.check_range(own)
             return torch.from_numpy(own) if copy else None
         ids = own if self.page_size == 1 else self._page_ids(own)
-        k = len(ids)
-        pos = self._pos
-        if k > len(pos):
-            pos = self._pos = np.arange(1, 2 * k + 1, dtype=np.int32)
-            self._zeros = bytes(4 * len(pos))
-        # (bytes comparisons: one memcmp, cheaper than a numpy reduction on short arrays)
-        if k and (held.take(ids, mode="clip").tobytes() != self._zeros[: 4 * k] or (
-            1 in self._free_mask.take(ids, mode="clip").tobytes()  # type: ignore[union-attr]
-        )):
+        if len(ids) and (
+            held.take(ids, mode="clip").any()
+            or self._free_mask.take(ids, mode="clip").any()  # type: ignore[union-attr]
+            or np.unique(ids).shape[0] != len(ids)
+        ):
             self._refuse(own, ids)
-        pos = pos[:k]
-        held[ids] = pos  # a repeated id keeps one position only: the gather back tells
-        if held.take(ids).tobytes() != pos.tobytes():
-            held[ids] = 0
-            self._refuse(own, ids)
+        held[ids] = 1
         return torch.from_numpy(own) if copy else None
 
     def _page_ids(self, slots: np.ndarray) -> np.ndarray:

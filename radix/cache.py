@@ -294,11 +294,11 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
             raise TypeError(f"value must be a 1-D torch.int64 tensor of KV slots, got {type(value).__name__}")
         if value.dtype != torch.int64:
             raise TypeError(f"value must have dtype torch.int64, got {value.dtype}")
-        if value.dim() != 1:
-            raise ValueError(f"value must be 1-D, got shape {tuple(value.shape)}")
-        if value.shape[0] != n:
+        if value.shape != (n,):
+            if value.dim() != 1:
+                raise ValueError(f"value must be 1-D, got shape {tuple(value.shape)}")
             raise ValueError(f"value has {value.shape[0]} slots but key has {n} tokens; lengths must match")
-        if value.is_cpu if self._cpu else value.device != self.device:
+        if value.is_cpu if self._cpu else value.device == self.device:
             return
         raise ValueError(f"value is on {value.device}, the KV allocator on {self.device}")
 
@@ -421,8 +421,13 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
             if not grow:
                 inserted = prefix_len  # no live SWA KV at all: nothing worth caching
             else:
-                for n in self._add_new_nodes(last, key, value, own, prefix_len, live_from, end,
-                                             extra_key, now):
+                if live_from == prefix_len:  # the common case: one live leaf
+                    new: Any = (self._attach_leaf(last, key, value, prefix_len, end, extra_key,
+                                                  now, True, own),)
+                else:
+                    new = self._add_tombstone_and_leaf(last, key, value, prefix_len, live_from,
+                                                       end, extra_key, now)
+                for n in new:
                     self._touch_insert(n, now, priority, counted, end)
                     last = n
                 self._stats["inserted_tokens"] += end - prefix_len
@@ -533,15 +538,12 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
                 self._backup_state(target)
         self.poll_transfers()
 
-    def _add_new_nodes(self, parent: TreeNode, key: Any, value: torch.Tensor,
-                       own: torch.Tensor | None, start: int, live_from: int, end: int,
-                       extra_key: Any, now: int) -> list[TreeNode]:
-        """Attach ``key[start:end]`` below ``parent``: a tombstone ``[start, live_from)`` (its
-        SWA KV already released by the caller) above a live leaf ``[live_from, end)``.
-        ``own``: the claimed copy of ``value[start:end]``, if :meth:`_claim` made one.
-        Returns the new nodes, shallowest first."""
-        if live_from == start:  # the common case: one live leaf
-            return [self._attach_leaf(parent, key, value, start, end, extra_key, now, True, own)]
+    def _add_tombstone_and_leaf(self, parent: TreeNode, key: Any, value: torch.Tensor,
+                                start: int, live_from: int, end: int, extra_key: Any,
+                                now: int) -> list[TreeNode]:
+        """Attach ``key[start:end]`` below ``parent`` as a tombstone ``[start, live_from)`` (its
+        SWA KV already released by the caller) above a live leaf ``[live_from, end)`` (when not
+        empty). Returns the new nodes, shallowest first."""
         node = parent
         created = []
         if self.swa is not None and live_from > start:

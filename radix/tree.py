@@ -158,11 +158,12 @@ def resolve_key(key: Any, extra_key: Any) -> tuple[Tokens, Any]:
     return as_tokens(key), extra_key
 
 
-def common_prefix_len(seg: Tokens, key: Tokens, pos: int, limit: int) -> int:
+def _common_prefix_len_py(seg: Tokens, key: Tokens, pos: int, limit: int) -> int:
     """Length of the common prefix of ``seg[:limit]`` and ``key[pos:pos+limit]`` [tokens].
 
     Binary search over slice comparisons (each a C loop): O(limit) work in C and
-    O(log limit) Python steps, instead of a Python loop per token.
+    O(log limit) Python steps, instead of a Python loop per token. The reference for (and the
+    fallback of) the C version, ``radix/_match.c``: one memcmp, no slice copies.
     """
     if seg[:limit] == key[pos : pos + limit]:
         return limit
@@ -174,6 +175,12 @@ def common_prefix_len(seg: Tokens, key: Tokens, pos: int, limit: int) -> int:
         else:
             hi = mid
     return lo
+
+
+try:  # one memcmp (radix/_match.c), built by ``pip install``
+    from radix._match import common_prefix_len
+except ImportError:  # pragma: no cover - no compiler at install time
+    common_prefix_len = _common_prefix_len_py
 
 
 class Walk(NamedTuple):
@@ -240,18 +247,14 @@ class RadixTree:
                 break
             seg = child.key
             seg_len = len(seg)
-            if pos + seg_len <= end and key[pos : pos + seg_len] == seg:
+            n = common_prefix_len(seg, key, pos, seg_len if pos + seg_len <= end else end - pos)
+            if n == seg_len:
                 path.append(child)
                 pos += seg_len
                 node = child
                 children = child.children
                 continue
-            n = common_prefix_len(seg, key, pos, min(seg_len, end - pos))
-            n -= n % ps
-            if n == seg_len:  # cannot happen (whole match handled above), kept for clarity
-                path.append(child)
-                pos += n
-                break
+            n -= n % ps  # >= one page: the child's first page matched its index key
             return Walk(path, child, n, pos + n)
         return Walk(path, None, 0, pos)
 

@@ -1,12 +1,17 @@
-"""The C slot claim (components/_claim.c) against the numpy claim it replaces.
+"""The two C hot loops against the Python code they replace (and fall back to).
 
-Both run on the same component state and the same candidate slots (drawn from the allocator's
+The slot claim (components/_claim.c) and the numpy claim: both run on the same component state and the same candidate slots (drawn from the allocator's
 handed-out slots, the tree's own slots, free slots, out-of-range ids, repeats and pages out of
 order); they must agree on whether the claim is refused, with which message, on the marks left
 behind and on the copy returned. A few hand-built cases pin the expected answer itself.
+
+The walk's key comparison (radix/_match.c) and the Python binary search: the same length for
+every segment, key, position and limit, checked against a token-by-token count.
 """
 
 from __future__ import annotations
+
+from array import array
 
 import numpy as np
 import pytest
@@ -15,10 +20,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import components.kv as kv_mod
+import radix.tree as tree_mod
 from allocators import PagedAllocator, TokenAllocator
 from components.kv import KVComponent
 
-pytestmark = pytest.mark.skipif(kv_mod._claim_c is None, reason="C claim not built")
+needs_claim_c = pytest.mark.skipif(kv_mod._claim_c is None, reason="C claim not built")
+needs_match_c = pytest.mark.skipif(
+    tree_mod.common_prefix_len is tree_mod._common_prefix_len_py, reason="C match not built"
+)
 
 SIZE = 64
 
@@ -49,6 +58,7 @@ def _run(kv: KVComponent, slots: torch.Tensor,
     return None, kv._held > 0, got.tolist()  # type: ignore[operator]
 
 
+@needs_claim_c
 @pytest.mark.parametrize("ps", [1, 4])
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
@@ -87,6 +97,7 @@ def test_c_claim_agrees_with_numpy(ps: int, data: st.DataObject) -> None:
         assert copy_c == slots
 
 
+@needs_claim_c
 def test_refusal_leaves_no_mark_and_copy_is_independent() -> None:
     kv, tree, mine = _component(1)
     before = kv._held.copy()  # type: ignore[union-attr]
@@ -113,3 +124,34 @@ def test_claim_refuses_bad_arguments() -> None:
     strided = mine[::2]  # not contiguous: claimed through a contiguous copy
     own = kv.claim(strided, copy=True)
     assert own is not None and own.tolist() == mine[::2].tolist()
+
+
+@needs_match_c
+@settings(max_examples=500, deadline=None)
+@given(
+    seg=st.lists(st.integers(0, 3), max_size=40),
+    key=st.lists(st.integers(0, 3), max_size=60),
+    data=st.data(),
+)
+def test_c_common_prefix_len_agrees(seg: list[int], key: list[int], data: st.DataObject) -> None:
+    pos = data.draw(st.integers(0, len(key)))
+    limit = data.draw(st.integers(0, min(len(seg), len(key) - pos)))
+    a, b = array("q", seg), array("q", key)
+    expect = 0  # token by token
+    while expect < limit and seg[expect] == key[pos + expect]:
+        expect += 1
+    assert tree_mod.common_prefix_len(a, b, pos, limit) == expect
+    assert tree_mod._common_prefix_len_py(a, b, pos, limit) == expect
+
+
+@needs_match_c
+def test_c_common_prefix_len_refuses_out_of_range() -> None:
+    a, b = array("q", [1, 2, 3]), array("q", [1, 2, 3, 4])
+    assert tree_mod.common_prefix_len(a, b, 1, 0) == 0
+    assert tree_mod.common_prefix_len(a, b, 0, 3) == 3
+    with pytest.raises(ValueError, match="outside a buffer"):
+        tree_mod.common_prefix_len(a, b, 2, 3)  # key[2:5] is past the key's end
+    with pytest.raises(ValueError, match="outside a buffer"):
+        tree_mod.common_prefix_len(a, b, 0, 4)  # seg[:4] is past the segment's end
+    with pytest.raises(TypeError, match="int64"):
+        tree_mod.common_prefix_len(array("i", [1]), b, 0, 1)
