@@ -66,6 +66,9 @@ class KVComponent:
             held = np.zeros(len(self._free_mask) + 1, dtype=np.int8)  # 1 byte per id
             held[0] = held[-1] = -1
             self._held = held
+        self._stamps: np.ndarray | None = None  # :meth:`_repeats` scratch (numpy path only)
+        self._pos = np.arange(1, 1025, dtype=np.int32)
+        self._zeros = bytes(1024)  # what the marks of k unheld ids read as (k <= len)
         #: 0, 1, .., page_size - 1, repeated (page structure checks); grown on demand
         self._page_offsets = np.tile(np.arange(self.page_size, dtype=np.int64), 64)
 
@@ -128,22 +131,40 @@ class KVComponent:
     def _claim_numpy(self, slots: np.ndarray, copy: bool) -> torch.Tensor | None:
         """:meth:`claim` in numpy (the fallback without the C extension, and its reference):
         with held marks, two gathers (the marks, where out-of-range ids land on a sentinel; the
-        allocator's free mask), a sort for repeats (``np.unique``) and a scatter; without, the
-        range check."""
+        allocator's free mask), the repeat check (:meth:`_repeats`) and a scatter; without,
+        the range check."""
         held = self._held
         own = slots.copy() if copy else slots
         if held is None:
             self.check_range(own)
             return torch.from_numpy(own) if copy else None
         ids = own if self.page_size == 1 else self._page_ids(own)
-        if len(ids) and (
-            held.take(ids, mode="clip").any()
-            or self._free_mask.take(ids, mode="clip").any()  # type: ignore[union-attr]
-            or np.unique(ids).shape[0] != len(ids)
+        k = len(ids)
+        if len(self._zeros) < k:
+            self._zeros = bytes(2 * k)
+        # (bytes comparisons: one memcmp, cheaper than a numpy reduction on short arrays)
+        if k and (
+            held.take(ids, mode="clip").tobytes() != self._zeros[:k]
+            or 1 in self._free_mask.take(ids, mode="clip").tobytes()  # type: ignore[union-attr]
+            or self._repeats(ids)
         ):
             self._refuse(own, ids)
         held[ids] = 1
         return torch.from_numpy(own) if copy else None
+
+    def _repeats(self, ids: np.ndarray) -> bool:
+        """Whether an id appears twice in ``ids`` (all in range), in O(len): scatter positions
+        1..k into a scratch array and gather them back; an earlier occurrence of a repeated id
+        reads back its last position. The scratch (4 bytes per id, never cleared: every call
+        writes before it reads) exists only on the numpy path; ``np.unique`` would sort."""
+        k = len(ids)
+        if self._stamps is None:
+            self._stamps = np.zeros(len(self._held), dtype=np.int32)  # type: ignore[arg-type]
+        if k > len(self._pos):
+            self._pos = np.arange(1, 2 * k + 1, dtype=np.int32)
+        pos = self._pos[:k]
+        self._stamps[ids] = pos
+        return self._stamps.take(ids).tobytes() != pos.tobytes()
 
     def _page_ids(self, slots: np.ndarray) -> np.ndarray:
         """Page ids of whole, in-order pages of ``slots``; raises ``ValueError`` otherwise."""
