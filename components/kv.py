@@ -68,6 +68,8 @@ class KVComponent:
             self._held = held
         self._stamps: np.ndarray | None = None  # :meth:`_repeats` scratch (numpy path only)
         self._pos = np.arange(1, 1025, dtype=np.int32)
+        #: One past the pool's last slot (the pool holds slots ``[page_size, _slot_end)``).
+        self._slot_end: int = allocator.size + self.page_size
         self._zeros = bytes(1024)  # what the marks of k unheld ids read as (k <= len)
         #: 0, 1, .., page_size - 1, repeated (page structure checks); grown on demand
         self._page_offsets = np.tile(np.arange(self.page_size, dtype=np.int64), 64)
@@ -99,8 +101,8 @@ class KVComponent:
             TypeError: ``value`` is not a 1-D int64 CPU tensor.
 
         Complexity: O(hi - lo). One C pass (``components/_claim.c``: checks, marks and copy
-        in one loop) when the extension is built; else vectorised numpy, O(k log k) for the
-        repeat check (:meth:`_claim_numpy`, the reference the C pass is tested against).
+        in one loop) when the extension is built; else vectorised numpy (:meth:`_claim_numpy`,
+        the reference the C pass is tested against).
         """
         if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or not value.is_cpu \
                 or value.dim() != 1:
@@ -110,13 +112,20 @@ class KVComponent:
             hi = n
         if not 0 <= lo <= hi <= n:
             raise ValueError(f"claim range [{lo}, {hi}) is outside value's {n} slots")
+        return self.claim_trusted(value, lo, hi, copy)
+
+    def claim_trusted(self, value: torch.Tensor, lo: int, hi: int,
+                      copy: bool) -> torch.Tensor | None:
+        """:meth:`claim` for a caller that has already checked ``value`` (a 1-D int64 CPU
+        tensor) and ``0 <= lo <= hi <= len(value)``: the insert's path. The slots themselves
+        are still checked."""
         if _claim_c is None:
             return self._claim_numpy(value.numpy()[lo:hi], copy)
         if not value.is_contiguous():
             value = value.contiguous()
         ps = self.page_size
-        got = _claim_c(value.data_ptr() + 8 * lo, hi - lo, copy, ps, ps,
-                       self.allocator.size + ps, self._held, self._free_mask)
+        got = _claim_c(value.data_ptr() + 8 * lo, hi - lo, copy, ps, ps, self._slot_end,
+                       self._held, self._free_mask)
         if type(got) is bytearray:  # the copy (torch.frombuffer refuses an empty buffer)
             return torch.frombuffer(got, dtype=torch.int64) if hi > lo else value.new_empty(0)
         if got >= 0:  # the position of the first bad slot
@@ -194,7 +203,7 @@ class KVComponent:
         if slots.shape[0] == 0:
             return
         ps = self.page_size
-        limit = self.allocator.size + ps
+        limit = self._slot_end
         lo, hi = int(slots.min()), int(slots.max())
         if lo < ps or hi >= limit:
             bad = int(slots[(slots < ps) | (slots >= limit)][0])

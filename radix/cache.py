@@ -358,8 +358,9 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
                 ``state_slot`` that is free in the pool or held by the tree; an unhashable
                 ``rid``; a missing state. Nothing changed then.
 
-        Complexity: O(key length) in C (walk, slot checks: a few vectorised gathers over the
-        adopted slots) plus O(matched nodes) in Python.
+        Complexity: O(key length) in C (the walk's key comparison, ``radix/_match.c``; the
+        adopted slots' checks, marks and copy in one pass, ``components/_claim.c``) plus
+        O(matched nodes) in Python.
         """
         key, extra_key = resolve_key(key, extra_key)
         self._check_value(value, len(key))
@@ -464,7 +465,7 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         ``value`` is on the CPU (the common case: the new leaf keeps it), else ``None`` (the
         nodes copy their parts, :meth:`_own`)."""
         if not plan and value.is_cpu:  # the common case: only the new tail is adopted
-            return self.kv.claim(value, lo, hi, copy=True) if lo < hi else None
+            return self.kv.claim_trusted(value, lo, hi, True) if lo < hi else None
         ranges = sorted((t, end) for end, t in plan.items()) if plan else []
         if lo < hi:
             ranges.append((lo, hi))
