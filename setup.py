@@ -1,0 +1,18 @@
+"""The two optional C loops; everything else about the package is in pyproject.toml.
+
+``components/_claim.c``: the insert's slot claim (checks, held marks and the node's copy in one
+pass). ``radix/_match.c``: the walk's key comparison (one memcmp). Both are ``optional``:
+without a compiler the install still succeeds and the numpy / pure-Python code they are tested
+against (``tests/test_compiled.py``) runs instead, with the same results, slower.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension("components._claim", ["components/_claim.c"], optional=True,
+                  extra_compile_args=["-O2"]),
+        Extension("radix._match", ["radix/_match.c"], optional=True,
+                  extra_compile_args=["-O2"]),
+    ]
+)
