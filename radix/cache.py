@@ -397,7 +397,8 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         if self.swa is not None and prefix_len < end:
             live_from = self._live_suffix_start(value, prefix_len, end)
         grow = live_from < end
-        own = self._claim(value, plan, prefix_len if grow else end, end)
+        # (a copy for the new leaf only when the new tail is one leaf)
+        own = self._claim(value, plan, prefix_len if grow else end, end, live_from == prefix_len)
         # ---- validated: mutate from here on
         path = walk.path
         now = self._tick()
@@ -456,16 +457,16 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
             return torch.from_numpy(value.numpy()[lo:hi].copy())
         return value[lo:hi].clone()
 
-    def _claim(self, value: torch.Tensor, plan: dict[int, int] | None, lo: int,
-               hi: int) -> torch.Tensor | None:
+    def _claim(self, value: torch.Tensor, plan: dict[int, int] | None, lo: int, hi: int,
+               one_leaf: bool) -> torch.Tensor | None:
         """Claim (``KVComponent.claim``) the slots the insert adopts: ``value[lo:hi]`` and the
         revival ranges of ``plan``, as one tensor (a slot repeated across them is refused).
 
-        Returns the claimed copy of ``value[lo:hi]`` when that is all the insert adopts and
-        ``value`` is on the CPU (the common case: the new leaf keeps it), else ``None`` (the
-        nodes copy their parts, :meth:`_own`)."""
+        Returns the claimed copy of ``value[lo:hi]`` when that is all the insert adopts, it
+        becomes ``one_leaf`` and ``value`` is on the CPU (the common case: the new leaf keeps
+        the copy), else ``None`` (the nodes copy their parts, :meth:`_own`)."""
         if not plan and value.is_cpu:  # the common case: only the new tail is adopted
-            return self.kv.claim_trusted(value, lo, hi, True) if lo < hi else None
+            return self.kv.claim_trusted(value, lo, hi, one_leaf) if lo < hi else None
         ranges = sorted((t, end) for end, t in plan.items()) if plan else []
         if lo < hi:
             ranges.append((lo, hi))

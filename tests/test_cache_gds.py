@@ -14,30 +14,11 @@ import torch
 
 from allocators import MambaStatePool, TokenAllocator
 from radix import CacheConfig, EvictResult, RadixCache
+from tests.gds_helpers import draw_key, make, put
 
 
 def t64(*xs: int) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.int64)
-
-
-def make(d: float = 1.0, e: float = 0.0, size: int = 1200, states: int = 8):
-    kv = TokenAllocator(size)
-    pool = MambaStatePool(states, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,))
-    cfg = CacheConfig(radix_eviction_policy="gds", radix_eviction_policy_config={"d": d, "e": e})
-    cache = RadixCache(cfg, kv_allocator=kv, state_allocator=pool)
-    return cache, kv, pool
-
-
-def put(cache: RadixCache, kv, pool, key: list[int]) -> tuple[object, int]:
-    """Insert ``key`` with fresh KV slots (the cached part comes back as duplicates, freed)
-    and a fresh state slot at its end. No match, so no state is stamped on the way."""
-    slot = int(pool.alloc(1)[0])
-    res = cache.insert(key, kv.alloc(len(key)), state_slot=slot)
-    assert res.state_adopted
-    if len(res.duplicate_indices):
-        kv.free(res.duplicate_indices)
-    cache.sanity_check()
-    return res.last_node, slot
 
 
 def true_priority(node, d: float, e: float) -> float:
@@ -213,12 +194,7 @@ def test_watermark_monotone_and_entries_lower_bounds_under_random_ops(d: float, 
     for _ in range(300):
         r = rng.random()
         if r < 0.5:
-            if keys and rng.random() < 0.7:
-                base = rng.choice(keys)
-                key = base[: rng.randint(1, len(base))] + [rng.randint(1, 3) for _ in range(rng.randint(0, 6))]
-            else:
-                key = [rng.randint(1, 3) for _ in range(rng.randint(1, 12))]
-            keys.append(key)
+            key = draw_key(rng, keys)
             if pool.available_size() == 0:
                 cache.evict_states(1)
             if kv.available_size() < len(key):

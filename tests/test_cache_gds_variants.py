@@ -16,24 +16,7 @@ from components.gds import GDSFStrategy, GDSStrategy, gds_cost
 from components.gds_adaptive import CHAIN, HUB, HUB0, LEAF, AdaptiveGDSStrategy, seen_bucket
 from radix import CacheConfig, EvictResult, RadixCache
 from radix.node import TreeNode
-
-
-def make(policy: str, d: float = 1.0, e: float = 0.0, size: int = 1200, states: int = 8):
-    kv = TokenAllocator(size)
-    pool = MambaStatePool(states, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,))
-    cfg = CacheConfig(radix_eviction_policy=policy, radix_eviction_policy_config={"d": d, "e": e})
-    return RadixCache(cfg, kv_allocator=kv, state_allocator=pool), kv, pool
-
-
-def put(cache: RadixCache, kv, pool, key: list[int]) -> tuple[TreeNode, int]:
-    """Insert ``key`` with a fresh state at its end (no match: nothing is stamped)."""
-    slot = int(pool.alloc(1)[0])
-    res = cache.insert(key, kv.alloc(len(key)), state_slot=slot)
-    assert res.state_adopted
-    if len(res.duplicate_indices):
-        kv.free(res.duplicate_indices)
-    cache.sanity_check()
-    return res.last_node, slot
+from tests.gds_helpers import draw_key, make, put
 
 
 def state_nodes(cache: RadixCache) -> list[TreeNode]:
@@ -148,7 +131,7 @@ def test_state_walk_needs_a_state_pool() -> None:
     [("gds", GDSStrategy), ("gdsf", GDSFStrategy), ("gds_adaptive", AdaptiveGDSStrategy)],
 )
 def test_gds_family_walks_by_name_and_rebuilt_by_reset(policy: str, cls: type) -> None:
-    cache, kv, pool = make(policy)
+    cache, kv, pool = make(policy=policy)
     assert type(cache.state.gds) is cls and cache.state.walk == policy
     put(cache, kv, pool, [1, 2, 3])
     first = cache.state.gds
@@ -174,7 +157,7 @@ def test_bad_knobs_fail_when_the_config_is_built(policy: str, knobs: dict, names
 def test_gdsf_worked_example() -> None:
     """d = 1, e = 0. A at 100 (hit twice), B at 250, C at 120, all stamped at L = 0.
     GDS order: A (100), C (120), B (250). GDSF: A = 100 x 3 = 300 outlives both."""
-    cache, kv, pool = make("gdsf")
+    cache, kv, pool = make(policy="gdsf")
     a, sa = put(cache, kv, pool, list(range(1, 101)))
     b, sb = put(cache, kv, pool, list(range(1001, 1251)))
     c, sc = put(cache, kv, pool, list(range(2001, 2121)))
@@ -199,7 +182,7 @@ def test_gdsf_worked_example() -> None:
 
 
 def test_gdsf_release_is_not_a_hit() -> None:
-    cache, kv, pool = make("gdsf")
+    cache, kv, pool = make(policy="gdsf")
     a, _ = put(cache, kv, pool, [1] * 20)
     cache.inc_lock_ref(a)
     cache.dec_lock_ref(a)
@@ -210,19 +193,14 @@ def _run_random(policy: str, seed: int, steps: int = 300):
     """Random inserts (shared prefixes), matches, state and KV evictions; yields after each
     step the cache, its pools and the test's own record of hits per slot."""
     rng = random.Random(seed)
-    cache, kv, pool = make(policy, 1.0, 0.5, size=150, states=6)
+    cache, kv, pool = make(1.0, 0.5, size=150, states=6, policy=policy)
     keys: list[list[int]] = []
     hits: dict[int, int] = {}
     for _ in range(steps):
         r = rng.random()
         action = None
         if r < 0.45:
-            if keys and rng.random() < 0.7:
-                base = rng.choice(keys)
-                key = base[: rng.randint(1, len(base))] + [rng.randint(1, 3) for _ in range(rng.randint(0, 6))]
-            else:
-                key = [rng.randint(1, 3) for _ in range(rng.randint(1, 12))]
-            keys.append(key)
+            key = draw_key(rng, keys)
             if pool.available_size() == 0:
                 action = ("states", 1)
             elif kv.available_size() < len(key):
@@ -283,7 +261,7 @@ def test_gdsf_matches_a_brute_force_reference_under_random_ops() -> None:
 
 # ====================================================================== gds_adaptive
 def test_seen_bucket_by_hand() -> None:
-    cache, kv, pool = make("gds_adaptive")
+    cache, kv, pool = make(policy="gds_adaptive")
     a, _ = put(cache, kv, pool, list(range(1, 101)))
     assert a.hit_count == 1 and seen_bucket(a) == 0  # nothing seen by another request
     b, _ = put(cache, kv, pool, list(range(1, 121)))  # 100 of 120 seen before: 83 %
@@ -304,7 +282,7 @@ def test_adaptive_evicts_the_chain_state_a_continued_turn_left_behind() -> None:
     C = list(range(1001, 1251))
     orders = {}
     for policy in ("gds", "gds_adaptive"):
-        cache, kv, pool = make(policy)
+        cache, kv, pool = make(policy=policy)
         a, sa = put(cache, kv, pool, P[:300])
         assert cache.match_prefix(P[:350]).state_slot == sa  # turn 2 resumes from A
         b, sb = put(cache, kv, pool, P)
@@ -334,7 +312,7 @@ def test_adaptive_evicts_the_chain_state_a_continued_turn_left_behind() -> None:
 
 
 def test_adaptive_hub_weight_counts_hits_below_and_chains_follow_the_learned_rates() -> None:
-    cache, kv, pool = make("gds_adaptive")
+    cache, kv, pool = make(policy="gds_adaptive")
     H = list(range(1, 101))
     h, sh = put(cache, kv, pool, H)
     x, _ = put(cache, kv, pool, H + [500] * 20)  # extends H without a hit: a chain
@@ -364,7 +342,7 @@ def test_adaptive_hub_weight_counts_hits_below_and_chains_follow_the_learned_rat
 def test_adaptive_bucket_outcomes_are_resolved_from_kv_reuse() -> None:
     """A stored state's outcome comes due after 2 x (live states) stores: reused when another
     request inserted through its node, whether or not its state survived."""
-    cache, kv, pool = make("gds_adaptive", states=16)
+    cache, kv, pool = make(states=16, policy="gds_adaptive")
     walk = cache.state.gds
     a, _ = put(cache, kv, pool, list(range(1, 51)))  # store 1, bucket 0, live 1
     assert cache.evict_states(1).num_states == 1  # a's state (and leaf) gone ...
