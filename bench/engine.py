@@ -230,7 +230,7 @@ class ReplayEngine:
             if cache.load_back(host) > 0 or host.state_slot is not None:
                 m = cache.match_prefix(tokens[:-1])
         node = m.last_device_node
-        swa_start = cache.inc_lock_ref(node)
+        lock = cache.inc_lock_ref(node)
         usable = m.prefix_len
 
         slot = None
@@ -238,7 +238,7 @@ class ReplayEngine:
         if pool is not None:
             slot = self._alloc_state(finish_running=True)
             if slot is None:
-                return self._skip(node, swa_start)
+                return self._skip(lock)
             if m.state_slot is not None:
                 pool.copy(m.state_slot, slot)
 
@@ -250,7 +250,7 @@ class ReplayEngine:
         if kv is None:
             if pool is not None and slot is not None:
                 pool.free(torch.tensor([slot], dtype=torch.int64))
-            return self._skip(node, swa_start)
+            return self._skip(lock)
         own = kv[full_len - usable :]
         req = CacheRequest(
             key=tokens,
@@ -260,7 +260,7 @@ class ReplayEngine:
             cached_len=usable,
             last_node=node,
             rid=rid,
-            swa_lock_start=swa_start,
+            lock=lock,
         )
         self.log.record(prompt_len, usable, m.kv_hit_length, m.swa_miss_tokens)
         self._prefill_checkpoints(req, slot, usable, prompt_len, m.branching_seqlen)
@@ -310,8 +310,8 @@ class ReplayEngine:
         if run.own_slots.numel():
             self.kv_allocator.free(run.own_slots)
 
-    def _skip(self, node: Any, swa_start: int | None) -> bool:
-        self.cache.dec_lock_ref(node, swa_start)
+    def _skip(self, lock: Any) -> bool:
+        self.cache.dec_lock_ref(lock)
         self.log.skip()
         return False
 

@@ -29,8 +29,9 @@ from bench.sim_ideas import live_states_below
 from bench.sim_policies import BASELINE_POLICIES
 from bench.simulator import SimConfig, Simulator
 from bench.traces import load_trace, resolve_trace_path
-from components.gds import GDS_WALKS, make_gds_walk
+from components.gds import GDS_WALKS
 from components.gds_adaptive import seen_bucket
+from components.state import make_gds_walk
 from radix.node import TreeNode
 from radix.policies import GDS_DEFAULT_D, GDS_DEFAULT_E
 

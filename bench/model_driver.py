@@ -209,7 +209,7 @@ class ModelDriver:
             raise ValueError("prompts need at least 2 tokens")
         key = RadixKey(prompt[:-1])
         m = self._match(key)
-        swa_start = cache.inc_lock_ref(m.last_device_node)
+        lock = cache.inc_lock_ref(m.last_device_node)
         u, ps = m.prefix_len, cfg.page_size
         state_slot = None
         if self.layout.hybrid:
@@ -223,7 +223,7 @@ class ModelDriver:
         new = self._alloc_kv(-(-n // ps) * ps - u)
         req = CacheRequest(key=prompt, kv_indices=torch.cat([m.device_indices, new[:full - u]]),
                            cached_len=u, last_node=m.last_device_node, rid=self._next_rid,
-                           swa_lock_start=swa_start)
+                           lock=lock)
         checkpoints = {c for c in range(cfg.chunk_size, n, cfg.chunk_size) if c > u}
         b = m.branching_seqlen if m.branching_seqlen is not None and u < m.branching_seqlen < n else None
         if b is not None:

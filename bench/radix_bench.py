@@ -286,7 +286,7 @@ def run(args: argparse.Namespace, keep: dict[str, Any] | None = None) -> dict[st
     if args.check:
         check = getattr(cache, "sanity_check", None)
         if check is None:
-            from radix.invariants import check_cache as check_fn
+            from radix.diagnostics import check_cache as check_fn
 
             check_fn(cache)
         else:

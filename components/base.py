@@ -1,40 +1,211 @@
-"""The component contract.
+"""The component contract: what every kind of per-node data provides to the cache.
 
 One tree, several components. A component owns one kind of per-node value (KV slots, a
-recurrent-state checkpoint, ...), its allocator, its lock count, its evictable / protected
-counters, its eviction order, and the rule for whether a match is usable. The cache facade
-(``radix.cache``) composes components; a component never walks the tree on its own except to
-check invariants.
+recurrent-state checkpoint, sliding-window KV, ...), its allocator, its lock counts, its
+evictable / protected counters, its eviction order, and the rule for whether a match may end
+at a node. The cache (``radix.cache.RadixCache``) holds its components as a tuple, built once,
+and calls them only through the hooks below; for each hook it keeps the tuple of components
+that override it (:func:`hooks`), so a hook nobody implements costs nothing on the hot path.
 
-Units: KV components count tokens; the state component counts slots (one per checkpoint).
+A component never walks the tree on its own except to check invariants, and touches nodes only
+through their attributes (``radix.node.TreeNode``); it imports nothing from ``radix`` at run
+time. Units: the KV components count tokens, the state component counts slots.
+
+Hook order, per engine call (``node`` is a ``TreeNode``; positions are half-open token ranges)::
+
+    match_prefix   on_split* -> on_touch(path) -> usable(path, n) (fixpoint, every component)
+                   -> on_hit(node)
+    insert         check_insert(n, value, state_slot) -> plan_insert(plan) (every component; raise to refuse,
+                   nothing changed) -> [KV claims the slots] -> on_split* / revive ->
+                   on_touch(path) -> on_new_node(node, plan, lo, hi)* -> on_insert(plan, last)
+    inc_lock_ref   lock(node) -> data          (``data`` travels in the ``LockRef``)
+    dec_lock_ref   unlock_error(node, data) (every component, before anything changes)
+                   -> unlock(node, data)
+    evict*         pop_victim() -> evict_internal(node) (it has children) or the leaf leaves
+                   whole: on_remove(node) for every component
+    any change     refresh(node) (re-file ``node`` in the eviction order)
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from radix.node import TreeNode
+if TYPE_CHECKING:
+    import torch
+
+    from radix.node import TreeNode
 
 
-class Component(Protocol):
-    """What every component provides to the cache facade."""
+class InsertPlan:
+    """What an insert will do, decided before anything changes (``Component.plan_insert``).
 
-    name: str
+    Positions are tokens of ``key``; ``[prefix_len, end)`` is the new tail, ``end`` the key cut
+    to whole pages. Components may lower ``insert_end`` (to ``prefix_len``: nothing new worth
+    caching), add ``cuts`` (positions inside the new tail where it becomes separate nodes), and
+    ask to ``revive`` matched nodes with the caller's slots (node end -> first position taken
+    from ``value``, and the component that revives it, :meth:`Component.revive`). ``notes``
+    holds a component's own planning data, keyed by its name.
+    """
 
+    __slots__ = ("key", "value", "extra_key", "state_slot", "walk", "prefix_len", "end",
+                 "insert_end", "cuts", "revive", "notes")
+
+    def __init__(self, key: Any, value: torch.Tensor, extra_key: Any, state_slot: int | None,
+                 walk: Any, end: int) -> None:
+        self.key = key
+        self.value = value
+        self.extra_key = extra_key
+        self.state_slot = state_slot
+        self.walk = walk
+        self.prefix_len: int = walk.matched_len
+        self.end = end
+        self.insert_end = end
+        self.cuts: list[int] = []
+        self.revive: dict[int, tuple[int, Component]] = {}
+        self.notes: dict[str, Any] = {}
+
+
+class Component:
+    """Base class of every component: each hook is a no-op here (see the module docstring for
+    when the cache calls which). Subclasses override what they need.
+
+    Class attributes:
+        name: short name (``"kv"``, ``"state"``, ``"swa"``); unique in one cache.
+        evict_field: the ``radix.results.EvictResult`` field this component's freed units are
+            reported in, or ``None``.
+        checkpoints: whether the component holds checkpoints the engine creates during prefill
+            (a match then reports ``branching_seqlen`` when the usable prefix ends before the
+            KV match).
+        miss_field: the ``MatchResult`` field that reports the tokens this component's rule
+            alone cut from the usable prefix, beyond the components before it, or ``None``.
+        lock_data: ``lock`` returns data that ``unlock`` needs (it travels in the lock token).
+        revives: an insert may give this component's nodes the caller's slots below
+            ``prefix_len`` (so a request cannot assume its slots there are duplicates).
+    """
+
+    #: Hooks this instance does not use although its class implements them (a setting
+    #: switched a behaviour off): left out of the cache's hook tuples.
+    skip_hooks: frozenset[str] = frozenset()
+
+    name: ClassVar[str] = "component"
+    evict_field: ClassVar[str | None] = None
+    checkpoints: ClassVar[bool] = False
+    miss_field: ClassVar[str | None] = None
+    lock_data: ClassVar[bool] = False
+    revives: ClassVar[bool] = False
+
+    # ------------------------------------------------------------- tree structure
     def on_split(self, upper: TreeNode, lower: TreeNode, split_len: int) -> None:
-        """``lower`` just lost its first ``split_len`` tokens to the new ``upper`` node."""
+        """``lower`` just lost its first ``split_len`` tokens to the new node ``upper``."""
 
-    def on_remove(self, node: TreeNode) -> None:
-        """``node`` leaves the tree: free its value and forget it."""
+    def on_remove(self, node: TreeNode) -> int:
+        """``node``'s device data leaves (the node leaves the tree, or is demoted to host):
+        free this component's value on it. Returns the units freed (counted as evicted)."""
+        return 0
 
     def refresh(self, node: TreeNode) -> None:
         """``node``'s leaf status, locks or stamps changed: re-file it in the eviction order."""
 
+    def is_dead(self, node: TreeNode) -> bool:
+        """Whether an unlocked childless ``node`` is useless to every later match because of
+        this component's data (no state to resume from, a tombstone): it is then pruned."""
+        return False
+
+    # ---------------------------------------------------------------------- match
+    def on_touch(self, path: list[TreeNode]) -> None:
+        """The access stamps of ``path`` (a matched path, shallowest first) just moved."""
+
+    def usable(self, path: list[TreeNode], n: int) -> int:
+        """The largest ``k <= n`` such that a match may end after ``path[k - 1]`` under this
+        component's rule (``k = 0``, the root, always may). Must not mutate anything."""
+        return n
+
+    def on_hit(self, node: TreeNode, now: int) -> None:
+        """A match's usable prefix ends at ``node`` (not the root)."""
+
+    # --------------------------------------------------------------------- insert
+    def check_insert(self, n: int, value: Any, state_slot: int | None) -> None:
+        """Validate an insert's arguments (``n``: tokens of the key) before the walk; raise
+        ``TypeError`` / ``ValueError`` naming the argument."""
+
+    def plan_insert(self, plan: InsertPlan) -> None:
+        """Validate and plan (``InsertPlan``) before anything changes; raise to refuse."""
+
+    def revive(self, node: TreeNode, slots: torch.Tensor) -> None:
+        """Give a matched ``node`` (split to the planned start) the caller's ``slots`` (claimed,
+        the node's own copy), as planned in ``plan.revive``."""
+
+    def on_new_node(self, node: TreeNode, plan: InsertPlan, lo: int, hi: int) -> None:
+        """The insert created ``node`` for ``key[lo:hi]`` (it already holds its KV slots)."""
+
+    def on_insert(self, plan: InsertPlan, last: TreeNode, now: int) -> bool:
+        """The insert's nodes exist; ``last`` ends at ``plan.insert_end`` (the root when 0).
+        Returns whether the component adopted a per-insert value (``state_slot``)."""
+        return False
+
+    # ---------------------------------------------------------------------- locks
+    def lock(self, node: TreeNode) -> Any:
+        """Protect what a request using ``node`` needs; return data for :meth:`unlock`."""
+        return None
+
+    def unlock_error(self, node: TreeNode, data: Any) -> str | None:
+        """Why :meth:`unlock` cannot release ``data`` on ``node`` (``None``: it can)."""
+        return None
+
+    def unlock(self, node: TreeNode, data: Any) -> None:
+        """Release one lock :meth:`lock` took (checked by :meth:`unlock_error`)."""
+
+    # ------------------------------------------------------------------- eviction
+    def pop_victim(self) -> TreeNode | None:
+        """Remove and return the next node to evict from in this component's order, or
+        ``None`` when nothing is evictable. A childless victim leaves whole."""
+        return None
+
+    def evict_internal(self, node: TreeNode) -> int:
+        """Free this component's value on a victim that has children (its KV stays);
+        returns the units freed."""
+        return 0
+
+    def requeue(self, node: TreeNode) -> None:
+        """A popped victim kept its value (its write-back copy is in flight): file it again."""
+
+    # ------------------------------------------------------------- sizes, checks
     def evictable_size(self) -> int:
         """Units held by the tree that no request protects."""
+        return 0
 
     def protected_size(self) -> int:
         """Units held by the tree under a request's lock."""
+        return 0
+
+    def stats(self) -> dict[str, Any]:
+        """This component's counters for ``RadixCache.stats()``."""
+        return {}
+
+    def reset(self) -> None:
+        """Forget everything (the cache has just removed every node): empty orders, zero
+        counters, a fresh eviction walk."""
+
+    def describe(self, node: TreeNode) -> str:
+        """This component's part of ``node``'s line in ``RadixCache.pretty_print`` (leading
+        space included; empty for nothing to show)."""
+        return ""
 
     def check(self, nodes: list[TreeNode]) -> None:
-        """Recompute every counter from ``nodes`` (all non-root nodes) and assert invariants."""
+        """Recompute every counter from ``nodes`` (every non-root node, parents first) and
+        assert this component's invariants."""
+
+
+def hooks(components: tuple[Any, ...], name: str) -> tuple[Callable[..., Any], ...]:
+    """Bound methods ``name`` of the components that override :class:`Component`'s no-op
+    and do not list it in ``skip_hooks`` (objects that are not ``Component`` subclasses count
+    when they have the method), in order: what the cache loops over for one hook."""
+    base = getattr(Component, name)
+    out = []
+    for c in components:
+        impl = getattr(type(c), name, None)
+        if impl is None or impl is base or name in getattr(c, "skip_hooks", ()):
+            continue
+        out.append(getattr(c, name))
+    return tuple(out)

@@ -24,12 +24,14 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from radix.node import TreeNode
+if TYPE_CHECKING:
+    from radix.node import TreeNode
 
 _EPS = 1e-12
 
-#: ``StateComponent`` walks built from ``(d, e)`` by :func:`make_gds_walk`.
+#: ``StateComponent`` walks built from ``(d, e)`` (``components.state.make_gds_walk``).
 GDS_WALKS = ("gds", "gdsf", "gds_adaptive")
 
 
@@ -215,17 +217,3 @@ class GDSFStrategy(GDSStrategy):
     def check(self, state_nodes: list[TreeNode]) -> None:
         super().check(state_nodes)
         assert set(self.hits) == {n.id for n in state_nodes}, "gdsf hit counts out of step"
-
-
-def make_gds_walk(walk: str, d: float, e: float,
-                  is_candidate: Callable[[TreeNode], bool]) -> GDSStrategy:
-    """The GDS-family walk named ``walk`` (one of :data:`GDS_WALKS`)."""
-    if walk == "gds":
-        return GDSStrategy(d, e, is_candidate)
-    if walk == "gdsf":
-        return GDSFStrategy(d, e, is_candidate)
-    if walk == "gds_adaptive":
-        from components.gds_adaptive import AdaptiveGDSStrategy  # imports this module
-
-        return AdaptiveGDSStrategy(d, e, is_candidate)
-    raise ValueError(f"not a GDS walk: {walk!r}; expected one of {GDS_WALKS}")

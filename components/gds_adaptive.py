@@ -61,9 +61,12 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from components.gds import GDSStrategy, gds_cost
-from radix.node import TreeNode
+
+if TYPE_CHECKING:
+    from radix.node import TreeNode
 
 __all__ = ["AdaptiveGDSStrategy", "seen_bucket"]
 

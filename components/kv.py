@@ -16,14 +16,14 @@ node, or repeated::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from radix.node import TreeNode
-from radix.ordered import OrderedNodeSet
-from radix.policies import KeyFn
+from components.base import Component
+from components.ordered import OrderedNodeSet
 
 try:  # the insert's slot claim in C (components/_claim.c), built by ``pip install``
     from components._claim import claim as _claim_c
@@ -32,16 +32,22 @@ except ImportError:  # pragma: no cover - no compiler at install time: the numpy
 
 if TYPE_CHECKING:
     from allocators import SlotAllocator
+    from radix.node import TreeNode
+
+#: A radix eviction policy's key (``radix.policies``): smaller is evicted first.
+KeyFn = Callable[["TreeNode"], tuple[Any, ...]]
 
 
-class KVComponent:
+class KVComponent(Component):
     """Owns ``node.kv_value`` (1-D int64 slot tensor, one slot per token) and ``node.kv_lock``.
 
     Counters (tokens): ``evictable_size`` = tokens of nodes with ``kv_lock == 0``,
-    ``protected_size`` = tokens of nodes with ``kv_lock > 0``.
+    ``protected_size`` = tokens of nodes with ``kv_lock > 0``; ``evicted`` = tokens freed by
+    :meth:`on_remove` (evictions and demotions); ``inserted`` = tokens the inserts added.
     """
 
     name = "kv"
+    evict_field = "num_tokens"
 
     def __init__(self, allocator: SlotAllocator, key_fn: KeyFn, host_tier: bool = False) -> None:
         """Args:
@@ -51,6 +57,11 @@ class KVComponent:
                 *device* leaf (on device, no child on device) rather than a childless node.
         """
         self.allocator = allocator
+        self.key_fn = key_fn
+        self.device = torch.device(getattr(allocator, "device", "cpu"))
+        self._cpu = self.device.type == "cpu"
+        self.evicted = 0
+        self.inserted = 0
         # The tree frees only slots its nodes hold: skip the allocator's boundary checks.
         self._free = getattr(allocator, "free_owned", allocator.free)
         self.host_tier = host_tier
@@ -142,9 +153,9 @@ class KVComponent:
         with held marks, two gathers (the marks, where out-of-range ids land on a sentinel; the
         allocator's free mask), the repeat check (:meth:`_repeats`) and a scatter; without,
         the range check."""
-        held = self._held
+        held, free = self._held, self._free_mask
         own = slots.copy() if copy else slots
-        if held is None:
+        if held is None or free is None:
             self.check_range(own)
             return torch.from_numpy(own) if copy else None
         ids = own if self.page_size == 1 else self._page_ids(own)
@@ -154,7 +165,7 @@ class KVComponent:
         # (bytes comparisons: one memcmp, cheaper than a numpy reduction on short arrays)
         if k and (
             held.take(ids, mode="clip").tobytes() != self._zeros[:k]
-            or 1 in self._free_mask.take(ids, mode="clip").tobytes()  # type: ignore[union-attr]
+            or 1 in free.take(ids, mode="clip").tobytes()
             or self._repeats(ids)
         ):
             self._refuse(own, ids)
@@ -168,7 +179,8 @@ class KVComponent:
         writes before it reads) exists only on the numpy path; ``np.unique`` would sort."""
         k = len(ids)
         if self._stamps is None:
-            self._stamps = np.zeros(len(self._held), dtype=np.int32)  # type: ignore[arg-type]
+            assert self._held is not None  # only the held-mark path checks repeats
+            self._stamps = np.zeros(len(self._held), dtype=np.int32)
         if k > len(self._pos):
             self._pos = np.arange(1, 2 * k + 1, dtype=np.int32)
         pos = self._pos[:k]
@@ -273,14 +285,21 @@ class KVComponent:
         if lower in self.leaves:  # its key may depend on its start (tlru)
             self.leaves.update(lower)
 
-    def on_remove(self, node: TreeNode) -> None:
+    def on_remove(self, node: TreeNode) -> int:
+        """Free ``node``'s device KV (it leaves the tree, or is demoted to host); returns the
+        tokens freed (0 for a host-only node)."""
         value = node.kv_value
-        assert value is not None and node.kv_lock == 0, node
+        if value is None:
+            return 0
+        assert node.kv_lock == 0, node
         self.leaves.discard(node)
-        self._evictable -= value.shape[0]
+        n = value.shape[0]
+        self._evictable -= n
+        self.evicted += n
         self._unmark(value)
         self._free(value)
         node.kv_value = None
+        return n
 
     def is_candidate(self, node: TreeNode) -> bool:
         """An unlocked device leaf."""
@@ -296,6 +315,15 @@ class KVComponent:
         else:
             self.leaves.discard(node)
 
+    def on_touch(self, path: list[TreeNode]) -> None:
+        """Stamps moved along a matched device path: only its deepest node can be a leaf."""
+        if path:
+            self.refresh(path[-1])
+
+    def pop_victim(self) -> TreeNode | None:
+        """The unlocked device leaf first in policy order (removed from the order)."""
+        return self.leaves.pop_first()
+
     # ------------------------------------------------------------------- locks
     def lock(self, node: TreeNode) -> None:
         """Lock ``node`` and its ancestors (root excluded)."""
@@ -309,7 +337,7 @@ class KVComponent:
             n = n.parent
         self.leaves.discard(node)
 
-    def unlock(self, node: TreeNode) -> None:
+    def unlock(self, node: TreeNode, data: Any = None) -> None:
         """Release one lock on ``node`` and its ancestors; the caller checked ``kv_lock > 0``."""
         n = node
         while n.parent is not None:
@@ -328,7 +356,45 @@ class KVComponent:
     def protected_size(self) -> int:
         return self._protected
 
+    def stats(self) -> dict[str, Any]:
+        return {"evicted_tokens": self.evicted, "inserted_tokens": self.inserted,
+                "kv_evictable": self._evictable, "kv_protected": self._protected}
+
+    def reset(self) -> None:
+        """Every node is gone (their slots unmarked by :meth:`on_remove`)."""
+        self.leaves.clear()
+        self._evictable = self._protected = self.evicted = self.inserted = 0
+
+    # ------------------------------------------------------------------ insert
+    def check_insert(self, n: int, value: Any, state_slot: int | None) -> None:
+        """Raise unless ``value`` is a 1-D int64 tensor of ``n`` KV slots on the allocator's
+        device."""
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"value must be a 1-D torch.int64 tensor of KV slots, got {type(value).__name__}"
+            )
+        if value.dtype != torch.int64:
+            raise TypeError(f"value must have dtype torch.int64, got {value.dtype}")
+        if value.shape != (n,):
+            if value.dim() != 1:
+                raise ValueError(f"value must be 1-D, got shape {tuple(value.shape)}")
+            raise ValueError(
+                f"value has {value.shape[0]} slots but key has {n} tokens; lengths must match"
+            )
+        if value.is_cpu if self._cpu else value.device == self.device:
+            return
+        raise ValueError(f"value is on {value.device}, the KV allocator on {self.device}")
+
     def check(self, nodes: list[TreeNode]) -> None:
+        dev = [n.kv_value for n in nodes if n.kv_value is not None]
+        if dev:
+            slots = torch.cat(dev)
+            assert slots.unique().numel() == slots.numel(), "a KV slot is held by two nodes"
+            is_free = getattr(self.allocator, "is_free", None)
+            if callable(is_free):
+                assert not bool(is_free(slots).any()), (
+                    "a KV slot held by the tree is free in the allocator"
+                )
         ev = pr = 0
         expected_leaves = set()
         for n in nodes:

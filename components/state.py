@@ -15,16 +15,18 @@ stays without a state).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from components.gds import GDS_WALKS, make_gds_walk
-from radix.node import TreeNode
-from radix.ordered import OrderedNodeSet
+from components.base import Component, InsertPlan
+from components.gds import GDS_WALKS, GDSFStrategy, GDSStrategy
+from components.gds_adaptive import AdaptiveGDSStrategy
+from components.ordered import OrderedNodeSet
 
 if TYPE_CHECKING:
     from allocators import MambaStatePool
+    from radix.node import TreeNode
 
 
 @runtime_checkable
@@ -53,7 +55,7 @@ class StateWalk(Protocol):
 
 
 #: Builds a state walk for a component, given its ``is_candidate`` predicate.
-StateWalkFactory = Callable[[Callable[[TreeNode], bool]], StateWalk]
+StateWalkFactory = Callable[[Callable[["TreeNode"], bool]], StateWalk]
 
 _WALK_METHODS = ("on_set", "on_hit", "on_use", "on_remove", "requeue", "pop_victim", "check")
 
@@ -67,6 +69,28 @@ def check_state_walk_factory(state_walk: object) -> None:
         )
 
 
+#: The GreedyDual-Size family of state walks by name: ``(d, e, is_candidate) -> walk``.
+GDS_WALK_CLASSES: dict[str, Callable[[float, float, Callable[[TreeNode], bool]], GDSStrategy]] = {
+    "gds": GDSStrategy,
+    "gdsf": GDSFStrategy,
+    "gds_adaptive": AdaptiveGDSStrategy,
+}
+assert tuple(GDS_WALK_CLASSES) == GDS_WALKS
+
+
+def make_gds_walk(walk: str, d: float, e: float,
+                  is_candidate: Callable[[TreeNode], bool]) -> GDSStrategy:
+    """The GDS-family walk named ``walk`` (one of :data:`components.gds.GDS_WALKS`).
+
+    Raises:
+        ValueError: not a GDS walk name.
+    """
+    cls = GDS_WALK_CLASSES.get(walk)
+    if cls is None:
+        raise ValueError(f"not a GDS walk: {walk!r}; expected one of {GDS_WALKS}")
+    return cls(d, e, is_candidate)
+
+
 def _state_lru_key(n: TreeNode) -> tuple[int]:
     return (n.state_access_time,)
 
@@ -75,10 +99,17 @@ def _joint_key(n: TreeNode) -> tuple[int]:
     return (n.last_access_time,)
 
 
-class StateComponent:
-    """Owns ``node.state_slot`` and ``node.state_lock``; counters in slots."""
+class StateComponent(Component):
+    """Owns ``node.state_slot`` and ``node.state_lock``; counters in slots.
+
+    ``evicted`` counts states freed (evictions, demotions), ``inserted`` states adopted by
+    inserts. Under ``joint_lru`` (``walk="joint"``) a state's order follows its node's stamp,
+    so a match re-files the states along its path (:meth:`on_touch`).
+    """
 
     name = "state"
+    evict_field = "num_states"
+    checkpoints = True
 
     def __init__(
         self,
@@ -114,10 +145,25 @@ class StateComponent:
         self.allocator = allocator
         #: The pool's live free mask over slots (``None`` for a pool without one).
         self.free_mask = getattr(allocator, "free_mask", None)
+        self._walk_name = walk
+        self._gds_args = gds
+        self._state_walk = state_walk
+        if walk != "joint":
+            self.skip_hooks = frozenset({"on_touch"})
         self.walk = walk
         self.gds: StateWalk | None = None
         """The strategy object every state event goes to (GDS or a custom walk); ``None``
         under the LRU walks."""
+        self.lru: OrderedNodeSet | None = None
+        self.slot_to_node: dict[int, TreeNode] = {}
+        self._evictable = self._protected = self.evicted = self.inserted = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Every state is gone: counters at 0, a fresh walk (a custom walk's factory is
+        called again)."""
+        walk, gds, state_walk = self._walk_name, self._gds_args, self._state_walk
+        self.gds = None
         if state_walk is not None:
             built = state_walk(self.is_candidate)
             missing = [m for m in _WALK_METHODS if not callable(getattr(built, m, None))]
@@ -135,9 +181,8 @@ class StateComponent:
             if self.gds is None
             else None
         )
-        self.slot_to_node: dict[int, TreeNode] = {}
-        self._evictable = 0
-        self._protected = 0
+        self.slot_to_node = {}
+        self._evictable = self._protected = self.evicted = self.inserted = 0
 
     @staticmethod
     def is_candidate(node: TreeNode) -> bool:
@@ -177,7 +222,8 @@ class StateComponent:
         self.refresh(node)
 
     def remove_state(self, node: TreeNode) -> None:
-        """Free ``node``'s state (its KV stays); the state must be unlocked."""
+        """Free ``node``'s state (its KV stays; counted as evicted); the state must be
+        unlocked."""
         slot = node.state_slot
         assert slot is not None and node.state_lock == 0, node
         if self.lru is not None:
@@ -187,18 +233,79 @@ class StateComponent:
         del self.slot_to_node[slot]
         node.state_slot = None
         self._evictable -= 1
+        self.evicted += 1
         free_owned = getattr(self.allocator, "free_owned", None)
         if free_owned is not None:
             free_owned(slot)
         else:
             self.allocator.free(_slot_tensor(slot))
 
-    def on_split(self, upper: TreeNode, lower: TreeNode, split_len: int) -> None:
-        """The state stays on ``lower`` (valid at its end); ``upper`` starts without one."""
+    # (on_split: the state stays on ``lower``, valid at its end; ``upper`` starts without one.)
 
-    def on_remove(self, node: TreeNode) -> None:
-        if node.state_slot is not None:
-            self.remove_state(node)
+    def on_remove(self, node: TreeNode) -> int:
+        if node.state_slot is None:
+            return 0
+        self.remove_state(node)
+        return 1
+
+    def is_dead(self, node: TreeNode) -> bool:
+        """No state on device or on host: nothing could ever be resumed from this leaf."""
+        return node.state_slot is None and node.host_state_slot is None
+
+    # ------------------------------------------------------------------- match
+    def usable(self, path: list[TreeNode], n: int) -> int:
+        """A match ends at a node holding a state (the deepest such node within ``n``)."""
+        while n > 0 and path[n - 1].state_slot is None:
+            n -= 1
+        return n
+
+    def on_touch(self, path: list[TreeNode]) -> None:
+        """``joint_lru`` only: the states along a touched path follow their nodes' stamps."""
+        for n in path:
+            if n.state_slot is not None:
+                self.refresh(n)
+
+    def on_hit(self, node: TreeNode, now: int) -> None:
+        self.use(node, now)
+
+    # ------------------------------------------------------------------ insert
+    def check_insert(self, n: int, value: Any, state_slot: Any) -> None:
+        """``state_slot``: ``None`` or a slot of the pool the caller got from ``alloc`` and the
+        tree does not hold."""
+        if state_slot is None:
+            return
+        if isinstance(state_slot, bool) or not isinstance(state_slot, int):
+            raise TypeError(f"state_slot must be an int or None, got {type(state_slot).__name__}")
+        size = getattr(self.allocator, "size", None)
+        if state_slot < 1 or (size is not None and state_slot > size):
+            raise ValueError(f"state_slot must be in [1, {size}], got {state_slot}")
+        if state_slot in self.slot_to_node:
+            raise ValueError(f"state_slot {state_slot} is already held by the tree")
+        free = self.free_mask
+        if free is not None and free[state_slot]:
+            raise ValueError(
+                f"state_slot {state_slot} is free in the state pool: the tree adopts only a slot "
+                "the caller got from alloc"
+            )
+
+    def plan_insert(self, plan: InsertPlan) -> None:
+        """New tokens need a state at their end: a leaf never stays without one."""
+        if plan.prefix_len < plan.end and plan.state_slot is None:
+            raise ValueError(
+                "state_slot is required to insert new tokens into a cache with a recurrent-state "
+                f"component (the key adds tokens [{plan.prefix_len}, {plan.end}) and a leaf "
+                "never stays without a state)"
+            )
+
+    def on_insert(self, plan: InsertPlan, last: TreeNode, now: int) -> bool:
+        """Adopt ``plan.state_slot`` on ``last`` when the whole key went in and ``last`` has
+        no state yet."""
+        slot = plan.state_slot
+        if slot is None or plan.insert_end != plan.end or plan.end == 0 or last.state_slot is not None:
+            return False
+        self.set_state(last, slot, now)
+        self.inserted += 1
+        return True
 
     # ------------------------------------------------------------------- locks
     def lock(self, node: TreeNode) -> None:
@@ -208,7 +315,7 @@ class StateComponent:
         node.state_lock += 1
         self.refresh(node)
 
-    def unlock(self, node: TreeNode) -> None:
+    def unlock(self, node: TreeNode, data: Any = None) -> None:
         node.state_lock -= 1
         if node.state_lock == 0 and node.state_slot is not None:
             self._evictable += 1
@@ -234,6 +341,11 @@ class StateComponent:
         assert self.lru is not None
         return self.lru.pop_first()
 
+    def evict_internal(self, node: TreeNode) -> int:
+        """An internal victim loses only its state (its KV stays)."""
+        self.remove_state(node)
+        return 1
+
     # ---------------------------------------------------------------- counters
     def evictable_size(self) -> int:
         return self._evictable
@@ -241,11 +353,25 @@ class StateComponent:
     def protected_size(self) -> int:
         return self._protected
 
+    @property
+    def watermark(self) -> float:
+        """The GDS watermark ``L`` (0.0 under the LRU walks; a custom walk's ``watermark``)."""
+        return self.gds.watermark if self.gds is not None else 0.0
+
+    def stats(self) -> dict[str, Any]:
+        return {"evicted_states": self.evicted, "inserted_states": self.inserted,
+                "state_evictable": self._evictable, "state_protected": self._protected,
+                "watermark": self.watermark}
+
+
     def check(self, nodes: list[TreeNode]) -> None:
         ev = pr = 0
         state_nodes = []
         for n in nodes:
             assert n.state_lock >= 0, n
+            assert n.state_lock == n.lock_ref, f"state_lock differs from direct locks: {n}"
+            if n.state_lock > 0:
+                assert n.kv_lock > 0, f"state locked but KV not: {n}"
             if n.state_slot is None:
                 continue
             state_nodes.append(n)
@@ -255,6 +381,13 @@ class StateComponent:
             else:
                 pr += 1
         assert len(state_nodes) == len(self.slot_to_node), "slot map holds removed states"
+        slots = [n.state_slot for n in state_nodes]
+        assert len(set(slots)) == len(slots), "a state slot is held by two nodes"
+        is_free = getattr(self.allocator, "is_free", None)
+        if slots and callable(is_free):
+            assert not bool(is_free(torch.tensor(slots, dtype=torch.int64)).any()), (
+                "a state slot held by the tree is free in the pool"
+            )
         assert ev == self._evictable, f"state evictable {self._evictable} != recomputed {ev}"
         assert pr == self._protected, f"state protected {self._protected} != recomputed {pr}"
         if self.lru is not None:

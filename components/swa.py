@@ -22,30 +22,52 @@ node becomes a tombstone, a leaf leaves whole (a tombstoned leaf could never be 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from radix.node import TreeNode
-from radix.ordered import OrderedNodeSet
+import torch
+
+from components.base import Component, InsertPlan
+from components.ordered import OrderedNodeSet
 
 if TYPE_CHECKING:
     from allocators.swa import SWAAllocator
+    from components.kv import KVComponent
+    from radix.node import TreeNode
 
 
 def _lru_key(n: TreeNode) -> tuple[int]:
     return (n.last_access_time,)
 
 
-class SWAComponent:
-    """Owns ``node.swa_tombstone`` and ``node.swa_lock``; counters in tokens of live nodes."""
+class SWAComponent(Component):
+    """Owns ``node.swa_tombstone`` and ``node.swa_lock``; counters in tokens of live nodes.
+
+    Layered on the full-attention KV component (``kv``): nodes hold full-pool slots, whose
+    SWA side the allocator maps. ``evicted`` counts SWA tokens freed (tombstoned or removed
+    with their node), ``revived`` those an insert brought back over tombstones.
+    """
 
     name = "swa"
+    evict_field = "num_swa_tokens"
+    miss_field = "swa_miss_tokens"
+    lock_data = True
+    revives = True
 
-    def __init__(self, allocator: SWAAllocator, sliding_window_size: int) -> None:
+    def __init__(self, allocator: SWAAllocator, sliding_window_size: int,
+                 kv: KVComponent) -> None:
+        if not (hasattr(allocator, "free_swa") and hasattr(allocator, "has_swa")):
+            raise TypeError(
+                "sliding_window_size needs an SWA allocator (allocators.SWAAllocator) as "
+                f"kv_allocator, got {type(allocator).__name__}"
+            )
         self.allocator = allocator
         self.window = sliding_window_size
+        self.kv = kv
         self.order = OrderedNodeSet(_lru_key)
         self._evictable = 0
         self._protected = 0
+        self.evicted = 0
+        self.revived = 0
 
     @staticmethod
     def is_candidate(node: TreeNode) -> bool:
@@ -63,8 +85,16 @@ class SWAComponent:
             self.order.discard(node)
 
     # ------------------------------------------------------------------ values
-    def attach(self, node: TreeNode, live: bool) -> None:
-        """A new node (unlocked): live SWA KV, or a tombstone from the start."""
+    def on_new_node(self, node: TreeNode, plan: InsertPlan, lo: int, hi: int) -> None:
+        """A node the insert created (unlocked): live SWA KV from the planned live start on,
+        a tombstone before it (whose still-live caller slots are released here: live slots
+        before released ones would be SWA KV no window can use)."""
+        live = lo >= plan.notes.get(self.name, lo)
+        if not live:
+            dead = plan.value[lo:hi]
+            still = dead[self.allocator.has_swa(dead)]
+            if len(still):
+                self.allocator.free_swa(still)
         node.swa_tombstone = not live
         if live:
             self._evictable += len(node.key)
@@ -76,26 +106,47 @@ class SWAComponent:
         self.refresh(upper)
         self.refresh(lower)
 
-    def on_remove(self, node: TreeNode) -> None:
-        """The KV component frees both sides of the slots; only the counters move here."""
+    def on_remove(self, node: TreeNode) -> int:
+        """The KV component frees both sides of the slots; only the counters move here.
+        Returns the live SWA tokens that left."""
         assert node.swa_lock == 0, node
         self.order.discard(node)
-        if not node.swa_tombstone:
-            self._evictable -= len(node.key)
+        if node.swa_tombstone:
+            return 0
+        n = len(node.key)
+        self._evictable -= n
+        self.evicted += n
+        return n
 
-    def tombstone(self, node: TreeNode) -> None:
-        """Free ``node``'s SWA KV (full KV stays). The node must be live and unlocked."""
+    def is_dead(self, node: TreeNode) -> bool:
+        """A tombstoned leaf: no window of SWA KV could ever end a match there."""
+        return node.swa_tombstone
+
+    def tombstone(self, node: TreeNode) -> int:
+        """Free ``node``'s SWA KV (full KV stays). The node must be live and unlocked.
+        Returns the SWA tokens freed."""
         assert not node.swa_tombstone and node.swa_lock == 0 and node.kv_value is not None, node
         self.allocator.free_swa(node.kv_value)
         node.swa_tombstone = True
-        self._evictable -= len(node.key)
+        n = len(node.key)
+        self._evictable -= n
+        self.evicted += n
         self.order.discard(node)
+        return n
 
-    def revive(self, node: TreeNode) -> None:
-        """``node`` just took slots with live SWA KV (insert over a tombstone)."""
+    def evict_internal(self, node: TreeNode) -> int:
+        """An internal victim becomes a tombstone (its full KV stays)."""
+        return self.tombstone(node)
+
+    def revive(self, node: TreeNode, slots: torch.Tensor) -> None:
+        """Insert over a tombstone (unlocked): ``node`` takes the caller's ``slots`` (with live
+        SWA KV; claimed), the tree frees its old full slots, and the node is live again."""
         assert node.swa_tombstone and node.swa_lock == 0, node
+        self.kv.replace(node, slots)  # the node keeps ``slots`` itself as its kv_value
         node.swa_tombstone = False
-        self._evictable += len(node.key)
+        n = len(node.key)
+        self._evictable += n
+        self.revived += n
         self.refresh(node)
 
     # ------------------------------------------------------------------- locks
@@ -123,6 +174,11 @@ class SWAComponent:
             starts = node.swa_lock_starts = {}
         starts[start] = starts.get(start, 0) + 1
         return start
+
+    def unlock_error(self, node: TreeNode, data: Any) -> str | None:
+        if isinstance(data, bool) or not isinstance(data, int) or not self.can_unlock(node, data):
+            return f"the sliding-window lock starting at {data!r} is not held on node {node.id}"
+        return None
 
     def unlock(self, node: TreeNode, start: int) -> None:
         """Release the SWA lock taken by :meth:`lock` (``start`` as it returned)."""
@@ -167,8 +223,89 @@ class SWAComponent:
                 out.append(not seen_tombstone or live_run >= w)
         return out
 
+    def usable(self, path: list[TreeNode], n: int) -> int:
+        ok = self.usable_ends(path)
+        while n > 0 and not ok[n - 1]:
+            n -= 1
+        return n
+
+    def on_touch(self, path: list[TreeNode]) -> None:
+        """Stamps moved: re-file the live nodes of the path in the LRU order."""
+        for n in path:
+            self.refresh(n)
+
     def pop_victim(self) -> TreeNode | None:
         return self.order.pop_first()
+
+    # ------------------------------------------------------------------ insert
+    def live_suffix_start(self, value: torch.Tensor, lo: int, hi: int) -> int:
+        """First page-aligned position in ``[lo, hi]`` from which every caller slot of
+        ``value[lo:hi]`` still has live SWA KV (``hi`` when the last one has none)."""
+        live = self.allocator.has_swa(value[lo:hi])
+        if bool(live.all()):
+            return lo
+        dead = (~live).nonzero()
+        t = lo + int(dead[-1]) + 1
+        ps = self.kv.page_size
+        return min(hi, -(-t // ps) * ps)
+
+    def plan_insert(self, plan: InsertPlan) -> None:
+        """Plan, before anything changes: the caller's slots must lie in the pool (the SWA map
+        is read at every position); tombstoned, unlocked matched nodes whose tokens the caller
+        holds with live SWA KV of its own (not the tree's slots) are revived from the page where
+        the caller's slots are live (the node the walk ends inside counts with its matched
+        part, split there first); the new tail is live from the page where the caller's slots
+        are, a tombstone before it, and not cached at all when none of it is live."""
+        value, end, walk = plan.value, plan.end, plan.walk
+        self.kv.check_range(value[:end].cpu().numpy())
+        spans = [(n, n.start, n.depth, n.kv_value) for n in walk.path]
+        part = walk.partial
+        if part is not None:
+            lo, kvv = part.start, part.kv_value
+            spans.append((part, lo, lo + walk.partial_len,
+                          None if kvv is None else kvv[: walk.partial_len]))
+        for n, lo, hi, kvv in spans:
+            if not n.swa_tombstone or n.kv_lock > 0:
+                continue  # live or in use
+            assert kvv is not None  # a tombstone keeps its full-attention slots
+            if bool((value[lo:hi] == kvv).any()):
+                continue  # the caller got (some of) these slots from the tree
+            t = self.live_suffix_start(value, lo, hi)
+            if t < hi:
+                plan.revive[hi] = (t, self)
+        p = plan.prefix_len
+        if p < end:
+            live_from = self.live_suffix_start(value, p, end)
+            plan.notes[self.name] = live_from
+            if live_from >= end:
+                plan.insert_end = p  # no live SWA KV at all: nothing worth caching
+            elif live_from > p:
+                plan.cuts.append(live_from)
+
+    # --------------------------------------------------------- request helpers
+    def request_keeps(self, caller: torch.Tensor, tree: torch.Tensor,
+                      dup: torch.Tensor) -> torch.Tensor:
+        """Of a running request's duplicate slots ``caller[dup]`` (the tree holds the same
+        tokens in ``tree``), those it keeps: its own live copy where the tree only has a
+        tombstone (it still needs that SWA KV for its window; it frees the copy when it
+        finishes). Returns a bool mask over ``caller``."""
+        has_swa = self.allocator.has_swa
+        return dup & has_swa(caller) & ~has_swa(tree)
+
+    def release(self, kv_indices: torch.Tensor, start: int, seq_len: int) -> int:
+        """Free the SWA KV of ``kv_indices[start:upto]``, the request's own tokens that slid
+        out of its window, where ``upto`` keeps the last ``max(sliding_window_size,
+        page_size)`` tokens before ``seq_len`` live (page aligned). Returns ``upto`` (<= start:
+        nothing freed)."""
+        ps = self.kv.page_size
+        margin = max(self.window, ps)
+        upto = max(seq_len - margin, 0) // ps * ps
+        if upto > start:
+            self.allocator.free_swa(kv_indices[start:upto])
+        return upto
+
+    def describe(self, node: TreeNode) -> str:
+        return f" swa={'tomb' if node.swa_tombstone else 'live'} swa_lock={node.swa_lock}"
 
     # ---------------------------------------------------------------- counters
     def evictable_size(self) -> int:
@@ -176,6 +313,14 @@ class SWAComponent:
 
     def protected_size(self) -> int:
         return self._protected
+
+    def stats(self) -> dict[str, Any]:
+        return {"evicted_swa_tokens": self.evicted, "revived_swa_tokens": self.revived,
+                "swa_evictable": self._evictable, "swa_protected": self._protected}
+
+    def reset(self) -> None:
+        self.order.clear()
+        self._evictable = self._protected = self.evicted = self.revived = 0
 
     def check(self, nodes: list[TreeNode]) -> None:
         ev = pr = 0

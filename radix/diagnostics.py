@@ -1,74 +1,88 @@
-# Mixin of RadixCache: its methods annotate ``self: RadixCache`` so their bodies are checked
-# against the full cache. mypy reports such a self type, not a supertype of the mixin, as [misc]
-# (RadixCache cannot be a base here: it inherits this mixin), so that one code is off in this file.
-# mypy: disable-error-code="misc"
-"""Counters, a readable dump of the tree, and the invariant check (mixed into RadixCache)."""
+"""A readable dump of the tree and the invariant check (``RadixCache.pretty_print`` /
+``sanity_check``).
+
+``sanity_check`` recomputes every counter from scratch and checks, on the tree: keys are whole
+pages filed under the right child key, depths add up, one namespace per subtree, lock counts
+are consistent and never negative, no unlocked dead leaf survives; then each component's and
+tier's own invariants (``Component.check``: every allocator's slots held once and never free,
+counters equal to their recomputation, eviction orders exact, the GDS lower bound, host copies
+forming a prefix from the root); and that the GDS watermark never decreased.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from radix.tree import namespace_key
 
 if TYPE_CHECKING:
     from radix.cache import RadixCache
     from radix.node import TreeNode
 
 
-class Diagnostics:
-    """``stats``, ``pretty_print``, ``sanity_check``."""
+def pretty_print(cache: RadixCache, file: Any = None) -> str:
+    """One line per node: span, first tokens, locks, state, each component's part."""
+    lines = [f"root  policy={cache.policy.name} page_size={cache.page_size}"]
+    holders = cache.core.components + cache.core.per_node
 
-    def stats(self: RadixCache) -> dict[str, Any]:
-        """Counters: match calls, requested / usable-hit / KV-hit tokens, evicted tokens,
-        states and SWA tokens, inserted tokens and states, sizes per component, the watermark."""
-        st: dict[str, Any] = dict(self._stats)
-        st.update(
-            num_nodes=self.tree.num_nodes,
-            kv_evictable=self.evictable_size(),
-            kv_protected=self.protected_size(),
-            state_evictable=self.state_evictable_size(),
-            state_protected=self.state_protected_size(),
-            swa_evictable=self.swa_evictable_size(),
-            swa_protected=self.swa_protected_size(),
-            watermark=self.watermark,
-            policy=self.policy.name,
-            host_tokens=self.host_size(),
-        )
-        return st
+    def rec(node: TreeNode, indent: int) -> None:
+        for child in sorted(node.children.values(), key=lambda c: c.id):
+            head = child.key[:6].tolist()
+            extra = "".join(h.describe(child) for h in holders)
+            lines.append(
+                f"{'  ' * indent}[{child.start},{child.depth}) id={child.id} "
+                f"key={head}{'...' if len(child.key) > 6 else ''} kv_lock={child.kv_lock} "
+                f"state={child.state_slot} state_lock={child.state_lock}{extra} "
+                f"t={child.last_access_time}"
+            )
+            rec(child, indent + 1)
 
-    def pretty_print(self: RadixCache, file: Any = None) -> str:
-        """Render the tree (one line per node: span, tokens, locks, state, SWA); print it to
-        ``file`` when given; return the text."""
-        lines = [f"root  policy={self.policy.name} page_size={self.page_size}"]
+    rec(cache.root, 1)
+    text = "\n".join(lines)
+    if file is not None:
+        print(text, file=file)
+    return text
 
-        def rec(node: TreeNode, indent: int) -> None:
-            for child in sorted(node.children.values(), key=lambda c: c.id):
-                head = child.key[:6].tolist()
-                swa = ""
-                if self.hicache is not None:
-                    where = ("dev+host" if child.host_value is not None else "dev") if (
-                        child.kv_value is not None) else "host"
-                    swa = f" at={where} host_state={child.host_state_slot}"
-                if self.swa is not None:
-                    swa = f" swa={'tomb' if child.swa_tombstone else 'live'} swa_lock={child.swa_lock}"
-                lines.append(
-                    f"{'  ' * indent}[{child.start},{child.depth}) id={child.id} "
-                    f"key={head}{'...' if len(child.key) > 6 else ''} kv_lock={child.kv_lock} "
-                    f"state={child.state_slot} state_lock={child.state_lock}{swa} "
-                    f"t={child.last_access_time}"
-                )
-                rec(child, indent + 1)
 
-        rec(self.root, 1)
-        text = "\n".join(lines)
-        if file is not None:
-            print(text, file=file)
-        return text
+def sanity_check(cache: RadixCache) -> None:
+    """Raise ``AssertionError`` on the first broken invariant, with the printed tree."""
+    try:
+        check_cache(cache)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{pretty_print(cache)}") from None
 
-    def sanity_check(self: RadixCache) -> None:
-        """Recompute every counter and check every invariant (SPEC section 6); raise
-        ``AssertionError`` with the printed tree on failure."""
-        from radix.invariants import check_cache
 
-        try:
-            check_cache(self)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{self.pretty_print()}") from None
+def check_cache(cache: RadixCache) -> None:
+    """Raise ``AssertionError`` on the first broken invariant."""
+    core = cache.core
+    tree = core.tree
+    ps = cache.page_size
+    root = tree.root
+    assert root.kv_value is None and root.state_slot is None and not root.key
+    nodes = tree.iter_nodes()
+    assert len(nodes) == tree.num_nodes, f"num_nodes {tree.num_nodes} != {len(nodes)}"
+    for n in nodes:
+        p = n.parent
+        assert p is not None
+        assert n.key and len(n.key) % ps == 0, f"{n}: key of {len(n.key)} tokens, page {ps}"
+        assert n.depth == p.depth + len(n.key), f"{n}: depth {n.depth} != parent {p.depth} + len"
+        ck = tree.child_key(p, n.key, 0, n.extra_key)
+        assert p.children.get(ck) is n, f"{n} filed under the wrong child key in {p}"
+        if p is not root:
+            assert namespace_key(n.extra_key) == namespace_key(p.extra_key), (
+                f"{n}: extra_key differs from its parent"
+            )
+        assert 0 <= n.lock_ref <= n.kv_lock, f"direct locks {n.lock_ref} vs kv_lock {n.kv_lock}: {n}"
+        if not n.children and n.kv_lock == 0:
+            assert not core.is_dead_leaf(n), f"unlocked dead leaf (no state / tombstone): {n}"
+    for c in core.components + core.per_node:
+        c.check(nodes)
+    if not core.per_node:
+        assert all(n.host_value is None and n.host_state_slot is None for n in nodes)
+    wm = cache.watermark
+    assert wm >= cache._last_watermark, f"watermark fell {cache._last_watermark} -> {wm}"
+    cache._last_watermark = wm
+    total = sum(len(n.key) for n in nodes if n.kv_value is not None)
+    assert cache.evictable_size() + cache.protected_size() == total, (
+        f"evictable {cache.evictable_size()} + protected {cache.protected_size()} != held {total}"
+    )

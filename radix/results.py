@@ -125,7 +125,9 @@ class CacheRequest:
         extra_key: namespace (LoRA id, cache salt).
         priority: request priority (``priority`` policy).
         rid: request id; a request counts once per node in ``hit_count``.
-        swa_lock_start: what ``inc_lock_ref`` returned for ``last_node`` (SWA caches).
+        lock: what ``inc_lock_ref(last_node)`` returned; ``None`` lets ``last_node`` stand
+            for its own lock, which a cache whose locks carry data (a sliding-window
+            component) refuses. The helpers keep it up to date as they move the lock.
         swa_evicted_seqlen: leading tokens whose SWA KV this request already released
             (they slid out of its window) [tokens].
     """
@@ -137,5 +139,42 @@ class CacheRequest:
     extra_key: Any = None
     priority: int = 0
     rid: object = None
-    swa_lock_start: int | None = None
+    lock: TreeNode | LockRef | None = None
     swa_evicted_seqlen: int = 0
+
+
+class LockRef:
+    """A lock :meth:`RadixCache.inc_lock_ref` took on a cache whose components keep data per
+    lock (the sliding-window component: where its window lock starts). Opaque to the engine:
+    hand it back to :meth:`RadixCache.dec_lock_ref` exactly once. Caches without such data
+    return the node itself as its lock.
+
+    Attributes:
+        node: the locked node.
+        released: whether ``dec_lock_ref`` already released it.
+    """
+
+    __slots__ = ("node", "_parts", "released")
+
+    def __init__(self, node: TreeNode, parts: dict[str, Any]) -> None:
+        self.node = node
+        self._parts = parts
+        self.released = False
+
+    def part(self, component: str) -> Any:
+        """What component ``component``'s lock recorded (the SWA lock's start position
+        [tokens] for ``"swa"``).
+
+        Raises:
+            KeyError: no such component keeps data in this lock.
+        """
+        return self._parts[component]
+
+    @property
+    def parts(self) -> dict[str, Any]:
+        """Component name -> what its lock recorded (a copy)."""
+        return dict(self._parts)
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        return f"LockRef(node={self.node.id}, {self._parts}, {state})"

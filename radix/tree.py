@@ -127,7 +127,8 @@ def namespace_key(extra_key: Any) -> Any:
     t = type(extra_key)
     if (
         dataclasses.is_dataclass(extra_key)
-        and t.__dataclass_params__.frozen  # type: ignore[attr-defined]
+        and getattr(t, "__dataclass_params__", None) is not None
+        and t.__dataclass_params__.frozen
     ):
         fields = tuple(getattr(extra_key, f.name) for f in dataclasses.fields(extra_key))
         return ("d", t, namespace_key(fields))
@@ -203,10 +204,15 @@ class RadixTree:
     _next_uid = 0
 
     def __init__(self, page_size: int, split_hook: SplitHook) -> None:
-        RadixTree._next_uid += 1
-        self.uid = RadixTree._next_uid
         self.page_size = page_size
         self._split_hook = split_hook
+        self.reset()
+
+    def reset(self) -> None:
+        """Start empty under a new identity: nodes of before are no longer attached (their
+        handles fail :meth:`is_attached`), node ids start at 0 again."""
+        RadixTree._next_uid += 1
+        self.uid = RadixTree._next_uid
         self._next_id = 0
         self.root = self.new_node(0)
         self.num_nodes = 0  # excluding the root

@@ -132,7 +132,7 @@ class Req:
 class Pin:
     node: Any
     lock: Page | None
-    start: int | None
+    start: Any  # what inc_lock_ref returned
 
 
 class Harness(HarnessChecks):
@@ -278,14 +278,15 @@ class Harness(HarnessChecks):
             got_s = float(self.sp.conv[0, m.state_slot, 0])
             assert got_s == self.label(ns, tuple(key[:n])), f"state of {key[:n]} under {ns!r}"
 
-    def lock(self, node: Any, page: Page | None) -> int | None:
+    def lock(self, node: Any, page: Page | None) -> Any:
         start = self.cache.inc_lock_ref(node)
         if page is not None:
             self.model.locks[page] += 1
         return start
 
-    def unlock(self, node: Any, page: Page | None, start: int | None) -> None:
-        self.cache.dec_lock_ref(node, start)
+    def unlock(self, node: Any, page: Page | None, start: Any) -> None:
+        assert start is node or start.node is node
+        self.cache.dec_lock_ref(start)
         if page is not None:
             self.model.locks[page] -= 1
             if not self.model.locks[page]:
@@ -458,7 +459,7 @@ class Harness(HarnessChecks):
         self.write_state(run, ns, tuple(key[:m.prefix_len]))  # copy-on-write of the match
         cr = CacheRequest(key=key, kv_indices=m.device_indices.clone(), cached_len=m.prefix_len,
                           last_node=m.last_device_node, extra_key=ns, rid=object(),
-                          swa_lock_start=start)
+                          lock=start)
         vals = [float(self.label(ns, tuple(key[:j + 1]))) for j in range(m.prefix_len)]
         self.reqs.append(Req(cr, ns, key, page, run, vals,
                              float(self.label(ns, tuple(key[:m.prefix_len])))))
@@ -506,7 +507,7 @@ class Harness(HarnessChecks):
             self.write_state(state, r.ns, tuple(r.key[:upto]))
         ends = self.view().ends
         live = self.live(value)
-        old_lock, old_node, old_start = r.lock, cr.last_node, cr.swa_lock_start
+        old_lock, old_node, old_start = r.lock, cr.last_node, cr.lock
         if finished:
             res = self.cache.cache_finished_req(cr, state_slot=state)
         else:
@@ -567,7 +568,7 @@ class Harness(HarnessChecks):
     def abort(self, r: Req) -> None:
         """Drop the request without caching anything: unlock, free its own slots."""
         cr = r.cr
-        self.unlock(cr.last_node, r.lock, cr.swa_lock_start)
+        self.unlock(cr.last_node, r.lock, cr.lock if cr.lock is not None else cr.last_node)
         own = [s for s in cr.kv_indices.tolist() if s in r.own]
         assert set(own) == r.own
         self.free_kv(own)

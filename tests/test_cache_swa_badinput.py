@@ -33,14 +33,14 @@ def state_of(cache: RadixCache, kv: SWAAllocator) -> tuple:
 
 def populated(window: int = 2):
     """K[:8] cached as A [0,4) (tombstone, slots 1..4) and B [4,8) (live, 5..8); B is locked by
-    a request (its start returned); the caller still holds slots 9, 10 (live) and 11 (its SWA
+    a request (its lock returned); the caller still holds slots 9, 10 (live) and 11 (its SWA
     side released)."""
     kv = SWAAllocator(16, 12)
     cache = Checked(RadixCache(CacheConfig(sliding_window_size=window), kv_allocator=kv))
     b = cache.insert(K[:8], kv.alloc(8)).last_node
     cache.match_prefix(K[:4] + [99])  # split at 4
     start = cache.inc_lock_ref(b)
-    assert start == 4 and cache.evict_swa(1).num_swa_tokens == 4  # A tombstoned
+    assert start.part("swa") == 4 and cache.evict_swa(1).num_swa_tokens == 4  # A tombstoned
     held = kv.alloc(3)
     assert held.tolist() == [9, 10, 11]
     kv.free_swa(t64(11))
@@ -112,17 +112,18 @@ def test_free_swa_of_slots_without_a_live_swa_slot_is_refused(slots: tuple, msg:
 
 
 # ====================================================================== locks and counts
-def test_dec_lock_ref_without_its_swa_lock_start_changes_nothing() -> None:
+def test_dec_lock_ref_without_its_lock_changes_nothing() -> None:
     cache, kv, b, start = populated()
     before = state_of(cache, kv)
-    for bad in (None, 0, 9, -1, False, 4.0):
-        with pytest.raises(ValueError, match="swa_lock_start"):
-            cache.dec_lock_ref(b, bad)  # type: ignore[arg-type]
+    for bad, err in ((b, ValueError), (None, TypeError), (0, TypeError), (9, TypeError),
+                     (False, TypeError), (4.0, TypeError)):
+        with pytest.raises(err, match="lock"):
+            cache.dec_lock_ref(bad)  # type: ignore[arg-type]
         assert state_of(cache, kv) == before
-    with pytest.raises(ValueError, match="holds no lock"):
-        cache.dec_lock_ref(b.parent, 0)  # A is only locked through B
+    with pytest.raises(ValueError, match="lock"):
+        cache.dec_lock_ref(b.parent)  # A is only locked through B
     assert state_of(cache, kv) == before
-    cache.dec_lock_ref(b, start)
+    cache.dec_lock_ref(start)
     assert (cache.swa_protected_size(), cache.protected_size()) == (0, 0)
     cache.sanity_check()
 
@@ -142,7 +143,7 @@ def test_evict_swa_refuses_a_bad_count(n: object, exc: type) -> None:
 def test_release_swa_refuses_a_bad_seq_len(seq_len: object, exc: type) -> None:
     cache, kv, b, start = populated()
     req = CacheRequest(key=K[:8] + [1, 2], kv_indices=torch.cat([t64(*range(1, 9))]),
-                       cached_len=8, last_node=b, swa_lock_start=start)
+                       cached_len=8, last_node=b, lock=start)
     before = state_of(cache, kv)
     with pytest.raises(exc, match="seq_len"):
         cache.release_swa(req, seq_len)  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from allocators import MambaStatePool, SWAAllocator
-from radix import CacheConfig, CacheRequest, RadixCache
+from radix import CacheConfig, CacheRequest, LockRef, RadixCache
 from tests.refmodel_swa import EvictOut, Prefix, SWARefCache
 
 
@@ -49,6 +49,11 @@ def library_view(cache: RadixCache) -> dict[tuple, tuple]:
 
 def expand(page_ids: list[int], ps: int) -> list[int]:
     return [p * ps + i for p in page_ids for i in range(ps)]
+
+
+def swa_start(lock: Any) -> int | None:
+    """Where a lock's sliding-window part starts [tokens] (None: the root's lock)."""
+    return lock.part("swa") if isinstance(lock, LockRef) else None
 
 
 @dataclass(eq=False)
@@ -123,15 +128,15 @@ class SWAHarness:
             self.counts["tomb_match"] += 1
         return m, e
 
-    def lock(self, node: Any, mnode: Prefix | None) -> int | None:
-        start = self.cache.inc_lock_ref(node)
-        assert start == self.model.lock(mnode)
-        return start
+    def lock(self, node: Any, mnode: Prefix | None) -> Any:
+        lock = self.cache.inc_lock_ref(node)
+        assert swa_start(lock) == self.model.lock(mnode)
+        return lock
 
-    def unlock(self, node: Any, mnode: Prefix | None, start: int | None) -> None:
+    def unlock(self, node: Any, mnode: Prefix | None, lock: Any) -> None:
         before = len(self.full_free())
-        self.cache.dec_lock_ref(node, start)
-        out = self.model.unlock(mnode, start)
+        self.cache.dec_lock_ref(lock)
+        out = self.model.unlock(mnode, swa_start(lock))
         assert self.full_free()[before:] == out.freed_slots
 
     def _evict(self, kind: str, n: int) -> None:
@@ -283,7 +288,7 @@ class SWAHarness:
         m, e = self.match(toks, extra)
         start = self.lock(m.last_device_node, e.node)
         req = CacheRequest(key=toks, kv_indices=m.device_indices.clone(), cached_len=m.prefix_len,
-                           last_node=m.last_device_node, extra_key=extra, swa_lock_start=start,
+                           last_node=m.last_device_node, extra_key=extra, lock=start,
                            rid=self.rng.randint(0, 3))
         self.reqs.append(Req(req, e.node, m.prefix_len))
 
@@ -337,7 +342,7 @@ class SWAHarness:
                 return False
         old_kv = req.kv_indices.tolist()
         live_before = self.kv.has_swa(req.kv_indices).tolist() if old_kv else []
-        old_node, old_start = r.node, req.swa_lock_start
+        old_node, old_start = r.node, swa_start(req.lock)
         f0 = len(self.full_free())
         p0 = len(self.pool.snapshot().free_ids()) if self.pool is not None else 0
         call = self.cache.cache_finished_req if finished else self.cache.cache_unfinished_req
@@ -358,12 +363,12 @@ class SWAHarness:
         if finished:
             freed += old_kv[e.inserted_len:]
             out = self.model.unlock(old_node, old_start)
-            assert (req.last_node, req.swa_lock_start, req.cached_len) == (self.cache.root, None, 0)
+            assert (req.last_node, req.lock, req.cached_len) == (self.cache.root, None, 0)
             assert req.kv_indices.tolist() == []
         else:
             start = self.model.lock(e.node)
             out = self.model.unlock(old_node, old_start)
-            assert req.swa_lock_start == start and req.cached_len == e.inserted_len
+            assert swa_start(req.lock) == start and req.cached_len == e.inserted_len
             tree = self.model.node_slots_path(e.node)
             for i in kept:
                 tree[i] = old_kv[i]

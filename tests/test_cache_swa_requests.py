@@ -68,7 +68,7 @@ def test_release_swa_keeps_a_whole_page_when_the_page_is_larger_than_the_window(
     assert swa_sizes(cache) == (4, 0) and cache.total_size() == 8
     m = cache.match_prefix(K[:8])
     assert (m.prefix_len, m.swa_miss_tokens) == (8, 0)  # 4 live tokens >= W before the end
-    assert (req.last_node, req.swa_lock_start, req.cached_len) == (cache.root, None, 0)
+    assert (req.last_node, req.lock, req.cached_len) == (cache.root, None, 0)
     cache.sanity_check()
 
 
@@ -106,7 +106,7 @@ def test_chunked_prefill_moves_the_window_lock_and_keeps_its_start_in_the_reques
     n2 = res.last_node
     n1 = n2.parent
     assert (span(n1), n1.swa_tombstone, span(n2), n2.swa_tombstone) == ((0, 2), True, (2, 6), False)
-    assert (req.cached_len, req.last_node, req.swa_lock_start) == (6, n2, 2)
+    assert (req.cached_len, req.last_node, req.lock.part("swa")) == (6, n2, 2)
     assert ids(req.kv_indices) == [1, 2, 3, 4, 5, 6]
     assert (n1.kv_lock, n2.kv_lock, n1.swa_lock, n2.swa_lock) == (1, 1, 0, 1)
     assert swa_sizes(cache) == (0, 4)
@@ -123,7 +123,7 @@ def test_chunked_prefill_moves_the_window_lock_and_keeps_its_start_in_the_reques
     n3 = n4.parent
     assert (span(n3), n3.swa_tombstone, span(n4), n4.swa_tombstone) == ((6, 8), True, (8, 12), False)
     assert n3.parent is n2
-    assert (req.cached_len, req.last_node, req.swa_lock_start) == (12, n4, 8)
+    assert (req.cached_len, req.last_node, req.lock.part("swa")) == (12, n4, 8)
     assert [n.swa_lock for n in (n1, n2, n3, n4)] == [0, 0, 0, 1]  # the lock moved down
     assert [n.kv_lock for n in (n1, n2, n3, n4)] == [1, 1, 1, 1]
     assert swa_sizes(cache) == (4, 4)
@@ -138,7 +138,7 @@ def test_chunked_prefill_moves_the_window_lock_and_keeps_its_start_in_the_reques
     res = cache.cache_finished_req(req)
     cache.sanity_check()
     assert (res.prefix_len, res.inserted_len, ids(res.duplicate_indices)) == (12, 12, [])
-    assert (req.last_node, req.swa_lock_start, req.cached_len) == (cache.root, None, 0)
+    assert (req.last_node, req.lock, req.cached_len) == (cache.root, None, 0)
     assert swa_sizes(cache) == (4, 0) and cache.protected_size() == 0
     # The live leaf goes, and every tombstone above it is left dead.
     assert cache.evict(1) == EvictResult(12, 0, 4)
@@ -147,18 +147,19 @@ def test_chunked_prefill_moves_the_window_lock_and_keeps_its_start_in_the_reques
     cache.sanity_check()
 
 
-def test_request_helpers_refuse_a_missing_swa_lock_start() -> None:
+def test_request_helpers_refuse_a_missing_lock() -> None:
     cache, kv, _ = make(4)
     req = CacheRequest(key=K[:4], kv_indices=kv.alloc(4), cached_len=0, last_node=cache.root)
     cache.cache_unfinished_req(req)
-    assert req.swa_lock_start == 0
-    req.swa_lock_start = None  # the engine lost it
+    lock = req.lock
+    assert lock is not None and lock.part("swa") == 0
+    req.lock = None  # the engine lost it
     before = (cache.pretty_print(), kv.snapshot(), swa_sizes(cache))
     for call in (cache.cache_unfinished_req, cache.cache_finished_req):
-        with pytest.raises(ValueError, match="swa_lock_start"):
+        with pytest.raises(ValueError, match="lock"):
             call(req)
         assert (cache.pretty_print(), kv.snapshot(), swa_sizes(cache)) == before
-    req.swa_lock_start = 0
+    req.lock = lock
     cache.cache_finished_req(req)
     assert swa_sizes(cache) == (4, 0)
     cache.sanity_check()
@@ -243,7 +244,7 @@ def test_full_plus_state_cache_has_no_swa_side() -> None:
     cache = Checked(RadixCache(kv_allocator=kv, state_allocator=pool))
     res = cache.insert(K[:4], kv.alloc(4), state_slot=int(pool.alloc(1)[0]))
     node = res.last_node
-    assert cache.inc_lock_ref(node) is None  # no SWA lock start without an SWA component
+    assert cache.inc_lock_ref(node) is node  # without an SWA component the node is its lock
     assert swa_sizes(cache) == (0, 0)
     cache.dec_lock_ref(node)
     m = cache.match_prefix(K[:4])

@@ -66,10 +66,10 @@ def three_nodes(window: int, **kw):
     assert (span(x), span(y), span(z)) == ((0, 4), (4, 8), (8, 12))
     assert (x.last_access_time, y.last_access_time, z.last_access_time) == (3, 3, 2)
     start = cache.inc_lock_ref(z)
-    assert start == 8  # Z alone covers the window (W <= 4)
+    assert start.part("swa") == 8  # Z alone covers the window (W <= 4)
     # Z (the LRU node) is locked: Y (t=3, id 2) goes before X (t=3, id 3); internal -> tombstone.
     assert cache.evict_swa(1) == EvictResult(0, 0, 4)
-    cache.dec_lock_ref(z, start)
+    cache.dec_lock_ref(start)
     cache.sanity_check()
     assert (x.swa_tombstone, y.swa_tombstone, z.swa_tombstone) == (False, True, False)
     return cache, kv, x, y, z
@@ -85,7 +85,7 @@ def test_match_stops_where_fewer_than_a_window_of_live_tokens_precede_it() -> No
     cache.match_prefix(K[:4] + [99])
     y, x = z.parent, z.parent.parent
     start = cache.inc_lock_ref(z)
-    assert start == 8  # Z alone covers the window: only Z is SWA-locked
+    assert start.part("swa") == 8  # Z alone covers the window: only Z is SWA-locked
     assert (z.swa_lock, y.swa_lock, x.swa_lock) == (1, 0, 0)
     assert swa_sizes(cache) == (8, 4)
     assert (cache.evictable_size(), cache.protected_size()) == (0, 12)
@@ -121,13 +121,13 @@ def test_match_stops_where_fewer_than_a_window_of_live_tokens_precede_it() -> No
     assert chain[-1].parent is y and swa_sizes(cache) == (4, 4)
 
     # A split of the locked node between lock and unlock: one unlock releases every half once.
-    cache.dec_lock_ref(z, start)
+    cache.dec_lock_ref(start)
     cache.sanity_check()
     assert [n.swa_lock for n in chain] == [0, 0, 0, 0]
     assert swa_sizes(cache) == (8, 0)
     assert (cache.evictable_size(), cache.protected_size()) == (12, 0)
     with pytest.raises(ValueError):
-        cache.dec_lock_ref(z, start)  # a second unlock is refused
+        cache.dec_lock_ref(start)  # a second unlock is refused
     cache.sanity_check()
 
 
@@ -146,9 +146,9 @@ def test_a_live_path_from_the_root_is_usable_even_shorter_than_a_window() -> Non
 
     # The lock climbs to the root (6 tokens < W): nothing is SWA-evictable meanwhile.
     start = cache.inc_lock_ref(b)
-    assert start == 0 and (a.swa_lock, b.swa_lock) == (1, 1) and swa_sizes(cache) == (0, 6)
+    assert start.part("swa") == 0 and (a.swa_lock, b.swa_lock) == (1, 1) and swa_sizes(cache) == (0, 6)
     assert cache.evict_swa(3) == EvictResult(0, 0, 0)
-    cache.dec_lock_ref(b, start)
+    cache.dec_lock_ref(start)
     cache.sanity_check()
     # A (same stamp, id 1) is tombstoned; B's 2 live tokens (< W) no longer make a usable end.
     assert cache.evict_swa(1) == EvictResult(0, 0, 4)
@@ -171,7 +171,7 @@ def test_paged_window_not_a_page_multiple() -> None:
     p0 = p1.parent
     assert [(n.id, span(n)) for n in (p0, p1, p2)] == [(3, (0, 2)), (2, (2, 4)), (1, (4, 8))]
     start = cache.inc_lock_ref(p2)
-    assert start == 4 and swa_sizes(cache) == (4, 4)
+    assert start.part("swa") == 4 and swa_sizes(cache) == (4, 4)
     assert cache.evict_swa(1) == EvictResult(0, 0, 2)  # P1 (t=3, id 2): tombstone, page 2
     cache.sanity_check()
     assert p1.swa_tombstone and sides(kv)[1] == [5, 6, 7, 8, 2]
@@ -185,7 +185,7 @@ def test_paged_window_not_a_page_multiple() -> None:
         assert ids(m.device_indices) == [2, 3] and m.last_device_node is p0
     upper = p2.parent
     assert span(upper) == (4, 6) and (upper.swa_lock, p2.swa_lock) == (1, 1)
-    cache.dec_lock_ref(p2, start)
+    cache.dec_lock_ref(start)
     assert swa_sizes(cache) == (6, 0)
     cache.sanity_check()
 
@@ -261,7 +261,7 @@ def test_insert_revives_a_tombstone_with_the_callers_live_slots() -> None:
     m = cache.match_prefix(key)
     assert (m.prefix_len, m.kv_hit_length, m.last_device_node) == (4, 8, x)
     start = cache.inc_lock_ref(x)  # the request holds X (its window: X alone)
-    assert start == 0
+    assert start.part("swa") == 0
     # It computes tokens [4, 10) itself: full 13..18, SWA 13, 14, 15, 16 and the reused 5, 6.
     fresh = kv.alloc(6)
     assert ids(fresh) == [13, 14, 15, 16, 17, 18]
@@ -279,7 +279,7 @@ def test_insert_revives_a_tombstone_with_the_callers_live_slots() -> None:
     assert ids(kv.translate(t64(17, 18))) == [5, 6]  # the reused SWA slots stay mapped
     assert cache.stats()["revived_swa_tokens"] == 4
     assert swa_sizes(cache) == (10, 4) and cache.total_size() == 14  # X: the request's window
-    cache.dec_lock_ref(x, start)
+    cache.dec_lock_ref(start)
     m = cache.match_prefix(K)
     assert (m.prefix_len, m.swa_miss_tokens) == (12, 0)
     assert ids(m.device_indices) == [1, 2, 3, 4, 13, 14, 15, 16, 9, 10, 11, 12]
@@ -298,8 +298,8 @@ def test_partial_revival_splits_at_the_page_where_the_callers_live_slots_start()
     assert (m.prefix_len, m.last_device_node) == (4, x)
     req = CacheRequest(key=key, kv_indices=torch.cat([m.device_indices, kv.alloc(6)]),
                        cached_len=4, last_node=x)
-    req.swa_lock_start = cache.inc_lock_ref(x)
-    assert req.swa_lock_start == 0 and ids(req.kv_indices) == [1, 2, 3, 4, 13, 14, 15, 16, 17, 18]
+    req.lock = cache.inc_lock_ref(x)
+    assert req.lock.part("swa") == 0 and ids(req.kv_indices) == [1, 2, 3, 4, 13, 14, 15, 16, 17, 18]
     # Next chunk boundary 8: keep max(W, page) = 2 tokens before it, release [4, 6).
     assert cache.release_swa(req, 8) == 2
     assert req.swa_evicted_seqlen == 6
@@ -317,7 +317,7 @@ def test_partial_revival_splits_at_the_page_where_the_callers_live_slots_start()
     assert sides(kv)[1] == [7, 8, 13, 14]  # no SWA slot moved: all four were dead already
     # The request now holds Y [6, 8): 2 live tokens fill its window.
     assert ids(req.kv_indices) == [1, 2, 3, 4, 5, 6, 15, 16, 17, 18]
-    assert (req.cached_len, req.last_node, req.swa_lock_start) == (8, y, 6)
+    assert (req.cached_len, req.last_node, req.lock.part("swa")) == (8, y, 6)
     assert (x.kv_lock, y_up.kv_lock, y.kv_lock, y.swa_lock, x.swa_lock) == (1, 1, 1, 1, 0)
     assert swa_sizes(cache) == (8, 2)
 
@@ -326,7 +326,7 @@ def test_partial_revival_splits_at_the_page_where_the_callers_live_slots_start()
     cache.sanity_check()
     assert (res.prefix_len, res.inserted_len, ids(res.adopted_indices)) == (8, 10, [17, 18])
     assert ids(res.revived_indices) == [] and ids(res.duplicate_indices) == []
-    assert (req.last_node, req.swa_lock_start, req.cached_len) == (cache.root, None, 0)
+    assert (req.last_node, req.lock, req.cached_len) == (cache.root, None, 0)
     assert swa_sizes(cache) == (12, 0) and cache.protected_size() == 0
     m = cache.match_prefix(key)
     assert (m.prefix_len, m.swa_miss_tokens) == (10, 0)
@@ -357,8 +357,8 @@ def test_no_revival_of_a_tombstone_another_request_holds() -> None:
     assert sides(kv)[1] == snap_swa  # the tree freed nothing
     kv.free(res.duplicate_indices)
     assert sides(kv)[1] == snap_swa + [13, 14, 15, 16]
-    cache.dec_lock_ref(x, start)
-    cache.dec_lock_ref(z, other_start)
+    cache.dec_lock_ref(start)
+    cache.dec_lock_ref(other_start)
     # Released: a later request with live slots of its own revives Y after all.
     fresh = kv.alloc(4)
     assert ids(fresh) == [19, 20, 21, 22] and ids(kv.translate(fresh)) == [7, 8, 13, 14]
@@ -438,7 +438,7 @@ def four_nodes(window: int):
 def test_a_lock_protects_one_window_above_the_node_and_no_more() -> None:
     cache, kv, a, b, c, d = four_nodes(4)
     start = cache.inc_lock_ref(d)
-    assert start == 6  # D (2) + C (2) cover W = 4
+    assert start.part("swa") == 6  # D (2) + C (2) cover W = 4
     assert [n.swa_lock for n in (a, b, c, d)] == [0, 0, 1, 1]
     assert [n.kv_lock for n in (a, b, c, d)] == [1, 1, 1, 1]
     assert swa_sizes(cache) == (6, 4)
@@ -453,7 +453,7 @@ def test_a_lock_protects_one_window_above_the_node_and_no_more() -> None:
     m = cache.match_prefix(K[:10])
     assert (m.prefix_len, m.last_device_node) == (10, d)  # the locked window is intact
     assert ids(m.device_indices) == list(range(1, 11))
-    cache.dec_lock_ref(d, start)
+    cache.dec_lock_ref(start)
     cache.sanity_check()
     assert swa_sizes(cache) == (4, 0) and cache.protected_size() == 0
     # The match stamped every node (t=5): D (id 1) leaves first, then C, A, B as dead nodes.
@@ -485,52 +485,55 @@ def test_a_lock_stops_at_a_tombstone_and_two_locks_count_twice() -> None:
     assert (c.id, span(c), span(d)) == (4, (6, 8), (8, 10))
 
     s1 = cache.inc_lock_ref(d)  # D (2) + C (2) < W, then B is a tombstone: stop
-    assert s1 == 6 and [n.swa_lock for n in (a, b, c, d)] == [0, 0, 1, 1]
+    assert s1.part("swa") == 6 and [n.swa_lock for n in (a, b, c, d)] == [0, 0, 1, 1]
     assert swa_sizes(cache) == (4, 4)
     s2 = cache.inc_lock_ref(d)  # a second request on the same node
-    assert s2 == 6 and [n.swa_lock for n in (a, b, c, d)] == [0, 0, 2, 2]
+    assert s2.part("swa") == 6 and [n.swa_lock for n in (a, b, c, d)] == [0, 0, 2, 2]
     assert swa_sizes(cache) == (4, 4) and d.lock_ref == 2
     cache.sanity_check()
-    cache.dec_lock_ref(d, s1)
+    cache.dec_lock_ref(s1)
     assert [n.swa_lock for n in (c, d)] == [1, 1] and swa_sizes(cache) == (4, 4)
-    cache.dec_lock_ref(d, s2)
+    cache.dec_lock_ref(s2)
     assert [n.swa_lock for n in (c, d)] == [0, 0] and swa_sizes(cache) == (8, 0)
     cache.sanity_check()
     # 4 live tokens after the tombstone are less than W: the usable prefix ends at A.
     m = cache.match_prefix(K[:10])
     assert (m.prefix_len, m.kv_hit_length, m.swa_miss_tokens, m.last_device_node) == (4, 10, 6, a)
     s3 = cache.inc_lock_ref(a)
-    assert s3 == 0 and a.swa_lock == 1 and swa_sizes(cache) == (4, 4)
-    cache.dec_lock_ref(a, s3)
+    assert s3.part("swa") == 0 and a.swa_lock == 1 and swa_sizes(cache) == (4, 4)
+    cache.dec_lock_ref(s3)
     cache.sanity_check()
 
 
-def test_dec_lock_ref_refuses_a_missing_or_shallower_swa_lock_start() -> None:
+def test_dec_lock_ref_refuses_anything_but_the_lock_inc_lock_ref_returned() -> None:
     cache, kv, a, b, c, d = four_nodes(4)
     start = cache.inc_lock_ref(d)
-    assert start == 6
+    assert start.part("swa") == 6
     before = (cache.pretty_print(), kv.snapshot(), swa_sizes(cache), cache.protected_size())
-    for bad in (None, 4, 0, -1, 11, True, "6", 6.0):
-        with pytest.raises(ValueError, match="swa_lock_start"):
-            cache.dec_lock_ref(d, bad)  # type: ignore[arg-type]
+    # The node instead of its lock (the window start would be lost), another node, junk.
+    for bad, err in ((d, ValueError), (c, ValueError), (None, TypeError), (6, TypeError),
+                     ("6", TypeError), (6.0, TypeError), (True, TypeError)):
+        with pytest.raises(err, match="lock"):
+            cache.dec_lock_ref(bad)  # type: ignore[arg-type]
         assert (cache.pretty_print(), kv.snapshot(), swa_sizes(cache), cache.protected_size()) == before
         cache.sanity_check()
-    cache.dec_lock_ref(d, start)
+    cache.dec_lock_ref(start)
     assert swa_sizes(cache) == (10, 0)
     cache.sanity_check()
 
 
-def test_dec_lock_ref_refuses_a_deeper_swa_lock_start() -> None:
+def test_dec_lock_ref_refuses_a_lock_released_already() -> None:
     cache, kv, a, b, c, d = four_nodes(4)
     start = cache.inc_lock_ref(d)
-    assert start == 6
+    other = cache.inc_lock_ref(d)  # a second request on D: C and D locked twice
+    assert start.part("swa") == other.part("swa") == 6
+    cache.dec_lock_ref(start)
     before = (cache.pretty_print(), kv.snapshot(), swa_sizes(cache))
-    # Today: accepted; D and the KV path are unlocked but C keeps swa_lock 1 for nobody, so
-    # swa_protected_size() stays 2 and evict(100) hits ``assert node.swa_lock == 0``.
-    with pytest.raises(ValueError, match="swa_lock_start"):
-        cache.dec_lock_ref(d, 8)  # D's own start, not the lock's (6)
+    # A second release of the same lock would release C's window for the other request.
+    with pytest.raises(ValueError, match="released already"):
+        cache.dec_lock_ref(start)
     assert (cache.pretty_print(), kv.snapshot(), swa_sizes(cache)) == before
-    cache.dec_lock_ref(d, start)
+    cache.dec_lock_ref(other)
     assert swa_sizes(cache) == (10, 0)
     assert cache.evict(100) == EvictResult(10, 0, 10)
     cache.sanity_check()

@@ -183,7 +183,7 @@ def dump(h: HC) -> dict[str, Any]:
                   c.state_protected_size(), c.host_size(), c.host_evictable_size()),
         "kv_leaves": [n.id for n in c.kv.leaves],
         "host_leaves": [n.id for n in c.host_leaves],
-        "clock": c._clock,
+        "clock": c.core.clock,
         "controller": (h.hc.backup_tokens, h.hc.load_tokens, h.hc.num_inflight),
     }
     if c.state is not None and c.state.lru is not None:

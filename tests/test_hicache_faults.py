@@ -64,10 +64,10 @@ def unbacked_leaf(page_size: int, hybrid: bool) -> tuple[HC, Callable[[], Any]]:
     put(h, KEY[:4])
     put(h, KEY[:8], prefix=c.match_prefix(KEY[:4]).device_indices)
     p, q = node_at(c, KEY[:4]), node_at(c, KEY[:8])
-    assert c._backup_chain(p) and p.host_value is not None
+    assert c._host.backup_chain(p) and p.host_value is not None
     assert q.host_value is None and not q.children
     c.sanity_check()
-    return h, lambda: c._backup_chain(q)
+    return h, lambda: c._host.backup_chain(q)
 
 
 def unbacked_pair(page_size: int, hybrid: bool) -> tuple[HC, Callable[[], Any]]:
@@ -78,7 +78,7 @@ def unbacked_pair(page_size: int, hybrid: bool) -> tuple[HC, Callable[[], Any]]:
     put(h, KEY[:4])
     put(h, KEY[:8], prefix=c.match_prefix(KEY[:4]).device_indices)
     c.sanity_check()
-    return h, lambda: c._backup_chain(node_at(c, KEY[:8]))
+    return h, lambda: c._host.backup_chain(node_at(c, KEY[:8]))
 
 
 def state_only_on_host(page_size: int, hybrid: bool) -> tuple[HC, Callable[[], Any]]:

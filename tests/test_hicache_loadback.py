@@ -315,7 +315,7 @@ def test_a_hybrid_host_only_leaf_keeps_its_host_state_and_load_back_restores_it(
     r = c.evict(4)
     assert (r.num_tokens, r.num_states) == (4, 1)
     assert c.tree.is_attached(x) and x.kv_value is None and x.state_slot is None
-    assert x.host_state_slot == 1 and not c._dead_leaf(x)
+    assert x.host_state_slot == 1 and not c.core.is_dead_leaf(x)
     assert [n.id for n in c.host_leaves] == [x.id]
     assert c.evict_states(1).num_states == 0  # a host state is not a device state
     assert x.host_state_slot == 1

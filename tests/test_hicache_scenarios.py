@@ -226,7 +226,7 @@ def test_a_failed_parent_backup_stops_the_chain() -> None:
     put(h, [1, 2, 3, 4, 5, 6], prefix=t64(1, 2, 3, 4))
     p, q = node_at(c, [1, 2, 3, 4]), node_at(c, [1, 2, 3, 4, 5, 6])
     with FailAllocs({"host kv": h.host_kv}, 1) as f:
-        assert c._backup_chain(q) is False
+        assert c._host.backup_chain(q) is False
     assert f.names == ["host kv", "host kv"]  # P's try and its retry after evict_host; Q none
     assert p.host_value is None and q.host_value is None and c.host_size() == 0
     c.sanity_check()

@@ -7,7 +7,7 @@ hold the first kinds; this table adds the missing ones: token ids past int64, wr
 arrays, 0-d tensors, sets and bytes as keys, a value on another device (``meta``), the padding
 slot, typed knobs (bool / float priorities, ``upto``), request records that do not fit their
 own key, use after ``reset`` and after eviction, a double unlock through the request helpers,
-a bool ``swa_lock_start``, component calls on caches without that component, and misuse found
+an SWA node passed where its lock is needed, component calls on caches without that component, and misuse found
 by the reliability suite (once strict xfails, now refused): slots that are free, held by a
 node or repeated handed to ``insert`` (also through SWA and HiCache revival, and as pages that
 are not whole), request records with an out-of-range ``cached_len`` or a lock they do not
@@ -26,7 +26,7 @@ import torch
 
 from allocators import MambaStatePool, PagedAllocator, SWAAllocator, TokenAllocator
 from hicache import HiCacheConfig
-from radix import CacheConfig, CacheRequest, RadixCache, RadixKey
+from radix import CacheConfig, CacheRequest, LockRef, RadixCache, RadixKey
 
 BAD_INPUTS_TRIED: list[str] = []
 
@@ -44,11 +44,11 @@ class Env:
     c: RadixCache  # KV + states: [1,2,3] an unlocked leaf, [5,6] locked once
     kv: TokenAllocator
     sp: MambaStatePool
-    w: RadixCache  # KV + SWA + states, window 2: [1,2,3,4] locked once (lock start in w_start)
+    w: RadixCache  # KV + SWA + states, window 2: [1,2,3,4] locked once (its lock in w_start)
     wkv: SWAAllocator
     wsp: MambaStatePool
     w_node: Any
-    w_start: int
+    w_start: LockRef
     hc: RadixCache  # KV + states + HiCache: [7,8,9,10] host-only; ``stale`` predates a reset
     hkv: TokenAllocator
     hsp: MambaStatePool
@@ -191,8 +191,9 @@ CASES: list[Any] = [
      lambda e: e.hc.cache_finished_req(CacheRequest(key=[7, 8, 9, 10], kv_indices=t64(1, 2, 3, 4),
                                                     cached_len=4, last_node=e.host_only)),
      ValueError, "host-only"),
-    ("SWA dec_lock_ref with a bool swa_lock_start", lambda e: e.w.dec_lock_ref(e.w_node, True),
-     ValueError, "swa_lock_start"),
+    ("SWA dec_lock_ref with the node, not its lock", lambda e: e.w.dec_lock_ref(e.w_node),
+     ValueError, "LockRef"),
+    ("SWA dec_lock_ref with a bool", lambda e: e.w.dec_lock_ref(True), TypeError, "lock"),
     ("evict_swa without a sliding window", lambda e: e.c.evict_swa(1), ValueError, "sliding-window"),
     ("release_swa without a sliding window",
      lambda e: e.c.release_swa(req(e, NEW, e.fresh), 0), ValueError, "sliding-window"),
@@ -226,11 +227,16 @@ CASES: list[Any] = [
      lambda e: e.c.cache_finished_req(
          req(e, [1, 2, 3, 4], torch.cat([e.leaf.kv_value, e.fresh[:1]]),
              cached_len=3, last_node=e.leaf), state_slot=e.slot), ValueError, "lock"),
-    ("SWA req with a wrong swa_lock_start",
+    ("SWA req without its lock",
      lambda e: e.w.cache_finished_req(
          CacheRequest(key=[1, 2, 3, 4, 5, 6], kv_indices=torch.cat([e.w_node.kv_value, e.wfresh]),
-                      cached_len=4, last_node=e.w_node, swa_lock_start=e.w_start + 1),
-         state_slot=e.wslot), ValueError, "swa_lock_start"),
+                      cached_len=4, last_node=e.w_node),
+         state_slot=e.wslot), ValueError, "lock"),
+    ("SWA req with another node's lock",
+     lambda e: e.w.cache_finished_req(
+         CacheRequest(key=[1, 2, 3, 4, 5, 6], kv_indices=torch.cat([e.w_node.kv_value, e.wfresh]),
+                      cached_len=4, last_node=e.w_node, lock=e.w.root),
+         state_slot=e.wslot), ValueError, "lock"),
     ("insert with an unhashable rid",
      lambda e: e.c.insert([1, 2, 9], e.fresh, state_slot=e.slot, rid=["r"]), TypeError, "rid"),
     ("release_swa with a request that is not a CacheRequest",
@@ -269,11 +275,11 @@ def test_the_table_is_long_enough_and_its_environment_is_sound() -> None:
     assert env.leaf.parent is env.c.root and env.leaf.key.tolist() == [1, 2, 3]  # kv_value: all 3
     assert free_state_slot(env) not in (env.slot, *env.c.state.slot_to_node)  # type: ignore[union-attr]
     assert env.host_only.kv_value is None and env.host_only.host_value is not None
-    assert env.w_node.lock_ref == 1 and isinstance(env.w_start, int)
+    assert env.w_node.lock_ref == 1 and isinstance(env.w_start, LockRef)
     # the good versions of a few refused calls work
     res = env.c.insert(NEW, env.fresh, state_slot=env.slot, priority=2)
     assert res.inserted_len == 3 and res.state_adopted
-    env.w.dec_lock_ref(env.w_node, env.w_start)
+    env.w.dec_lock_ref(env.w_start)
     assert env.hc.load_back(env.host_only) == 4
     for cache in env.caches():
         cache.sanity_check()

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import hicache.controller
-import radix.host_tier
+import radix.tiers.host
 from allocators import KVPool, MambaStatePool, TokenAllocator
 from allocators import alloc_all as real_alloc_all
 from hicache import HiCacheConfig
@@ -103,7 +103,7 @@ def atomic_alloc_all(h: Harness, monkeypatch: pytest.MonkeyPatch) -> Iterator[li
             assert fingerprint(h) == before, "a failed multi-pool allocation changed the cache"
         return got
 
-    monkeypatch.setattr(radix.host_tier, "alloc_all", checked)
+    monkeypatch.setattr(radix.tiers.host, "alloc_all", checked)
     monkeypatch.setattr(hicache.controller, "alloc_all", checked)
     yield failed
 

@@ -145,7 +145,7 @@ def test_1_a_key_shorter_than_a_page_matches_nothing_and_counters_return_to_zero
         assert (m.prefix_len, m.kv_hit_length, len(m.device_indices)) == (0, 0, 0)
         assert m.last_device_node is cache.root and m.branching_seqlen is None
         assert cache.pretty_print() == tree  # nothing split
-        assert cache.inc_lock_ref(m.last_device_node) is None
+        assert cache.inc_lock_ref(m.last_device_node) is cache.root  # the root is its own (no-op) lock
         assert (cache.evictable_size(), cache.protected_size()) == (8, 0)
         cache.dec_lock_ref(m.last_device_node)
         assert (cache.evictable_size(), cache.protected_size()) == (8, 0)
@@ -219,7 +219,7 @@ def test_3_a_request_whose_prefix_was_cached_meanwhile_points_at_the_trees_slots
         slots = kv.alloc(8)
         label_kv(cache, slots, 42.0)
         reqs.append(CacheRequest(key=key + [9, 10], kv_indices=slots, cached_len=0,
-                                 last_node=cache.root, swa_lock_start=None))
+                                 last_node=cache.root, lock=None))
     r1, r2 = reqs
     r1_own = r1.kv_indices.clone()
     cache.cache_finished_req(r2, state_slot=new_state(cache))

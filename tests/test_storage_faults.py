@@ -140,7 +140,7 @@ def damage_second_page(h: L3, key: list[int]) -> str:
     """Flip one byte of the stored record of ``key``'s second page; return its key."""
     c = h.cache
     node = c.match_prefix(key).last_device_node
-    hashes = c._l3_node_hashes(node)
+    hashes = c._storage._node_hashes(node)  # type: ignore[union-attr]
     assert hashes is not None
     k = page_key(hashes[1])
     store = c.storage.backend  # type: ignore[union-attr]

@@ -65,7 +65,7 @@ def serve(h: L3, key: list[int], extra_key: Any, rng: random.Random) -> None:
     if fresh is None or (h.sp is not None and slot is None):
         if fresh is not None:
             h.kv.free(fresh)
-        c.dec_lock_ref(m.last_device_node, swa_start)
+        c.dec_lock_ref(swa_start)
         return
     pool.k_all[:, fresh] = expected_kv(key, end, pool, extra_key, 1)[:, n:]
     pool.v_all[:, fresh] = expected_kv(key, end, pool, extra_key, 2)[:, n:]
@@ -73,7 +73,7 @@ def serve(h: L3, key: list[int], extra_key: Any, rng: random.Random) -> None:
         assert h.sp is not None
         h.sp.conv[:, slot] = sig(key[:end], 3 + (0 if extra_key is None else 7))
     res = c.insert(key[:end], torch.cat([m.device_indices, fresh]), extra_key, state_slot=slot)
-    c.dec_lock_ref(m.last_device_node, swa_start)
+    c.dec_lock_ref(swa_start)
     if len(res.duplicate_indices):
         h.kv.free(res.duplicate_indices)
     if slot is not None and not res.state_adopted:

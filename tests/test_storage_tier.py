@@ -255,7 +255,7 @@ def test_hybrid_prefetch_stops_at_the_deepest_stored_state(tmp_path: Any, caches
     store = a.cache.storage.backend  # type: ignore[union-attr]
     assert len([k for k in store.keys_lru() if k.endswith(".s")]) == 2
     node8 = a.cache.match_prefix(key).last_device_node
-    h8 = a.cache._l3_node_hashes(node8)[-1]  # type: ignore[index]
+    h8 = a.cache._storage._node_hashes(node8)[-1]  # type: ignore[index, union-attr]
     store._delete_raw(state_key(h8), b"")  # L3 keeps every page, but the state at 8 is gone
     m = b.cache.match_prefix(key + [5, 6])  # pages up to 8 asked; only 6 has pages and a state
     assert (m.prefix_len, m.host_hit_length) == (0, 6)

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from heapq import heapify, heappop, heappush
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from radix.node import TreeNode
+if TYPE_CHECKING:
+    from radix.node import TreeNode
 
 #: A heap larger than ``2 * live + _SLACK`` entries is rebuilt from the live ones.
 _SLACK = 64

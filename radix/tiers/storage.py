@@ -1,7 +1,3 @@
-# Mixin of RadixCache: its methods annotate ``self: RadixCache`` so their bodies are checked
-# against the full cache. mypy reports such a self type, not a supertype of the mixin, as [misc]
-# (RadixCache cannot be a base here: it inherits this mixin), so that one code is off in this file.
-# mypy: disable-error-code="misc"
 """HiCache L3 inside the one tree: page backups after host backups, prefetch on a miss.
 
 ::
@@ -10,16 +6,16 @@
                         ^                        |          already in L3 are not sent again
                         └──── prefetch ──────────┘          match: key continues past the tree
 
-* Backup (:meth:`StorageTier._l3_backup`): when a node's host copy has landed (and when a
+* Backup (:meth:`StorageTier.backup`): when a node's host copy has landed (and when a
   state joins a backed-up node), the node's pages (and the state at its end) are packed from
   the host pool and queued for the writer thread; the writer stores only missing pages.
-* Prefetch (:meth:`StorageTier._l3_before_match`, at the start of ``match_prefix``): the key's
+* Prefetch (:meth:`StorageTier.before_match`, at the start of ``match_prefix``): the key's
   whole pages past the tree's match are hashed and looked up in L3; the leading run found (for
   a hybrid model: up to the deepest page whose end state is stored) is read, verified, copied
   into fresh host slots and attached as one host-only node below the match, so the match
   reports it as a host hit (``last_host_node``) and ``load_back`` brings it to device.
   ``best_effort``: the lookup runs in the background and its pages join at a later
-  ``match_prefix`` / :meth:`StorageTier.poll_storage`; ``wait_complete``: before the match
+  ``match_prefix`` / :meth:`StorageTier.poll`; ``wait_complete``: before the match
   returns; ``timeout``: waits ``hicache_prefetch_timeout_s`` at most, then as best_effort.
 * Faults never reach the engine: every L3 step is guarded; a fault is logged, counted
   (``stats()["l3_faults"]``, backend ``l3_backend_errors`` / ``_timeouts`` / ``_corrupt``)
@@ -44,11 +40,12 @@ from hicache.storage import (
     page_key,
     state_key,
 )
-from radix.node import TreeNode
 
 if TYPE_CHECKING:
     from hicache.storage import Page
-    from radix.cache import RadixCache
+    from radix.core import CacheCore
+    from radix.node import TreeNode
+    from radix.tiers.host import HostTier
     from radix.tree import Walk
 
 log = logging.getLogger("hicache.storage")
@@ -58,41 +55,52 @@ MAX_JOBS = 64
 
 
 class StorageTier:
-    """Mixed into :class:`RadixCache`; everything is a no-op without an L3 backend."""
+    """The L3 tier of one cache, below its host tier (``hicache_storage_backend``).
 
-    storage: StorageController | None
+    Args:
+        core: the cache's tree and components.
+        host: the host tier whose pools the pages are packed from and unpacked into.
 
-    def _init_storage(self: RadixCache) -> None:
-        """Build the L3 controller when ``hicache_storage_backend`` is set."""
-        self.storage = None
-        self._l3_hashes: weakref.WeakKeyDictionary[TreeNode, list[bytes]] = (
+    Attributes:
+        controller: the ``hicache.storage.StorageController`` (backend, writer thread,
+            counters).
+    """
+
+    def __init__(self, core: CacheCore, host: HostTier) -> None:
+        self.core = core
+        self.host = host
+        self._hashes: weakref.WeakKeyDictionary[TreeNode, list[bytes]] = (
             weakref.WeakKeyDictionary()
         )
-        self._l3_jobs: dict[str, PrefetchJob] = {}
-        hc = self.hicache
-        if hc is None or hc.config.hicache_storage_backend is None:
-            return
+        self._jobs: dict[str, PrefetchJob] = {}
+        hc = host.controller
         cfg = hc.config
+        self.page_size = core.page_size
         tag = layout_tag(cfg.hicache_storage_model, self.page_size,
                          getattr(hc.host_kv, "pool", None), hc.host_state)
         backend = make_backend(cfg, tag)
         assert backend is not None
-        self.storage = StorageController(backend, hc.host_kv, hc.host_state, self.page_size, tag,
-                                         cfg.hicache_prefetch_policy,
-                                         cfg.hicache_prefetch_timeout_s)
+        self.controller = StorageController(backend, hc.host_kv, hc.host_state, self.page_size,
+                                            tag, cfg.hicache_prefetch_policy,
+                                            cfg.hicache_prefetch_timeout_s)
 
-    def _l3_fault(self: RadixCache, op: str, exc: BaseException) -> None:
-        assert self.storage is not None
-        self.storage.count("faults")
+    def reset(self) -> None:
+        """The tree was emptied: forget the memoised hashes and the prefetches (their pages
+        would attach to a tree that no longer holds their prefix)."""
+        self._hashes = weakref.WeakKeyDictionary()
+        self._jobs = {}
+
+    def _fault(self, op: str, exc: BaseException) -> None:
+        self.controller.count("faults")
         log.warning("L3 %s failed (%s: %s); treated as a miss", op, type(exc).__name__,
-                    self.storage.backend.redact(str(exc)))
+                    self.controller.backend.redact(str(exc)))
 
     # ---------------------------------------------------------------- hashes
-    def _l3_node_hashes(self: RadixCache, node: TreeNode) -> list[bytes] | None:
+    def _node_hashes(self, node: TreeNode) -> list[bytes] | None:
         """Chain hashes of ``node``'s pages (memoised per node; a split node keeps the suffix
         of its list). ``None`` when the namespace cannot be stored."""
-        assert self.storage is not None
-        memo, ps = self._l3_hashes, self.page_size
+        assert self.controller is not None
+        memo, ps = self._hashes, self.page_size
         chain: list[TreeNode] = []
         n = node
         prev: bytes | None = None
@@ -107,7 +115,7 @@ class StorageTier:
             chain.append(n)
             n = n.parent
         if prev is None:
-            prev = self.storage.seed(node.extra_key)
+            prev = self.controller.seed(node.extra_key)
             if prev is None:
                 return None
         for m in reversed(chain):
@@ -116,33 +124,31 @@ class StorageTier:
             prev = hs[-1]
         return memo[node]
 
-    def _l3_hash_at(self: RadixCache, walk: Walk, extra_key: Any) -> bytes | None:
+    def _hash_at(self, walk: Walk, extra_key: Any) -> bytes | None:
         """The chain hash at the end of ``walk``'s match (the seed at 0)."""
-        assert self.storage is not None
+        assert self.controller is not None
         if walk.partial is not None:
-            hs = self._l3_node_hashes(walk.partial)
+            hs = self._node_hashes(walk.partial)
             return None if hs is None else hs[walk.partial_len // self.page_size - 1]
         if walk.path:
-            hs = self._l3_node_hashes(walk.path[-1])
+            hs = self._node_hashes(walk.path[-1])
             return None if hs is None else hs[-1]
-        return self.storage.seed(extra_key)
+        return self.controller.seed(extra_key)
 
     # ---------------------------------------------------------------- backup
-    def _l3_backup(self: RadixCache, node: TreeNode) -> None:
-        """Hook: ``node``'s host copy (KV, or a state that joined it) is complete."""
-        if self.storage is None:
-            return
+    def backup(self, node: TreeNode) -> None:
+        """Hook: ``node``'s host copy (KV, or a state that joined it) is complete; its pages
+        (and the state at its end) go to L3. Never raises."""
         try:
-            self._l3_backup_node(node)
+            self._backup_node(node)
         except Exception as exc:
-            self._l3_fault("backup", exc)
+            self._fault("backup", exc)
 
-    def _l3_backup_node(self: RadixCache, node: TreeNode) -> None:
-        st = self.storage
-        assert st is not None
+    def _backup_node(self, node: TreeNode) -> None:
+        st = self.controller
         if node.parent is None or node.host_value is None:
             return
-        hashes = self._l3_node_hashes(node)
+        hashes = self._node_hashes(node)
         if hashes is None:
             return
         ps = self.page_size
@@ -164,73 +170,69 @@ class StorageTier:
         st.submit_writes(items)
 
     # -------------------------------------------------------------- prefetch
-    def _l3_before_match(self: RadixCache, key: Any, extra_key: Any) -> None:
+    def before_match(self, key: Any, extra_key: Any) -> None:
         """Hook at the start of ``match_prefix``: attach finished prefetches, then look the
-        key's continuation past the tree up in L3 (per the prefetch policy)."""
-        if self.storage is None:
-            return
+        key's continuation past the tree up in L3 (per the prefetch policy). Never raises."""
         try:
-            self._l3_harvest()
-            self._l3_prefetch(key, extra_key)
+            self._harvest()
+            self._prefetch(key, extra_key)
         except Exception as exc:
-            self._l3_fault("prefetch", exc)
+            self._fault("prefetch", exc)
 
-    def _l3_prefetch(self: RadixCache, key: Any, extra_key: Any) -> None:
-        st = self.storage
-        hc = self.hicache
-        assert st is not None and hc is not None
+    def _prefetch(self, key: Any, extra_key: Any) -> None:
+        st = self.controller
+        hc = self.host.controller
         ps = self.page_size
         end = len(key) - len(key) % ps
-        walk = self.tree.walk(key, end, extra_key)
+        walk = self.core.tree.walk(key, end, extra_key)
         m = walk.matched_len
         npages = min(end - m, hc.host_kv.size) // ps
         if npages <= 0:
             return
-        prev = self._l3_hash_at(walk, extra_key)
+        prev = self._hash_at(walk, extra_key)
         if prev is None:
             return
         upto = m + npages * ps
         hashes = page_hashes(prev, key[m:upto], ps)
         jk = page_key(hashes[0])
-        job = self._l3_jobs.get(jk)
+        job = self._jobs.get(jk)
         if job is None:
-            if len(self._l3_jobs) >= MAX_JOBS:
+            if len(self._jobs) >= MAX_JOBS:
                 st.count("prefetch_in_flight_skipped")
                 return
-            job = PrefetchJob(key[:upto], extra_key, m, hashes, self.state is not None)
+            job = PrefetchJob(key[:upto], extra_key, m, hashes, self.host.state is not None)
             if st.prefetch_policy == "wait_complete":
                 st.start(job, inline=True)
-                self._l3_attach(job, *job.snapshot()[:2])
+                self._attach(job, *job.snapshot()[:2])
                 return
-            self._l3_jobs[jk] = job
+            self._jobs[jk] = job
             st.start(job, inline=False)
         if st.prefetch_policy == "wait_complete":
             job.done.wait()
         elif st.prefetch_policy == "timeout" and not job.done.wait(st.prefetch_timeout_s):
             st.count("prefetch_timeouts")
-        self._l3_harvest()
+        self._harvest()
 
-    def _l3_harvest(self: RadixCache) -> int:
+    def _harvest(self) -> int:
         """Attach the pages prefetch jobs have brought so far; return the tokens attached."""
         got = 0
-        for jk, job in list(self._l3_jobs.items()):
+        for jk, job in list(self._jobs.items()):
             pages, state, finished = job.snapshot()
             if finished:
-                del self._l3_jobs[jk]
+                del self._jobs[jk]
             if pages and (finished or not job.want_state):
-                got += self._l3_attach(job, pages, state)
+                got += self._attach(job, pages, state)
         return got
 
-    def _l3_attach(self: RadixCache, job: PrefetchJob, pages: list[Page], state: Page | None) -> int:
+    def _attach(self, job: PrefetchJob, pages: list[Page], state: Page | None) -> int:
         """Attach ``pages`` (from ``job.start``) as one host-only node below what the tree
         already holds of ``job.tokens``; returns the tokens attached (0: dropped)."""
-        st = self.storage
-        assert st is not None
+        st = self.controller
         if not pages or (job.want_state and state is None):
             return 0
         ps = self.page_size
         upto = job.start + len(pages) * ps
-        walk = self.tree.walk(job.tokens, upto, job.extra_key)
+        walk = self.core.tree.walk(job.tokens, upto, job.extra_key)
         m = walk.matched_len
         if m >= upto:
             return 0  # the engine computed (or another job brought) these pages meanwhile
@@ -238,16 +240,16 @@ class StorageTier:
             st.count("prefetch_dropped", len(pages))  # the prefix left the tree meanwhile
             return 0
         first = (m - job.start) // ps
-        now = self._tick()
+        now = self.core.tick()
         if walk.partial is not None:
-            anchor = self._split_touched(walk.partial, walk.partial_len, now)
+            anchor = self.core.split_touched(walk.partial, walk.partial_len, now)
         else:
-            anchor = walk.path[-1] if walk.path else self.root
-        if anchor is not self.root and anchor.host_value is None and not self._backup_chain(anchor):
+            anchor = walk.path[-1] if walk.path else self.core.root
+        if anchor is not self.core.root and anchor.host_value is None and not self.host.backup_chain(anchor):
             st.count("prefetch_dropped", len(pages) - first)  # backed-up nodes form a prefix
             return 0
         tokens = upto - m
-        got = self._l3_alloc_host(anchor, tokens, state is not None)
+        got = self._alloc_host(anchor, tokens, state is not None)
         if got is None:
             st.count("prefetch_dropped", len(pages) - first)
             return 0
@@ -258,80 +260,70 @@ class StorageTier:
                 assert host_state is not None
                 st.unpack_state(host_state, state)
         except BaseException:  # nothing attached: give the host slots back
-            self._l3_free_host(host_slots, host_state)
+            self._free_host(host_slots, host_state)
             raise
-        leaf = self.tree.add_leaf(anchor, job.tokens[m:upto], job.extra_key, now)
+        leaf = self.core.tree.add_leaf(anchor, job.tokens[m:upto], job.extra_key, now)
         leaf.host_value = host_slots
         leaf.host_state_slot = host_state
-        self._host_tokens += tokens
+        self.host.host_tokens += tokens
         hashes = job.hashes[first:len(pages)]
-        self._l3_hashes[leaf] = hashes
+        self._hashes[leaf] = hashes
         st.mark_known([page_key(h) for h in hashes] + ([state_key(hashes[-1])] if state else []))
-        self._host_refresh(leaf)
-        if anchor is not self.root:
-            self._refresh(anchor)
+        self.host.refresh(leaf)
+        if anchor is not self.core.root:
+            self.core.refresh(anchor)
         st.count("prefetch_pages", len(pages) - first)
         st.count("prefetch_tokens", tokens)
         st.count("prefetch_states", int(state is not None))
         return tokens
 
-    def _l3_alloc_host(self: RadixCache, anchor: TreeNode, tokens: int, with_state: bool
+    def _alloc_host(self, anchor: TreeNode, tokens: int, with_state: bool
                        ) -> tuple[torch.Tensor, int | None] | None:
         """Host slots for a prefetched chain, evicting host-only leaves (never ``anchor``)."""
-        hc = self.hicache
-        assert hc is not None
+        hc = self.host.controller
         got = hc.alloc_host(tokens, int(with_state))
         if got is not None:
             return got
-        self.host_leaves.discard(anchor)
+        self.host.host_leaves.discard(anchor)
         try:
-            self.evict_host(tokens)
+            self.host.evict_host(tokens)
         finally:
             if anchor.parent is not None:
-                self._host_refresh(anchor)
+                self.host.refresh(anchor)
         return hc.alloc_host(tokens, int(with_state))
 
-    def _l3_free_host(self: RadixCache, host_slots: torch.Tensor, host_state: int | None) -> None:
-        hc = self.hicache
-        assert hc is not None
+    def _free_host(self, host_slots: torch.Tensor, host_state: int | None) -> None:
+        hc = self.host.controller
         hc.host_kv.free(host_slots)
         if host_state is not None:
             assert hc.host_state is not None
             hc.host_state.free(torch.tensor([host_state], dtype=torch.int64))
 
     # ---------------------------------------------------------------- public
-    def poll_storage(self: RadixCache) -> int:
+    def poll(self) -> int:
         """Attach the pages finished prefetches brought (host-only nodes); return the tokens
-        attached. ``match_prefix`` does this itself; an engine may call it between steps."""
-        if self.storage is None:
-            return 0
+        attached. Never raises (a fault is counted and is a miss)."""
         try:
-            return self._l3_harvest()
+            return self._harvest()
         except Exception as exc:
-            self._l3_fault("prefetch", exc)
+            self._fault("prefetch", exc)
             return 0
 
-    def flush_storage(self: RadixCache, timeout_s: float | None = None) -> bool:
+    def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for queued L3 writes and running prefetches (at most ``timeout_s``), then
         attach what the prefetches brought. Returns whether everything finished."""
-        if self.storage is None:
-            return True
-        self.poll_transfers()
-        done = self.storage.flush(timeout_s)
-        self.poll_storage()
+        self.host.poll()
+        done = self.controller.flush(timeout_s)
+        self.poll()
         return done
 
-    def close_storage(self: RadixCache) -> None:
-        """Finish queued writes and close the backend (``flush_storage`` first to keep
-        prefetched pages)."""
-        if self.storage is not None:
-            self.storage.close()
+    def close(self) -> None:
+        """Finish queued writes and close the backend."""
+        self.controller.close()
 
-    def stats(self: RadixCache) -> dict[str, Any]:
-        out = super().stats()  # type: ignore[misc]
-        st = self.storage
-        if st is not None:
-            with st._lock:
-                out.update({f"l3_{k}": v for k, v in st.counters.items()})
-            out.update({f"l3_backend_{k}": v for k, v in st.backend.stats.items()})
+    def stats(self) -> dict[str, Any]:
+        st = self.controller
+        with st._lock:
+            out = {f"l3_{k}": v for k, v in st.counters.items()}
+        out.update({f"l3_backend_{k}": v for k, v in st.backend.stats.items()})
         return out

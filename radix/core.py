@@ -1,0 +1,194 @@
+"""The tree with its components: the one place that loops over them.
+
+``CacheCore`` holds the radix tree, the component tuple (KV first; then, as the model has
+them, recurrent state and sliding-window KV, and the host tier's per-node copies) and, for
+each hook, the tuple of bound methods of the components that implement it (built once,
+``components.base.hooks``). It does what every engine call needs from the tree: split,
+re-file, remove a leaf with the ancestors it leaves dead, and the eviction loop. The
+engine-facing facade (``radix.cache.RadixCache``) and the tiers (``radix.tiers``) use it; it
+knows no component by name.
+
+Eviction, for one component ``C`` and a target in ``C``'s units::
+
+    while freed(C) + in flight(C) < target:
+        node = C.pop_victim()                      # C's order (LRU, GDS, ...)
+        node has children and C.evict_internal?  -> C frees its value only (state, SWA)
+        else                                     -> the leaf leaves (or is demoted to host)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from components.base import Component, hooks
+from radix.results import EvictResult
+from radix.tree import RadixTree
+
+if TYPE_CHECKING:
+    from radix.node import TreeNode
+
+#: ``EvictResult`` fields, in order: the units one eviction step reports.
+EVICT_FIELDS = ("num_tokens", "num_states", "num_swa_tokens")
+_SINK = len(EVICT_FIELDS)  # the index units of a component without an evict field go to
+
+
+class CacheCore:
+    """The tree and its components.
+
+    Args:
+        page_size: tokens per page.
+        components: the components, KV first (``components.kv.KVComponent``); names unique.
+    """
+
+    def __init__(self, page_size: int, components: tuple[Component, ...]) -> None:
+        self.page_size = page_size
+        self.components = components
+        self.per_node: tuple[Component, ...] = ()
+        self.tree = RadixTree(page_size, self._on_split)
+        self.clock = 0
+        #: Frees a device leaf on eviction: removes it (``remove_leaf``) or, with a host tier,
+        #: demotes it; returns the units freed, per ``EVICT_FIELDS``.
+        self.free_leaf: Callable[[TreeNode], list[int]] = self.remove_leaf
+        #: Units whose freeing is in flight (write-back copies), per ``EVICT_FIELDS``.
+        self.pending = [0] * len(EVICT_FIELDS)
+        self._build_hooks()
+
+    def add_per_node(self, holder: Component) -> None:
+        """Add a holder of per-node data that takes the structural hooks (``on_split``,
+        ``refresh``, ``on_remove`` when a node leaves) and the insert's planning and revival,
+        but no match, lock or eviction role: the host tier's copies."""
+        self.per_node += (holder,)
+        self._build_hooks()
+
+    def _build_hooks(self) -> None:
+        comps, per_node = self.components, self.per_node
+        everything = comps + per_node
+        names = [c.name for c in everything]
+        if len(set(names)) != len(names):
+            raise ValueError(f"component names must be unique, got {names}")
+        self.by_name: dict[str, Component] = {c.name: c for c in everything}
+        self._split_hooks = hooks(everything, "on_split")
+        self.refreshers = hooks(everything, "refresh")
+        self.device_removers = tuple(
+            (EVICT_FIELDS.index(c.evict_field) if c.evict_field in EVICT_FIELDS else _SINK,
+             c.on_remove)
+            for c in comps if type(c).on_remove is not Component.on_remove
+        )
+        self._node_removers = hooks(per_node, "on_remove")
+        self.dead_rules = hooks(comps, "is_dead")
+        self.insert_checks = hooks(comps, "check_insert")
+        self.planners = hooks(everything, "plan_insert")
+        self.new_node_hooks = hooks(comps, "on_new_node")
+        self.insert_hooks = hooks(comps, "on_insert")
+
+    def reset(self) -> None:
+        """Remove every node (no dead-leaf cascade, nothing counted as evicted) and reset every
+        component and per-node holder; the tree gets a new identity (old handles go stale)."""
+        for n in sorted(self.tree.iter_nodes(), key=lambda x: -x.depth):
+            self.device_remove(n, [0] * (_SINK + 1))
+            for hook in self._node_removers:
+                hook(n)
+            self.tree.remove_leaf(n)
+        for c in self.components + self.per_node:
+            c.reset()
+        self.tree.reset()
+        self.pending = [0] * len(EVICT_FIELDS)
+
+    @property
+    def root(self) -> TreeNode:
+        return self.tree.root
+
+    def tick(self) -> int:
+        """Advance the logical clock; return the new stamp."""
+        self.clock += 1
+        return self.clock
+
+    # ------------------------------------------------------------------ structure
+    def _on_split(self, upper: TreeNode, lower: TreeNode, split_len: int) -> None:
+        for hook in self._split_hooks:
+            hook(upper, lower, split_len)
+
+    def refresh(self, node: TreeNode) -> None:
+        """``node``'s leaf status, locks or stamps changed: re-file it everywhere."""
+        for hook in self.refreshers:
+            hook(node)
+
+    def split_touched(self, node: TreeNode, split_len: int, now: int) -> TreeNode:
+        """Split a node a walk entered; the walk passed through it, so both halves carry the
+        new stamp (as SGLang's RadixCache stamps the node before splitting it). Returns the
+        upper half."""
+        node.last_access_time = now
+        upper = self.tree.split(node, split_len)
+        self.refresh(node)
+        return upper
+
+    def is_dead_leaf(self, node: TreeNode) -> bool:
+        """An unlocked childless node nothing could ever resume from (a component's rule:
+        no state, a tombstone)."""
+        if node.parent is None or node.children or node.kv_lock:
+            return False
+        return any(rule(node) for rule in self.dead_rules)
+
+    def device_remove(self, node: TreeNode, freed: list[int]) -> None:
+        """Free every component's device value on ``node`` (the node itself stays);
+        ``freed`` accumulates the units per ``EVICT_FIELDS``."""
+        for idx, remove in self.device_removers:
+            freed[idx] += remove(node)
+
+    def remove_leaf(self, node: TreeNode) -> list[int]:
+        """Remove a leaf whole, then the ancestors it leaves as dead leaves. Returns the units
+        freed per ``EVICT_FIELDS`` (the last entry collects units no field reports)."""
+        freed = [0] * (_SINK + 1)
+        root = self.tree.root
+        while True:
+            self.device_remove(node, freed)
+            for hook in self._node_removers:
+                hook(node)
+            parent = self.tree.remove_leaf(node)
+            if parent is root:
+                break
+            if self.is_dead_leaf(parent):
+                node = parent
+                continue
+            self.refresh(parent)
+            break
+        return freed
+
+    def prune(self, node: TreeNode) -> None:
+        """Remove ``node`` (and the ancestors it leaves dead) if it is a dead leaf."""
+        if self.is_dead_leaf(node):
+            self.remove_leaf(node)
+
+    # ------------------------------------------------------------------- eviction
+    def evict(self, comp: Component, target: int) -> EvictResult:
+        """Free at least ``target`` of ``comp``'s units (``comp.evict_field``) in its order:
+        a victim with children loses only ``comp``'s value when ``comp`` evicts internal
+        nodes, else the victim leaves whole (``free_leaf``). Copies in flight that will free
+        ``comp``'s units count towards ``target`` but not in the result."""
+        assert comp.evict_field is not None
+        idx = EVICT_FIELDS.index(comp.evict_field)
+        internal = (comp.evict_internal if type(comp).evict_internal is not
+                    Component.evict_internal else None)
+        requeue = comp.requeue if type(comp).requeue is not Component.requeue else None
+        freed = [0] * (_SINK + 1)
+        pending = self.pending
+        start = pending[idx]
+        pop, free_leaf = comp.pop_victim, self.free_leaf
+        while freed[idx] + pending[idx] - start < target:
+            node = pop()
+            if node is None:
+                break
+            if internal is not None and node.children:
+                freed[idx] += internal(node)
+                continue
+            for i, n in enumerate(free_leaf(node)):
+                freed[i] += n
+            if requeue is not None and node.owner:  # it stayed (a copy in flight)
+                requeue(node)
+        return EvictResult(freed[0], freed[1], freed[2])
+
+    def stat(self, name: str, key: str) -> Any:
+        """``name``'s counter ``key`` (0 when the cache has no such component)."""
+        c = self.by_name.get(name)
+        return c.stats()[key] if c is not None else 0

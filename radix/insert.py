@@ -1,0 +1,163 @@
+"""The insert, after ``RadixCache.insert`` has checked its arguments.
+
+Positions are tokens of the key, half-open; ``P`` = prefix already cached, ``E`` = the key cut
+to whole pages::
+
+    key    |<---------- P ---------->|<------------ new tail ------------>|  partial page
+           [ matched nodes (revived) ][ new node ][ new node ...          ][ not cached ]
+           0                          P   cuts (a component's, e.g. SWA)   E
+                                                          insert_end <= E (a component may
+                                                          keep the new tail out: P)
+
+1. Plan (``components.base.InsertPlan``): every component and the host tier validate and plan
+   (a state required, SWA tombstones to revive and the live part of the tail, host-only nodes
+   to revive). A refusal raises here; nothing has changed.
+2. Claim: the KV component checks and marks every caller slot the tree adopts (the new tail,
+   the revival ranges) in one pass; the last check before anything changes.
+3. Mutate: split where the walk ended inside a node, revive, stamp the path, one new leaf per
+   segment of the new tail (each component's ``on_new_node``), then ``on_insert`` (the state
+   is adopted at the end) and the tier's write policy.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from components.base import InsertPlan
+from radix.results import InsertResult
+
+if TYPE_CHECKING:
+    from radix.cache import RadixCache
+    from radix.node import TreeNode
+    from radix.tree import Tokens
+
+
+def own_copy(value: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """A node's own copy of ``value[lo:hi]`` (on the CPU sliced and copied in numpy: a third
+    of torch's cost). A view would pin the caller's whole tensor and see its later writes."""
+    if value.is_cpu:
+        return torch.from_numpy(value.numpy()[lo:hi].copy())
+    return value[lo:hi].clone()
+
+
+def insert_key(cache: RadixCache, key: Tokens, value: torch.Tensor, extra_key: Any,
+               state_slot: int | None, priority: int, rid: object) -> InsertResult:
+    """Insert a checked key (see ``RadixCache.insert`` for the contract)."""
+    core = cache.core
+    ps = core.page_size
+    end = len(key) - len(key) % ps
+    walk = core.tree.walk(key, end, extra_key)
+    plan = InsertPlan(key, value, extra_key, state_slot, walk, end)
+    for p in core.planners:
+        p(plan)
+    own = _claim(cache, plan)
+    # ---- validated: mutate from here on
+    path = walk.path
+    now = core.tick()
+    if walk.partial is not None:
+        path.append(core.split_touched(walk.partial, walk.partial_len, now))
+    counted = 0 if rid is None else cache._counted_depth(rid, end)
+    revived = cache._empty
+    if plan.revive:
+        path, revived = _revive(cache, path, plan)
+    for n in path:
+        _touch(n, now, priority, counted, end)
+    for touch in cache._insert_touch:
+        touch(path)
+    root = core.tree.root
+    last = path[-1] if path else root
+    tree_prefix = [n.kv_value for n in path]
+    prefix_len = plan.prefix_len
+    if prefix_len < plan.insert_end:
+        for n in _new_leaves(cache, plan, last, own, now):
+            _touch(n, now, priority, counted, end)
+            last = n
+        cache.kv.inserted += plan.insert_end - prefix_len
+    core.refresh(last)
+    adopted = False
+    for on_insert in core.insert_hooks:
+        adopted = on_insert(plan, last, now) or adopted
+    cache._tier.after_insert(path, last)
+    return InsertResult(prefix_len, plan.insert_end, last, adopted, revived, value,
+                        cast("list[torch.Tensor]", tree_prefix))
+
+
+def _touch(n: TreeNode, now: int, priority: int, counted: int, end: int) -> None:
+    n.last_access_time = now
+    if n.depth > counted:
+        n.hit_count += 1
+    if priority > n.priority:
+        n.priority = priority
+    if end > n.history_len:
+        n.history_len = end
+
+
+def _claim(cache: RadixCache, plan: InsertPlan) -> torch.Tensor | None:
+    """Claim (``KVComponent.claim``) the slots the insert adopts: the new tail
+    ``value[prefix_len:insert_end]`` and the revival ranges, as one tensor (a slot repeated
+    across them is refused).
+
+    Returns the claimed copy of the new tail when that is all the insert adopts, it becomes
+    one leaf and ``value`` is on the CPU (the common case: the new leaf keeps the copy), else
+    ``None`` (the nodes copy their parts, :func:`own_copy`)."""
+    value, lo, hi = plan.value, plan.prefix_len, plan.insert_end
+    kv = cache.kv
+    if not plan.revive and value.is_cpu:  # the common case: only the new tail is adopted
+        return kv.claim_trusted(value, lo, hi, not plan.cuts) if lo < hi else None
+    ranges = sorted((t, e) for e, (t, _) in plan.revive.items())
+    if lo < hi:
+        ranges.append((lo, hi))
+    if ranges:
+        parts = [value[a:b] for a, b in ranges]
+        kv.claim((parts[0] if len(parts) == 1 else torch.cat(parts)).cpu())
+    return None
+
+
+def _revive(cache: RadixCache, path: list[TreeNode], plan: InsertPlan
+            ) -> tuple[list[TreeNode], torch.Tensor]:
+    """Matched nodes planned for revival take the caller's slots from the planned start (a
+    node only partly covered is split there first); the component or tier that planned it
+    does the rest (``revive``). Returns the new path and the slots the nodes took."""
+    out: list[TreeNode] = []
+    revived: list[torch.Tensor] = []
+    value, tree = plan.value, cache.core.tree
+    for n in path:
+        r = plan.revive.get(n.depth)
+        if r is None:
+            out.append(n)
+            continue
+        t, owner = r
+        if t > n.start:
+            out.append(tree.split(n, t - n.start))
+        own = own_copy(value, t, n.depth)
+        owner.revive(n, own)
+        revived.append(own)
+        out.append(n)
+    if not revived:
+        return out, cache._empty
+    return out, revived[0] if len(revived) == 1 else torch.cat(revived)
+
+
+def _new_leaves(cache: RadixCache, plan: InsertPlan, parent: TreeNode,
+                own: torch.Tensor | None, now: int) -> list[TreeNode]:
+    """One new node per segment of ``key[prefix_len:insert_end]`` (cut at ``plan.cuts``),
+    each below the previous one, holding its own copy of the caller's slots (``own`` when the
+    claim made it); returns them, shallowest first."""
+    core = cache.core
+    kv, tree, root = cache.kv, core.tree, core.tree.root
+    key, value, extra_key = plan.key, plan.value, plan.extra_key
+    bounds = [plan.prefix_len, *sorted(plan.cuts), plan.insert_end]
+    new_node_hooks = core.new_node_hooks
+    created = []
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        child = tree.add_leaf(parent, key[lo:hi], extra_key, now)
+        kv.attach(child, own if own is not None else own_copy(value, lo, hi))
+        for hook in new_node_hooks:
+            hook(child, plan, lo, hi)
+        if parent is not root:
+            core.refresh(parent)  # no longer a leaf
+        parent = child
+        created.append(child)
+    return created

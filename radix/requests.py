@@ -1,0 +1,222 @@
+"""Request-level helpers: a thin layer over the value-level API of ``RadixCache``.
+
+They read and write only the fields of :class:`radix.results.CacheRequest`, never an engine's
+own request object, and call the cache's public API (``insert``, the locks) plus its
+validation of nodes and locks. A request's slots, in tokens::
+
+    req.kv_indices  [ tree's slots (locked via last_node) ][ the request's own slots ]
+                    0                                   cached_len            len(kv_indices)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radix.checks import check_count
+from radix.results import CacheRequest, InsertResult, LockRef
+
+if TYPE_CHECKING:
+    from radix.cache import RadixCache
+    from radix.node import TreeNode
+
+
+def _path_indices(cache: RadixCache, node: TreeNode) -> torch.Tensor:
+    """The tree's KV slots on the path from the root to ``node`` [one per token]."""
+    vals = [n.kv_value for n in reversed(node.path_to_root()) if n.kv_value is not None]
+    if not vals:
+        return cache._empty
+    return vals[0] if len(vals) == 1 else torch.cat(vals)
+
+
+def _check_req(cache: RadixCache, req: Any, upto: Any) -> int:
+    """Validate a request record before anything changes; returns ``upto``.
+
+    Checks the types of ``req``, ``req.key`` and ``req.kv_indices``, ``upto <=
+    len(kv_indices) <= len(key)``, that ``req.last_node`` is a device node of this cache
+    holding a lock that ``req.lock`` (or the node itself) can release, and ``0 <= req.cached_len <=
+    min(len(kv_indices), last_node's depth)``: the leading slots that came from the tree
+    lie under the request's lock (a wrong ``cached_len`` would make the request free the
+    tree's slots, or leak its own).
+    """
+    if not isinstance(req, CacheRequest):
+        raise TypeError(f"req must be a CacheRequest, got {type(req).__name__}")
+    try:
+        key_len = len(req.key)
+    except TypeError:
+        raise TypeError(
+            "req.key must be token ids (a list of int, a RadixKey, a 1-D integer tensor or "
+            f"array), got {type(req.key).__name__}"
+        ) from None
+    if not isinstance(req.kv_indices, torch.Tensor):
+        raise TypeError(
+            "req.kv_indices must be a 1-D torch.int64 tensor of KV slots, got "
+            f"{type(req.kv_indices).__name__}"
+        )
+    n = len(req.kv_indices)
+    if upto is None:
+        upto = n
+    check_count(upto, "upto")
+    if upto > n or n > key_len:
+        raise ValueError(
+            f"need upto ({upto}) <= len(req.kv_indices) ({n}) <= len(req.key) ({key_len})"
+        )
+    node = cache._check_node(req.last_node)
+    if node is not cache.root:
+        lock = req.lock
+        if lock is not None and lock is not node and not (
+            isinstance(lock, LockRef) and lock.node is node
+        ):
+            raise ValueError(
+                f"req.lock must be what inc_lock_ref returned for req.last_node (node "
+                f"{node.id}) or None, got {lock!r}"
+            )
+        cache._check_lock(node if lock is None else lock, "req.lock")
+    cached = req.cached_len
+    if isinstance(cached, bool) or not isinstance(cached, int):
+        raise TypeError(f"req.cached_len must be an int, got {type(cached).__name__}")
+    limit = min(n, node.depth)
+    if not 0 <= cached <= limit:
+        raise ValueError(
+            f"req.cached_len must be in [0, {limit}] (the leading tokens whose slots came "
+            f"from the tree: at most len(req.kv_indices) = {n} and the depth of "
+            f"req.last_node = {node.depth}), got {cached}"
+        )
+    return upto
+
+
+def _free_state(cache: RadixCache, slot: int | None, adopted: bool) -> None:
+    if slot is not None and not adopted and cache.state is not None:
+        cache.state.allocator.free(torch.tensor([slot], dtype=torch.int64))
+
+
+def _insert_req(cache: RadixCache, req: CacheRequest, state_slot: int | None, upto: int,
+                unfinished: bool) -> tuple[InsertResult, torch.Tensor | None]:
+    """Insert ``req.key[:upto]``; free the request's duplicate slots and an unadopted state.
+
+    Returns the insert result and, when the request's slots below ``prefix_len`` changed,
+    what they must become (the tree's slots, except the request's own copies it keeps).
+
+    Fast path (no SWA, no HiCache): the request's slots in ``[cached_len, prefix_len)`` are
+    its own copies of tokens the tree already holds (its slots below ``cached_len`` came
+    from the tree), so they are the duplicates. With SWA or HiCache the tree may have taken
+    some of the request's slots (revival), so duplicates are found by comparing slots; and
+    a running request keeps its own live copy where the tree only has a tombstone (it still
+    needs that SWA KV for its window; it frees the copy when it finishes).
+    """
+    res = cache.insert(req.key[:upto], req.kv_indices[:upto], req.extra_key,
+                       state_slot=state_slot, priority=req.priority, rid=req.rid)
+    _free_state(cache, state_slot, res.state_adopted)
+    p = res.prefix_len
+    alloc = cache.kv.allocator
+    if not cache._revives:  # nothing below prefix_len can have taken the request's slots
+        if p <= req.cached_len:
+            return res, None
+        alloc.free(req.kv_indices[req.cached_len:p])
+        return res, _path_indices(cache, res.last_node)[:p]
+    if p == 0:
+        return res, None
+    caller = req.kv_indices[:p]
+    tree = _path_indices(cache, res.last_node)[:p]
+    dup = caller != tree
+    if unfinished and cache.swa is not None and bool(dup.any()):
+        keep = cache.swa.request_keeps(caller, tree, dup)
+        dup &= ~keep
+        merged = torch.where(keep, caller, tree)
+    else:
+        merged = tree
+    if bool(dup.any()):
+        alloc.free(caller[dup])
+    return res, merged
+
+
+def cache_unfinished_req(cache: RadixCache, req: CacheRequest, state_slot: int | None = None,
+                         upto: int | None = None) -> InsertResult:
+    """Chunked prefill: cache ``req.key[:upto]`` (default: every computed token) with a
+    state checkpoint, keep the request's lock (moved down to the new node).
+
+    Frees the request's duplicate KV slots and rewrites ``req.kv_indices[:inserted_len]``
+    to the tree's slots; frees ``state_slot`` itself when the tree does not adopt it.
+
+    Raises:
+        TypeError / ValueError: bad request fields (``req.cached_len`` outside
+            ``[0, min(upto, len(req.kv_indices), depth of req.last_node)]``, a
+            ``req.last_node`` without a lock, a ``req.lock`` that is not its lock), ``upto`` out
+            of range, bad slots, or a missing state on a hybrid cache; nothing changed.
+    """
+    upto = _check_req(cache, req, upto)
+    if req.cached_len > upto:
+        raise ValueError(
+            f"req.cached_len ({req.cached_len}) > upto ({upto}): a chunk must cover what the "
+            "request already holds from the tree (its lock would move above slots it keeps)"
+        )
+    res, merged = _insert_req(cache, req, state_slot, upto, unfinished=True)
+    n = res.inserted_len
+    if merged is not None:
+        req.kv_indices = torch.cat([merged, req.kv_indices[res.prefix_len:]])
+    lock = cache.inc_lock_ref(res.last_node)
+    cache.dec_lock_ref(req.last_node if req.lock is None else req.lock)
+    req.last_node = res.last_node
+    req.lock = lock
+    req.cached_len = n
+    return res
+
+
+def cache_finished_req(cache: RadixCache, req: CacheRequest, state_slot: int | None = None,
+                       upto: int | None = None) -> InsertResult:
+    """Cache ``req.key[:upto]`` (default: every computed token) with a state at its end,
+    free duplicates and every computed slot not kept (``req.kv_indices[inserted_len:]``),
+    release the request's lock. Frees ``state_slot`` when the tree does not adopt it.
+
+    Returns:
+        the insert's :class:`InsertResult`. Its ``last_node`` is informational: once the
+        lock is released the node may already be gone (a dead leaf, e.g. an SWA tombstone
+        nothing can resume from, is pruned at once); match again before locking anything.
+
+    Raises:
+        TypeError / ValueError: as :meth:`cache_unfinished_req` (``upto`` may end before
+            ``req.cached_len`` here: the tree keeps those slots); nothing changed.
+    """
+    upto = _check_req(cache, req, upto)
+    res, _ = _insert_req(cache, req, state_slot, upto, unfinished=False)
+    # The request's own slots past what the tree kept; below cached_len they are the
+    # tree's (upto may end before them), never the request's to free.
+    tail = req.kv_indices[max(res.inserted_len, req.cached_len):]
+    if len(tail):
+        cache.kv.allocator.free(tail)
+    cache.dec_lock_ref(req.last_node if req.lock is None else req.lock)
+    cache.release_rid(req.rid)
+    req.last_node = cache.root
+    req.lock = None
+    req.cached_len = 0
+    req.kv_indices = cache._empty
+    return res
+
+
+def release_swa(cache: RadixCache, req: CacheRequest, seq_len: int) -> int:
+    """Free the SWA KV of the request's own tokens that slid out of its window.
+
+    Keeps the last ``max(sliding_window_size, page_size)`` tokens before ``seq_len`` live
+    (so a page larger than the window never tombstones the leaf the request will insert);
+    call it with the boundary the next ``cache_*_req`` will use (its ``upto``). Tokens
+    below ``req.cached_len`` belong to the tree, which tombstones them itself.
+
+    Returns the tokens released now. Raises ``ValueError`` without an SWA component or
+    with ``seq_len`` outside ``[0, len(req.kv_indices)]``; ``TypeError`` when ``req`` is not
+    a :class:`CacheRequest`.
+    """
+    swa = cache.swa
+    if swa is None:
+        raise ValueError("release_swa on a cache without a sliding-window component")
+    if not isinstance(req, CacheRequest):
+        raise TypeError(f"req must be a CacheRequest, got {type(req).__name__}")
+    check_count(seq_len, "seq_len")
+    if seq_len > len(req.kv_indices):
+        raise ValueError(f"seq_len ({seq_len}) > len(req.kv_indices) ({len(req.kv_indices)})")
+    start = max(req.swa_evicted_seqlen, req.cached_len)
+    upto = swa.release(req.kv_indices, start, seq_len)
+    if upto <= start:
+        return 0
+    req.swa_evicted_seqlen = upto
+    return upto - start

@@ -1,0 +1,51 @@
+"""What a tier below the device pools provides to the cache, and the cache without one.
+
+The cache calls its tier through a few named hooks, once per engine call (the per-node
+structural hooks of a tier that keeps per-node copies go through the component tuple,
+``components.base.Component``)::
+
+    match_prefix   before_match(key, extra_key)   (finish copies; L3 prefetch past the tree)
+                   device_part(path)              (the device prefix of the matched path)
+                   host_hit(path, usable, ...)    (what a load-back would add)
+    insert         after_insert(path, last)       (write policy)
+    evict          collect_landed()               (copies that landed free their slots now)
+                   free_leaf(node)                (demote instead of remove)
+
+:class:`Tier` is the device-only cache: every hook is the identity or a no-op.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from radix.node import TreeNode
+
+
+class Tier:
+    """No tier below the device pools (the default): matches are device matches, inserts
+    back nothing up, evicted leaves leave the tree."""
+
+    def before_match(self, key: Any, extra_key: Any) -> None:
+        """Called first by every ``match_prefix``."""
+
+    def device_part(self, path: list[TreeNode]) -> list[TreeNode]:
+        """The prefix of a matched path whose KV is on device."""
+        return path
+
+    def host_hit(self, path: list[TreeNode], usable: int, last: TreeNode,
+                 prefix_len: int) -> tuple[TreeNode, int]:
+        """``(last_host_node, host_hit_length)`` of a match whose usable device prefix is
+        ``path[:usable]`` ending at ``last`` (``prefix_len`` tokens)."""
+        return last, 0
+
+    def after_insert(self, path: list[TreeNode], last: TreeNode) -> None:
+        """Called last by every ``insert``."""
+
+    def collect_landed(self) -> tuple[int, int]:
+        """Before a KV eviction: device (tokens, states) freed by copies that landed since."""
+        return 0, 0
+
+
+#: The device-only tier (stateless: one shared instance).
+DEVICE_ONLY = Tier()
