@@ -26,13 +26,12 @@ library's own copy and storage threads never touch the tree.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from components.base import Component, hooks
+from components.base import Component
 from components.gds import GDS_WALKS
 from components.kv import KVComponent
 from components.state import StateComponent, StateWalkFactory, check_state_walk_factory
@@ -42,7 +41,7 @@ from radix import diagnostics, requests
 from radix.checks import check_count
 from radix.config import CacheConfig
 from radix.core import CacheCore
-from radix.insert import insert_key
+from radix.insert import RidDepths, insert_key
 from radix.node import TreeNode
 from radix.results import CacheRequest, EvictResult, InsertResult, LockRef, MatchResult
 from radix.tiers.base import DEVICE_ONLY, Tier
@@ -162,26 +161,13 @@ class RadixCache:
             core.free_leaf = host.free_leaf
             if hicache.hicache_storage_backend is not None:
                 self._storage = host.storage = StorageTier(core, host)
-        comps = core.components
-        self._touch = hooks(comps, "on_touch")
-        self._insert_touch = hooks(comps[1:], "on_touch")  # KV: the insert re-files its last node
-        self._hit = hooks(comps, "on_hit")
-        self._lockers = tuple(c for c in comps if type(c).lock is not Component.lock)
-        self._lock_data = any(c.lock_data for c in comps)
-        self._revives = any(c.revives for c in comps + core.per_node)
-        self._checkpoints = any(c.checkpoints for c in comps)
-        rules = [(c.usable, c.miss_field) for c in comps
-                 if type(c).usable is not Component.usable]
-        self._rules = tuple(r for r, _ in rules)
-        self._miss_fields = tuple(f for _, f in rules)
-        self._one_rule = rules[0][0] if len(rules) == 1 and rules[0][1] is None else None
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self._init_counters()
 
     def _init_counters(self) -> None:
         self._match = {"match_calls": 0, "match_tokens": 0, "hit_tokens": 0, "kv_hit_tokens": 0}
         self._last_watermark = 0.0
-        self._rid_depth: OrderedDict[object, int] = OrderedDict()
+        self.rid_depths = RidDepths(MAX_TRACKED_RIDS)
 
     # ================================================================= views
     @property
@@ -243,17 +229,12 @@ class RadixCache:
         for n in full_path:
             n.last_access_time = now
         path = tier.device_part(full_path)
-        for touch in self._touch:
+        for touch in core.touch_hooks:
             touch(path)
-        usable = len(path)
-        misses: list[int] | None = None
-        if self._one_rule is not None:  # the common hybrid case: the state rule alone
-            usable = self._one_rule(path, usable)
-        elif self._rules:
-            usable, misses = self._usable_fixpoint(path, usable)
+        usable, misses = core.usable(path, len(path))
         if usable:
             last = path[usable - 1]
-            for hit in self._hit:
+            for hit in core.hit_hooks:
                 hit(last, now)
             prefix_len = last.depth
             if usable == 1:
@@ -268,7 +249,7 @@ class RadixCache:
         last_host, host_hit = tier.host_hit(full_path, usable, last, prefix_len)
         # Where the key leaves the tree past the usable prefix (a fork, or the end of the
         # cached path): a checkpoint there serves every later key sharing that prefix.
-        branching = kv_hit if self._checkpoints and kv_hit > prefix_len else None
+        branching = kv_hit if core.checkpoints and kv_hit > prefix_len else None
         st = self._match
         st["match_calls"] += 1
         st["match_tokens"] += len(key)
@@ -276,29 +257,11 @@ class RadixCache:
         st["kv_hit_tokens"] += kv_hit
         swa_miss = 0
         if misses is not None:
-            for field, m in zip(self._miss_fields, misses, strict=True):
+            for field, m in zip(core.miss_fields, misses, strict=True):
                 if field == "swa_miss_tokens":
                     swa_miss = m
         return MatchResult(indices, prefix_len, kv_hit, last, last.state_slot if usable else None,
                            branching, last_host, host_hit, swa_miss)
-
-    def _usable_fixpoint(self, path: list[TreeNode], n: int) -> tuple[int, list[int]]:
-        """The largest usable count under every component's rule at once, and the tokens each
-        rule cut beyond the rules before it: the fixpoint over ``rules[:i + 1]`` minus the one
-        over ``rules[:i]`` (a later rule may make an earlier one cut further)."""
-        rules = self._rules
-        misses = []
-        for i in range(len(rules)):
-            before = path[n - 1].depth if n else 0
-            while True:
-                m = n
-                for rule in rules[: i + 1]:
-                    m = rule(path, m)
-                if m == n:
-                    break
-                n = m
-            misses.append(before - (path[n - 1].depth if n else 0))
-        return n, misses
 
     # ============================================================== inserting
     def insert(
@@ -358,21 +321,9 @@ class RadixCache:
                 ) from None
         return insert_key(self, key, value, extra_key, state_slot, priority, rid)
 
-    def _counted_depth(self, rid: object, end: int) -> int:
-        """How deep ``rid`` already counted in ``hit_count`` (0 for a new or absent rid);
-        records ``end`` for its next insert."""
-        if rid is None:
-            return 0
-        seen = self._rid_depth
-        counted = seen.pop(rid, 0)
-        seen[rid] = max(counted, end)
-        if len(seen) > MAX_TRACKED_RIDS:
-            seen.popitem(last=False)
-        return counted
-
     def release_rid(self, rid: object) -> None:
         """Forget ``rid``'s hit-count depth (the request finished)."""
-        self._rid_depth.pop(rid, None)
+        self.rid_depths.release(rid)
 
     # ================================================================== locks
     def _check_node(self, node: Any, device: bool = True) -> TreeNode:
@@ -401,20 +352,7 @@ class RadixCache:
         node = self._check_node(node)
         if node.parent is None:
             return node
-        node.lock_ref += 1
-        if self._lock_data:
-            parts = {}
-            for c in self._lockers:
-                data = c.lock(node)
-                if c.lock_data:
-                    parts[c.name] = data
-            lock: TreeNode | LockRef = LockRef(node, parts)
-        else:
-            for c in self._lockers:
-                c.lock(node)
-            lock = node
-        self.core.refresh(node)
-        return lock
+        return self.core.lock(node)
 
     def dec_lock_ref(self, lock: TreeNode | LockRef) -> None:
         """Release one lock taken by :meth:`inc_lock_ref`.
@@ -431,14 +369,9 @@ class RadixCache:
         node, parts = self._check_lock(lock, "lock")
         if node.parent is None:
             return
-        node.lock_ref -= 1
-        for c in self._lockers:
-            c.unlock(node, parts.get(c.name))
+        self.core.unlock(node, parts)
         if isinstance(lock, LockRef):
             lock.released = True
-        core = self.core
-        core.refresh(node)
-        core.prune(node)
 
     def _check_lock(self, lock: Any, name: str) -> tuple[TreeNode, dict[str, Any]]:
         """Raise unless :meth:`dec_lock_ref` may release ``lock`` (``name`` says where it came
@@ -457,7 +390,7 @@ class RadixCache:
         node = self._check_node(node)
         if node.parent is None:
             return node, parts
-        if self._lock_data and not isinstance(lock, LockRef):
+        if self.core.lock_data and not isinstance(lock, LockRef):
             raise ValueError(
                 f"{name}: pass the LockRef inc_lock_ref returned for node {node.id} (this cache's "
                 "sliding-window locks record where they start), not the node"
@@ -467,7 +400,7 @@ class RadixCache:
                 f"{name}: node {node.id} holds no lock of its own (pass the node inc_lock_ref "
                 "was given)"
             )
-        for c in self._lockers:
+        for c in self.core.lockers:
             err = c.unlock_error(node, parts.get(c.name))
             if err is not None:
                 raise ValueError(f"{name}: {err}")

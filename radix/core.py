@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from components.base import Component, hooks
-from radix.results import EvictResult
+from radix.results import EvictResult, LockRef
 from radix.tree import RadixTree
 
 if TYPE_CHECKING:
@@ -81,6 +81,70 @@ class CacheCore:
         self.planners = hooks(everything, "plan_insert")
         self.new_node_hooks = hooks(comps, "on_new_node")
         self.insert_hooks = hooks(comps, "on_insert")
+        self.touch_hooks = hooks(comps, "on_touch")
+        self.insert_touch_hooks = hooks(comps[1:], "on_touch")  # KV: insert re-files its last
+        self.hit_hooks = hooks(comps, "on_hit")
+        self.lockers = tuple(c for c in comps if type(c).lock is not Component.lock)
+        self.lock_data = any(c.lock_data for c in comps)
+        self.revives = any(c.revives for c in everything)
+        self.checkpoints = any(c.checkpoints for c in comps)
+        rules = [(c.usable, c.miss_field) for c in comps
+                 if type(c).usable is not Component.usable]
+        self.rules = tuple(r for r, _ in rules)
+        self.miss_fields = tuple(f for _, f in rules)
+        self._one_rule = rules[0][0] if len(rules) == 1 and rules[0][1] is None else None
+
+    # ---------------------------------------------------------------------- match
+    def usable(self, path: list[TreeNode], n: int) -> tuple[int, list[int] | None]:
+        """The largest ``k <= n`` such that a match may end after ``path[k - 1]`` under every
+        component's rule at once (a fixpoint: one rule may make another cut further), and,
+        when a component reports its own cut (``miss_field``), the tokens each rule cut beyond
+        the rules before it: the fixpoint over ``rules[:i + 1]`` minus the one over
+        ``rules[:i]`` (``None`` on the one-rule fast path)."""
+        one = self._one_rule
+        if one is not None:
+            return one(path, n), None
+        rules = self.rules
+        misses = []
+        for i in range(len(rules)):
+            before = path[n - 1].depth if n else 0
+            while True:
+                m = n
+                for rule in rules[: i + 1]:
+                    m = rule(path, m)
+                if m == n:
+                    break
+                n = m
+            misses.append(before - (path[n - 1].depth if n else 0))
+        return n, misses
+
+    # ---------------------------------------------------------------------- locks
+    def lock(self, node: TreeNode) -> TreeNode | LockRef:
+        """Every component's lock on ``node`` (not the root); the lock to hand back to
+        :meth:`unlock`: the node itself, or a ``LockRef`` carrying the components' data."""
+        node.lock_ref += 1
+        if self.lock_data:
+            parts = {}
+            for c in self.lockers:
+                data = c.lock(node)
+                if c.lock_data:
+                    parts[c.name] = data
+            lock: TreeNode | LockRef = LockRef(node, parts)
+        else:
+            for c in self.lockers:
+                c.lock(node)
+            lock = node
+        self.refresh(node)
+        return lock
+
+    def unlock(self, node: TreeNode, parts: dict[str, Any]) -> None:
+        """Release one lock :meth:`lock` took on ``node`` (checked by the caller), then prune
+        what it leaves dead."""
+        node.lock_ref -= 1
+        for c in self.lockers:
+            c.unlock(node, parts.get(c.name))
+        self.refresh(node)
+        self.prune(node)
 
     def reset(self) -> None:
         """Remove every node (no dead-leaf cascade, nothing counted as evicted) and reset every

@@ -21,6 +21,7 @@ to whole pages::
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -58,13 +59,13 @@ def insert_key(cache: RadixCache, key: Tokens, value: torch.Tensor, extra_key: A
     now = core.tick()
     if walk.partial is not None:
         path.append(core.split_touched(walk.partial, walk.partial_len, now))
-    counted = 0 if rid is None else cache._counted_depth(rid, end)
+    counted = 0 if rid is None else cache.rid_depths.counted(rid, end)
     revived = cache._empty
     if plan.revive:
         path, revived = _revive(cache, path, plan)
     for n in path:
         _touch(n, now, priority, counted, end)
-    for touch in cache._insert_touch:
+    for touch in core.insert_touch_hooks:
         touch(path)
     root = core.tree.root
     last = path[-1] if path else root
@@ -82,6 +83,29 @@ def insert_key(cache: RadixCache, key: Tokens, value: torch.Tensor, extra_key: A
     cache._tier.after_insert(path, last)
     return InsertResult(prefix_len, plan.insert_end, last, adopted, revived, value,
                         cast("list[torch.Tensor]", tree_prefix))
+
+
+class RidDepths:
+    """How deep each request id already counted in ``hit_count``, so a request counts once
+    per node, also across its chunked-prefill re-inserts; the ``limit`` most recent ids are
+    kept (an older one counts again, as a new request would)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._depth: OrderedDict[object, int] = OrderedDict()
+
+    def counted(self, rid: object, end: int) -> int:
+        """How deep ``rid`` already counted [tokens] (0 for a new rid); records ``end``."""
+        seen = self._depth
+        counted = seen.pop(rid, 0)
+        seen[rid] = max(counted, end)
+        if len(seen) > self.limit:
+            seen.popitem(last=False)
+        return counted
+
+    def release(self, rid: object) -> None:
+        """Forget ``rid`` (the request finished)."""
+        self._depth.pop(rid, None)
 
 
 def _touch(n: TreeNode, now: int, priority: int, counted: int, end: int) -> None:

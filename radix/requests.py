@@ -110,7 +110,7 @@ def _insert_req(cache: RadixCache, req: CacheRequest, state_slot: int | None, up
     _free_state(cache, state_slot, res.state_adopted)
     p = res.prefix_len
     alloc = cache.kv.allocator
-    if not cache._revives:  # nothing below prefix_len can have taken the request's slots
+    if not cache.core.revives:  # nothing below prefix_len can have taken the request's slots
         if p <= req.cached_len:
             return res, None
         alloc.free(req.kv_indices[req.cached_len:p])
