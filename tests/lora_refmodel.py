@@ -1,7 +1,7 @@
 """Helpers for the LoRA tests: tiny adapters and a brute-force reference model of the pool.
 
 The reference model shares no code with the library: plain lists and sets, written from the
-rules in SPEC section 5 and ``allocators/lora_pool.py``'s docstring:
+rules in SPEC section 5 and ``allocators/lora/pool.py``'s docstring:
 
 * a batch is refused when its distinct unpinned ids exceed ``K - pinned``;
 * a missing id goes to the lowest empty slot, else evicts the first id of the policy order

@@ -1,12 +1,6 @@
-"""LoRA adapters as values: identity (``LoraUid``, ``BASE_MODEL``), weights, and the file format.
+"""One adapter's weights in host memory, and the file format.
 
-Identity. Every load of an adapter gets a fresh :class:`LoraUid` ``(name, serial)``; loading
-the same name again gives a different uid, so anything keyed by uid (slots, the radix tree's
-``extra_key`` namespace) never confuses the new weights with the old. The base model is the
-explicit singleton :data:`BASE_MODEL` (zero weights, rank 0) -- never ``None``, which in
-:class:`~allocators.lora_pool.LoraMemoryPool` means only "empty slot".
-
-Weights. An adapter adds ``scaling * B @ (A @ x)`` to the output of each target module::
+An adapter adds ``scaling * B @ (A @ x)`` to the output of each target module::
 
     A: [rank, in_features]      B: [out_features, rank]      (one pair per module name)
 
@@ -14,9 +8,6 @@ File format (``torch.save`` of plain values, read back with ``weights_only=True`
 
     {"format": "hpc-lora-v1", "rank": int, "scaling": float,
      "weights": {module_name: {"A": Tensor[rank, in], "B": Tensor[out, rank]}}}
-
-Real adapter files (PEFT safetensors) are not used here; this tiny format carries the same
-information the slot pool needs.
 """
 
 from __future__ import annotations
@@ -31,18 +22,7 @@ from typing import Any, Final
 
 import torch
 
-__all__ = [
-    "BASE_MODEL",
-    "LORA_FILE_FORMAT",
-    "AdapterId",
-    "BaseModel",
-    "LoraAdapter",
-    "LoraFormatError",
-    "LoraUid",
-    "lora_extra_key",
-    "read_adapter",
-    "save_adapter",
-]
+__all__ = ["LORA_FILE_FORMAT", "LoraAdapter", "LoraFormatError", "read_adapter", "save_adapter"]
 
 LORA_FILE_FORMAT: Final = "hpc-lora-v1"
 """The ``format`` tag written by :func:`save_adapter` and required by :func:`read_adapter`."""
@@ -50,65 +30,6 @@ LORA_FILE_FORMAT: Final = "hpc-lora-v1"
 
 class LoraFormatError(ValueError):
     """An adapter file exists but is not a valid adapter; the message names the file."""
-
-
-@dataclass(frozen=True, slots=True)
-class LoraUid:
-    """The unique id of one load of an adapter.
-
-    ``serial`` is unique within the pool that issued it (a counter that never goes back), so
-    a reload of ``name`` gets a different uid. Equality and hash include the class: a uid
-    never equals a string, so ``extra_key=uid`` cannot collide with a cache salt spelled
-    ``"name#serial"``.
-    """
-
-    name: str
-    serial: int
-
-    def __str__(self) -> str:
-        return f"{self.name}#{self.serial}"
-
-
-class BaseModel:
-    """Type of :data:`BASE_MODEL`, the base model's own slot value (zero weights, rank 0)."""
-
-    __slots__ = ()
-    _instance: BaseModel | None = None
-
-    def __new__(cls) -> BaseModel:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "BASE_MODEL"
-
-    def __reduce__(self) -> str:
-        return "BASE_MODEL"
-
-
-BASE_MODEL: Final = BaseModel()
-"""The base model (no adapter). It occupies a slot like an adapter does, with zero weights."""
-
-AdapterId = LoraUid | BaseModel
-"""What a request runs with: one loaded adapter or the base model."""
-
-
-def lora_extra_key(adapter: AdapterId) -> LoraUid | None:
-    """The radix-tree namespace (``extra_key``) for requests run with ``adapter``.
-
-    The base model uses the default namespace ``None`` (its KV is that of a model without
-    LoRA); an adapter uses its uid, so prefixes of different adapters, of different loads of
-    one name, and of the base model never share nodes.
-
-    Raises:
-        TypeError: ``adapter`` is neither a :class:`LoraUid` nor :data:`BASE_MODEL`.
-    """
-    if isinstance(adapter, BaseModel):
-        return None
-    if isinstance(adapter, LoraUid):
-        return adapter
-    raise TypeError(f"adapter must be a LoraUid or BASE_MODEL, got {type(adapter).__name__}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ._checks import check_int, check_positive_int
-from .lora_policy import make_lora_eviction_policy
+from .._checks import check_int, check_positive_int
+from .eviction_policy import make_lora_eviction_policy
 
 __all__ = [
     "DEFAULT_MAX_LORAS_PER_BATCH",

@@ -1,7 +1,7 @@
 """The serving-side surface of the LoRA pool: names, adapter files and SGLang's arguments.
 
-:class:`LoraManager` turns :class:`~allocators.lora_args.LoraArgs` into a
-:class:`~allocators.lora_pool.LoraMemoryPool`: it reads the initial ``lora_paths``, infers
+:class:`LoraManager` turns :class:`~allocators.lora.LoraArgs` into a
+:class:`~allocators.lora.LoraMemoryPool`: it reads the initial ``lora_paths``, infers
 ``max_lora_rank`` (largest initial rank) and ``lora_target_modules`` (union of the initial
 adapters' modules) when they are not given, and then serves dynamic ``load_adapter`` /
 ``unload_adapter`` / ``reload_adapter`` and pinning by name. The batch path
@@ -20,10 +20,11 @@ from typing import cast
 
 import torch
 
-from .lora_adapter import LoraAdapter, LoraUid, read_adapter
-from .lora_args import LoraArgs, LoraPathSpec
-from .lora_pool import LoraMemoryPool
-from .lora_slots import check_module_shapes
+from .identity import LoraUid
+from .pool import LoraMemoryPool
+from .serving_args import LoraArgs, LoraPathSpec
+from .slots import check_module_shapes
+from .weights import LoraAdapter, read_adapter
 
 __all__ = ["LoraManager"]
 

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .lora_adapter import BaseModel, LoraUid
+from .identity import BaseModel, LoraUid
 
 if TYPE_CHECKING:
-    from .lora_pool import LoraMemoryPool
+    from .pool import LoraMemoryPool
 
 __all__ = ["check_pool", "check_pool_weights"]
 

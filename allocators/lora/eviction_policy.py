@@ -1,7 +1,7 @@
 """LoRA slot eviction policies (SGLang's ``lora_eviction_policy``): ``lru`` (default), ``fifo``.
 
 Contract (:class:`LoraEvictionPolicy`): the policy orders the adapters that *may* be evicted
--- in :class:`~allocators.lora_pool.LoraMemoryPool`, exactly the resident unpinned ones,
+-- in :class:`~allocators.lora.LoraMemoryPool`, exactly the resident unpinned ones,
 the base-model slot included -- and picks one victim among the candidates it is given.
 
 * ``mark_used(uid)``: ``uid`` was used by a batch (tracked from now on if it was not).

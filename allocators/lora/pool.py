@@ -40,12 +40,13 @@ from typing import Any, cast
 
 import torch
 
-from ._checks import check_device, check_float_dtype, check_positive_int
-from .lora_adapter import BASE_MODEL, AdapterId, BaseModel, LoraAdapter, LoraUid
-from .lora_args import effective_max_loaded_loras
-from .lora_invariants import check_pool, check_pool_weights
-from .lora_policy import LoraEvictionPolicy, make_lora_eviction_policy
-from .lora_slots import LoraSlots, check_module_shapes
+from .._checks import check_device, check_float_dtype, check_positive_int
+from .eviction_policy import LoraEvictionPolicy, make_lora_eviction_policy
+from .identity import BASE_MODEL, AdapterId, BaseModel, LoraUid
+from .invariants import check_pool, check_pool_weights
+from .serving_args import effective_max_loaded_loras
+from .slots import LoraSlots, check_module_shapes
+from .weights import LoraAdapter
 
 __all__ = ["LoraBatch", "LoraBatchError", "LoraMemoryPool"]
 
