@@ -1,17 +1,29 @@
 """LoRA slot eviction policies (SGLang's ``lora_eviction_policy``): ``lru`` (default), ``fifo``.
 
-Contract (:class:`LoraEvictionPolicy`): the policy orders the adapters that *may* be evicted
--- in :class:`~allocators.lora.LoraMemoryPool`, exactly the resident unpinned ones,
-the base-model slot included -- and picks one victim among the candidates it is given.
+Contract (:class:`LoraEvictionPolicy`), with SGLang's semantics, so that code written against
+SGLang's policies runs unchanged:
 
-* ``mark_used(uid)``: ``uid`` was used by a batch (tracked from now on if it was not).
-* ``select_victim(candidates) -> uid``: the candidate that goes first; counts one eviction
-  (``eviction_count``), which the caller then performs (and reports with ``remove``).
-* ``remove(uid)``: ``uid`` left the slots (evicted, unloaded or pinned); forget it.
+* ``mark_used(uid)``: ``uid`` was used by a batch (tracked from now on if it was not). The base
+  model is never tracked: ``mark_used`` of it does nothing.
+* ``select_victim(candidates) -> uid``: the tracked candidate that goes first; when no
+  candidate is tracked, the base model if it is a candidate (a batch made only of adapters
+  may take the base model's slot). Candidates the policy does not track (never used, or
+  already removed) are passed over. Counts one eviction (``eviction_count``), which the
+  caller then performs (and reports with ``remove``).
+* ``remove(uid)``: ``uid`` left the slots (evicted, unloaded or pinned); forget it. An id that
+  is not tracked, the base model included, is ignored.
 
-``lru`` evicts the candidate used least recently; ``fifo`` the candidate that became
-tracked earliest (``mark_used`` on a tracked uid does not move it). Ties cannot happen: both
-keep one total order. Every call is O(tracked) at most (tracked <= ``max_loras_per_batch``).
+The base model is spelled :data:`~allocators.lora.BASE_MODEL` in this library and ``None`` in
+SGLang; the policy takes both spellings for it (it never sees an empty slot, so ``None`` means
+nothing else here).
+
+``lru`` evicts the tracked candidate used least recently; ``fifo`` the one that became tracked
+earliest (``mark_used`` on a tracked uid does not move it). Ties cannot happen: both keep one
+total order. Every call is O(tracked + candidates) at most (tracked <= ``max_loras_per_batch``).
+
+What keeps the pool sound is not the policy but what it is offered: the pool passes only
+resident adapters that are neither pinned nor needed by the batch, so a pinned or in-batch
+adapter is never a victim whatever the policy's order.
 """
 
 from __future__ import annotations
@@ -20,6 +32,8 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Collection, Hashable
 from typing import ClassVar
+
+from .identity import BASE_MODEL, BaseModel
 
 __all__ = [
     "LORA_EVICTION_POLICIES",
@@ -30,14 +44,18 @@ __all__ = [
 ]
 
 
+def _is_base_model(uid: object) -> bool:
+    return uid is None or isinstance(uid, BaseModel)
+
+
 class LoraEvictionPolicy(ABC):
     """Orders evictable adapter ids; subclasses decide what ``mark_used`` does to the order.
 
-    Ids are any hashable values (``LoraUid`` or ``BASE_MODEL`` in the pool).
+    Ids are any hashable values (``LoraUid`` in the pool); ``BASE_MODEL`` and ``None`` are the
+    base model, which is never tracked.
 
-    Errors: ``select_victim`` with no candidates, or with a candidate that is not tracked,
-    raises ``ValueError`` and changes nothing (the count included); ``remove`` of an id that is
-    not tracked raises ``ValueError``.
+    Errors: ``select_victim`` with no candidates, or with candidates none of which is tracked
+    or the base model, raises ``ValueError`` and changes nothing (the count included).
     """
 
     name: ClassVar[str]
@@ -49,41 +67,45 @@ class LoraEvictionPolicy(ABC):
 
     @abstractmethod
     def mark_used(self, uid: Hashable) -> None:
-        """Record a use of ``uid`` (start tracking it if needed). O(1)."""
+        """Record a use of ``uid`` (start tracking it if needed); the base model is ignored.
+        O(1)."""
 
     def select_victim(self, candidates: Collection[Hashable]) -> Hashable:
-        """The first candidate in the policy's order; ``eviction_count += 1``.
+        """The first tracked candidate in the policy's order, else the base model if it is a
+        candidate; ``eviction_count += 1``.
 
         Args:
-            candidates: tracked ids that may be evicted now (non-empty).
+            candidates: ids that may be evicted now (non-empty); untracked ones other than the
+                base model are passed over.
+
+        Returns:
+            One of ``candidates`` (``BASE_MODEL`` or ``None`` as spelled there for the base).
 
         Raises:
-            ValueError: ``candidates`` is empty or holds an id that is not tracked.
+            ValueError: ``candidates`` is empty, or holds neither a tracked id nor the base
+                model (nothing to choose from).
 
         Complexity: O(tracked + len(candidates)).
         """
         wanted = set(candidates)
         if not wanted:
             raise ValueError("select_victim: no candidates to evict")
-        unknown = wanted.difference(self._order)
-        if unknown:
-            raise ValueError(f"select_victim: candidates not tracked by the policy: {unknown}")
         for uid in self._order:
             if uid in wanted:
                 self.eviction_count += 1
                 return uid
-        raise AssertionError("unreachable: every candidate is tracked")
+        for base in (BASE_MODEL, None):
+            if base in wanted:
+                self.eviction_count += 1
+                return base
+        raise ValueError(
+            f"select_victim: none of the candidates {wanted} is tracked by the {self.name} "
+            "policy, and the base model is not among them"
+        )
 
     def remove(self, uid: Hashable) -> None:
-        """Stop tracking ``uid``. O(1).
-
-        Raises:
-            ValueError: ``uid`` is not tracked.
-        """
-        try:
-            del self._order[uid]
-        except KeyError:
-            raise ValueError(f"remove: {uid!r} is not tracked by the {self.name} policy") from None
+        """Stop tracking ``uid``; an untracked id (or the base model) is ignored. O(1)."""
+        self._order.pop(uid, None)
 
     def tracked(self) -> tuple[Hashable, ...]:
         """Every tracked id, next victim first. O(tracked); for checks and tests."""
@@ -105,6 +127,8 @@ class LruLoraPolicy(LoraEvictionPolicy):
     name = "lru"
 
     def mark_used(self, uid: Hashable) -> None:
+        if _is_base_model(uid):
+            return
         self._order[uid] = None
         self._order.move_to_end(uid)
 
@@ -115,7 +139,7 @@ class FifoLoraPolicy(LoraEvictionPolicy):
     name = "fifo"
 
     def mark_used(self, uid: Hashable) -> None:
-        if uid not in self._order:
+        if not _is_base_model(uid) and uid not in self._order:
             self._order[uid] = None
 
 

@@ -1,4 +1,4 @@
-"""Serving arguments around the LoRA pool, with SGLang's names and defaults (SPEC section 5).
+"""Serving arguments around the LoRA pool, with SGLang's names and defaults.
 
 ``lora_paths`` entries come in three forms (SGLang's ``--lora-paths``)::
 
