@@ -43,10 +43,11 @@ import torch
 
 from .._checks import check_device, check_float_dtype, check_positive_int
 from .eviction_policy import LoraEvictionPolicy, make_lora_eviction_policy
-from .identity import BASE_MODEL, AdapterId, BaseModel, LoraUid
+from .identity import AdapterId, BaseModel, LoraUid
 from .invariants import check_pool, check_pool_weights
+from .modules import check_module_shapes
 from .serving_args import effective_max_loaded_loras
-from .slots import LoraSlots, check_module_shapes
+from .slots import LoraSlots
 from .weights import LoraAdapter
 
 __all__ = ["LoraBatch", "LoraBatchError", "LoraMemoryPool"]

@@ -15,45 +15,15 @@ nothing of a previous occupant survives. :class:`LoraSlots` knows nothing of pin
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .._checks import check_positive_int
 from .identity import AdapterId
 from .weights import LoraAdapter
 
-__all__ = ["LoraSlots", "check_module_shapes"]
-
-
-def check_module_shapes(
-    modules: object, name: str = "target_modules"
-) -> dict[str, tuple[int, int]]:
-    """Validate ``module name -> (in_features, out_features)``; returns a plain dict copy.
-
-    Raises:
-        TypeError: not a mapping, a non-str name, a value that is not a pair of ints.
-        ValueError: empty, or a feature count ``< 1``.
-    """
-    if not isinstance(modules, Mapping):
-        raise TypeError(
-            f"{name} must map module name -> (in_features, out_features), "
-            f"got {type(modules).__name__}"
-        )
-    if not modules:
-        raise ValueError(f"{name} must name at least one module")
-    out = {}
-    for module, dims in modules.items():
-        if not isinstance(module, str) or not module:
-            raise TypeError(f"{name} keys must be non-empty str, got {module!r}")
-        if not isinstance(dims, tuple | list) or len(dims) != 2:
-            raise TypeError(f"{name}[{module!r}] must be (in_features, out_features)")
-        out[module] = (
-            check_positive_int(dims[0], f"{name}[{module!r}].in_features"),
-            check_positive_int(dims[1], f"{name}[{module!r}].out_features"),
-        )
-    return out
+__all__ = ["LoraSlots"]
 
 
 class LoraSlots:
