@@ -80,6 +80,7 @@ REPLAY_BASE_MODULES = {"q_proj": (64, 64), "v_proj": (64, 64)}
 """The replay's stand-in base model: module -> (in_features, out_features)."""
 
 _RANKS = (4, 8, 16)
+_SOURCES = {"generated": "generated", "directories": "from their directories"}
 
 
 @dataclass(frozen=True)
@@ -350,8 +351,8 @@ def render_lora_table(
         f"trace: {info.path} ({info.fmt}, {info.requests:,} requests, "
         f"{info.prompt_tokens:,} prompt tokens, block {info.block_size})",
         f"engine: page {cfg.page_size}, chunk {cfg.chunk_size:,}, concurrency {cfg.concurrency}",
-        f"LoRA: {lo.num_adapters} {source} adapters ({lo.skew}, base model {lo.base_fraction:.0%} of "
-        f"sessions), max_loras_per_batch {lo.max_loras_per_batch}, max_loaded_loras "
+        f"LoRA: {lo.num_adapters} adapters, {_SOURCES.get(source, source)} ({lo.skew}, base "
+        f"model {lo.base_fraction:.0%} of sessions), max_loras_per_batch {lo.max_loras_per_batch}, max_loaded_loras "
         f"{lo.max_loaded_loras or 'all'}, drain threshold {lo.drain_wait_threshold_s:g} s, "
         f"decode step {lo.decode_step_s * 1000:g} ms",
         "",

@@ -217,7 +217,7 @@ def test_cli_serves_adapter_directories(tmp_path: Path, capsys: pytest.CaptureFi
         "--json", str(out),
     ]  # fmt: skip
     assert main(argv) == 0
-    assert "LoRA: 3 directories adapters" in capsys.readouterr().out
+    assert "LoRA: 3 adapters, from their directories" in capsys.readouterr().out
     (run,) = json.loads(out.read_text())["runs"]
     lora = run["lora"]
     assert lora["adapters"] == "directories" and lora["num_adapters"] == 3

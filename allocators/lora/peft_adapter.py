@@ -57,7 +57,10 @@ def _check_directory(path: object) -> Path:
         raise TypeError(f"lora_path must be a str or path, got {type(path).__name__}")
     directory = Path(path)
     if not directory.exists():
-        raise FileNotFoundError(f"LoRA adapter directory not found: {str(directory)!r}")
+        raise FileNotFoundError(
+            f"LoRA adapter directory not found: {str(directory)!r} (lora_path is a local PEFT "
+            "directory; nothing is downloaded)"
+        )
     if not directory.is_dir():
         raise LoraFormatError(
             f"{str(directory)!r} is not a directory: a LoRA adapter is a PEFT directory with "
