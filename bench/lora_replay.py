@@ -173,7 +173,7 @@ def add_lora_arguments(p: argparse.ArgumentParser) -> None:
         "--max-loaded-loras",
         type=int,
         default=None,
-        help="adapters in host memory (default: all); fewer means re-reading adapter files",
+        help="adapters in host memory (default: all); fewer means re-reading adapter directories",
     )
     g.add_argument(
         "--lora-eviction-policy",
@@ -338,7 +338,7 @@ def render_lora_table(
     row("adapter slot hit rate", lambda r: f"{r.counters.slot_hit_rate:.4f}")
     row("slot loads", lambda r: f"{r.counters.slot_loads:,}")
     row("slot evictions", lambda r: f"{r.counters.slot_evictions:,}")
-    row("host loads (file reads)", lambda r: f"{r.counters.host_loads:,}")
+    row("host loads (directory reads)", lambda r: f"{r.counters.host_loads:,}")
     row("drains", lambda r: f"{r.counters.drains:,}")
     row("queue wait s mean", lambda r: f"{r.counters.wait_summary()['mean']:.2f}")
     row(

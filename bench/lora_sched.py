@@ -198,7 +198,7 @@ class LoraCounters:
     slot_hits: int = 0  # admitted with its adapter already in a slot or in the running batch
     slot_loads: int = 0  # slot fills (pool.num_loads)
     slot_evictions: int = 0  # pool.eviction_count
-    host_loads: int = 0  # adapter files read after start-up (host tier misses)
+    host_loads: int = 0  # adapter directories read after start-up (host tier misses)
     drains: int = 0
     batches: int = 0  # prepare_batch calls
     waits_s: list[float] = field(default_factory=list)
@@ -376,7 +376,7 @@ class LoraScheduler:
         return BASE_MODEL if isinstance(key, BaseModel) else self.manager.uid_of(self.names[key])
 
     def _ensure_loaded(self, key: AdapterKey) -> AdapterId:
-        """The uid of ``key``, loading its file (and unloading an idle adapter) if needed."""
+        """The uid of ``key``, reading its directory (and unloading an idle adapter) if needed."""
         if isinstance(key, BaseModel):
             return BASE_MODEL
         name = self.names[key]

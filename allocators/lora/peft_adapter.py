@@ -172,7 +172,7 @@ _KINDS = (
 def _unservable(keys: list[str], where: str) -> LoraFormatError:
     ranked = [(i, k, kind) for k in keys for i, (marker, kind) in enumerate(_KINDS) if marker in k]
     _, key, kind = min(ranked) if ranked else (0, keys[0], "not a LoRA weight of a linear module")
-    more = f" ({len(keys) - 1} more keys of other kinds)" if len(keys) > 1 else ""
+    more = f" (and {len(keys) - 1} more keys that cannot be served)" if len(keys) > 1 else ""
     return LoraFormatError(
         f"{where!r}: tensor {key!r} is {kind}{more}; only {_PREFIX}<module>.lora_A.weight / "
         ".lora_B.weight can be served"
