@@ -15,11 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("peft", reason="the tests of real adapters make them with PEFT")
-pytest.importorskip("transformers", reason="PEFT adapters are made on a transformers model")
-pytest.importorskip("safetensors", reason="PEFT adapter directories are safetensors files")
-
-from allocators.lora import (  # noqa: E402
+from allocators.lora import (
     BASE_MODEL,
     LoraAdapter,
     LoraArgs,
@@ -29,7 +25,7 @@ from allocators.lora import (  # noqa: E402
     read_peft_adapter,
     write_peft_adapter,
 )
-from tests.lora_peft_helpers import (  # noqa: E402
+from tests.lora_peft_helpers import (
     ATTENTION,
     LAYERS,
     MLP,
@@ -38,6 +34,10 @@ from tests.lora_peft_helpers import (  # noqa: E402
     save_peft_adapter,
     tiny_model,
 )
+
+pytest.importorskip("peft", reason="the tests of real adapters make them with PEFT")
+pytest.importorskip("transformers", reason="PEFT adapters are made on a transformers model")
+pytest.importorskip("safetensors", reason="PEFT adapter directories are safetensors files")
 
 # name -> PEFT LoraConfig keywords (init_lora_weights=False: B is not zero)
 ADAPTERS = {

@@ -12,13 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("peft", reason="the bad adapters are made with PEFT")
-pytest.importorskip("transformers", reason="PEFT adapters are made on a transformers model")
-pytest.importorskip("safetensors", reason="PEFT adapter directories are safetensors files")
-
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from allocators.lora import (  # noqa: E402
+from allocators.lora import (
     LoraAdapter,
     LoraArgs,
     LoraFormatError,
@@ -27,7 +21,11 @@ from allocators.lora import (  # noqa: E402
     read_peft_adapter,
     write_peft_adapter,
 )
-from tests.lora_peft_helpers import save_peft_adapter, tiny_model  # noqa: E402
+from tests.lora_peft_helpers import save_peft_adapter, tiny_model
+
+pytest.importorskip("peft", reason="the bad adapters are made with PEFT")
+pytest.importorskip("transformers", reason="PEFT adapters are made on a transformers model")
+pytest.importorskip("safetensors", reason="PEFT adapter directories are safetensors files")
 
 CFG = r"adapter_config\.json'"
 WTS = r"adapter_model\.safetensors'"
@@ -46,6 +44,8 @@ def qv8(d: Path) -> Path:
 
 
 def drop_key(d: Path, key: str) -> Path:
+    from safetensors.torch import load_file, save_file
+
     tensors = load_file(str(d / "adapter_model.safetensors"))
     del tensors[key]
     save_file(tensors, str(d / "adapter_model.safetensors"))
