@@ -1,23 +1,13 @@
 """Allocators and pools: ``n -> slots | None`` and ``slots -> tensors``.
 
-See ``allocators/README.md`` for the contract of each layer.
+See ``allocators/README.md`` for the contract of each layer. The LoRA adapter slots live in
+the subpackage :mod:`allocators.lora` (import them from there).
 """
 
 from __future__ import annotations
 
 from .base import AllocatorSnapshot, SlotAllocator
 from .kv_pool import KVPool
-from .lora import (
-    BASE_MODEL,
-    LoraAdapter,
-    LoraArgs,
-    LoraBatch,
-    LoraBatchError,
-    LoraManager,
-    LoraMemoryPool,
-    LoraUid,
-    lora_extra_key,
-)
 from .state_pool import MambaStatePool
 from .swa import SWAAllocator, SWAAllocatorSnapshot
 from .token_allocator import PagedAllocator, TokenAllocator
@@ -26,15 +16,7 @@ from .txn import AllocTxn, alloc_all
 __all__ = [
     "AllocTxn",
     "AllocatorSnapshot",
-    "BASE_MODEL",
     "KVPool",
-    "LoraAdapter",
-    "LoraArgs",
-    "LoraBatch",
-    "LoraBatchError",
-    "LoraManager",
-    "LoraMemoryPool",
-    "LoraUid",
     "MambaStatePool",
     "PagedAllocator",
     "SWAAllocator",
@@ -42,5 +24,4 @@ __all__ = [
     "SlotAllocator",
     "TokenAllocator",
     "alloc_all",
-    "lora_extra_key",
 ]

@@ -1,4 +1,4 @@
-"""The trace replay with LoRA adapters: ``python -m bench.replay --adapters N ...``.
+"""The trace replay with LoRA adapters: ``python -m bench.replay --adapters N|DIR... ...``.
 
 Each request runs through an adapter (:func:`bench.lora_sched.assign_adapters`); the
 :class:`~bench.lora_sched.LoraScheduler` batches requests so their adapters fit
@@ -6,14 +6,23 @@ Each request runs through an adapter (:func:`bench.lora_sched.assign_adapters`);
 them to the prefix-cache engine with the adapter's uid as ``extra_key``. One run per
 (radix policy, memory size, LoRA eviction policy); the table reads LoRA policies side by side.
 
-Adapters are tiny real files (:func:`write_replay_adapters`, ``q_proj`` / ``v_proj`` of a
-64-wide model, ranks 4 / 8 / 16) written to a temporary directory, so every slot fill is a real
-tensor copy; their size does not affect the counts reported.
+``--adapters`` takes either a count ``N`` or adapter directories:
 
-Example::
+* ``N``: generated adapters (:func:`write_replay_adapters`, ``q_proj`` / ``v_proj`` of a
+  64-wide model, ranks 4 / 8 / 16), written as PEFT directories to a temporary directory, so
+  every host load reads a real safetensors file and every slot fill is a real tensor copy;
+  their size does not affect the counts reported.
+* ``DIR ...``: real PEFT adapter directories, in any ``lora_paths`` form (``PATH``,
+  ``NAME=PATH``, JSON ``{"lora_name", "lora_path"}``; pinning is not modelled). The replay's
+  stand-in base model is then the modules the adapters target, with their shapes (adapters
+  that disagree on a module's shape are refused), and ``max_lora_rank`` their largest rank.
+
+Examples::
 
     python -m bench.replay --max-requests 2000 --adapters 32 --adapter-skew zipf:1.1 \\
         --max-loras-per-batch 8 --lora-eviction-policy lru fifo --policy lru
+    python -m bench.replay --max-requests 2000 --adapters sql=/ckpt/sql chat=/ckpt/chat \\
+        /ckpt/code --max-loras-per-batch 2
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import resource
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -33,7 +42,13 @@ from typing import Any, TextIO
 import torch
 from tqdm import tqdm
 
-from allocators.lora import LoraAdapter, save_adapter
+from allocators.lora import (
+    LoraAdapter,
+    LoraPathSpec,
+    parse_lora_paths,
+    read_peft_adapter,
+    write_peft_adapter,
+)
 from bench.bounds import Bounds
 from bench.engine import EngineConfig, ReplayEngine
 from bench.lora_sched import (
@@ -51,9 +66,11 @@ from bench.traces import TraceRequest
 __all__ = [
     "REPLAY_BASE_MODULES",
     "LoraRunResult",
+    "ReplayAdapters",
     "add_lora_arguments",
     "lora_replay_configs",
     "render_lora_table",
+    "replay_adapters_from_dirs",
     "replay_lora_one",
     "run_lora_replays",
     "write_replay_adapters",
@@ -63,11 +80,31 @@ REPLAY_BASE_MODULES = {"q_proj": (64, 64), "v_proj": (64, 64)}
 """The replay's stand-in base model: module -> (in_features, out_features)."""
 
 _RANKS = (4, 8, 16)
+_SOURCES = {"generated": "generated", "directories": "from their directories"}
+
+
+@dataclass(frozen=True)
+class ReplayAdapters:
+    """The adapters one LoRA replay serves.
+
+    Attributes:
+        names: serving name of adapter ``k`` (requests are assigned indices ``k``).
+        paths: PEFT directory of adapter ``k``.
+        base_modules: the stand-in base model: module path -> ``(in_features, out_features)``.
+        max_lora_rank: the largest rank among the adapters.
+        source: ``"generated"`` or ``"directories"`` (for the report).
+    """
+
+    names: tuple[str, ...]
+    paths: tuple[str, ...]
+    base_modules: Mapping[str, tuple[int, int]]
+    max_lora_rank: int
+    source: str
 
 
 def write_replay_adapters(directory: str | Path, n: int, seed: int = 0) -> tuple[list[str], int]:
-    """Write ``n`` adapter files (adapter ``k`` has rank ``(4, 8, 16)[k % 3]``); returns their
-    paths and the largest rank."""
+    """Write ``n`` PEFT adapter directories (adapter ``k`` has rank ``(4, 8, 16)[k % 3]``);
+    returns their paths and the largest rank."""
     gen = torch.Generator().manual_seed(seed)
     paths = []
     for k in range(n):
@@ -76,17 +113,56 @@ def write_replay_adapters(directory: str | Path, n: int, seed: int = 0) -> tuple
             m: (torch.randn(r, i, generator=gen), torch.randn(o, r, generator=gen))
             for m, (i, o) in REPLAY_BASE_MODULES.items()
         }
-        path = Path(directory) / f"{adapter_name(k)}.pt"
-        save_adapter(path, LoraAdapter(weights, scaling=2.0 / r))
+        path = Path(directory) / adapter_name(k)
+        write_peft_adapter(path, LoraAdapter(weights, scaling=2.0 / r))
         paths.append(str(path))
     return paths, max(_RANKS[: min(n, len(_RANKS))])
+
+
+def generated_replay_adapters(directory: str | Path, n: int, seed: int = 0) -> ReplayAdapters:
+    """:func:`write_replay_adapters` as a :class:`ReplayAdapters` over ``REPLAY_BASE_MODULES``."""
+    paths, max_rank = write_replay_adapters(directory, n, seed)
+    names = tuple(adapter_name(k) for k in range(n))
+    return ReplayAdapters(names, tuple(paths), REPLAY_BASE_MODULES, max_rank, "generated")
+
+
+def replay_adapters_from_dirs(specs: Sequence[LoraPathSpec]) -> ReplayAdapters:
+    """Read every adapter directory once: the base modules they fit and their largest rank.
+
+    Raises:
+        FileNotFoundError / LoraFormatError: a directory is missing or not a LoRA adapter.
+        ValueError: two adapters disagree on a module's shape.
+    """
+    base: dict[str, tuple[int, int]] = {}
+    owner: dict[str, str] = {}
+    max_rank = 0
+    for spec in specs:
+        adapter = read_peft_adapter(spec.path)
+        max_rank = max(max_rank, adapter.rank)
+        for module, (a, b) in adapter.weights.items():
+            shape = (int(a.shape[1]), int(b.shape[0]))
+            if base.setdefault(module, shape) != shape:
+                raise ValueError(
+                    f"--adapters {spec.name!r} has {module!r} of (in, out) = {shape}, but "
+                    f"{owner[module]!r} has {base[module]}: not adapters of one base model"
+                )
+            owner.setdefault(module, spec.name)
+    names = tuple(s.name for s in specs)
+    return ReplayAdapters(names, tuple(s.path for s in specs), base, max_rank, "directories")
 
 
 # --------------------------------------------------------------------------- CLI
 def add_lora_arguments(p: argparse.ArgumentParser) -> None:
     """The LoRA options of ``bench.replay`` (all inert unless ``--adapters`` > 0)."""
-    g = p.add_argument_group("LoRA adapters (SPEC 5; on with --adapters N)")
-    g.add_argument("--adapters", type=int, default=0, help="distinct adapters (default 0: off)")
+    g = p.add_argument_group("LoRA adapters (on with --adapters)")
+    g.add_argument(
+        "--adapters",
+        nargs="+",
+        default=None,
+        metavar="N|DIR",
+        help="N generated adapters, or PEFT adapter directories as PATH, NAME=PATH or JSON "
+        '{"lora_name", "lora_path"} (default: off)',
+    )
     g.add_argument(
         "--adapter-skew",
         default="zipf:1.1",
@@ -97,7 +173,7 @@ def add_lora_arguments(p: argparse.ArgumentParser) -> None:
         "--max-loaded-loras",
         type=int,
         default=None,
-        help="adapters in host memory (default: all); fewer means re-reading adapter files",
+        help="adapters in host memory (default: all); fewer means re-reading adapter directories",
     )
     g.add_argument(
         "--lora-eviction-policy",
@@ -125,21 +201,27 @@ def add_lora_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def lora_replay_configs(args: argparse.Namespace) -> list[LoraReplayConfig] | None:
-    """One config per ``--lora-eviction-policy``, or ``None`` when ``--adapters`` is 0.
+    """One config per ``--lora-eviction-policy``, or ``None`` without ``--adapters`` (or 0).
 
     Raises:
         ValueError: a bad LoRA option (or ``--plot``, which LoRA runs do not draw).
+        FileNotFoundError: an adapter directory that does not exist.
     """
-    if not args.adapters:
+    count, specs = _parse_adapters(args.adapters)
+    if count == 0:
         return None
-    if args.adapters < 0:
-        raise ValueError(f"--adapters must be >= 0, got {args.adapters}")
     if getattr(args, "plot", None) is not None:
         raise ValueError("--plot is not supported with --adapters")
+    for spec in specs:
+        if spec.pinned:
+            raise ValueError(f"--adapters {spec.name!r}: pinning is not modelled by the replay")
+        if not Path(spec.path).exists():
+            raise FileNotFoundError(f"--adapters: LoRA adapter directory not found: {spec.path!r}")
     skew = parse_adapter_skew(args.adapter_skew)
     return [
         LoraReplayConfig(
-            num_adapters=args.adapters,
+            num_adapters=count,
+            adapter_dirs=specs,
             skew=skew,
             max_loras_per_batch=args.max_loras_per_batch,
             max_loaded_loras=args.max_loaded_loras,
@@ -151,6 +233,23 @@ def lora_replay_configs(args: argparse.Namespace) -> list[LoraReplayConfig] | No
         )
         for policy in args.lora_eviction_policy
     ]
+
+
+def _parse_adapters(values: Sequence[str] | None) -> tuple[int, tuple[LoraPathSpec, ...]]:
+    """``--adapters`` as ``(count, directories)``: ``N`` -> ``(N, ())``, entries -> specs."""
+    if not values:
+        return 0, ()
+    if len(values) == 1:
+        try:
+            count = int(values[0])
+        except ValueError:
+            pass
+        else:
+            if count < 0:
+                raise ValueError(f"--adapters must be >= 0, got {count}")
+            return count, ()
+    specs = parse_lora_paths(list(values))
+    return len(specs), specs
 
 
 # --------------------------------------------------------------------------- runs
@@ -171,8 +270,7 @@ def replay_lora_one(
     trace: Sequence[TraceRequest],
     config: EngineConfig,
     lora: LoraReplayConfig,
-    adapter_paths: Sequence[str],
-    max_lora_rank: int,
+    adapters: ReplayAdapters,
     progress: bool | None = None,
 ) -> LoraRunResult:
     """Replay ``trace`` with adapters through a fresh cache and a fresh LoRA pool.
@@ -182,9 +280,14 @@ def replay_lora_one(
     """
     engine = ReplayEngine(config)
     sched = LoraScheduler(
-        lora, config.concurrency, adapter_paths, REPLAY_BASE_MODULES, max_lora_rank
+        lora,
+        config.concurrency,
+        adapters.paths,
+        dict(adapters.base_modules),
+        adapters.max_lora_rank,
+        names=adapters.names,
     )
-    adapters = assign_adapters(trace, lora)
+    assignment = assign_adapters(trace, lora)
     start = time.perf_counter()
     with tqdm(
         total=len(trace),
@@ -195,7 +298,7 @@ def replay_lora_one(
         disable=None if progress is None else not progress,
         leave=False,
     ) as bar:
-        counters = sched.run(trace, adapters, engine, on_admit=bar.update)
+        counters = sched.run(trace, assignment, engine, on_admit=bar.update)
     wall = time.perf_counter() - start
     engine.cache.sanity_check()
     if engine.cache.protected_size():
@@ -211,7 +314,9 @@ def replay_lora_one(
     return LoraRunResult(run, lora, counters)
 
 
-def render_lora_table(info: TraceInfo, results: Sequence[LoraRunResult], bounds: Bounds) -> str:
+def render_lora_table(
+    info: TraceInfo, results: Sequence[LoraRunResult], bounds: Bounds, source: str = "generated"
+) -> str:
     """Header lines and one column per run (``radix policy / LoRA policy``)."""
     lo = results[0].lora
     cfg = results[0].run.config
@@ -233,7 +338,7 @@ def render_lora_table(info: TraceInfo, results: Sequence[LoraRunResult], bounds:
     row("adapter slot hit rate", lambda r: f"{r.counters.slot_hit_rate:.4f}")
     row("slot loads", lambda r: f"{r.counters.slot_loads:,}")
     row("slot evictions", lambda r: f"{r.counters.slot_evictions:,}")
-    row("host loads (file reads)", lambda r: f"{r.counters.host_loads:,}")
+    row("host loads (directory reads)", lambda r: f"{r.counters.host_loads:,}")
     row("drains", lambda r: f"{r.counters.drains:,}")
     row("queue wait s mean", lambda r: f"{r.counters.wait_summary()['mean']:.2f}")
     row(
@@ -246,8 +351,8 @@ def render_lora_table(info: TraceInfo, results: Sequence[LoraRunResult], bounds:
         f"trace: {info.path} ({info.fmt}, {info.requests:,} requests, "
         f"{info.prompt_tokens:,} prompt tokens, block {info.block_size})",
         f"engine: page {cfg.page_size}, chunk {cfg.chunk_size:,}, concurrency {cfg.concurrency}",
-        f"LoRA: {lo.num_adapters} adapters ({lo.skew}, base model {lo.base_fraction:.0%} of "
-        f"sessions), max_loras_per_batch {lo.max_loras_per_batch}, max_loaded_loras "
+        f"LoRA: {lo.num_adapters} adapters, {_SOURCES.get(source, source)} ({lo.skew}, base "
+        f"model {lo.base_fraction:.0%} of sessions), max_loras_per_batch {lo.max_loras_per_batch}, max_loaded_loras "
         f"{lo.max_loaded_loras or 'all'}, drain threshold {lo.drain_wait_threshold_s:g} s, "
         f"decode step {lo.decode_step_s * 1000:g} ms",
         "",
@@ -278,22 +383,35 @@ def run_lora_replays(
     json_target: str | None,
     progress: bool | None,
 ) -> int:
-    """Every (engine config, LoRA config) run; print the table, write JSON; exit status 0."""
+    """Every (engine config, LoRA config) run; print the table, write JSON; exit status 0, or
+    2 when an adapter directory cannot be served (the message on stderr)."""
     results = []
     with tempfile.TemporaryDirectory(prefix="hpc-lora-") as tmp:
-        paths, max_rank = write_replay_adapters(tmp, loras[0].num_adapters, loras[0].seed)
+        first = loras[0]
+        try:
+            adapters = (
+                replay_adapters_from_dirs(first.adapter_dirs)
+                if first.adapter_dirs
+                else generated_replay_adapters(tmp, first.num_adapters, first.seed)
+            )
+        except (FileNotFoundError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         for config in configs:
             for lora in loras:
                 gc.collect()
-                results.append(replay_lora_one(trace, config, lora, paths, max_rank, progress))
+                results.append(replay_lora_one(trace, config, lora, adapters, progress))
     out: TextIO = sys.stderr if json_target == "-" else sys.stdout
-    print(render_lora_table(info, results, bounds), file=out)
+    print(render_lora_table(info, results, bounds, adapters.source), file=out)
     if json_target is not None:
         payload = to_json_dict(info, [r.run for r in results], bounds, notes_bounds)
         for run_json, r in zip(payload["runs"], results, strict=True):
             run_json["lora"] = {
                 "eviction_policy": r.lora.eviction_policy,
                 "num_adapters": r.lora.num_adapters,
+                "adapters": adapters.source,
+                "adapter_paths": list(adapters.paths) if r.lora.adapter_dirs else None,
+                "max_lora_rank": adapters.max_lora_rank,
                 "skew": str(r.lora.skew),
                 "max_loras_per_batch": r.lora.max_loras_per_batch,
                 "max_loaded_loras": r.lora.max_loaded_loras,

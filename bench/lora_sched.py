@@ -1,8 +1,8 @@
-"""The LoRA-aware scheduler of the trace replay (SPEC sections 5 and 7).
+"""The LoRA-aware scheduler of the trace replay.
 
 Requests get adapters (:func:`assign_adapters`); the scheduler decides which run together so
 that every batch's adapters fit ``max_loras_per_batch`` slots, drives a real
-:class:`~allocators.lora.LoraManager` (adapter files, host tier, device slots), and feeds the
+:class:`~allocators.lora.LoraManager` (PEFT adapter directories, host tier, device slots), and feeds the
 admitted requests to the prefix-cache engine with their adapter's uid as ``extra_key``.
 
 Time model (simulated seconds; no model runs)::
@@ -25,7 +25,7 @@ and finishes at one instant, finishes first):
 
 Host tier: adapters ``0 .. max_loaded_loras-1`` are loaded at start; a request for an adapter
 that is not loaded unloads the least recently admitted loaded adapter with nothing running and
-loads its file again -- a new uid, hence a new (empty) prefix namespace, as in a real engine.
+reads its directory again -- a new uid, hence a new (empty) prefix namespace, as in a real engine.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from allocators.lora import (
     BaseModel,
     LoraArgs,
     LoraManager,
+    LoraPathSpec,
     lora_extra_key,
 )
 from bench.engine import ReplayEngine
@@ -116,6 +117,8 @@ class LoraReplayConfig:
         base_fraction: share of sessions served by the base model, in ``[0, 1]``.
         decode_step_s: simulated time per decode step [s].
         seed: seeds the adapter assignment and the adapter weights.
+        adapter_dirs: real adapter directories (``num_adapters`` of them), or ``()`` for
+            generated adapters.
     """
 
     num_adapters: int
@@ -127,12 +130,17 @@ class LoraReplayConfig:
     base_fraction: float = 0.0
     decode_step_s: float = 0.02
     seed: int = 0
+    adapter_dirs: tuple[LoraPathSpec, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.num_adapters, bool) or not isinstance(self.num_adapters, int):
             raise TypeError(f"num_adapters must be an int, got {type(self.num_adapters).__name__}")
         if self.num_adapters < 1:
             raise ValueError(f"num_adapters must be >= 1, got {self.num_adapters}")
+        if self.adapter_dirs and len(self.adapter_dirs) != self.num_adapters:
+            raise ValueError(
+                f"{len(self.adapter_dirs)} adapter_dirs for num_adapters={self.num_adapters}"
+            )
         if not isinstance(self.skew, AdapterSkew):
             raise TypeError(f"skew must be an AdapterSkew, got {type(self.skew).__name__}")
         if not 0.0 <= self.base_fraction <= 1.0:
@@ -141,7 +149,9 @@ class LoraReplayConfig:
             raise ValueError(f"decode_step_s must be > 0, got {self.decode_step_s}")
         self.lora_args([])  # validates the SGLang-side arguments (no adapters needed)
 
-    def lora_args(self, lora_paths: Sequence[str], max_lora_rank: int | None = None) -> LoraArgs:
+    def lora_args(
+        self, lora_paths: Sequence[str | LoraPathSpec], max_lora_rank: int | None = None
+    ) -> LoraArgs:
         """The serving arguments for this replay with the given initial ``lora_paths``
         (``max_lora_rank``: the largest rank of every adapter, loaded now or later)."""
         return LoraArgs(
@@ -188,7 +198,7 @@ class LoraCounters:
     slot_hits: int = 0  # admitted with its adapter already in a slot or in the running batch
     slot_loads: int = 0  # slot fills (pool.num_loads)
     slot_evictions: int = 0  # pool.eviction_count
-    host_loads: int = 0  # adapter files read after start-up (host tier misses)
+    host_loads: int = 0  # adapter directories read after start-up (host tier misses)
     drains: int = 0
     batches: int = 0  # prepare_batch calls
     waits_s: list[float] = field(default_factory=list)
@@ -223,8 +233,9 @@ class LoraCounters:
 class LoraScheduler:
     """Runs one replay's schedule (see the module docstring) over a fresh :class:`LoraManager`.
 
-    ``adapter_paths[k]`` is the file of adapter ``k``; ``base_modules`` the base model's
-    module shapes the files fit; ``max_lora_rank`` the largest rank among the files.
+    ``adapter_paths[k]`` is the PEFT directory of adapter ``k``, served as ``names[k]``
+    (default :func:`adapter_name`); ``base_modules`` the base model's module shapes the
+    adapters fit; ``max_lora_rank`` the largest rank among them.
     """
 
     def __init__(
@@ -234,14 +245,19 @@ class LoraScheduler:
         adapter_paths: Sequence[str],
         base_modules: dict[str, tuple[int, int]],
         max_lora_rank: int,
+        names: Sequence[str] | None = None,
     ) -> None:
         if len(adapter_paths) != cfg.num_adapters:
-            raise ValueError(f"{len(adapter_paths)} adapter files for {cfg.num_adapters} adapters")
+            raise ValueError(f"{len(adapter_paths)} adapter paths for {cfg.num_adapters} adapters")
         self.cfg = cfg
         self.concurrency = concurrency
         self.paths = list(adapter_paths)
+        default = [adapter_name(k) for k in range(len(self.paths))]
+        self.names = default if names is None else list(names)
+        if len(self.names) != len(self.paths):
+            raise ValueError(f"{len(self.names)} names for {len(self.paths)} adapter paths")
         first = cfg.num_adapters if cfg.max_loaded_loras is None else cfg.max_loaded_loras
-        initial = [f"{adapter_name(k)}={p}" for k, p in enumerate(self.paths[:first])]
+        initial = [LoraPathSpec(self.names[k], p) for k, p in enumerate(self.paths[:first])]
         self.manager = LoraManager(cfg.lora_args(initial, max_lora_rank), base_modules)
         self.pool = self.manager.pool
         self.host_lru: OrderedDict[int, None] = OrderedDict.fromkeys(
@@ -357,20 +373,20 @@ class LoraScheduler:
             self.counters.drains += 1
 
     def _uid(self, key: AdapterKey) -> AdapterId:
-        return BASE_MODEL if isinstance(key, BaseModel) else self.manager.uid_of(adapter_name(key))
+        return BASE_MODEL if isinstance(key, BaseModel) else self.manager.uid_of(self.names[key])
 
     def _ensure_loaded(self, key: AdapterKey) -> AdapterId:
-        """The uid of ``key``, loading its file (and unloading an idle adapter) if needed."""
+        """The uid of ``key``, reading its directory (and unloading an idle adapter) if needed."""
         if isinstance(key, BaseModel):
             return BASE_MODEL
-        name = adapter_name(key)
+        name = self.names[key]
         if name in self.manager.name_to_uid:
             self.host_lru.move_to_end(key)
             return self.manager.uid_of(name)
         cap = self.pool.max_loaded_loras
         if cap is not None and len(self.pool.loaded_uids()) >= cap:
             victim = next(a for a in self.host_lru if a not in self.running_by_key)
-            self.manager.unload_adapter(adapter_name(victim))
+            self.manager.unload_adapter(self.names[victim])
             del self.host_lru[victim]
         self.host_lru[key] = None
         self.counters.host_loads += 1

@@ -1,13 +1,13 @@
 """Helpers for the LoRA tests: tiny adapters and a brute-force reference model of the pool.
 
 The reference model shares no code with the library: plain lists and sets, written from the
-rules in SPEC section 5 and ``allocators/lora_pool.py``'s docstring:
+serving rules (SGLang's) and ``allocators/lora/pool.py``'s docstring:
 
 * a batch is refused when its distinct unpinned ids exceed ``K - pinned``;
 * a missing id goes to the lowest empty slot, else evicts the first id of the policy order
   that is resident, unpinned and not in the batch, adapters before the base model;
-* after loading, the batch's unpinned ids are marked used in batch order (lru: move to the
-  back; fifo: append when absent);
+* after loading, the batch's unpinned adapters are marked used in batch order (lru: move to
+  the back; fifo: append when absent); the base model is never in the order;
 * pinning loads now (same slot rule, protecting only the pinned id) and leaves the order;
   unpinning appends to the order; at most ``K - 1`` pins; a reload re-pinned counts once.
 """
@@ -66,15 +66,19 @@ class RefPool:
             return self.slots.index(None), None
         cands = [u for u in self.slots if u not in protect and u not in self.pinned]
         adapters = [u for u in cands if u is not BASE_MODEL]
-        pool = adapters or cands
-        victim = next(u for u in self.order if u in pool)
-        self.order.remove(victim)
+        if adapters:
+            victim = next(u for u in self.order if u in adapters)
+            self.order.remove(victim)
+        else:
+            victim = BASE_MODEL  # the only candidate left; never in the order
         self.evictions += 1
         slot = self.slots.index(victim)
         self.slots[slot] = None
         return slot, victim
 
     def _use(self, uid: object) -> None:
+        if uid is BASE_MODEL:
+            return
         if self.policy == "lru":
             if uid in self.order:
                 self.order.remove(uid)

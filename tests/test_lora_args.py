@@ -119,6 +119,12 @@ def test_target_modules_forms() -> None:
         LoraArgs(lora_paths=["/p"], lora_target_modules=3)
 
 
+def test_all_linear_is_taken_as_all_as_sglang_does() -> None:
+    assert LoraArgs(lora_paths=["/p"], lora_target_modules="all-linear").lora_target_modules == "all"
+    with pytest.raises(ValueError, match="'all' cannot be combined"):
+        LoraArgs(lora_paths=["/p"], lora_target_modules=["all-linear", "q_proj"])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "exc", "msg"),
     [

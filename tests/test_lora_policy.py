@@ -1,10 +1,13 @@
-"""LoRA eviction policies on their own: exact victim order for lru and fifo, counts, errors."""
+"""LoRA eviction policies on their own: exact victim order for lru and fifo, counts, errors,
+the base model and unknown ids (SGLang's semantics; SGLang's own cases are in
+``tests/test_lora_policy_sglang.py``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from allocators.lora import (
+    BASE_MODEL,
     LORA_EVICTION_POLICIES,
     FifoLoraPolicy,
     LruLoraPolicy,
@@ -46,11 +49,30 @@ def test_misuse_raises_and_changes_nothing(cls) -> None:
     p.mark_used("a")
     with pytest.raises(ValueError, match="no candidates"):
         p.select_victim(set())
-    with pytest.raises(ValueError, match="not tracked"):
-        p.select_victim({"a", "zz"})
-    with pytest.raises(ValueError, match="not tracked"):
-        p.remove("zz")
+    with pytest.raises(ValueError, match="none of the candidates .* is tracked"):
+        p.select_victim({"zz", "yy"})  # neither tracked nor the base model
     assert p.tracked() == ("a",) and p.eviction_count == 0
+
+
+@pytest.mark.parametrize("cls", [LruLoraPolicy, FifoLoraPolicy])
+@pytest.mark.parametrize("base", [BASE_MODEL, None])
+def test_base_model_and_unknown_ids_as_sglang_treats_them(cls, base) -> None:
+    # SGLang spells the base model None, this library BASE_MODEL: both are never tracked.
+    p = cls()
+    p.mark_used(base)
+    p.mark_used("a")
+    p.mark_used(base)
+    assert p.tracked() == ("a",)
+    # An untracked candidate ("zz": never used or already removed) is passed over.
+    assert p.select_victim({"zz", "a", base}) == "a"
+    p.remove("a")
+    p.remove("a")  # unknown ids are ignored
+    p.remove("zz")
+    p.remove(base)
+    assert p.tracked() == ()
+    # Nothing tracked among the candidates: the base model goes.
+    assert p.select_victim({"zz", base}) is base
+    assert p.eviction_count == 2
 
 
 def test_registry_and_factory() -> None:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from allocators.lora import BASE_MODEL
 from bench.engine import EngineConfig, ReplayEngine
@@ -37,6 +38,7 @@ def req(t: float, out: int, first_block: int, n_blocks: int = 2, block: int = 4)
 
 @pytest.fixture(scope="module")
 def adapter_files(tmp_path_factory) -> tuple[list[str], int]:
+    pytest.importorskip("safetensors", reason="PEFT adapter directories are safetensors files")
     return write_replay_adapters(tmp_path_factory.mktemp("adapters"), 4, seed=0)
 
 
@@ -173,3 +175,75 @@ def test_cli_refuses_bad_lora_options(bad: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--max-requests", "1", "--adapters", "4", "--no-progress", *bad])
     assert exc.value.code == 2
+
+
+# ---------------------------------------------------------------------- real adapter directories
+def _small_trace(tmp_path: Path) -> Path:
+    rows = [
+        {"timestamp": i // 4, "input_length": 1000, "output_length": 20 + i, "hash_ids": [0, 1 + i]}
+        for i in range(16)
+    ]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return trace
+
+
+def test_cli_serves_adapter_directories(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("safetensors", reason="PEFT adapter directories are safetensors files")
+    from allocators.lora import LoraAdapter, write_peft_adapter
+
+    gen = torch.Generator().manual_seed(0)
+
+    def adapter(rank: int, modules: tuple[str, ...]) -> LoraAdapter:
+        return LoraAdapter(
+            {m: (torch.randn(rank, 16, generator=gen), torch.randn(24, rank, generator=gen))
+             for m in modules}
+        )  # fmt: skip
+
+    q = ("model.layers.0.self_attn.q_proj",)
+    qv = (*q, "model.layers.0.self_attn.v_proj")
+    paths = [
+        write_peft_adapter(tmp_path / "sql", adapter(8, q)),
+        write_peft_adapter(tmp_path / "chat", adapter(16, qv)),
+        write_peft_adapter(tmp_path / "code", adapter(4, qv)),
+    ]
+    entries = [f"sql={paths[0]}", json.dumps({"lora_name": "chat", "lora_path": str(paths[1])}),
+               str(paths[2])]  # fmt: skip
+    out = tmp_path / "r.json"
+    argv = [
+        "--trace", str(_small_trace(tmp_path)), "--adapters", *entries,
+        "--max-loras-per-batch", "2", "--lora-eviction-policy", "lru", "--concurrency", "4",
+        "--policy", "lru", "--kv-tokens", "100K", "--state-slots", "16", "--no-progress",
+        "--json", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    assert "LoRA: 3 adapters, from their directories" in capsys.readouterr().out
+    (run,) = json.loads(out.read_text())["runs"]
+    lora = run["lora"]
+    assert lora["adapters"] == "directories" and lora["num_adapters"] == 3
+    assert lora["adapter_paths"] == [str(p) for p in paths] and lora["max_lora_rank"] == 16
+    assert lora["requests"] == 16 and lora["slot_evictions"] > 0
+
+
+def test_cli_refuses_adapter_directories_it_cannot_serve(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("safetensors", reason="PEFT adapter directories are safetensors files")
+    from allocators.lora import LoraAdapter, write_peft_adapter
+
+    trace = str(_small_trace(tmp_path))
+    base = ["--trace", trace, "--no-progress", "--policy", "lru", "--kv-tokens", "100K"]
+    with pytest.raises(SystemExit) as exc:
+        main([*base, "--adapters", str(tmp_path / "nowhere")])
+    assert exc.value.code == 2
+    assert "LoRA adapter directory not found" in capsys.readouterr().err
+    narrow = write_peft_adapter(tmp_path / "a", LoraAdapter({"q": (torch.ones(2, 8), torch.ones(8, 2))}))
+    wide = write_peft_adapter(tmp_path / "b", LoraAdapter({"q": (torch.ones(2, 16), torch.ones(8, 2))}))
+    assert main([*base, "--adapters", str(narrow), str(wide)]) == 2
+    assert "has 'q' of (in, out) = (16, 8)" in capsys.readouterr().err
+    (narrow / "adapter_config.json").write_text('{"peft_type": "IA3"}')
+    assert main([*base, "--adapters", str(narrow)]) == 2
+    assert "peft_type='IA3'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main([*base, "--adapters", json.dumps({"lora_name": "a", "lora_path": str(wide), "pinned": True})])
+    assert exc.value.code == 2 and "pinning is not modelled" in capsys.readouterr().err

@@ -9,7 +9,8 @@ from array import array
 import pytest
 import torch
 
-from allocators import KVPool, LoraUid, MambaStatePool
+from allocators import KVPool, MambaStatePool
+from allocators.lora import LoraUid
 from hicache.storage import (
     CorruptPage,
     chain_seed,

@@ -1,4 +1,4 @@
-"""The LoRA adapter memory pool: ``uids -> slots`` (SGLang's LoRA memory pool, SPEC section 5).
+"""The LoRA adapter memory pool: ``uids -> slots`` (after SGLang's LoRA memory pool).
 
 Two tiers, one owner::
 
@@ -20,7 +20,8 @@ is valid when its distinct unpinned adapters (the base model counts as one) fit 
 Eviction (``prepare_batch`` and ``pin``): an empty slot (lowest index) is used first; else the
 policy chooses among resident adapters that are neither pinned nor needed by the batch.
 The base-model slot is chosen only when no adapter is a candidate (the batch is all
-adapters), as SGLang does. The policy tracks exactly the resident unpinned ids.
+adapters), as SGLang does. The policy tracks exactly the resident unpinned adapters (never
+the base model).
 
 Errors: a bad argument raises ``TypeError`` / ``ValueError`` naming it; an id that is not
 loaded raises ``ValueError``; a batch that cannot fit raises :class:`LoraBatchError`. A call
@@ -40,12 +41,14 @@ from typing import Any, cast
 
 import torch
 
-from ._checks import check_device, check_float_dtype, check_positive_int
-from .lora_adapter import BASE_MODEL, AdapterId, BaseModel, LoraAdapter, LoraUid
-from .lora_args import effective_max_loaded_loras
-from .lora_invariants import check_pool, check_pool_weights
-from .lora_policy import LoraEvictionPolicy, make_lora_eviction_policy
-from .lora_slots import LoraSlots, check_module_shapes
+from .._checks import check_device, check_float_dtype, check_positive_int
+from .eviction_policy import LoraEvictionPolicy, make_lora_eviction_policy
+from .identity import AdapterId, BaseModel, LoraUid
+from .invariants import check_pool, check_pool_weights
+from .modules import check_module_shapes
+from .serving_args import effective_max_loaded_loras
+from .slots import LoraSlots
+from .weights import LoraAdapter
 
 __all__ = ["LoraBatch", "LoraBatchError", "LoraMemoryPool"]
 
@@ -357,7 +360,7 @@ class LoraMemoryPool:
         Each slot holds one id or nothing and no id sits in two slots; ``uid_to_slot`` and
         ``slot_to_uid`` agree both ways; residents are loaded (or the base model); pinned ids
         are loaded and resident, at most ``K - 1``; the policy tracks exactly the resident
-        unpinned ids; the host tier is within ``max_loaded_loras``.
+        unpinned adapters; the host tier is within ``max_loaded_loras``.
 
         Raises:
             AssertionError: with a dump of the state. O(K + loaded).
@@ -414,9 +417,11 @@ class LoraMemoryPool:
         candidates = [
             u for u in self.slots.slot_to_uid if u not in protect and u not in self._pinned
         ]
-        adapters_only = [u for u in candidates if u is not BASE_MODEL]
-        # The policy returns one of the candidates it was given (all AdapterIds).
-        victim = cast(AdapterId, self.policy.select_victim(adapters_only or candidates))
+        # The policy prefers tracked adapters and falls back to the base model, so an
+        # adapter goes first and the base model's slot only when the batch is all adapters.
+        chosen = self.policy.select_victim(candidates)
+        assert chosen in candidates, f"policy returned {chosen!r}, not a candidate"
+        victim = cast(AdapterId, chosen)
         self.policy.remove(victim)
         return self.slots.vacate(victim), victim
 

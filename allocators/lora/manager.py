@@ -1,11 +1,21 @@
-"""The serving-side surface of the LoRA pool: names, adapter files and SGLang's arguments.
+"""The serving-side surface of the LoRA pool: names, PEFT adapter directories, SGLang's arguments.
 
-:class:`LoraManager` turns :class:`~allocators.lora_args.LoraArgs` into a
-:class:`~allocators.lora_pool.LoraMemoryPool`: it reads the initial ``lora_paths``, infers
-``max_lora_rank`` (largest initial rank) and ``lora_target_modules`` (union of the initial
-adapters' modules) when they are not given, and then serves dynamic ``load_adapter`` /
-``unload_adapter`` / ``reload_adapter`` and pinning by name. The batch path
-(``prepare_batch``, ``apply``) is the pool's, in uids: ``manager.pool.prepare_batch(...)``.
+:class:`LoraManager` turns :class:`~allocators.lora.LoraArgs` into a
+:class:`~allocators.lora.LoraMemoryPool`: it reads the initial ``lora_paths`` (PEFT
+directories), infers ``max_lora_rank`` and ``lora_target_modules`` from them when they are
+not given, as SGLang does, and then serves dynamic ``load_adapter`` / ``unload_adapter`` /
+``reload_adapter`` and pinning by name. The batch path (``prepare_batch``, ``apply``) is the
+pool's, in uids: ``manager.pool.prepare_batch(...)``.
+
+Inference (SGLang's rule, on the adapters' tensors)::
+
+    max_lora_rank        = the largest rank of any module of any initial adapter
+    lora_target_modules  = the leaf names of the modules the initial adapters have weights
+                           for (``q_proj``, ``v_proj``, ...)
+
+and the pool gets a slot buffer for every base-model module whose path matches one of the
+names (that module in every layer, whatever layers the initial adapters touched). An adapter
+loaded later with a larger rank or another module is refused, naming the argument to raise.
 
 Names are the serving names (``lora_name``); each load issues a new :class:`LoraUid`, so
 a request resolved to a uid keeps meaning exactly the weights it was resolved against.
@@ -14,16 +24,18 @@ a request resolved to a uid keeps meaning exactly the weights it was resolved ag
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import cast
 
 import torch
 
-from .lora_adapter import LoraAdapter, LoraUid, read_adapter
-from .lora_args import LoraArgs, LoraPathSpec
-from .lora_pool import LoraMemoryPool
-from .lora_slots import check_module_shapes
+from .identity import LoraUid
+from .modules import check_module_shapes, leaf_name, matches_module_name
+from .peft_adapter import read_peft_adapter
+from .pool import LoraMemoryPool
+from .serving_args import LoraArgs, LoraPathSpec
+from .weights import LoraAdapter
 
 __all__ = ["LoraManager"]
 
@@ -34,14 +46,20 @@ class LoraManager:
     Args:
         args: validated serving arguments (``enable_lora`` must be true).
         base_modules: every linear module of the base model a LoRA could target,
-            name -> ``(in_features, out_features)``; ``lora_target_modules="all"`` means these.
+            path -> ``(in_features, out_features)`` (:func:`~allocators.lora.linear_module_shapes`
+            of a torch model); ``lora_target_modules="all"`` means all of these.
         dtype, device: of the pool's buffers (see :class:`LoraMemoryPool`).
+
+    Attributes:
+        max_lora_rank: the slots' rank (given or inferred).
+        lora_target_modules: the target-module names (given, inferred, or the leaf names of
+            every base module for ``"all"``).
 
     Raises:
         TypeError / ValueError: a bad argument; ``lora_target_modules`` naming a module the
-            base model lacks; an initial adapter that does not fit the arguments (the message
-            names the argument to raise).
-        FileNotFoundError / LoraFormatError: an initial adapter file is missing or invalid.
+            base model lacks; an initial adapter that does not fit the base model or the
+            arguments (the message names the argument to raise).
+        FileNotFoundError / LoraFormatError: an initial adapter directory is missing or invalid.
     """
 
     def __init__(
@@ -60,13 +78,19 @@ class LoraManager:
         self.base_modules = check_module_shapes(base_modules, "base_modules")
         # LoraArgs.__post_init__ stores lora_paths parsed: a tuple of LoraPathSpec.
         specs = cast(tuple[LoraPathSpec, ...], args.lora_paths)
-        initial = [(spec, read_adapter(spec.path)) for spec in specs]
-        for spec, adapter in initial:
-            self._check_base_modules(spec.name, adapter)
+        initial = [(spec, self._read(spec.name, spec.path)) for spec in specs]
         rank = args.max_lora_rank
         if rank is None:
             rank = max(adapter.rank for _, adapter in initial)
-        targets = self._resolve_targets([adapter for _, adapter in initial])
+        self.max_lora_rank: int = rank
+        self.lora_target_modules: frozenset[str] = self._resolve_names(
+            [adapter for _, adapter in initial]
+        )
+        targets = [
+            m
+            for m in self.base_modules
+            if any(matches_module_name(m, n) for n in self.lora_target_modules)
+        ]
         self.pool = LoraMemoryPool(
             {m: self.base_modules[m] for m in sorted(targets)},
             rank,
@@ -80,6 +104,7 @@ class LoraManager:
         self._name_to_uid: dict[str, LoraUid] = {}
         self._name_to_path: dict[str, str] = {}
         for spec, adapter in initial:
+            self._check_targets(spec.name, adapter)
             self._name_to_uid[spec.name] = self.pool.add_adapter(
                 spec.name, adapter, pinned=spec.pinned
             )
@@ -96,22 +121,23 @@ class LoraManager:
         return self._name_to_uid[self._check_loaded_name(name)]
 
     def path_of(self, name: str) -> str:
-        """The file the current load of ``name`` was read from."""
+        """The directory the current load of ``name`` was read from."""
         return self._name_to_path[self._check_loaded_name(name)]
 
     # ------------------------------------------------------------------ dynamic loading
     def load_adapter(
         self, name: str, path: str | os.PathLike[str], *, pinned: bool = False
     ) -> LoraUid:
-        """Read ``path`` and load it as ``name`` (SGLang's ``load_lora_adapter``).
+        """Read the PEFT directory ``path`` and load it as ``name`` (SGLang's
+        ``load_lora_adapter``).
 
         Raises:
             TypeError: bad argument types.
             ValueError: ``name`` already loaded (unload it or use :meth:`reload_adapter`), a
-                module the base model lacks, or as ``LoraMemoryPool.add_adapter`` (rank above
-                ``max_lora_rank``, modules outside ``lora_target_modules``,
-                ``max_loaded_loras`` reached, the pin limit).
-            FileNotFoundError / LoraFormatError: the file is missing or not an adapter.
+                module the base model lacks or of another shape, a module outside
+                ``lora_target_modules``, a rank above ``max_lora_rank``, ``max_loaded_loras``
+                reached, or the pin limit (as ``LoraMemoryPool.add_adapter``).
+            FileNotFoundError / LoraFormatError: the directory is missing or not an adapter.
             Nothing changes when it raises.
         """
         name = _check_str(name, "name")
@@ -121,6 +147,7 @@ class LoraManager:
                 "first or use reload_adapter"
             )
         adapter = self._read(name, path)
+        self._check_targets(name, adapter)
         uid = self.pool.add_adapter(name, adapter, pinned=pinned)
         self._name_to_uid[name] = uid
         self._name_to_path[name] = os.fspath(path)
@@ -157,6 +184,7 @@ class LoraManager:
         old = self.uid_of(name)
         path = self._name_to_path[name] if path is None else path
         adapter = self._read(name, path)
+        self._check_targets(name, adapter)
         uid = self.pool.replace_adapter(old, adapter, pinned=pinned)
         self._name_to_uid[name] = uid
         self._name_to_path[name] = os.fspath(path)
@@ -174,31 +202,52 @@ class LoraManager:
     def _read(self, name: str, path: object) -> LoraAdapter:
         if not isinstance(path, str | os.PathLike):
             raise TypeError(f"path must be a str or path, got {type(path).__name__}")
-        adapter = read_adapter(path)
-        self._check_base_modules(name, adapter)
+        adapter = read_peft_adapter(path)
+        self._check_base_modules(name, os.fspath(path), adapter)
         return adapter
 
-    def _check_base_modules(self, name: str, adapter: LoraAdapter) -> None:
+    def _check_base_modules(self, name: str, path: str, adapter: LoraAdapter) -> None:
         unknown = sorted(adapter.modules.difference(self.base_modules))
         if unknown:
             raise ValueError(
-                f"adapter {name!r} targets {unknown}, which are not modules of the base model "
-                f"({sorted(self.base_modules)})"
+                f"adapter {name!r} targets {_preview(unknown)}, which are not modules of the "
+                f"base model ({_preview(sorted(self.base_modules))}); read from {path!r}"
+            )
+        for module, (a, b) in sorted(adapter.weights.items()):
+            in_f, out_f = self.base_modules[module]
+            if a.shape[1] != in_f or b.shape[0] != out_f:
+                raise ValueError(
+                    f"adapter {name!r} ({path!r}): {module!r} has lora_A {list(a.shape)} / "
+                    f"lora_B {list(b.shape)}, which do not fit the base model's module "
+                    f"(in_features={in_f}, out_features={out_f})"
+                )
+
+    def _check_targets(self, name: str, adapter: LoraAdapter) -> None:
+        extra = sorted(adapter.modules.difference(self.pool.target_modules))
+        if extra:
+            leaves = sorted({leaf_name(m) for m in extra})
+            raise ValueError(
+                f"adapter {name!r} targets {leaves}, not in lora_target_modules="
+                f"{sorted(self.lora_target_modules)}; start with lora_target_modules including "
+                "them (or 'all')"
             )
 
-    def _resolve_targets(self, initial: list[LoraAdapter]) -> frozenset[str]:
+    def _resolve_names(self, initial: Sequence[LoraAdapter]) -> frozenset[str]:
         given = self.args.lora_target_modules
         if given == "all":
-            return frozenset(self.base_modules)
+            return frozenset(leaf_name(m) for m in self.base_modules)
         if given is None:
-            return frozenset().union(*(a.modules for a in initial))
-        unknown = sorted(set(given).difference(self.base_modules))  # type: ignore[arg-type]
+            return frozenset(leaf_name(m) for a in initial for m in a.modules)
+        names = frozenset(cast(frozenset[str], given))
+        unknown = sorted(
+            n for n in names if not any(matches_module_name(m, n) for m in self.base_modules)
+        )
         if unknown:
             raise ValueError(
                 f"lora_target_modules names {unknown}, which are not modules of the base "
-                f"model ({sorted(self.base_modules)})"
+                f"model ({_preview(sorted(self.base_modules))})"
             )
-        return frozenset(given)  # type: ignore[arg-type]
+        return names
 
     def _check_loaded_name(self, name: object) -> str:
         name = _check_str(name, "name")
@@ -207,6 +256,13 @@ class LoraManager:
                 f"adapter {name!r} is not loaded (loaded: {sorted(self._name_to_uid)})"
             )
         return name
+
+
+def _preview(names: Sequence[str], limit: int = 8) -> str:
+    """``names`` as a list, cut to ``limit`` entries with a count of the rest."""
+    if len(names) <= limit:
+        return repr(list(names))
+    return f"{list(names[:limit])!r} and {len(names) - limit} more"
 
 
 def _check_str(value: object, name: str) -> str:

@@ -10,55 +10,26 @@ Layout (``K`` slots, ``R = max_lora_rank``)::
 A slot holds exactly its occupant's weights: rank ``r < R`` zero-padded, a module the adapter
 lacks all zero, the base model all zero with scaling 0. Every fill zeroes the slot first, so
 nothing of a previous occupant survives. :class:`LoraSlots` knows nothing of pins or policy;
-:class:`~allocators.lora_pool.LoraMemoryPool` decides who goes where.
+:class:`~allocators.lora.LoraMemoryPool` decides who goes where.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ._checks import check_positive_int
-from .lora_adapter import AdapterId, LoraAdapter
+from .identity import AdapterId
+from .weights import LoraAdapter
 
-__all__ = ["LoraSlots", "check_module_shapes"]
-
-
-def check_module_shapes(
-    modules: object, name: str = "target_modules"
-) -> dict[str, tuple[int, int]]:
-    """Validate ``module name -> (in_features, out_features)``; returns a plain dict copy.
-
-    Raises:
-        TypeError: not a mapping, a non-str name, a value that is not a pair of ints.
-        ValueError: empty, or a feature count ``< 1``.
-    """
-    if not isinstance(modules, Mapping):
-        raise TypeError(
-            f"{name} must map module name -> (in_features, out_features), "
-            f"got {type(modules).__name__}"
-        )
-    if not modules:
-        raise ValueError(f"{name} must name at least one module")
-    out = {}
-    for module, dims in modules.items():
-        if not isinstance(module, str) or not module:
-            raise TypeError(f"{name} keys must be non-empty str, got {module!r}")
-        if not isinstance(dims, tuple | list) or len(dims) != 2:
-            raise TypeError(f"{name}[{module!r}] must be (in_features, out_features)")
-        out[module] = (
-            check_positive_int(dims[0], f"{name}[{module!r}].in_features"),
-            check_positive_int(dims[1], f"{name}[{module!r}].out_features"),
-        )
-    return out
+__all__ = ["LoraSlots"]
 
 
 class LoraSlots:
     """``num_slots`` slots of A / B / scaling buffers and the two slot maps.
 
-    Args are validated by the owner (:class:`~allocators.lora_pool.LoraMemoryPool`).
+    Args are validated by the owner (:class:`~allocators.lora.LoraMemoryPool`).
     ``non_blocking``: issue fills as ``non_blocking`` copies (asynchronous from pinned host
     memory on CUDA; stream order keeps them before any later kernel on the same stream).
     """
@@ -162,7 +133,7 @@ class LoraSlots:
 
     def apply(self, module: str, x: torch.Tensor, weight_indices: torch.Tensor) -> torch.Tensor:
         """Batched LoRA delta: ``out[t] = scaling[s] * B[s] @ (A[s] @ x[t])``, ``s`` the row's
-        slot. See :meth:`LoraMemoryPool.apply <allocators.lora_pool.LoraMemoryPool.apply>`."""
+        slot. See :meth:`LoraMemoryPool.apply <allocators.lora.LoraMemoryPool.apply>`."""
         if not isinstance(module, str) or module not in self.A_buffer:
             raise ValueError(f"module must be one of {sorted(self.A_buffer)}, got {module!r}")
         in_f, out_f = self.target_modules[module]

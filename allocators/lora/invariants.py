@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .lora_adapter import BaseModel, LoraUid
+from .identity import BaseModel, LoraUid
 
 if TYPE_CHECKING:
-    from .lora_pool import LoraMemoryPool
+    from .pool import LoraMemoryPool
 
 __all__ = ["check_pool", "check_pool_weights"]
 
@@ -53,11 +53,11 @@ def _check(pool: LoraMemoryPool) -> None:
     for uid in pool._pinned:
         assert uid in pool._adapters, f"pinned {uid} is not loaded"
         assert uid in pool.slots.uid_to_slot, f"pinned {uid} is not resident"
-    expected = set(residents) - pool._pinned
+    expected = {u for u in residents if isinstance(u, LoraUid)} - pool._pinned
     tracked = pool.policy.tracked()
     assert len(set(tracked)) == len(tracked), "the policy tracks an id twice"
     assert set(tracked) == expected, (
-        f"policy tracks {sorted(map(str, tracked))}, resident unpinned are "
+        f"policy tracks {sorted(map(str, tracked))}, resident unpinned adapters are "
         f"{sorted(map(str, expected))}"
     )
     cap = pool.max_loaded_loras

@@ -1,4 +1,4 @@
-"""Serving arguments around the LoRA pool, with SGLang's names and defaults (SPEC section 5).
+"""Serving arguments around the LoRA pool, with SGLang's names and defaults.
 
 ``lora_paths`` entries come in three forms (SGLang's ``--lora-paths``)::
 
@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ._checks import check_int, check_positive_int
-from .lora_policy import make_lora_eviction_policy
+from .._checks import check_int, check_positive_int
+from .eviction_policy import make_lora_eviction_policy
 
 __all__ = [
     "DEFAULT_MAX_LORAS_PER_BATCH",
@@ -39,7 +39,8 @@ _JSON_KEYS = frozenset({"lora_name", "lora_path", "pinned"})
 
 @dataclass(frozen=True, slots=True)
 class LoraPathSpec:
-    """One parsed ``lora_paths`` entry: the adapter's serving name, its file, its pin."""
+    """One parsed ``lora_paths`` entry: the adapter's serving name, its PEFT directory (a
+    local path), its pin."""
 
     name: str
     path: str
@@ -163,8 +164,10 @@ class LoraArgs:
             :func:`effective_max_loaded_loras`; stored resolved).
         lora_eviction_policy: ``"lru"`` (default) or ``"fifo"``.
         max_lora_rank: ``None`` -> the largest rank among the initial adapters.
-        lora_target_modules: names, or ``"all"`` (every module of the base model), or
-            ``None`` -> the union of the initial adapters' modules. Stored as a frozenset.
+        lora_target_modules: module names (``q_proj``; a path matches a name it equals or
+            ends with), or ``"all"`` (every module of the base model; ``"all-linear"`` is
+            taken as ``"all"``, as SGLang does), or ``None`` -> the leaf names of the initial
+            adapters' modules. Stored as a frozenset or ``"all"``.
         enable_lora_overlap_loading: asynchronous host->device fills from pinned memory.
         lora_drain_wait_threshold: seconds a request may wait for a non-resident adapter
             before the scheduler drains one running adapter; ``0`` = off (default).
@@ -244,7 +247,7 @@ def _parse_target_modules(value: object) -> TargetModules:
     names = list(names)
     if not names or not all(isinstance(n, str) and n.strip() for n in names):
         raise ValueError(f"lora_target_modules must be 'all' or non-empty names, got {value!r}")
-    if "all" in names:
+    if "all" in names or "all-linear" in names:
         if len(names) != 1:
             raise ValueError("lora_target_modules: 'all' cannot be combined with other names")
         return "all"

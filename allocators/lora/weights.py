@@ -1,0 +1,121 @@
+"""One adapter's weights in host memory.
+
+An adapter adds ``scaling * B @ (A @ x)`` to the output of each module it targets::
+
+    A: [r, in_features]      B: [out_features, r]      (one pair per module path)
+
+which is PEFT's LoRA forward (``lora_B(lora_A(x)) * scaling``). Adapters are read from and
+written to PEFT directories by :func:`~allocators.lora.read_peft_adapter` /
+:func:`~allocators.lora.write_peft_adapter`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+__all__ = ["LoraAdapter"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    """One adapter's weights in host memory (validated on construction).
+
+    Attributes:
+        weights: module path -> ``(A, B)``, ``A: [r, in]``, ``B: [out, r]``, 2-D
+            floating-point CPU tensors of one dtype; at least one module. ``r`` may differ
+            between modules (PEFT's ``rank_pattern``). Stored as a read-only mapping (the
+            tensors are not copied; the pool keeps its own copies).
+        scaling: multiplier of ``B @ A`` for every module (PEFT's ``lora_alpha / r``),
+            finite float.
+        rank: the largest ``r`` of any module (derived): what ``max_lora_rank`` must admit.
+
+    Raises:
+        TypeError: a non-mapping ``weights``, a non-str module name, a non-tensor or
+            non-float weight, a non-number ``scaling``.
+        ValueError: no modules, a non-2-D weight, ranks that do not match between ``A`` and
+            ``B``, mixed dtypes, a non-CPU tensor, a non-finite ``scaling``.
+    """
+
+    weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+    scaling: float = 1.0
+    rank: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.weights, Mapping):
+            raise TypeError(f"weights must be a mapping, got {type(self.weights).__name__}")
+        if not self.weights:
+            raise ValueError("weights must name at least one module")
+        if isinstance(self.scaling, bool) or not isinstance(self.scaling, int | float):
+            raise TypeError(f"scaling must be a float, got {type(self.scaling).__name__}")
+        if not math.isfinite(self.scaling):
+            raise ValueError(f"scaling must be finite, got {self.scaling}")
+        ranks, dtypes, frozen = set(), set(), {}
+        for module, pair in self.weights.items():
+            if not isinstance(module, str) or not module:
+                raise TypeError(f"module names must be non-empty str, got {module!r}")
+            a, b = _check_pair(module, pair)
+            ranks.add(a.shape[0])
+            dtypes.add(a.dtype)
+            dtypes.add(b.dtype)
+            frozen[module] = (a, b)
+        if len(dtypes) != 1:
+            raise ValueError(f"every weight must have one dtype, got {sorted(map(str, dtypes))}")
+        object.__setattr__(self, "weights", MappingProxyType(frozen))
+        object.__setattr__(self, "scaling", float(self.scaling))
+        object.__setattr__(self, "rank", max(ranks))
+
+    @property
+    def modules(self) -> frozenset[str]:
+        """The target modules this adapter has weights for."""
+        return frozenset(self.weights)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of every weight."""
+        return next(iter(self.weights.values()))[0].dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every A and B tensor (the host memory the weights take)."""
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+    def rank_of(self, module: str) -> int:
+        """``r`` of ``module`` (``A.shape[0]``). Raises ``KeyError`` if it has no weights."""
+        return int(self.weights[module][0].shape[0])
+
+    def delta(self, module: str, x: torch.Tensor) -> torch.Tensor:
+        """Reference output ``scaling * x @ A.T @ B.T`` for ``x: [T, in]`` -> ``[T, out]``,
+        computed in the adapter's dtype, without any slot or padding (for tests).
+
+        Raises:
+            KeyError: the adapter has no weights for ``module`` (its contribution is zero).
+        """
+        a, b = self.weights[module]
+        return self.scaling * (x.to(a.dtype) @ a.T @ b.T)
+
+
+def _check_pair(module: str, pair: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(pair, tuple | list) or len(pair) != 2:
+        raise TypeError(f"weights[{module!r}] must be a pair (A, B)")
+    a, b = pair
+    for name, w in (("A", a), ("B", b)):
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"weights[{module!r}].{name} must be a tensor, got {type(w).__name__}")
+        if not w.dtype.is_floating_point:
+            raise TypeError(f"weights[{module!r}].{name} must be floating point, got {w.dtype}")
+        if w.dim() != 2:
+            raise ValueError(f"weights[{module!r}].{name} must be 2-D, got {tuple(w.shape)}")
+        if w.device.type != "cpu":
+            raise ValueError(f"weights[{module!r}].{name} must be on the CPU, got {w.device}")
+    if a.shape[0] < 1 or a.shape[0] != b.shape[1]:
+        raise ValueError(
+            f"weights[{module!r}]: A is [rank, in] and B is [out, rank] with rank >= 1, "
+            f"got A {tuple(a.shape)} and B {tuple(b.shape)}"
+        )
+    return a.detach().contiguous(), b.detach().contiguous()
