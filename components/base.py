@@ -42,14 +42,15 @@ class InsertPlan:
 
     Positions are tokens of ``key``; ``[prefix_len, end)`` is the new tail, ``end`` the key cut
     to whole pages. Components may lower ``insert_end`` (to ``prefix_len``: nothing new worth
-    caching), add ``cuts`` (positions inside the new tail where it becomes separate nodes), and
-    ask to ``revive`` matched nodes with the caller's slots (node end -> first position taken
-    from ``value``, and the component that revives it, :meth:`Component.revive`). ``notes``
-    holds a component's own planning data, keyed by its name.
+    caching), cut the new tail into separate nodes (:meth:`add_cut`), and ask to revive a
+    matched node with the caller's slots (:meth:`add_revival`: node end -> first position
+    taken from ``value``, and the component that revives it, :meth:`Component.revive`).
+    :meth:`set_note` keeps a component's own planning data, by its name. (Built on every
+    insert: the collections are created only when a component writes them.)
     """
 
     __slots__ = ("key", "value", "extra_key", "state_slot", "walk", "prefix_len", "end",
-                 "insert_end", "cuts", "revive", "notes")
+                 "insert_end", "cuts", "revive", "_notes")
 
     def __init__(self, key: Any, value: torch.Tensor, extra_key: Any, state_slot: int | None,
                  walk: Any, end: int) -> None:
@@ -61,9 +62,29 @@ class InsertPlan:
         self.prefix_len: int = walk.matched_len
         self.end = end
         self.insert_end = end
-        self.cuts: list[int] = []
-        self.revive: dict[int, tuple[int, Component]] = {}
-        self.notes: dict[str, Any] = {}
+        self.cuts: tuple[int, ...] = ()
+        self.revive: dict[int, tuple[int, Component]] | None = None
+        self._notes: dict[str, Any] | None = None
+
+    def add_cut(self, pos: int) -> None:
+        """The new tail becomes separate nodes at ``pos`` (inside ``(prefix_len, end)``)."""
+        self.cuts = (*self.cuts, pos)
+
+    def add_revival(self, end: int, start: int, owner: Component) -> None:
+        """The matched node ending at ``end`` takes the caller's slots from ``start`` on
+        (split there first when ``start`` is inside it); ``owner.revive`` does the rest."""
+        if self.revive is None:
+            self.revive = {}
+        self.revive[end] = (start, owner)
+
+    def set_note(self, name: str, value: Any) -> None:
+        if self._notes is None:
+            self._notes = {}
+        self._notes[name] = value
+
+    def note(self, name: str, default: Any = None) -> Any:
+        """What the component ``name`` noted while planning (``default`` if nothing)."""
+        return default if self._notes is None else self._notes.get(name, default)
 
 
 class Component:

@@ -338,7 +338,8 @@ class KVComponent(Component):
         self.leaves.discard(node)
 
     def unlock(self, node: TreeNode, data: Any = None) -> None:
-        """Release one lock on ``node`` and its ancestors; the caller checked ``kv_lock > 0``."""
+        """Release one lock on ``node`` and its ancestors; the caller checked ``kv_lock > 0``
+        and re-files ``node`` afterwards."""
         n = node
         while n.parent is not None:
             n.kv_lock -= 1
@@ -347,7 +348,6 @@ class KVComponent(Component):
                 self._evictable += size
                 self._protected -= size
             n = n.parent
-        self.refresh(node)
 
     # ---------------------------------------------------------------- counters
     def evictable_size(self) -> int:

@@ -309,11 +309,11 @@ class StateComponent(Component):
 
     # ------------------------------------------------------------------- locks
     def lock(self, node: TreeNode) -> None:
+        """One more request uses ``node``'s state (the cache re-files the node after)."""
         if node.state_lock == 0 and node.state_slot is not None:
             self._evictable -= 1
             self._protected += 1
         node.state_lock += 1
-        self.refresh(node)
 
     def unlock(self, node: TreeNode, data: Any = None) -> None:
         node.state_lock -= 1
@@ -322,7 +322,6 @@ class StateComponent(Component):
             self._protected -= 1
             if self.gds is not None:
                 self.gds.on_use(node)  # released by its last request
-        self.refresh(node)
 
     def requeue(self, node: TreeNode) -> None:
         """A popped victim kept its state (its write-back copy is in flight): file it again."""

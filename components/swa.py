@@ -89,7 +89,7 @@ class SWAComponent(Component):
         """A node the insert created (unlocked): live SWA KV from the planned live start on,
         a tombstone before it (whose still-live caller slots are released here: live slots
         before released ones would be SWA KV no window can use)."""
-        live = lo >= plan.notes.get(self.name, lo)
+        live = lo >= plan.note(self.name, lo)
         if not live:
             dead = plan.value[lo:hi]
             still = dead[self.allocator.has_swa(dead)]
@@ -272,15 +272,15 @@ class SWAComponent(Component):
                 continue  # the caller got (some of) these slots from the tree
             t = self.live_suffix_start(value, lo, hi)
             if t < hi:
-                plan.revive[hi] = (t, self)
+                plan.add_revival(hi, t, self)
         p = plan.prefix_len
         if p < end:
             live_from = self.live_suffix_start(value, p, end)
-            plan.notes[self.name] = live_from
+            plan.set_note(self.name, live_from)
             if live_from >= end:
                 plan.insert_end = p  # no live SWA KV at all: nothing worth caching
             elif live_from > p:
-                plan.cuts.append(live_from)
+                plan.add_cut(live_from)
 
     # --------------------------------------------------------- request helpers
     def request_keeps(self, caller: torch.Tensor, tree: torch.Tensor,

@@ -40,11 +40,10 @@ from hicache import HiCacheConfig, HiCacheController
 from radix import diagnostics, requests
 from radix.checks import check_count
 from radix.config import CacheConfig
-from radix.core import CacheCore
+from radix.core import NO_PARTS, CacheCore
 from radix.insert import RidDepths, insert_key
 from radix.node import TreeNode
 from radix.results import CacheRequest, EvictResult, InsertResult, LockRef, MatchResult
-from radix.tiers.base import DEVICE_ONLY, Tier
 from radix.tiers.host import HostTier
 from radix.tiers.storage import StorageTier
 from radix.tree import resolve_key
@@ -153,14 +152,15 @@ class RadixCache:
         self.hicache: HiCacheController | None = None
         self._host: HostTier | None = None
         self._storage: StorageTier | None = None
-        self._tier: Tier = DEVICE_ONLY
         if hicache is not None:
             self.hicache = HiCacheController(kv_allocator, state_allocator, hicache)
-            self._tier = self._host = host = HostTier(core, self.hicache)
+            self._host = host = HostTier(core, self.hicache)
             core.add_per_node(host)
             core.free_leaf = host.free_leaf
             if hicache.hicache_storage_backend is not None:
                 self._storage = host.storage = StorageTier(core, host)
+        #: The tier hook an insert ends with (the host tier's write policy), or ``None``.
+        self._after_insert = self._host.after_insert if self._host is not None else None
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self._init_counters()
 
@@ -215,23 +215,32 @@ class RadixCache:
             TypeError / ValueError: bad token ids. Complexity: O(matched nodes + key length).
         """
         key, extra_key = resolve_key(key, extra_key)
-        tier = self._tier
-        tier.before_match(key, extra_key)
+        host = self._host
+        if host is not None:
+            host.before_match(key, extra_key)
         core = self.core
         ps = self.page_size
         end = len(key) - len(key) % ps
-        walk = core.tree.walk(key, end, extra_key)
+        tree = core.tree
+        walk = tree.walk(key, end, extra_key)
         full_path = walk.path
-        now = core.tick()
+        core.clock += 1
+        now = core.clock
         if walk.partial is not None:
             full_path.append(core.split_touched(walk.partial, walk.partial_len, now))
         kv_hit = walk.matched_len
         for n in full_path:
             n.last_access_time = now
-        path = tier.device_part(full_path)
+        path = full_path if host is None else host.device_part(full_path)
         for touch in core.touch_hooks:
             touch(path)
-        usable, misses = core.usable(path, len(path))
+        usable = len(path)
+        misses = None
+        rule = core.one_rule
+        if rule is not None:
+            usable = rule(path, usable)
+        elif core.rules:
+            usable, misses = core.usable(path, usable)
         if usable:
             last = path[usable - 1]
             for hit in core.hit_hooks:
@@ -242,14 +251,18 @@ class RadixCache:
                 assert indices is not None  # a usable (device) node holds KV slots
             else:
                 indices = torch.cat(cast("list[torch.Tensor]", [n.kv_value for n in path[:usable]]))
+            state_slot = last.state_slot
         else:
-            last = core.tree.root
+            last = tree.root
             prefix_len = 0
             indices = self._empty
-        last_host, host_hit = tier.host_hit(full_path, usable, last, prefix_len)
+            state_slot = None
+        last_host, host_hit = last, 0
+        if host is not None:
+            last_host, host_hit = host.host_hit(full_path, usable, last, prefix_len)
         # Where the key leaves the tree past the usable prefix (a fork, or the end of the
         # cached path): a checkpoint there serves every later key sharing that prefix.
-        branching = kv_hit if core.checkpoints and kv_hit > prefix_len else None
+        branching = kv_hit if kv_hit > prefix_len and core.checkpoints else None
         st = self._match
         st["match_calls"] += 1
         st["match_tokens"] += len(key)
@@ -260,8 +273,8 @@ class RadixCache:
             for field, m in zip(core.miss_fields, misses, strict=True):
                 if field == "swa_miss_tokens":
                     swa_miss = m
-        return MatchResult(indices, prefix_len, kv_hit, last, last.state_slot if usable else None,
-                           branching, last_host, host_hit, swa_miss)
+        return MatchResult(indices, prefix_len, kv_hit, last, state_slot, branching, last_host,
+                           host_hit, swa_miss)
 
     # ============================================================== inserting
     def insert(
@@ -349,10 +362,12 @@ class RadixCache:
         Raises:
             TypeError / ValueError: not a node of this cache, or a host-only node.
         """
-        node = self._check_node(node)
-        if node.parent is None:
-            return node
-        return self.core.lock(node)
+        core = self.core
+        if type(node) is not TreeNode or node.owner != core.tree.uid or node.kv_value is None:
+            node = self._check_node(node)  # raises, unless it is the root
+            if node.parent is None:
+                return node
+        return core.lock(node)
 
     def dec_lock_ref(self, lock: TreeNode | LockRef) -> None:
         """Release one lock taken by :meth:`inc_lock_ref`.
@@ -366,10 +381,16 @@ class RadixCache:
                 already, or is a node where the cache needs the :class:`LockRef`; the node
                 holds no lock. Nothing changes then.
         """
+        core = self.core
+        if (type(lock) is TreeNode and not core.lock_data and lock.lock_ref > 0
+                and lock.owner == core.tree.uid and lock.kv_value is not None
+                and not core.unlock_checks):
+            core.unlock(lock, NO_PARTS)  # the common case, every check passed
+            return
         node, parts = self._check_lock(lock, "lock")
         if node.parent is None:
             return
-        self.core.unlock(node, parts)
+        core.unlock(node, parts)
         if isinstance(lock, LockRef):
             lock.released = True
 
@@ -381,7 +402,7 @@ class RadixCache:
                 raise ValueError(f"{name} {lock!r} was released already")
             node, parts = lock.node, lock._parts
         elif isinstance(lock, TreeNode):
-            node, parts = lock, {}
+            node, parts = lock, NO_PARTS
         else:
             raise TypeError(
                 f"{name} must be what inc_lock_ref returned (a LockRef or a TreeNode), got "
@@ -400,8 +421,8 @@ class RadixCache:
                 f"{name}: node {node.id} holds no lock of its own (pass the node inc_lock_ref "
                 "was given)"
             )
-        for c in self.core.lockers:
-            err = c.unlock_error(node, parts.get(c.name))
+        for name, check in self.core.unlock_checks:
+            err = check(node, parts.get(name))
             if err is not None:
                 raise ValueError(f"{name}: {err}")
         return node, parts
@@ -419,7 +440,9 @@ class RadixCache:
         """
         if type(num_tokens) is not int or num_tokens < 0:
             check_count(num_tokens, "num_tokens")
-        tokens, states = self._tier.collect_landed()
+        tokens = states = 0
+        if self._host is not None:
+            tokens, states = self._host.collect_landed()
         res = self.core.evict(self.kv, num_tokens)
         if tokens or states:
             return EvictResult(res.num_tokens + tokens, res.num_states + states,

@@ -1,12 +1,13 @@
 """The tree with its components: the one place that loops over them.
 
 ``CacheCore`` holds the radix tree, the component tuple (KV first; then, as the model has
-them, recurrent state and sliding-window KV, and the host tier's per-node copies) and, for
-each hook, the tuple of bound methods of the components that implement it (built once,
-``components.base.hooks``). It does what every engine call needs from the tree: split,
-re-file, remove a leaf with the ancestors it leaves dead, and the eviction loop. The
-engine-facing facade (``radix.cache.RadixCache``) and the tiers (``radix.tiers``) use it; it
-knows no component by name.
+them, recurrent state and sliding-window KV; then any the caller adds), the per-node data of
+the host tier, and, for each hook, the tuple of bound methods of the components that
+implement it (built once, ``components.base.hooks``). It does what every engine call needs
+from the tree: split, re-file, lock and unlock, the usable-prefix fixpoint, remove a leaf with
+the ancestors it leaves dead, and the eviction loop. The engine-facing facade
+(``radix.cache.RadixCache``) and the tiers (``radix.tiers``) use it; it knows no component by
+name.
 
 Eviction, for one component ``C`` and a target in ``C``'s units::
 
@@ -31,6 +32,13 @@ if TYPE_CHECKING:
 #: ``EvictResult`` fields, in order: the units one eviction step reports.
 EVICT_FIELDS = ("num_tokens", "num_states", "num_swa_tokens")
 _SINK = len(EVICT_FIELDS)  # the index units of a component without an evict field go to
+#: The lock data of a lock that carries none.
+NO_PARTS: dict[str, Any] = {}
+
+
+def freed_counts() -> list[int]:
+    """A fresh accumulator of freed units, per ``EVICT_FIELDS`` (plus a sink)."""
+    return [0] * (_SINK + 1)
 
 
 class CacheCore:
@@ -48,8 +56,8 @@ class CacheCore:
         self.tree = RadixTree(page_size, self._on_split)
         self.clock = 0
         #: Frees a device leaf on eviction: removes it (``remove_leaf``) or, with a host tier,
-        #: demotes it; returns the units freed, per ``EVICT_FIELDS``.
-        self.free_leaf: Callable[[TreeNode], list[int]] = self.remove_leaf
+        #: demotes it; adds the units freed to its accumulator (``freed_counts``).
+        self.free_leaf: Callable[[TreeNode, list[int]], None] = self.remove_leaf
         #: Units whose freeing is in flight (write-back copies), per ``EVICT_FIELDS``.
         self.pending = [0] * len(EVICT_FIELDS)
         self._build_hooks()
@@ -85,6 +93,12 @@ class CacheCore:
         self.insert_touch_hooks = hooks(comps[1:], "on_touch")  # KV: insert re-files its last
         self.hit_hooks = hooks(comps, "on_hit")
         self.lockers = tuple(c for c in comps if type(c).lock is not Component.lock)
+        self._lock_fns = tuple(c.lock for c in self.lockers)
+        self._unlock_fns = hooks(comps, "unlock")
+        self._named_unlocks = tuple((c.name, c.unlock) for c in comps
+                                    if type(c).unlock is not Component.unlock)
+        self.unlock_checks = tuple((c.name, c.unlock_error) for c in comps
+                                   if type(c).unlock_error is not Component.unlock_error)
         self.lock_data = any(c.lock_data for c in comps)
         self.revives = any(c.revives for c in everything)
         self.checkpoints = any(c.checkpoints for c in comps)
@@ -92,19 +106,44 @@ class CacheCore:
                  if type(c).usable is not Component.usable]
         self.rules = tuple(r for r, _ in rules)
         self.miss_fields = tuple(f for _, f in rules)
-        self._one_rule = rules[0][0] if len(rules) == 1 and rules[0][1] is None else None
+        #: The only rule, when there is exactly one and it reports no miss (the hybrid case).
+        self.one_rule = rules[0][0] if len(rules) == 1 and rules[0][1] is None else None
+
+    def reset(self) -> None:
+        """Remove every node (no dead-leaf cascade, nothing counted as evicted) and reset every
+        component and per-node holder; the tree gets a new identity (old handles go stale)."""
+        for n in sorted(self.tree.iter_nodes(), key=lambda x: -x.depth):
+            self.device_remove(n, freed_counts())
+            for hook in self._node_removers:
+                hook(n)
+            self.tree.remove_leaf(n)
+        for c in self.components + self.per_node:
+            c.reset()
+        self.tree.reset()
+        self.pending = [0] * len(EVICT_FIELDS)
+
+    @property
+    def root(self) -> TreeNode:
+        return self.tree.root
+
+    def tick(self) -> int:
+        """Advance the logical clock; return the new stamp."""
+        self.clock += 1
+        return self.clock
 
     # ---------------------------------------------------------------------- match
     def usable(self, path: list[TreeNode], n: int) -> tuple[int, list[int] | None]:
         """The largest ``k <= n`` such that a match may end after ``path[k - 1]`` under every
-        component's rule at once (a fixpoint: one rule may make another cut further), and,
-        when a component reports its own cut (``miss_field``), the tokens each rule cut beyond
-        the rules before it: the fixpoint over ``rules[:i + 1]`` minus the one over
-        ``rules[:i]`` (``None`` on the one-rule fast path)."""
-        one = self._one_rule
+        component's rule at once (a fixpoint: one rule may make another cut further), and
+        the tokens each rule cut beyond the rules before it: the fixpoint over
+        ``rules[:i + 1]`` minus the one over ``rules[:i]``. ``None`` for those when only one
+        rule that reports no miss applies (the fast path)."""
+        one = self.one_rule
         if one is not None:
             return one(path, n), None
         rules = self.rules
+        if not rules:
+            return n, None
         misses = []
         for i in range(len(rules)):
             before = path[n - 1].depth if n else 0
@@ -123,50 +162,35 @@ class CacheCore:
         """Every component's lock on ``node`` (not the root); the lock to hand back to
         :meth:`unlock`: the node itself, or a ``LockRef`` carrying the components' data."""
         node.lock_ref += 1
+        lock: TreeNode | LockRef = node
         if self.lock_data:
             parts = {}
             for c in self.lockers:
                 data = c.lock(node)
                 if c.lock_data:
                     parts[c.name] = data
-            lock: TreeNode | LockRef = LockRef(node, parts)
+            lock = LockRef(node, parts)
         else:
-            for c in self.lockers:
-                c.lock(node)
-            lock = node
-        self.refresh(node)
+            for fn in self._lock_fns:
+                fn(node)
+        for hook in self.refreshers:
+            hook(node)
         return lock
 
     def unlock(self, node: TreeNode, parts: dict[str, Any]) -> None:
         """Release one lock :meth:`lock` took on ``node`` (checked by the caller), then prune
         what it leaves dead."""
         node.lock_ref -= 1
-        for c in self.lockers:
-            c.unlock(node, parts.get(c.name))
-        self.refresh(node)
-        self.prune(node)
-
-    def reset(self) -> None:
-        """Remove every node (no dead-leaf cascade, nothing counted as evicted) and reset every
-        component and per-node holder; the tree gets a new identity (old handles go stale)."""
-        for n in sorted(self.tree.iter_nodes(), key=lambda x: -x.depth):
-            self.device_remove(n, [0] * (_SINK + 1))
-            for hook in self._node_removers:
-                hook(n)
-            self.tree.remove_leaf(n)
-        for c in self.components + self.per_node:
-            c.reset()
-        self.tree.reset()
-        self.pending = [0] * len(EVICT_FIELDS)
-
-    @property
-    def root(self) -> TreeNode:
-        return self.tree.root
-
-    def tick(self) -> int:
-        """Advance the logical clock; return the new stamp."""
-        self.clock += 1
-        return self.clock
+        if parts:
+            for name, fn in self._named_unlocks:
+                fn(node, parts.get(name))
+        else:
+            for fn in self._unlock_fns:
+                fn(node, None)
+        for hook in self.refreshers:
+            hook(node)
+        if not node.children and not node.kv_lock and self.dead_rules:
+            self.prune(node)
 
     # ------------------------------------------------------------------ structure
     def _on_split(self, upper: TreeNode, lower: TreeNode, split_len: int) -> None:
@@ -192,7 +216,10 @@ class CacheCore:
         no state, a tombstone)."""
         if node.parent is None or node.children or node.kv_lock:
             return False
-        return any(rule(node) for rule in self.dead_rules)
+        for rule in self.dead_rules:
+            if rule(node):
+                return True
+        return False
 
     def device_remove(self, node: TreeNode, freed: list[int]) -> None:
         """Free every component's device value on ``node`` (the node itself stays);
@@ -200,24 +227,28 @@ class CacheCore:
         for idx, remove in self.device_removers:
             freed[idx] += remove(node)
 
-    def remove_leaf(self, node: TreeNode) -> list[int]:
-        """Remove a leaf whole, then the ancestors it leaves as dead leaves. Returns the units
-        freed per ``EVICT_FIELDS`` (the last entry collects units no field reports)."""
-        freed = [0] * (_SINK + 1)
-        root = self.tree.root
+    def remove_leaf(self, node: TreeNode, freed: list[int] | None = None) -> None:
+        """Remove a leaf whole, then the ancestors it leaves as dead leaves; ``freed``
+        (``freed_counts``) accumulates the units freed."""
+        if freed is None:
+            freed = freed_counts()
+        tree = self.tree
+        root = tree.root
+        removers, node_removers = self.device_removers, self._node_removers
         while True:
-            self.device_remove(node, freed)
-            for hook in self._node_removers:
+            for idx, remove in removers:
+                freed[idx] += remove(node)
+            for hook in node_removers:
                 hook(node)
-            parent = self.tree.remove_leaf(node)
+            parent = tree.remove_leaf(node)
             if parent is root:
                 break
             if self.is_dead_leaf(parent):
                 node = parent
                 continue
-            self.refresh(parent)
+            for hook in self.refreshers:
+                hook(parent)
             break
-        return freed
 
     def prune(self, node: TreeNode) -> None:
         """Remove ``node`` (and the ancestors it leaves dead) if it is a dead leaf."""
@@ -232,10 +263,10 @@ class CacheCore:
         ``comp``'s units count towards ``target`` but not in the result."""
         assert comp.evict_field is not None
         idx = EVICT_FIELDS.index(comp.evict_field)
-        internal = (comp.evict_internal if type(comp).evict_internal is not
-                    Component.evict_internal else None)
-        requeue = comp.requeue if type(comp).requeue is not Component.requeue else None
-        freed = [0] * (_SINK + 1)
+        cls = type(comp)
+        internal = comp.evict_internal if cls.evict_internal is not Component.evict_internal else None
+        requeue = comp.requeue if cls.requeue is not Component.requeue else None
+        freed = freed_counts()
         pending = self.pending
         start = pending[idx]
         pop, free_leaf = comp.pop_victim, self.free_leaf
@@ -246,13 +277,7 @@ class CacheCore:
             if internal is not None and node.children:
                 freed[idx] += internal(node)
                 continue
-            for i, n in enumerate(free_leaf(node)):
-                freed[i] += n
+            free_leaf(node, freed)
             if requeue is not None and node.owner:  # it stayed (a copy in flight)
                 requeue(node)
         return EvictResult(freed[0], freed[1], freed[2])
-
-    def stat(self, name: str, key: str) -> Any:
-        """``name``'s counter ``key`` (0 when the cache has no such component)."""
-        c = self.by_name.get(name)
-        return c.stats()[key] if c is not None else 0

@@ -49,14 +49,16 @@ def insert_key(cache: RadixCache, key: Tokens, value: torch.Tensor, extra_key: A
     core = cache.core
     ps = core.page_size
     end = len(key) - len(key) % ps
-    walk = core.tree.walk(key, end, extra_key)
+    tree = core.tree
+    walk = tree.walk(key, end, extra_key)
     plan = InsertPlan(key, value, extra_key, state_slot, walk, end)
     for p in core.planners:
         p(plan)
     own = _claim(cache, plan)
     # ---- validated: mutate from here on
     path = walk.path
-    now = core.tick()
+    core.clock += 1
+    now = core.clock
     if walk.partial is not None:
         path.append(core.split_touched(walk.partial, walk.partial_len, now))
     counted = 0 if rid is None else cache.rid_depths.counted(rid, end)
@@ -67,20 +69,26 @@ def insert_key(cache: RadixCache, key: Tokens, value: torch.Tensor, extra_key: A
         _touch(n, now, priority, counted, end)
     for touch in core.insert_touch_hooks:
         touch(path)
-    root = core.tree.root
-    last = path[-1] if path else root
+    last = path[-1] if path else tree.root
     tree_prefix = [n.kv_value for n in path]
     prefix_len = plan.prefix_len
     if prefix_len < plan.insert_end:
-        for n in _new_leaves(cache, plan, last, own, now):
-            _touch(n, now, priority, counted, end)
-            last = n
+        if not plan.cuts:  # the common case: one new leaf
+            last = _new_leaf(cache, plan, last, prefix_len, plan.insert_end, own, now)
+            _touch(last, now, priority, counted, end)
+        else:
+            for n in _new_leaves(cache, plan, last, now):
+                _touch(n, now, priority, counted, end)
+                last = n
         cache.kv.inserted += plan.insert_end - prefix_len
-    core.refresh(last)
+    for hook in core.refreshers:
+        hook(last)
     adopted = False
     for on_insert in core.insert_hooks:
         adopted = on_insert(plan, last, now) or adopted
-    cache._tier.after_insert(path, last)
+    after = cache._after_insert
+    if after is not None:
+        after(path, last)
     return InsertResult(prefix_len, plan.insert_end, last, adopted, revived, value,
                         cast("list[torch.Tensor]", tree_prefix))
 
@@ -130,7 +138,7 @@ def _claim(cache: RadixCache, plan: InsertPlan) -> torch.Tensor | None:
     kv = cache.kv
     if not plan.revive and value.is_cpu:  # the common case: only the new tail is adopted
         return kv.claim_trusted(value, lo, hi, not plan.cuts) if lo < hi else None
-    ranges = sorted((t, e) for e, (t, _) in plan.revive.items())
+    ranges = sorted((t, e) for e, (t, _) in (plan.revive or {}).items())
     if lo < hi:
         ranges.append((lo, hi))
     if ranges:
@@ -147,8 +155,10 @@ def _revive(cache: RadixCache, path: list[TreeNode], plan: InsertPlan
     out: list[TreeNode] = []
     revived: list[torch.Tensor] = []
     value, tree = plan.value, cache.core.tree
+    revive = plan.revive
+    assert revive is not None
     for n in path:
-        r = plan.revive.get(n.depth)
+        r = revive.get(n.depth)
         if r is None:
             out.append(n)
             continue
@@ -164,24 +174,28 @@ def _revive(cache: RadixCache, path: list[TreeNode], plan: InsertPlan
     return out, revived[0] if len(revived) == 1 else torch.cat(revived)
 
 
-def _new_leaves(cache: RadixCache, plan: InsertPlan, parent: TreeNode,
-                own: torch.Tensor | None, now: int) -> list[TreeNode]:
-    """One new node per segment of ``key[prefix_len:insert_end]`` (cut at ``plan.cuts``),
-    each below the previous one, holding its own copy of the caller's slots (``own`` when the
-    claim made it); returns them, shallowest first."""
+def _new_leaf(cache: RadixCache, plan: InsertPlan, parent: TreeNode, lo: int, hi: int,
+              own: torch.Tensor | None, now: int) -> TreeNode:
+    """A new node for ``key[lo:hi]`` below ``parent``, holding its own copy of the caller's
+    slots (``own`` when the claim made it); ``parent`` is re-filed (no longer a leaf)."""
     core = cache.core
-    kv, tree, root = cache.kv, core.tree, core.tree.root
-    key, value, extra_key = plan.key, plan.value, plan.extra_key
+    child = core.tree.add_leaf(parent, plan.key[lo:hi], plan.extra_key, now)
+    cache.kv.attach(child, own if own is not None else own_copy(plan.value, lo, hi))
+    for hook in core.new_node_hooks:
+        hook(child, plan, lo, hi)
+    if parent.parent is not None:
+        for refresh in core.refreshers:
+            refresh(parent)
+    return child
+
+
+def _new_leaves(cache: RadixCache, plan: InsertPlan, parent: TreeNode,
+                now: int) -> list[TreeNode]:
+    """One new node per segment of ``key[prefix_len:insert_end]`` (cut at ``plan.cuts``),
+    each below the previous one; returns them, shallowest first."""
     bounds = [plan.prefix_len, *sorted(plan.cuts), plan.insert_end]
-    new_node_hooks = core.new_node_hooks
     created = []
     for lo, hi in zip(bounds, bounds[1:], strict=False):
-        child = tree.add_leaf(parent, key[lo:hi], extra_key, now)
-        kv.attach(child, own if own is not None else own_copy(value, lo, hi))
-        for hook in new_node_hooks:
-            hook(child, plan, lo, hi)
-        if parent is not root:
-            core.refresh(parent)  # no longer a leaf
-        parent = child
-        created.append(child)
+        parent = _new_leaf(cache, plan, parent, lo, hi, None, now)
+        created.append(parent)
     return created

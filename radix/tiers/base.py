@@ -1,17 +1,17 @@
-"""What a tier below the device pools provides to the cache, and the cache without one.
+"""What a tier below the device pools provides to the cache.
 
-The cache calls its tier through a few named hooks, once per engine call (the per-node
-structural hooks of a tier that keeps per-node copies go through the component tuple,
-``components.base.Component``)::
+The cache calls its tier, when it has one, through a few named hooks, once per engine call
+(the per-node structural hooks of a tier that keeps per-node copies go through the component
+tuple, ``components.base.Component``)::
 
     match_prefix   before_match(key, extra_key)   (finish copies; L3 prefetch past the tree)
                    device_part(path)              (the device prefix of the matched path)
                    host_hit(path, usable, ...)    (what a load-back would add)
     insert         after_insert(path, last)       (write policy)
     evict          collect_landed()               (copies that landed free their slots now)
-                   free_leaf(node)                (demote instead of remove)
+                   free_leaf(node, freed)         (demote instead of remove)
 
-:class:`Tier` is the device-only cache: every hook is the identity or a no-op.
+:class:`Tier` documents the hooks; its defaults are what a cache without a tier does.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 
 class Tier:
-    """No tier below the device pools (the default): matches are device matches, inserts
-    back nothing up, evicted leaves leave the tree."""
+    """A tier below the device pools. The defaults are the device-only behaviour: matches
+    are device matches, inserts back nothing up, evicted leaves leave the tree."""
 
     def before_match(self, key: Any, extra_key: Any) -> None:
         """Called first by every ``match_prefix``."""
@@ -46,6 +46,3 @@ class Tier:
         """Before a KV eviction: device (tokens, states) freed by copies that landed since."""
         return 0, 0
 
-
-#: The device-only tier (stateless: one shared instance).
-DEVICE_ONLY = Tier()

@@ -32,6 +32,7 @@ import torch
 from allocators import alloc_all
 from components.base import Component, InsertPlan
 from components.ordered import OrderedNodeSet
+from radix.core import freed_counts
 from radix.tiers.base import Tier
 
 if TYPE_CHECKING:
@@ -146,10 +147,10 @@ class HostTier(Component, Tier):
         walk = plan.walk
         for n in walk.path:
             if n.kv_value is None:
-                plan.revive[n.depth] = (n.start, self)
+                plan.add_revival(n.depth, n.start, self)
         part = walk.partial
         if part is not None and part.kv_value is None:
-            plan.revive[part.start + walk.partial_len] = (part.start, self)
+            plan.add_revival(part.start + walk.partial_len, part.start, self)
 
     def revive(self, node: TreeNode, slots: torch.Tensor) -> None:
         self.kv.attach(node, slots)  # the node keeps ``slots`` itself as its kv_value
@@ -263,16 +264,17 @@ class HostTier(Component, Tier):
             self.state.requeue(node)
 
     # ------------------------------------------------------------- eviction
-    def free_leaf(self, node: TreeNode) -> list[int]:
+    def free_leaf(self, node: TreeNode, freed: list[int]) -> None:
         """Free a device leaf on eviction: demote it when it is (or can be) backed up, else
-        remove it. Returns the device units freed now, measured around the whole step: a
-        write-back backup may itself evict on host, and that cascade can remove a stateless
-        device parent of the host-only leaves it frees; copies landing meanwhile demote nodes
-        too. (A write-back copy still in flight frees its slots when it lands.)"""
+        remove it. Adds to ``freed`` the device units freed now, measured around the whole
+        step: a write-back backup may itself evict on host, and that cascade can remove a
+        stateless device parent of the host-only leaves it frees; copies landing meanwhile
+        demote nodes too. (A write-back copy still in flight frees its slots when it lands.)"""
         kv, state = self.kv, self.state
         t0, s0 = kv.evicted, state.evicted if state is not None else 0
         self._free_device_leaf(node)
-        return [kv.evicted - t0, (state.evicted if state is not None else 0) - s0, 0]
+        freed[0] += kv.evicted - t0
+        freed[1] += (state.evicted if state is not None else 0) - s0
 
     def _free_device_leaf(self, node: TreeNode) -> None:
         if node.host_value is None and self.controller.config.hicache_write_policy == "write_back":
@@ -294,7 +296,7 @@ class HostTier(Component, Tier):
         """Free ``node``'s device KV and state; it stays in the tree, host-only."""
         assert node.kv_lock == 0 and node.host_value is not None, node
         core = self.core
-        core.device_remove(node, [0, 0, 0, 0])
+        core.device_remove(node, freed_counts())
         parent = node.parent
         core.refresh(node)
         if parent is not None and parent.parent is not None:
