@@ -57,7 +57,7 @@ class L3EngineConfig(EngineConfig):
                  else {"hicache_storage_url": self.l3_where})
         return dataclasses.replace(base, hicache_storage_backend=self.l3_backend,
                                    hicache_storage_model=self.l3_model,
-                                   hicache_prefetch_policy="wait_complete", **where)
+                                   hicache_storage_prefetch_policy="wait_complete", **where)
 
 
 def parse_l3(text: str) -> tuple[str, str]:
