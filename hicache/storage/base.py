@@ -116,7 +116,7 @@ class StorageBackend(ABC):
         """Presence of each key (may stop early after the first absent one: the rest False)."""
 
     @abstractmethod
-    def _get_raw(self, keys: Sequence[str]) -> list[Record | None]:
+    def _get_raw(self, keys: Sequence[str]) -> Sequence[Record | None]:
         """The stored record of each key, or ``None``."""
 
     @abstractmethod

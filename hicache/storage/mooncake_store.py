@@ -249,7 +249,7 @@ class MooncakeStore(StorageBackend):
         base = arena.data_ptr()
         codes = self._registered(store, base, offsets[-1], arena, store.batch_get_into,
                                  self._full(keys), [base + o for o in offsets[:-1]], sizes)
-        view = memoryview(arena.numpy())
+        view = arena.numpy().data
         out: list[Record | None] = []
         larger: list[int] = []
         fault = 0
@@ -282,7 +282,7 @@ class MooncakeStore(StorageBackend):
             return done
         sizes = [HEADER_SIZE + len(items[i][3]) + len(items[i][4]) for i in todo]
         arena = torch.empty(sum(sizes), dtype=torch.uint8)
-        view = memoryview(arena.numpy())
+        view = arena.numpy().data
         offsets, off = [], 0
         for i, n in zip(todo, sizes, strict=True):
             _, kind, h, a, b = items[i]
