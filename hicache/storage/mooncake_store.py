@@ -41,6 +41,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -152,6 +153,8 @@ class MooncakeStore(StorageBackend):
             return fut.result(self.timeout_s if timeout_s is None else timeout_s)
         except FutureTimeout:
             with self._busy_lock:
+                if fut.cancel():  # still queued: it will never run
+                    self._busy -= 1
                 self._extra["abandoned_calls"] += 1
             raise TimeoutError(f"Mooncake call {getattr(fn, '__name__', fn)} took longer than "
                                f"{self.timeout_s if timeout_s is None else timeout_s} s") from None
@@ -188,16 +191,25 @@ class MooncakeStore(StorageBackend):
         pool.shutdown(wait=False)
         return fut
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 10.0) -> None:
+        """Close the client once no call of it runs (abandoned calls get ``wait_s`` to end;
+        a client still busy then is left open rather than closed under a running call)."""
         store, self._store, self._setup = self._store, None, None
         pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
-        if store is not None:
-            try:
-                store.close()
-            except Exception:
-                pass
+            pool.shutdown(wait=False)
+        deadline = time.monotonic() + wait_s
+        while self._busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if store is None:
+            return
+        if self._busy:
+            log.warning("L3 mooncake: %d calls still running; client left open", self._busy)
+            return
+        try:
+            store.close()
+        except Exception as exc:
+            log.warning("L3 mooncake: close failed (%s)", exc)
 
     def _full(self, keys: Sequence[str]) -> list[str]:
         return [self.prefix + k for k in keys]
