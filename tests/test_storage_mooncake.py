@@ -264,3 +264,76 @@ def test_a_full_segment_refuses_pages_and_serves_only_verified_ones(master: Moon
         assert stall < STALL_BOUND_S
     finally:
         owner.kill()
+
+
+# ============================================================ the client's calls
+class Slow:
+    """The real client, with ``batch_is_exist`` blocked until ``release`` is set."""
+
+    def __init__(self, inner: Any) -> None:
+        import threading
+
+        self.inner, self.release, self.calls = inner, threading.Event(), 0
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        self.calls += 1
+        self.release.wait(30)
+        return self.inner.batch_is_exist(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def direct_store(zero_copy: bool = True, timeout_s: float = 0.3) -> Any:
+    from hicache.storage.mooncake_store import MooncakeStore
+    from tests.mooncake_helpers import need_mooncake
+
+    url, meta = need_mooncake()
+    opts = MooncakeOptions.resolve(url, mooncake_extra(meta, zero_copy=zero_copy,
+                                                       key_prefix=f"{fresh_model()}:"))
+    return MooncakeStore(opts, tag="t", timeout_s=timeout_s, cooldown_s=0.0)
+
+
+def test_a_hung_call_is_abandoned_after_the_timeout_and_never_piles_up() -> None:
+    from hicache.storage.mooncake_store import WORKERS
+
+    store = direct_store()
+    try:
+        key = "ef" * 32
+        assert store.set(key, b"a", b"b")
+        slow = Slow(store._client())
+        store._store = slow
+        stalls = []
+        for _ in range(WORKERS + 2):
+            _, dt = timed(store.exists, key)
+            stalls.append(dt)
+        st = store.stats
+        # WORKERS calls wait their 0.3 s and are abandoned; the next ones are refused at once.
+        assert st["timeouts"] == WORKERS + 2 and st["abandoned_calls"] == WORKERS
+        assert slow.calls == WORKERS and max(stalls) < 0.3 + 0.5 and min(stalls) < 0.05
+        slow.release.set()
+        deadline = time.monotonic() + 5
+        while store._busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store._busy == 0 and store.exists(key)  # the abandoned calls ended; working again
+    finally:
+        store._store = getattr(store._store, "inner", store._store)
+        store.close()
+
+
+def test_zero_copy_writes_reuse_one_registered_send_buffer() -> None:
+    store = direct_store(timeout_s=5.0)
+    try:
+        import hashlib
+
+        keys = [hashlib.sha256(b"zc%d" % i).hexdigest() for i in range(30)]
+        for lo in range(0, 30, 10):
+            assert store.batch_set([(k, b"K" * 1000, b"V" * 1000) for k in keys[lo:lo + 10]]) == 10
+        assert store.stats["registered_bytes"] == 16 << 20  # the transfer-buffer size, once
+        store.expect_sections((1000, 1000), (0, 0))
+        pages = store.batch_get(keys)
+        assert all(p is not None and bytes(p.a) == b"K" * 1000 and bytes(p.b) == b"V" * 1000
+                   for p in pages)
+        assert store.stats["registered_bytes"] == (16 << 20) + 30 * 2088  # plus one read buffer
+    finally:
+        store.close()

@@ -64,6 +64,8 @@ ERROR_NAMES = {-1: "INTERNAL_ERROR", -200: "NO_AVAILABLE_HANDLE", -600: "INVALID
                -900: "RPC_FAIL"}
 #: Client calls running at once (abandoned ones included) before new calls answer a miss.
 WORKERS = 4
+#: Largest registered send buffer kept for reuse [bytes]; larger batches register their own.
+SEND_BUFFER_MAX = 256 << 20
 
 
 class MooncakeError(RuntimeError):
@@ -111,6 +113,8 @@ class MooncakeStore(StorageBackend):
         self._busy = 0
         self._first_wait = True
         self._setup: Future[Any] | None = None
+        self._send_buf: torch.Tensor | None = None
+        self._send_lock = threading.Lock()
         self._busy_lock = threading.Lock()
         self._extra = {"refused_pages": 0, "abandoned_calls": 0, "registered_bytes": 0}
         self._setup = self._start_setup()  # connects in the background from now on
@@ -126,13 +130,16 @@ class MooncakeStore(StorageBackend):
 
     # ------------------------------------------------------------ the client
     def _run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
-             keep: Any = None) -> Any:
+             keep: Any = None, never_ran: Callable[[], None] | None = None) -> Any:
         """``fn(*args)`` on the worker pool, waited for at most ``timeout_s``.
 
         ``keep``: buffers the call reads or writes, referenced until it really ends.
+        ``never_ran``: called when ``fn`` is known never to run (refused or cancelled).
         Raises ``TimeoutError`` (the call is abandoned) or what ``fn`` raised."""
         with self._busy_lock:
             if self._busy >= WORKERS:
+                if never_ran is not None:
+                    never_ran()
                 raise TimeoutError(f"{WORKERS} earlier Mooncake calls are still running")
             self._busy += 1
             if self._pool is None:
@@ -148,13 +155,24 @@ class MooncakeStore(StorageBackend):
                 del keep_alive[:]
 
         keep_alive = [keep]
-        fut = pool.submit(call)
+        try:
+            fut = pool.submit(call)
+        except RuntimeError:  # closed meanwhile
+            with self._busy_lock:
+                self._busy -= 1
+            if never_ran is not None:
+                never_ran()
+            raise
         try:
             return fut.result(self.timeout_s if timeout_s is None else timeout_s)
         except FutureTimeout:
             with self._busy_lock:
-                if fut.cancel():  # still queued: it will never run
+                cancelled = fut.cancel()  # still queued: it will never run
+                if cancelled:
                     self._busy -= 1
+            if cancelled and never_ran is not None:
+                never_ran()
+            with self._busy_lock:
                 self._extra["abandoned_calls"] += 1
             raise TimeoutError(f"Mooncake call {getattr(fn, '__name__', fn)} took longer than "
                                f"{self.timeout_s if timeout_s is None else timeout_s} s") from None
@@ -203,6 +221,9 @@ class MooncakeStore(StorageBackend):
             time.sleep(0.01)
         if store is None:
             return
+        if not self._busy and self._send_buf is not None:
+            store.unregister_buffer(self._send_buf.data_ptr())
+        self._send_buf = None
         if self._busy:
             log.warning("L3 mooncake: %d calls still running; client left open", self._busy)
             return
@@ -293,20 +314,63 @@ class MooncakeStore(StorageBackend):
         if not todo:
             return done
         sizes = [HEADER_SIZE + len(items[i][3]) + len(items[i][4]) for i in todo]
-        arena = torch.empty(sum(sizes), dtype=torch.uint8)
+        arena, registered = self._take_send_buffer(store, sum(sizes))
         view = arena.numpy().data
         offsets, off = [], 0
-        for i, n in zip(todo, sizes, strict=True):
-            _, kind, h, a, b = items[i]
-            encode_into(view[off : off + n], kind, self._tag_digest, h, a, b)
-            offsets.append(off)
-            off += n
+        try:
+            for i, n in zip(todo, sizes, strict=True):
+                _, kind, h, a, b = items[i]
+                encode_into(view[off : off + n], kind, self._tag_digest, h, a, b)
+                offsets.append(off)
+                off += n
+        except BaseException:
+            if registered:
+                self._send_lock.release()
+            raise
         base = arena.data_ptr()
-        codes = self._registered(store, base, off, arena, store.batch_put_from,
-                                 self._full([items[i][0] for i in todo]),
-                                 [base + o for o in offsets], sizes)
+        args = (self._full([items[i][0] for i in todo]), [base + o for o in offsets], sizes)
+        if registered:
+            codes = self._run(self._release_after(store.batch_put_from), *args, keep=arena,
+                              never_ran=self._send_lock.release)
+        else:
+            codes = self._registered(store, base, off, arena, store.batch_put_from, *args)
         self._settle(todo, codes, done, "batch_put_from")
         return done
+
+    def _take_send_buffer(self, store: Any, size: int) -> tuple[torch.Tensor, bool]:
+        """A buffer of ``size`` bytes to encode records into, and whether it is the backend's
+        send buffer, registered once and reused (grown up to ``SEND_BUFFER_MAX``) while no call
+        uses it; else a fresh one to register for the call only."""
+        if size > SEND_BUFFER_MAX or not self._send_lock.acquire(blocking=False):
+            return torch.empty(size, dtype=torch.uint8), False
+        try:
+            buf = self._send_buf
+            if buf is None or buf.numel() < size:
+                if buf is not None:
+                    store.unregister_buffer(buf.data_ptr())
+                    self._send_buf = None
+                new = torch.zeros(max(size, self.options.local_buffer_size), dtype=torch.uint8)
+                rc = store.register_buffer(new.data_ptr(), new.numel())
+                if rc != 0:
+                    raise MooncakeError("register_buffer", rc)
+                with self._busy_lock:
+                    self._extra["registered_bytes"] += new.numel()
+                self._send_buf = buf = new
+            return buf, True
+        except BaseException:
+            self._send_lock.release()
+            raise
+
+    def _release_after(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` that hands the send buffer back when it ends (on the worker, so an abandoned
+        call keeps it until then)."""
+        def call(*args: Any) -> Any:
+            try:
+                return fn(*args)
+            finally:
+                self._send_lock.release()
+
+        return call
 
     def _put_records(self, records: Sequence[tuple[str, bytes]]) -> list[bool | None]:
         """The copying path: ``put_batch`` in chunks that fit the transfer buffer."""
