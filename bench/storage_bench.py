@@ -11,9 +11,9 @@ reads them back (verification included) in the same batches. Redis URLs come fro
 ``--redis-url`` / ``--cluster-urls`` or the ``HPC_REDIS_URL`` / ``HPC_REDIS_CLUSTER_URLS``
 variables that ``.ci/redis-up`` prints, Mooncake Store's master from ``--mooncake-url`` or
 ``HPC_MOONCAKE_URL`` (metadata server ``HPC_MOONCAKE_METADATA``, from ``.ci/mooncake-up``); a
-backend without a URL is left out. Mooncake runs twice: zero-copy (records encoded into a
-registered buffer and sent from it, read into one) and copying (through the client's transfer
-buffer). The bench's client lends no memory: the pages cross loopback TCP to the segment of
+backend without a URL is left out. Mooncake runs twice: zero-copy for every batch (records
+encoded into a registered buffer and sent from it, read into one) and copying (through the
+client's transfer buffer); the backend's default takes the zero-copy path from 1 MiB a batch. The bench's client lends no memory: the pages cross loopback TCP to the segment of
 the standalone ``mooncake_client``. Wall-clock rates, and the bench process's CPU time per page
 (``time.process_time``: what the engine host pays for checksums and copies).
 """
@@ -79,7 +79,7 @@ def backends(args: argparse.Namespace, tmp: str) -> list[tuple[str, StorageBacke
         for name, zero_copy in (("mooncake", True), ("mooncake-copying", False)):
             opts = MooncakeOptions.resolve(mooncake, {
                 "metadata_server": meta, "global_segment_size": 0, "local_hostname": "127.0.0.1",
-                "zero_copy": zero_copy, "key_prefix": "bench:"})
+                "zero_copy": zero_copy, "zero_copy_min_bytes": 0, "key_prefix": "bench:"})
             out.append((name, MooncakeStore(opts, tag="bench", timeout_s=30)))
     return out
 

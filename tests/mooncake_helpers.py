@@ -64,9 +64,11 @@ def need_mooncake() -> tuple[str, str]:
 
 def mooncake_extra(meta: str, segment: int = 0, zero_copy: bool = True, **more: Any) -> dict[str, Any]:
     """Extra config of a test client: lends ``segment`` bytes (0: the standalone client of
-    ``.ci/mooncake-up`` or a :class:`SegmentOwner` holds the pages)."""
+    ``.ci/mooncake-up`` or a :class:`SegmentOwner` holds the pages); with ``zero_copy``, every
+    batch takes the zero-copy path, however small."""
     return {"metadata_server": meta, "global_segment_size": segment, "protocol": "tcp",
-            "local_hostname": "127.0.0.1", "zero_copy": zero_copy, **more}
+            "local_hostname": "127.0.0.1", "zero_copy": zero_copy, "zero_copy_min_bytes": 0,
+            **more}
 
 
 def _free_ports(n: int) -> list[int]:

@@ -25,8 +25,11 @@ key (extra config / file)   environment                      default
                             SIZE``                           buffer of the copying path [bytes]
 ``protocol``                ``MOONCAKE_PROTOCOL``            ``tcp`` (``rdma`` needs a device)
 ``device_name``             ``MOONCAKE_DEVICE``              ``""`` (RDMA device names)
-``zero_copy``               --                               ``true``: register host buffers
-                                                             and transfer from / into them
+``zero_copy``               --                               ``true``: transfer from / into
+                                                             registered buffers
+``zero_copy_min_bytes``     --                               1 MiB: smaller batches take the
+                                                             copying path (registering costs
+                                                             more than the copy it saves)
 ``key_prefix``              --                               ``hpc:``
 ==========================  ===============================  =================================
 
@@ -58,7 +61,8 @@ DEFAULT_PROTOCOL = "tcp"
 MIN_SEGMENT_SIZE = 16 << 20
 
 KEYS = ("master_server_address", "metadata_server", "local_hostname", "global_segment_size",
-        "local_buffer_size", "protocol", "device_name", "zero_copy", "key_prefix")
+        "local_buffer_size", "protocol", "device_name", "zero_copy", "zero_copy_min_bytes",
+        "key_prefix")
 
 _UNITS = {"b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmg]?b)?\s*$", re.IGNORECASE)
@@ -135,6 +139,7 @@ class MooncakeOptions:
     protocol: str = DEFAULT_PROTOCOL
     device_name: str = ""
     zero_copy: bool = True
+    zero_copy_min_bytes: int = 1 << 20
     key_prefix: str = "hpc:"
     source: str = "extra_config"
 
@@ -158,6 +163,8 @@ class MooncakeOptions:
             raise ValueError(f"local_buffer_size must be >= 1 MiB, got {self.local_buffer_size}")
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
+        if isinstance(self.zero_copy_min_bytes, bool) or not isinstance(self.zero_copy_min_bytes, int):
+            raise ValueError(f"zero_copy_min_bytes must be bytes, got {self.zero_copy_min_bytes!r}")
         if not isinstance(self.zero_copy, bool):
             raise ValueError(f"zero_copy must be true or false, got {self.zero_copy!r}")
 
@@ -215,7 +222,7 @@ class MooncakeOptions:
 
     @classmethod
     def _build(cls, fields: dict[str, Any], source: str) -> MooncakeOptions:
-        for name in ("global_segment_size", "local_buffer_size"):
+        for name in ("global_segment_size", "local_buffer_size", "zero_copy_min_bytes"):
             if name in fields:
                 fields[name] = parse_size(fields[name], name)
         return cls(**fields, source=source)

@@ -12,9 +12,10 @@ Options: :mod:`hicache.storage.mooncake_options`.
   put (a Mooncake ``put`` of an existing key leaves it as it is, so two writers racing keep the
   first record). Copying path: ``put_batch`` in chunks that fit the client's local transfer
   buffer (``local_buffer_size``), which the client copies the records through. Zero-copy path
-  (``zero_copy``, default): the records are encoded in place into one buffer registered with
-  the client (``register_buffer``) and sent from there (``batch_put_from``): no copy into the
-  transfer buffer and no limit from its size. A page the store has no room for (code -200,
+  (``zero_copy``, default, for batches of ``zero_copy_min_bytes`` or more): the records are
+  encoded in place into a send buffer registered with the client once (``register_buffer``)
+  and sent from there (``batch_put_from``): no copy into the transfer buffer, no limit from its
+  size. Smaller batches take the copying path (a registration costs more than their copy). A page the store has no room for (code -200,
   segments full while its eviction catches up) is not written and counted ``refused``.
 * Reads: copying path ``get_batch`` (chunks limited by the transfer buffer are retried; a key
   present but unreadable is a fault). Zero-copy path, once the record sizes are known
@@ -248,7 +249,7 @@ class MooncakeStore(StorageBackend):
     def _get_raw(self, keys: Sequence[str]) -> list[Record | None]:
         store = self._client()
         sizes = [self.record_bytes.get(_split_key(k)[0]) for k in keys]
-        if self.zero_copy and all(sizes):
+        if self.zero_copy and all(sizes) and sum(s or 0 for s in sizes) >= self.options.zero_copy_min_bytes:
             return self._get_into(store, keys, [s for s in sizes if s])
         return self._get_copying(store, keys)
 
@@ -305,7 +306,8 @@ class MooncakeStore(StorageBackend):
 
     def _write_sections(self, items: Sequence[tuple[str, int, bytes, bytes, bytes]]
                         ) -> Sequence[bool | None]:
-        if not self.zero_copy:
+        total = sum(HEADER_SIZE + len(a) + len(b) for *_, a, b in items)
+        if not self.zero_copy or total < self.options.zero_copy_min_bytes:
             return self._put_records([(k, encode(kind, self._tag_digest, h, a, b))
                                       for k, kind, h, a, b in items])
         store = self._client()
