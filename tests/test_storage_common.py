@@ -219,7 +219,7 @@ class Flaky(StorageBackend):
         self._tick()
         return self.inner._exists_raw(keys)
 
-    def _get_raw(self, keys: Sequence[str]) -> list[bytes | None]:
+    def _get_raw(self, keys: Sequence[str]) -> Sequence[bytes | memoryview | None]:
         self.gate.wait(10)
         self._tick()
         return self.inner._get_raw(keys)

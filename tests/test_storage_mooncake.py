@@ -122,6 +122,24 @@ def on(master: MooncakeMaster, caches: list[L3], segment: int = 0, **kw: Any) ->
     return h
 
 
+def backend_of(h: L3) -> Any:
+    st = h.cache.storage
+    assert st is not None
+    return st.backend
+
+
+def host_size(h: L3) -> int:
+    hc = h.cache.hicache
+    assert hc is not None
+    return int(hc.host_kv.size)
+
+
+def load(h: L3, m: Any) -> int:
+    """``load_back`` of a match's host part; the tokens brought to device."""
+    assert m.last_host_node is not None
+    return int(h.cache.load_back(m.last_host_node))
+
+
 def timed(fn: Any, *args: Any) -> tuple[Any, float]:
     t0 = time.perf_counter()
     out = fn(*args)
@@ -134,7 +152,7 @@ def test_master_killed_mid_replay_and_restarted(master: MooncakeMaster, caches: 
         gen = torch.Generator().manual_seed(21)
         model = fresh_model()
         a = on(master, caches, page_size=2, model=model, size=64)
-        a.cache.storage.backend.cooldown_s = 0.05  # type: ignore[union-attr]
+        backend_of(a).cooldown_s = 0.05
         keys = [key_of(8, base=1000 * i) for i in range(9)]
         stall = 0.0
         written = []
@@ -159,7 +177,7 @@ def test_master_killed_mid_replay_and_restarted(master: MooncakeMaster, caches: 
         hits = [b.cache.match_prefix(k).host_hit_length for k in keys]
         assert hits == [0] * 6 + [8] * 3  # only what was written after the restart
         for k, w in zip(keys[6:], written[6:], strict=True):  # found again, bit-exact
-            assert b.cache.load_back(b.cache.match_prefix(k).last_host_node) == 8
+            assert load(b, b.cache.match_prefix(k)) == 8
             assert_same_kv(b, b.cache.match_prefix(k).device_indices, w, 8)
         b.cache.sanity_check()
     finally:
@@ -169,7 +187,7 @@ def test_master_killed_mid_replay_and_restarted(master: MooncakeMaster, caches: 
 def wait_writable(h: L3, timeout_s: float = 30.0, in_a_row: int = 8) -> None:
     """Until the store takes ``in_a_row`` probe pages in a row (the master places each in a
     random segment: a dead one still listed would refuse some of them)."""
-    store = h.cache.storage.backend  # type: ignore[union-attr]
+    store = backend_of(h)
     deadline = time.monotonic() + timeout_s
     ok = 0
     while time.monotonic() < deadline:
@@ -217,7 +235,7 @@ def segment_owner_gone(master: MooncakeMaster, caches: list[L3]) -> None:
     w = put_random(c, key_of(8, base=9), gen)
     assert c.cache.flush_storage(30)
     m = d.cache.match_prefix(key_of(8, base=9))
-    assert m.host_hit_length == 8 and d.cache.load_back(m.last_host_node) == 8
+    assert m.host_hit_length == 8 and load(d, m) == 8
     m = d.cache.match_prefix(key_of(8, base=9))
     assert_same_kv(d, m.device_indices, w, 8)
 
@@ -239,7 +257,7 @@ def test_a_full_segment_refuses_pages_and_serves_only_verified_ones(master: Moon
             written.append(w)
             a.cache.flush_storage(30)
             a.cache.evict(a.kv.size)
-            a.cache.evict_host(a.cache.hicache.host_kv.size)  # type: ignore[union-attr]
+            a.cache.evict_host(host_size(a))
         st = a.cache.stats()
         kept = 0
         b = on(master, caches, **kw)
@@ -249,11 +267,11 @@ def test_a_full_segment_refuses_pages_and_serves_only_verified_ones(master: Moon
             assert m.host_hit_length % 4 == 0
             if m.host_hit_length:
                 kept += m.host_hit_length // 4
-                n = b.cache.load_back(m.last_host_node)
+                n = load(b, m)
                 m = b.cache.match_prefix(k)
                 assert_same_kv(b, m.device_indices, w, n)  # every page served is the one written
             b.cache.evict(b.kv.size)
-            b.cache.evict_host(b.cache.hicache.host_kv.size)  # type: ignore[union-attr]
+            b.cache.evict_host(host_size(b))
             b.cache.sanity_check()
         refused = st["l3_backend_refused"]
         print(f"\nfull segment: refused {refused} of 80 pages, {kept} pages served back, longest "
