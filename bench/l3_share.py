@@ -2,6 +2,7 @@
 
     python -m bench.l3_share --max-requests 1000 --instances 2 --l3 file:/tmp/hpc-l3
     python -m bench.l3_share --instances 2 --l3 redis://127.0.0.1:6379 --json out.json
+    python -m bench.l3_share --instances 2 --l3 mooncake://127.0.0.1:50051   # Mooncake master
 
 The trace (default: the shipped Mooncake conversation trace) is cut to its first
 ``--max-requests`` requests; request ``i`` goes to instance ``i % N`` (N independent
@@ -16,7 +17,10 @@ over the same requests:
 Per instance: requests, prompt tokens, usable hit tokens and rate, tokens brought from L3
 (``l3_prefetch_tokens``) and pages written. Pages hold no tensors (an index-only replay), so
 this measures which pages are found, not bandwidth (``bench.storage_bench`` measures that).
-Writes are flushed after every request so the next instance sees them.
+Writes are flushed after every request so the next instance sees them. On Mooncake Store
+each instance's client lends ``--mooncake-segment`` bytes to the store; the metadata server is
+``$HPC_MOONCAKE_METADATA`` (``.ci/mooncake-up``), else ``$MOONCAKE_TE_META_DATA_SERVER``, else
+``P2PHANDSHAKE``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 import uuid
@@ -48,29 +53,43 @@ class L3EngineConfig(EngineConfig):
     l3_backend: str | None = None
     l3_where: str | None = None
     l3_model: str = "default"
+    l3_extra_config: str | None = None
 
     def hicache_config(self) -> HiCacheConfig | None:
         base = EngineConfig.hicache_config(self)
         if base is None or self.l3_backend is None:
             return base
         where: dict[str, Any] = ({"hicache_storage_dir": self.l3_where} if self.l3_backend == "file"
-                 else {"hicache_storage_url": self.l3_where})
+                 else {"hicache_storage_url": self.l3_where,
+                       "hicache_storage_backend_extra_config": self.l3_extra_config})
         return dataclasses.replace(base, hicache_storage_backend=self.l3_backend,
                                    hicache_storage_model=self.l3_model,
-                                   hicache_prefetch_policy="wait_complete", **where)
+                                   hicache_storage_prefetch_policy="wait_complete", **where)
 
 
 def parse_l3(text: str) -> tuple[str, str]:
-    """``file:DIR`` or ``redis://...`` / ``rediss://...`` -> (backend, where)."""
+    """``file:DIR``, ``redis://...`` / ``rediss://...`` or ``mooncake://host:port`` ->
+    (backend, where)."""
     if text.startswith("file:"):
         return "file", text[5:]
     if text.startswith(("redis://", "rediss://")):
         return "redis", text
-    raise argparse.ArgumentTypeError(f"--l3 must be file:DIR or redis://host:port, got {text!r}")
+    if text.startswith("mooncake://"):
+        return "mooncake", text
+    raise argparse.ArgumentTypeError(
+        f"--l3 must be file:DIR, redis://host:port or mooncake://host:port, got {text!r}")
+
+
+def mooncake_extra_config(segment: int) -> str:
+    """The extra config of a bench instance on Mooncake Store (see the module docstring)."""
+    meta = (os.environ.get("HPC_MOONCAKE_METADATA") or os.environ.get("MOONCAKE_TE_META_DATA_SERVER")
+            or "P2PHANDSHAKE")
+    return json.dumps({"metadata_server": meta, "global_segment_size": segment, "protocol": "tcp",
+                       "local_hostname": "127.0.0.1"})
 
 
 def run_setup(setup: str, trace: list[TraceRequest], base: EngineConfig, n: int,
-              l3: tuple[str, str]) -> list[dict[str, Any]]:
+              l3: tuple[str, str], extra_config: str | None = None) -> list[dict[str, Any]]:
     """Replay ``trace`` over ``n`` instances in one set-up; one result row per instance."""
     backend, where = l3
     run = uuid.uuid4().hex[:8]
@@ -80,7 +99,8 @@ def run_setup(setup: str, trace: list[TraceRequest], base: EngineConfig, n: int,
         if setup != "none":
             model = f"l3share-{run}" + ("" if setup == "shared" else f"-{i}")
             loc = str(Path(where) / run) if backend == "file" else where
-            cfg = L3EngineConfig(**fields, l3_backend=backend, l3_where=loc, l3_model=model)
+            cfg = L3EngineConfig(**fields, l3_backend=backend, l3_where=loc, l3_model=model,
+                                 l3_extra_config=extra_config)
         else:
             cfg = L3EngineConfig(**fields)
         engines.append(ReplayEngine(cfg))
@@ -120,7 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-requests", type=int, default=1000)
     p.add_argument("--instances", type=int, default=2)
     p.add_argument("--l3", type=parse_l3, default=("file", "/tmp/hpc-l3-share"),
-                   help="file:DIR or redis://host:port (default file:/tmp/hpc-l3-share)")
+                   help="file:DIR, redis://host:port or mooncake://host:port (default "
+                        "file:/tmp/hpc-l3-share)")
+    p.add_argument("--mooncake-segment", type=parse_count, default=parse_count("64M"),
+                   help="bytes each instance lends Mooncake Store (0: none; default 64M)")
     p.add_argument("--kv-tokens", type=parse_count, default=parse_count("1M"))
     p.add_argument("--state-slots", type=int, default=64)
     p.add_argument("--page-size", type=int, default=64)
@@ -139,8 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = EngineConfig(kv_tokens=args.kv_tokens, state_slots=args.state_slots,
                         page_size=args.page_size, hicache_ratio=args.hicache_ratio)
     rows = []
+    extra = mooncake_extra_config(args.mooncake_segment) if args.l3[0] == "mooncake" else None
     for setup in args.setups:
-        rows += run_setup(setup, trace, base, args.instances, args.l3)
+        rows += run_setup(setup, trace, base, args.instances, args.l3, extra)
     head = ("setup", "instance", "requests", "prompt_tokens", "hit_tokens", "hit_rate",
             "l3_prefetch_tokens", "l3_pages_written", "l3_faults", "seconds")
     print(" | ".join(head))

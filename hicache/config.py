@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 #: Write policies (SGLang ``--hicache-write-policy``).
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 #: L3 storage backends (``hicache_storage_backend``) and prefetch policies.
-STORAGE_BACKENDS = (None, "file", "redis")
+STORAGE_BACKENDS = (None, "file", "redis", "mooncake")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
@@ -20,24 +21,35 @@ class HiCacheConfig:
     Args:
         hicache_ratio: host pool size as a multiple of the device pool (default 2.0, SGLang's
             default); must be > 1 so the host can hold more than the device.
-        hicache_size_bytes: host KV pool size in bytes instead of the ratio (``None``: use the
-            ratio). Must also exceed the device pool.
+        hicache_size: host pool size in GB (10**9 bytes, as SGLang's ``--hicache-size``)
+            instead of the ratio; 0 (default): use the ratio. Fractions are allowed (small
+            pools). Must also exceed the device pool.
         hicache_write_policy: ``write_through`` (back up a node when it is inserted),
             ``write_through_selective`` (once its hit count reaches 2), ``write_back`` (only
             when it is evicted from device).
         load_back_threshold: host-only chains shorter than this are not loaded back [tokens]
             (SGLang's default 10: reloading a few tokens costs more than recomputing them).
         hicache_storage_backend: L3 below the host tier: ``None`` (off), ``"file"`` (pages as
-            files in ``hicache_storage_dir``) or ``"redis"`` (``hicache_storage_url``).
+            files in ``hicache_storage_dir``), ``"redis"`` (``hicache_storage_url``) or
+            ``"mooncake"`` (Mooncake Store: ``hicache_storage_url="mooncake://host:port"`` of
+            its master, or the extra config / ``MOONCAKE_*`` environment, as SGLang reads them:
+            :mod:`hicache.storage.mooncake_options`).
         hicache_storage_dir: the file store's directory.
         hicache_storage_max_bytes: the file store's size cap [bytes] (``None``: no cap); the
             least recently used pages go first.
         hicache_storage_url: ``redis://[user:password@]host:port[/db]`` or ``rediss://``
-            (TLS); comma-separated URLs are startup nodes of one cluster. Not in ``repr``.
+            (TLS); comma-separated URLs are startup nodes of one cluster; ``mooncake://host:port``
+            (the Mooncake master). Not in ``repr``.
+        hicache_storage_backend_extra_config: the backend's options as SGLang takes them: a
+            JSON object, or ``@path`` to a ``.json`` / ``.toml`` file. The mooncake backend
+            reads SGLang's keys (``master_server_address``, ``metadata_server``,
+            ``global_segment_size``, ``protocol``, ``device_name``, ``local_hostname``) and
+            ``local_buffer_size``, ``zero_copy``, ``key_prefix``; the file and redis backends
+            take none. Parsed and checked when the config is built.
         hicache_storage_timeout_s: connect / socket timeout of one storage call [s].
         hicache_storage_model: model name mixed into the page keys with the pool layout, so
             two models with the same layout never share pages.
-        hicache_prefetch_policy: on a miss whose key continues in L3: ``best_effort`` (fetch
+        hicache_storage_prefetch_policy: on a miss whose key continues in L3: ``best_effort`` (fetch
             in the background; the pages join the tree at a later ``match_prefix`` /
             ``poll_storage``), ``wait_complete`` (fetch before ``match_prefix`` returns) or
             ``timeout`` (wait at most ``hicache_prefetch_timeout_s``, then as best_effort).
@@ -48,7 +60,7 @@ class HiCacheConfig:
     """
 
     hicache_ratio: float = 2.0
-    hicache_size_bytes: int | None = None
+    hicache_size: float = 0
     hicache_write_policy: str = "write_through"
     load_back_threshold: int = 10
     hicache_storage_backend: str | None = None
@@ -57,7 +69,8 @@ class HiCacheConfig:
     hicache_storage_url: str | None = field(default=None, repr=False)
     hicache_storage_timeout_s: float = 1.0
     hicache_storage_model: str = "default"
-    hicache_prefetch_policy: str = "best_effort"
+    hicache_storage_prefetch_policy: str = "best_effort"
+    hicache_storage_backend_extra_config: str | None = None
     hicache_prefetch_timeout_s: float = 0.5
 
     def __post_init__(self) -> None:
@@ -66,9 +79,9 @@ class HiCacheConfig:
             raise TypeError(f"hicache_ratio must be a number > 1, got {type(r).__name__}")
         if not math.isfinite(r) or r <= 1.0:
             raise ValueError(f"hicache_ratio must be a finite number > 1 (host larger than device), got {r}")
-        b = self.hicache_size_bytes
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b <= 0):
-            raise ValueError(f"hicache_size_bytes must be a positive int or None, got {b!r}")
+        g = self.hicache_size
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
+            raise ValueError(f"hicache_size must be a finite number >= 0 [GB; 0: use hicache_ratio], got {g!r}")
         if self.hicache_write_policy not in WRITE_POLICIES:
             raise ValueError(
                 f"hicache_write_policy={self.hicache_write_policy!r} is unknown; expected one of "
@@ -107,16 +120,43 @@ class HiCacheConfig:
             from hicache.storage.redis_store import split_urls
 
             split_urls(url)  # ValueError with credentials masked
-        elif url is not None:
-            raise ValueError(f"hicache_storage_url is for the redis backend; hicache_storage_backend is {backend!r}")
+        elif url is not None and backend != "mooncake":
+            raise ValueError(f"hicache_storage_url is for the redis backend (redis://) or the mooncake "
+                             f"backend (mooncake://); hicache_storage_backend is {backend!r}")
         for name in ("hicache_storage_timeout_s", "hicache_prefetch_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{name} must be a finite number > 0 [s], got {v!r}")
         if not isinstance(self.hicache_storage_model, str):
             raise TypeError(f"hicache_storage_model must be a str, got {type(self.hicache_storage_model).__name__}")
-        if self.hicache_prefetch_policy not in PREFETCH_POLICIES:
+        if self.hicache_storage_prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(
-                f"hicache_prefetch_policy={self.hicache_prefetch_policy!r} is unknown; expected one of "
-                f"{list(PREFETCH_POLICIES)}"
+                f"hicache_storage_prefetch_policy={self.hicache_storage_prefetch_policy!r} is unknown; "
+                f"expected one of {list(PREFETCH_POLICIES)}"
             )
+        self._check_extra_config()
+
+    @property
+    def host_size_bytes(self) -> int | None:
+        """``hicache_size`` in bytes (``None``: size by the ratio)."""
+        return round(self.hicache_size * 1e9) if self.hicache_size else None
+
+    def extra_config(self) -> dict[str, Any]:
+        """``hicache_storage_backend_extra_config`` parsed (a new dict each call)."""
+        from hicache.storage.mooncake_options import load_extra_config
+
+        return load_extra_config(self.hicache_storage_backend_extra_config)
+
+    def _check_extra_config(self) -> None:
+        x = self.hicache_storage_backend_extra_config
+        if x is not None and not isinstance(x, str):
+            raise TypeError("hicache_storage_backend_extra_config must be a JSON string or '@file', "
+                            f"got {type(x).__name__}")
+        extra = self.extra_config()
+        if self.hicache_storage_backend == "mooncake":
+            from hicache.storage.mooncake_options import MooncakeOptions
+
+            MooncakeOptions.resolve(self.hicache_storage_url, extra)
+        elif extra:
+            raise ValueError(f"hicache_storage_backend_extra_config keys {sorted(extra)} are not "
+                             f"accepted by hicache_storage_backend={self.hicache_storage_backend!r}")

@@ -2,7 +2,7 @@
 
 Each device pool gets a host counterpart of the same layout (layers, heads, head_dim, dtype;
 conv / SSM state shapes), on the CPU, in pinned memory when the device is CUDA (so copies can
-be asynchronous). Sizes: ``hicache_ratio`` x the device pool, or ``hicache_size_bytes``.
+be asynchronous). Sizes: ``hicache_ratio`` x the device pool, or ``hicache_size`` GB.
 
     name     device                       host
     "kv"     TokenAllocator/PagedAllocator + KVPool    same class, host size, CPU tensors
@@ -29,15 +29,16 @@ class PoolPair:
 
 
 def _host_size(device_size: int, page_size: int, cfg: HiCacheConfig, bytes_per_unit: int) -> int:
-    if cfg.hicache_size_bytes is not None and bytes_per_unit > 0:
-        size = cfg.hicache_size_bytes // bytes_per_unit
+    host_bytes = cfg.host_size_bytes
+    if host_bytes is not None and bytes_per_unit > 0:
+        size = host_bytes // bytes_per_unit
     else:
         size = int(device_size * cfg.hicache_ratio)
     size -= size % page_size
     if size <= device_size:
         raise ValueError(
             f"host pool of {size} units must be larger than the device pool ({device_size}); "
-            "raise hicache_ratio or hicache_size_bytes"
+            "raise hicache_ratio or hicache_size"
         )
     return size
 

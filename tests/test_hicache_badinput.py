@@ -41,16 +41,17 @@ def test_load_back_threshold_must_be_a_non_negative_int(threshold: object) -> No
         HiCacheConfig(load_back_threshold=threshold)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("size", [0, -1, True, 1.5, "1024"])
-def test_host_bytes_must_be_a_positive_int(size: object) -> None:
-    with pytest.raises(ValueError, match="hicache_size_bytes must be a positive int"):
-        HiCacheConfig(hicache_size_bytes=size)  # type: ignore[arg-type]
+@pytest.mark.parametrize("size", [-1, -0.5, True, float("nan"), float("inf"), "1024", None])
+def test_host_size_must_be_a_number_of_gb(size: object) -> None:
+    with pytest.raises(ValueError, match="hicache_size must be a finite number >= 0"):
+        HiCacheConfig(hicache_size=size)  # type: ignore[arg-type]
 
 
 def test_defaults_are_sglangs() -> None:
     cfg = HiCacheConfig()
-    assert (cfg.hicache_ratio, cfg.hicache_size_bytes, cfg.hicache_write_policy,
-            cfg.load_back_threshold) == (2.0, None, "write_through", 10)
+    assert (cfg.hicache_ratio, cfg.hicache_size, cfg.hicache_write_policy,
+            cfg.load_back_threshold) == (2.0, 0, "write_through", 10)
+    assert cfg.hicache_storage_prefetch_policy == "best_effort"
     assert WRITE_POLICIES == ("write_through", "write_through_selective", "write_back")
 
 
@@ -77,8 +78,8 @@ def test_host_pool_by_bytes_must_exceed_the_device_pool() -> None:
     per_token = pool.bytes_per_token  # 2 layers x (K + V) x 1 head x 2 dims x 4 bytes = 32
     assert per_token == 32
     with pytest.raises(ValueError, match=r"host pool of 16 units must be larger than the device pool \(16\)"):
-        RadixCache(kv_allocator=kv, hicache=HiCacheConfig(hicache_size_bytes=16 * per_token))
-    c = RadixCache(kv_allocator=kv, hicache=HiCacheConfig(hicache_size_bytes=40 * per_token + 5))
+        RadixCache(kv_allocator=kv, hicache=HiCacheConfig(hicache_size=16 * per_token / 1e9))
+    c = RadixCache(kv_allocator=kv, hicache=HiCacheConfig(hicache_size=(40 * per_token + 5) / 1e9))
     assert c.hicache is not None and c.hicache.host_kv.size == 40
 
 

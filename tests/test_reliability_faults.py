@@ -282,7 +282,7 @@ def _l3_engine(directory: str) -> RadixCache:
                                                      ssm_state_shape=(1,)),
                       hicache=HiCacheConfig(load_back_threshold=0, hicache_storage_backend="file",
                                             hicache_storage_dir=directory,
-                                            hicache_prefetch_policy="wait_complete"))
+                                            hicache_storage_prefetch_policy="wait_complete"))
 
 
 def _l3_pools(c: RadixCache) -> dict[str, Any]:

@@ -510,7 +510,7 @@ def test_10_typed_namespaces_never_share_through_a_shared_l3(tmp_path: Any) -> N
     def engine() -> RadixCache:
         return hybrid(size=64, n_states=8, hicache=HiCacheConfig(
             load_back_threshold=0, hicache_storage_backend="file",
-            hicache_storage_dir=str(tmp_path), hicache_prefetch_policy="wait_complete"))
+            hicache_storage_dir=str(tmp_path), hicache_storage_prefetch_policy="wait_complete"))
 
     key = [5, 6, 7, 8, 9, 10]
     a = engine()

@@ -1,4 +1,5 @@
-"""The storage interface on every backend: the file store, one Redis node, a Redis Cluster.
+"""The storage interface on every backend: the file store, one Redis node, a Redis Cluster,
+Mooncake Store (zero-copy and copying transfers).
 
 Leading-run ``batch_exists``, write-once ``set``, verified reads: a corrupt, truncated,
 misfiled or foreign-layout record is a miss (counted, deleted), never data.
@@ -13,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from hicache.storage import FileStore, RedisStore, StorageBackend
+from hicache.storage import FileStore, MooncakeOptions, RedisStore, StorageBackend
+from tests.mooncake_helpers import MOONCAKE_ENV, mooncake_extra, need_mooncake
 from tests.test_storage_common import CLUSTER_ENV, REDIS_ENV, fresh_model, need_env
 
 Mutate = Callable[[bytes], bytes]
@@ -63,10 +65,37 @@ def redis_handle(env: str, tag: str) -> Handle:
     return Handle(store, get, put)
 
 
-@pytest.fixture(params=["file", REDIS_ENV, CLUSTER_ENV], ids=["file", "redis-single", "redis-cluster"])
+def mooncake_handle(tag: str, zero_copy: bool) -> Handle:
+    from hicache.storage.mooncake_store import MooncakeStore
+
+    url, meta = need_mooncake()
+    extra = mooncake_extra(meta, zero_copy=zero_copy, key_prefix=f"t-{tag}:")
+    store = MooncakeStore(MooncakeOptions.resolve(url, extra), tag=tag)
+
+    def put(key: str, rec: bytes) -> None:  # upsert: a Mooncake put never replaces a record
+        assert store._client().upsert(store.prefix + key, rec) == 0
+
+    def get(key: str) -> bytes | None:
+        return store._client().get(store.prefix + key) or None
+
+    return Handle(store, get, put)
+
+
+BACKENDS = ["file", REDIS_ENV, CLUSTER_ENV, MOONCAKE_ENV, "mooncake-copying"]
+IDS = ["file", "redis-single", "redis-cluster", "mooncake", "mooncake-copying"]
+
+
+@pytest.fixture(params=BACKENDS, ids=IDS)
 def h(request: Any, tmp_path: Any) -> Iterator[Handle]:
     tag = fresh_model()
-    handle = file_handle(tmp_path, tag) if request.param == "file" else redis_handle(request.param, tag)
+    if request.param == "file":
+        handle = file_handle(tmp_path, tag)
+    elif request.param in (MOONCAKE_ENV, "mooncake-copying"):
+        handle = mooncake_handle(tag, zero_copy=request.param == MOONCAKE_ENV)
+        # What a controller tells it: the sizes of the records it reads (8 + 8 bytes here).
+        handle.store.expect_sections((8, 8), (4, 4))
+    else:
+        handle = redis_handle(request.param, tag)
     yield handle
     handle.store.close()
 
@@ -115,6 +144,8 @@ def test_many_keys_across_hash_slots_round_trip(h: Handle) -> None:
                                  "append", "empty"])
 def test_a_damaged_record_is_a_miss_and_is_removed(h: Handle, how: str) -> None:
     s = h.store
+    if how == "empty" and s.name == "mooncake":
+        pytest.skip("Mooncake Store refuses to store an empty object (put returns -600)")
     k = keys(3, "dmg" + how)
     assert s.batch_set([(key, b"K" * 64, b"V" * 64) for key in k]) == 3
     mutate: dict[str, Mutate] = {
@@ -153,6 +184,14 @@ def test_clients_of_another_layout_see_a_miss(h: Handle, tmp_path: Any) -> None:
     s = h.store
     (k,) = keys(1, "layout")
     s.set(k, b"K", b"V")
-    other = (FileStore(s.root, tag="other") if isinstance(s, FileStore)  # type: ignore[attr-defined]
-             else RedisStore(s._urls, tag="other", prefix=s.prefix))  # type: ignore[attr-defined]
+    other: StorageBackend
+    if isinstance(s, FileStore):
+        other = FileStore(s.root, tag="other")
+    elif isinstance(s, RedisStore):
+        other = RedisStore(s._urls, tag="other", prefix=s.prefix)
+    else:
+        from hicache.storage.mooncake_store import MooncakeStore
+
+        assert isinstance(s, MooncakeStore)
+        other = MooncakeStore(s.options, tag="other")
     assert other.get(k) is None and other.stats["corrupt"] == 1

@@ -4,6 +4,7 @@
   ``.ci/redis-up``; without them the Redis tests skip with the reason, except under CI
   (``CI`` set), where a missing server is a failure. :class:`RedisServer` starts a private
   ``redis-server`` for tests that kill it or need a password.
+* Mooncake Store: ``tests/mooncake_helpers.py`` (``.ci/mooncake-up``'s master, private masters).
 * :func:`make` builds a cache over real pools with a host tier and an L3 backend; every test
   gets its own ``hicache_storage_model`` (:func:`fresh_model`), so its pages never meet
   another test's in a shared server.
@@ -12,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -32,6 +34,7 @@ from allocators import KVPool, MambaStatePool, PagedAllocator, TokenAllocator
 from hicache import HiCacheConfig
 from hicache.storage import StorageBackend
 from radix import CacheConfig, RadixCache
+from tests.mooncake_helpers import MOONCAKE_META_ENV, mooncake_extra
 
 REDIS_ENV = "HPC_REDIS_URL"
 CLUSTER_ENV = "HPC_REDIS_CLUSTER_URLS"
@@ -87,19 +90,26 @@ class L3:
 def make(backend: str = "file", *, where: str, page_size: int = 1, size: int = 32,
          states: int = 0, model: str | None = None, prefetch: str = "wait_complete",
          policy: str = "write_through", dtype: torch.dtype = torch.float32,
-         max_bytes: int | None = None, timeout_s: float = 0.2, layers: int = 2) -> L3:
-    """A cache whose L3 is ``backend`` at ``where`` (a directory or Redis URL(s))."""
-    pool = KVPool(size, layers, 1, 2, dtype, "cpu", page_size=page_size)
+         max_bytes: int | None = None, timeout_s: float = 0.2, layers: int = 2,
+         extra: dict[str, Any] | None = None, head_dim: int = 2) -> L3:
+    """A cache whose L3 is ``backend`` at ``where`` (a directory, Redis URL(s) or a
+    ``mooncake://`` master; ``"mooncake-copying"``: Mooncake without zero-copy transfers)."""
+    pool = KVPool(size, layers, 1, head_dim, dtype, "cpu", page_size=page_size)
     kv = TokenAllocator(size, pool=pool) if page_size == 1 else PagedAllocator(size, page_size, pool=pool)
     sp = (MambaStatePool(states, num_layers=layers, conv_state_shape=(3,), ssm_state_shape=(2, 2))
           if states else None)
     l3: dict[str, Any] = {"hicache_storage_backend": backend}
     if backend == "file":
         l3.update(hicache_storage_dir=where, hicache_storage_max_bytes=max_bytes)
+    elif backend.startswith("mooncake"):
+        if extra is None:
+            extra = mooncake_extra(os.environ[MOONCAKE_META_ENV], zero_copy=backend == "mooncake")
+        l3.update(hicache_storage_backend="mooncake", hicache_storage_url=where,
+                  hicache_storage_backend_extra_config=json.dumps(extra))
     else:
         l3.update(hicache_storage_url=where)
     cfg = HiCacheConfig(
-        hicache_write_policy=policy, load_back_threshold=1, hicache_prefetch_policy=prefetch,
+        hicache_write_policy=policy, load_back_threshold=1, hicache_storage_prefetch_policy=prefetch,
         hicache_prefetch_timeout_s=timeout_s, hicache_storage_model=model or fresh_model(), **l3,
     )
     cache = RadixCache(CacheConfig(page_size=page_size), kv_allocator=kv, state_allocator=sp,
@@ -209,7 +219,7 @@ class Flaky(StorageBackend):
         self._tick()
         return self.inner._exists_raw(keys)
 
-    def _get_raw(self, keys: Sequence[str]) -> list[bytes | None]:
+    def _get_raw(self, keys: Sequence[str]) -> Sequence[bytes | memoryview | None]:
         self.gate.wait(10)
         self._tick()
         return self.inner._get_raw(keys)

@@ -15,7 +15,7 @@ from radix import CacheConfig, RadixCache
 
 def test_defaults_leave_l3_off() -> None:
     cfg = HiCacheConfig()
-    assert cfg.hicache_storage_backend is None and cfg.hicache_prefetch_policy == "best_effort"
+    assert cfg.hicache_storage_backend is None and cfg.hicache_storage_prefetch_policy == "best_effort"
     kv = TokenAllocator(8, pool=KVPool(8, 1, 1, 2, torch.float32))
     cache = RadixCache(CacheConfig(), kv_allocator=kv, hicache=cfg)
     assert cache.storage is None and "l3_faults" not in cache.stats()
@@ -38,7 +38,7 @@ def test_defaults_leave_l3_off() -> None:
         ({"hicache_storage_backend": "file", "hicache_storage_dir": "d",
           "hicache_storage_max_bytes": 0}, ValueError, "hicache_storage_max_bytes"),
         ({"hicache_storage_backend": "file", "hicache_storage_dir": 3}, TypeError, "hicache_storage_dir"),
-        ({"hicache_prefetch_policy": "eager"}, ValueError, "hicache_prefetch_policy"),
+        ({"hicache_storage_prefetch_policy": "eager"}, ValueError, "hicache_storage_prefetch_policy"),
         ({"hicache_prefetch_timeout_s": 0}, ValueError, "hicache_prefetch_timeout_s"),
         ({"hicache_storage_timeout_s": float("inf")}, ValueError, "hicache_storage_timeout_s"),
         ({"hicache_storage_model": 5}, TypeError, "hicache_storage_model"),

@@ -13,6 +13,7 @@ import torch
 
 from hicache import HiCacheConfig
 from hicache.storage import RedisStore, page_key
+from tests.mooncake_helpers import MOONCAKE_ENV, need_mooncake
 from tests.test_storage_common import (
     CLUSTER_ENV,
     L3,
@@ -149,6 +150,11 @@ def damage_second_page(h: L3, key: list[int]) -> str:
         raw = bytearray(p.read_bytes())
         raw[-1] ^= 0xFF
         p.write_bytes(bytes(raw))
+    elif store.name == "mooncake":
+        client = store._client()
+        raw = bytearray(client.get(store.prefix + k))
+        raw[-1] ^= 0xFF
+        assert client.upsert(store.prefix + k, bytes(raw)) == 0  # a put would not replace it
     else:
         client = store._client()
         raw = bytearray(client.get(store.prefix + k))
@@ -157,10 +163,15 @@ def damage_second_page(h: L3, key: list[int]) -> str:
     return k
 
 
-@pytest.mark.parametrize("where", ["file", REDIS_ENV, CLUSTER_ENV],
-                         ids=["file", "redis-single", "redis-cluster"])
+@pytest.mark.parametrize("where", ["file", REDIS_ENV, CLUSTER_ENV, MOONCAKE_ENV, "mooncake-copying"],
+                         ids=["file", "redis-single", "redis-cluster", "mooncake", "mooncake-copying"])
 def test_a_corrupt_page_ends_the_prefetched_run(where: str, tmp_path: Any, caches: list[L3]) -> None:
-    name, loc = ("file", str(tmp_path)) if where == "file" else ("redis", need_env(where))
+    if where == "file":
+        name, loc = "file", str(tmp_path)
+    elif where in (MOONCAKE_ENV, "mooncake-copying"):
+        name, loc = ("mooncake" if where == MOONCAKE_ENV else where), need_mooncake()[0]
+    else:
+        name, loc = "redis", need_env(where)
     model = fresh_model()
     gen = torch.Generator().manual_seed(4)
     a = make(name, where=loc, page_size=4, model=model)

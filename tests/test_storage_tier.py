@@ -2,7 +2,8 @@
 
 device -> host -> L3 -> (device and host evicted) -> prefetch -> load_back must give back every
 bit of the KV (random bit patterns, NaN payloads included) and of the state, on every backend,
-at page sizes 1 and 4; two caches sharing one Redis share pages; namespaces never mix.
+at page sizes 1 and 4; two caches sharing one Redis or one Mooncake Store share pages;
+namespaces never mix.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from hicache.storage import state_key
+from tests.mooncake_helpers import MOONCAKE_ENV, need_mooncake
 from tests.test_storage_common import (
     CLUSTER_ENV,
     L3,
@@ -30,11 +32,14 @@ from tests.test_storage_common import (
 )
 
 
-@pytest.fixture(params=["file", REDIS_ENV, CLUSTER_ENV], ids=["file", "redis-single", "redis-cluster"])
+@pytest.fixture(params=["file", REDIS_ENV, CLUSTER_ENV, MOONCAKE_ENV],
+                ids=["file", "redis-single", "redis-cluster", "mooncake"])
 def backend(request: Any, tmp_path: Any) -> tuple[str, str]:
     """(backend name, where)."""
     if request.param == "file":
         return "file", str(tmp_path / "l3")
+    if request.param == MOONCAKE_ENV:
+        return "mooncake", need_mooncake()[0]
     return "redis", need_env(request.param)
 
 
@@ -55,6 +60,17 @@ def key_of(n: int, base: int = 1000) -> list[int]:
 def test_round_trip_through_l3_is_bit_exact(backend: tuple[str, str], caches: list[L3],
                                             page_size: int, states: int) -> None:
     name, where = backend
+    round_trip(name, where, caches, page_size, states)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("states", [0, 4], ids=["kv", "hybrid"])
+def test_round_trip_through_mooncake_without_zero_copy(caches: list[L3], page_size: int,
+                                                       states: int) -> None:
+    round_trip("mooncake-copying", need_mooncake()[0], caches, page_size, states)
+
+
+def round_trip(name: str, where: str, caches: list[L3], page_size: int, states: int) -> None:
     gen = torch.Generator().manual_seed(7 * page_size + states)
     h = make(name, where=where, page_size=page_size, states=states)
     caches.append(h)
@@ -89,14 +105,15 @@ def test_round_trip_through_l3_is_bit_exact(backend: tuple[str, str], caches: li
     c.sanity_check()
 
 
-@pytest.mark.parametrize("env", [REDIS_ENV, CLUSTER_ENV], ids=["redis-single", "redis-cluster"])
+@pytest.mark.parametrize("env", [REDIS_ENV, CLUSTER_ENV, MOONCAKE_ENV],
+                         ids=["redis-single", "redis-cluster", "mooncake"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_two_engines_share_pages_through_redis(env: str, page_size: int, caches: list[L3]) -> None:
-    url = need_env(env)
+def test_two_engines_share_pages_through_one_store(env: str, page_size: int, caches: list[L3]) -> None:
+    name, url = ("mooncake", need_mooncake()[0]) if env == MOONCAKE_ENV else ("redis", need_env(env))
     model = fresh_model()
     gen = torch.Generator().manual_seed(11)
-    a = make("redis", where=url, page_size=page_size, states=4, model=model)
-    b = make("redis", where=url, page_size=page_size, states=4, model=model)
+    a = make(name, where=url, page_size=page_size, states=4, model=model)
+    b = make(name, where=url, page_size=page_size, states=4, model=model)
     caches += [a, b]
     key = key_of(24)
     w = put_random(a, key, gen)

@@ -1,4 +1,4 @@
-"""HiCache L3: pages keyed by a hash chain, in a local file store or Redis / Valkey.
+"""HiCache L3: pages keyed by a hash chain, in a local file store, Redis / Valkey or Mooncake Store.
 
 Contract: ``host slots <-> storage pages``.
 
@@ -6,7 +6,9 @@ Contract: ``host slots <-> storage pages``.
 * :mod:`~hicache.storage.page` — one record: header (version, tag, key, lengths), checksum.
 * :mod:`~hicache.storage.base` — :class:`StorageBackend`: ``exists / get / set``, batch forms,
   ``batch_exists`` = leading run; verification on read; faults are counted misses.
-* :mod:`~hicache.storage.file_store` / :mod:`~hicache.storage.redis_store` — the backends.
+* :mod:`~hicache.storage.file_store` / :mod:`~hicache.storage.redis_store` /
+  :mod:`~hicache.storage.mooncake_store` — the backends (Mooncake's options:
+  :mod:`~hicache.storage.mooncake_options`, resolved as SGLang resolves them).
 * :mod:`~hicache.storage.controller` — packing host bytes, background writes, prefetch jobs.
 """
 
@@ -25,6 +27,7 @@ from hicache.storage.keys import (
     page_key,
     state_key,
 )
+from hicache.storage.mooncake_options import MooncakeOptions
 from hicache.storage.page import CorruptPage
 from hicache.storage.redis_store import RedisStore, redact_url
 
@@ -35,6 +38,7 @@ __all__ = [
     "COUNTERS",
     "CorruptPage",
     "FileStore",
+    "MooncakeOptions",
     "Page",
     "PrefetchJob",
     "RedisStore",
@@ -55,7 +59,9 @@ def make_backend(config: HiCacheConfig, tag: str) -> StorageBackend | None:
     """The backend ``config.hicache_storage_backend`` names (``None`` when off).
 
     Raises:
-        ImportError: ``redis`` without redis-py installed (``pip install .[storage]``).
+        ImportError: ``redis`` without redis-py, ``mooncake`` without the Mooncake client
+            (``pip install .[storage]``).
+        ValueError: ``mooncake`` options that do not resolve (see ``MooncakeOptions.resolve``).
         OSError: the file store's directory cannot be created.
     """
     name = config.hicache_storage_backend
@@ -64,6 +70,11 @@ def make_backend(config: HiCacheConfig, tag: str) -> StorageBackend | None:
     if name == "file":
         assert config.hicache_storage_dir is not None
         return FileStore(config.hicache_storage_dir, config.hicache_storage_max_bytes, tag=tag)
+    if name == "mooncake":
+        from hicache.storage.mooncake_store import MooncakeStore
+
+        options = MooncakeOptions.resolve(config.hicache_storage_url, config.extra_config())
+        return MooncakeStore(options, tag=tag, timeout_s=config.hicache_storage_timeout_s)
     assert name == "redis" and config.hicache_storage_url is not None
     return RedisStore(config.hicache_storage_url, tag=tag,
                       timeout_s=config.hicache_storage_timeout_s)

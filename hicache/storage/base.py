@@ -19,7 +19,10 @@ fault the backend answers misses at once for ``cooldown_s`` seconds instead of p
 on every call, then tries again (the client reconnects).
 
 Subclasses implement four raw calls on whole records (``_exists_raw``, ``_get_raw``,
-``_set_nx_raw``, ``_delete_raw``); they may raise anything. Thread safety: every public
+``_set_nx_raw``, ``_delete_raw``); they may raise anything. A backend that can write records
+in place (into memory it registered with its client) overrides ``_write_sections`` instead of
+building them with :func:`~hicache.storage.page.encode`; one that reads into such memory uses
+the record sizes of :meth:`StorageBackend.expect_sections`. Thread safety: every public
 method may be called from several threads; subclasses lock what they share.
 """
 
@@ -33,7 +36,15 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from hicache.storage.keys import STATE_SUFFIX
-from hicache.storage.page import KIND_KV, KIND_STATE, CorruptPage, decode, encode, tag_digest
+from hicache.storage.page import (
+    HEADER_SIZE,
+    KIND_KV,
+    KIND_STATE,
+    CorruptPage,
+    decode,
+    encode,
+    tag_digest,
+)
 
 log = logging.getLogger("hicache.storage")
 
@@ -46,6 +57,7 @@ COUNTERS = (
     "set_calls",
     "written",
     "already_present",
+    "refused",
     "exists_calls",
     "errors",
     "timeouts",
@@ -60,6 +72,10 @@ class Page(NamedTuple):
 
     a: memoryview
     b: memoryview
+
+
+#: A raw record: whole bytes, or a view of memory the backend read it into.
+Record = bytes | memoryview
 
 
 def _split_key(key: str) -> tuple[int, bytes]:
@@ -91,6 +107,8 @@ class StorageBackend(ABC):
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(COUNTERS, 0)
         self._logged = 0
+        #: Record size [bytes] of each kind this client reads, when known (``expect_sections``).
+        self.record_bytes: dict[int, int] = {}
 
     # ------------------------------------------------------------ raw calls
     @abstractmethod
@@ -98,7 +116,7 @@ class StorageBackend(ABC):
         """Presence of each key (may stop early after the first absent one: the rest False)."""
 
     @abstractmethod
-    def _get_raw(self, keys: Sequence[str]) -> list[bytes | None]:
+    def _get_raw(self, keys: Sequence[str]) -> Sequence[Record | None]:
         """The stored record of each key, or ``None``."""
 
     @abstractmethod
@@ -111,6 +129,20 @@ class StorageBackend(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections / handles (the backend may be used again: it reopens)."""
+
+    def expect_sections(self, kv: tuple[int, int], state: tuple[int, int]) -> None:
+        """Tell the backend the section sizes [bytes] of this client's KV pages and state
+        records, so it can read a record into memory of the right size (a record of another
+        size is refused as corrupt anyway)."""
+        self.record_bytes = {KIND_KV: HEADER_SIZE + sum(kv), KIND_STATE: HEADER_SIZE + sum(state)}
+
+    def _write_sections(self, items: Sequence[tuple[str, int, bytes, bytes, bytes]]
+                        ) -> Sequence[bool | None]:
+        """Store ``(key, kind, page hash, a, b)`` records unless present (set-if-absent); for
+        each: written (``True``), already present (``False``) or refused for want of space
+        (``None``, counted ``refused``). Default: :func:`encode` each, then ``_set_nx_raw``."""
+        records = [(key, encode(kind, self._tag_digest, h, a, b)) for key, kind, h, a, b in items]
+        return self._set_nx_raw(records)
 
     # -------------------------------------------------------------- helpers
     def redact(self, text: str) -> str:
@@ -198,7 +230,7 @@ class StorageBackend(ABC):
     def get(self, key: str) -> Page | None:
         return self.batch_get([key])[0]
 
-    def _verify(self, key: str, record: bytes) -> Page | None:
+    def _verify(self, key: str, record: Record) -> Page | None:
         try:
             kind, page_hash = _split_key(key)
             a, b = decode(record, kind, self._tag_digest, page_hash)
@@ -207,7 +239,7 @@ class StorageBackend(ABC):
             log.warning("L3 %s: page %s… refused (%s); treated as a miss", self.name, key[:12],
                         exc)
             try:
-                self._delete_raw(key, record)
+                self._delete_raw(key, bytes(record))
             except Exception as dexc:  # the miss stands; the next writer may fail NX
                 self._fault("delete", dexc)
             return None
@@ -216,26 +248,26 @@ class StorageBackend(ABC):
 
     # --------------------------------------------------------------- writes
     def batch_set(self, items: Sequence[tuple[str, bytes, bytes]]) -> int:
-        """Write each ``(key, a, b)`` unless present; return how many this call wrote."""
+        """Write each ``(key, a, b)`` unless present; return how many this call wrote (a page
+        the backend has no room for is counted ``refused``)."""
         if not items:
             return 0
         self._count("set_calls")
         if not self._available():
             return 0
-        records = []
-        for key, a, b in items:
-            kind, page_hash = _split_key(key)
-            records.append((key, encode(kind, self._tag_digest, page_hash, a, b)))
+        prepared = [(key, *_split_key(key), a, b) for key, a, b in items]
         try:
-            done = self._set_nx_raw(records)
+            done = self._write_sections(prepared)
         except Exception as exc:
             self._fault("set", exc)
             return 0
-        written = sum(map(bool, done))
+        written = sum(d is True for d in done)
+        refused = sum(d is None for d in done)
         self._count("written", written)
-        self._count("already_present", len(done) - written)
-        self._count("bytes_written", sum(len(r) for (_, r), d in zip(records, done, strict=True)
-                                         if d))
+        self._count("already_present", len(done) - written - refused)
+        self._count("refused", refused)
+        self._count("bytes_written", sum(HEADER_SIZE + len(a) + len(b)
+                                         for (_, a, b), d in zip(items, done, strict=True) if d))
         return written
 
     def set(self, key: str, a: bytes, b: bytes) -> bool:

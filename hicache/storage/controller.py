@@ -114,6 +114,8 @@ class StorageController:
                                         n * math.prod(host_state.ssm_state_shape) * elem)
         else:
             self.state_section_bytes = (0, 0)
+        backend.expect_sections((self.kv_section_bytes, self.kv_section_bytes),
+                                self.state_section_bytes)
         self._seeds: dict[bytes, bytes | None] = {}
         self._known: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()

@@ -63,7 +63,23 @@ def encode(kind: int, tag: bytes, page_hash: bytes, a: bytes, b: bytes) -> bytes
     return b"".join((head, _checksum(head, a, b), a, b))
 
 
-def decode(record: bytes, kind: int, tag: bytes, page_hash: bytes) -> tuple[memoryview, memoryview]:
+def encode_into(out: memoryview, kind: int, tag: bytes, page_hash: bytes, a: bytes | memoryview,
+                b: bytes | memoryview) -> int:
+    """Write the record of :func:`encode` into ``out`` (writable, at least
+    ``HEADER_SIZE + len(a) + len(b)`` bytes) without building it first; returns its length."""
+    la, lb = len(a), len(b)
+    n = HEADER_SIZE + la + lb
+    if len(out) < n:
+        raise ValueError(f"record of {n} bytes does not fit a buffer of {len(out)}")
+    head = _HEAD.pack(MAGIC, VERSION, kind, tag, page_hash, la, lb)
+    out[: _HEAD.size] = head
+    out[HEADER_SIZE : HEADER_SIZE + la] = a
+    out[HEADER_SIZE + la : n] = b
+    out[_HEAD.size : HEADER_SIZE] = _checksum(head, a, b)
+    return n
+
+
+def decode(record: bytes | memoryview, kind: int, tag: bytes, page_hash: bytes) -> tuple[memoryview, memoryview]:
     """Sections ``(a, b)`` of a verified record.
 
     Raises:

@@ -81,7 +81,7 @@ class StorageTier:
         backend = make_backend(cfg, tag)
         assert backend is not None
         self.controller = StorageController(backend, hc.host_kv, hc.host_state, self.page_size,
-                                            tag, cfg.hicache_prefetch_policy,
+                                            tag, cfg.hicache_storage_prefetch_policy,
                                             cfg.hicache_prefetch_timeout_s)
 
     def reset(self) -> None:
