@@ -99,6 +99,15 @@ class CacheCore:
                                     if type(c).unlock is not Component.unlock)
         self.unlock_checks = tuple((c.name, c.unlock_error) for c in comps
                                    if type(c).unlock_error is not Component.unlock_error)
+        #: Per component with an eviction walk: its EvictResult index, its internal-node
+        #: eviction and its requeue hook (``None`` when it has none).
+        self._evict_plans = {
+            c.name: (EVICT_FIELDS.index(c.evict_field),
+                     c.evict_internal if type(c).evict_internal is not Component.evict_internal
+                     else None,
+                     c.requeue if type(c).requeue is not Component.requeue else None)
+            for c in comps if c.evict_field in EVICT_FIELDS
+        }
         self.lock_data = any(c.lock_data for c in comps)
         self.revives = any(c.revives for c in everything)
         self.checkpoints = any(c.checkpoints for c in comps)
@@ -243,7 +252,7 @@ class CacheCore:
             parent = tree.remove_leaf(node)
             if parent is root:
                 break
-            if self.is_dead_leaf(parent):
+            if self.dead_rules and not parent.children and self.is_dead_leaf(parent):
                 node = parent
                 continue
             for hook in self.refreshers:
@@ -261,12 +270,11 @@ class CacheCore:
         a victim with children loses only ``comp``'s value when ``comp`` evicts internal
         nodes, else the victim leaves whole (``free_leaf``). Copies in flight that will free
         ``comp``'s units count towards ``target`` but not in the result."""
-        assert comp.evict_field is not None
-        idx = EVICT_FIELDS.index(comp.evict_field)
-        cls = type(comp)
-        internal = comp.evict_internal if cls.evict_internal is not Component.evict_internal else None
-        requeue = comp.requeue if cls.requeue is not Component.requeue else None
-        freed = freed_counts()
+        plan = self._evict_plans.get(comp.name)
+        if plan is None:
+            raise ValueError(f"component {comp.name!r} of this cache has no eviction walk")
+        idx, internal, requeue = plan
+        freed = [0, 0, 0, 0]
         pending = self.pending
         start = pending[idx]
         pop, free_leaf = comp.pop_victim, self.free_leaf
