@@ -315,11 +315,6 @@ class KVComponent(Component):
         else:
             self.leaves.discard(node)
 
-    def on_touch(self, path: list[TreeNode]) -> None:
-        """Stamps moved along a matched device path: only its deepest node can be a leaf."""
-        if path:
-            self.refresh(path[-1])
-
     def pop_victim(self) -> TreeNode | None:
         """The unlocked device leaf first in policy order (removed from the order)."""
         return self.leaves.pop_first()

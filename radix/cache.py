@@ -232,6 +232,8 @@ class RadixCache:
         for n in full_path:
             n.last_access_time = now
         path = full_path if host is None else host.device_part(full_path)
+        if path:
+            self.kv.refresh(path[-1])  # the only node of the path that can be a KV leaf
         for touch in core.touch_hooks:
             touch(path)
         usable = len(path)

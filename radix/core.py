@@ -89,8 +89,9 @@ class CacheCore:
         self.planners = hooks(everything, "plan_insert")
         self.new_node_hooks = hooks(comps, "on_new_node")
         self.insert_hooks = hooks(comps, "on_insert")
+        # (the KV component has none: the cache re-files the deepest matched node itself, the
+        # only one of a matched path that can be a KV leaf)
         self.touch_hooks = hooks(comps, "on_touch")
-        self.insert_touch_hooks = hooks(comps[1:], "on_touch")  # KV: insert re-files its last
         self.hit_hooks = hooks(comps, "on_hit")
         self.lockers = tuple(c for c in comps if type(c).lock is not Component.lock)
         self._lock_fns = tuple(c.lock for c in self.lockers)

@@ -65,12 +65,19 @@ def insert_key(cache: RadixCache, key: Tokens, value: torch.Tensor, extra_key: A
     revived = cache._empty
     if plan.revive:
         path, revived = _revive(cache, path, plan)
-    for n in path:
-        _touch(n, now, priority, counted, end)
-    for touch in core.insert_touch_hooks:
+    tree_prefix = []
+    for n in path:  # (as _touch, inlined: the hot loop)
+        n.last_access_time = now
+        if n.depth > counted:
+            n.hit_count += 1
+        if priority > n.priority:
+            n.priority = priority
+        if end > n.history_len:
+            n.history_len = end
+        tree_prefix.append(n.kv_value)
+    for touch in core.touch_hooks:
         touch(path)
     last = path[-1] if path else tree.root
-    tree_prefix = [n.kv_value for n in path]
     prefix_len = plan.prefix_len
     if prefix_len < plan.insert_end:
         if not plan.cuts:  # the common case: one new leaf
