@@ -8,6 +8,8 @@ sort key; no tensors, no pools) and the facade that composes the components of
 
 from __future__ import annotations
 
+from importlib import metadata
+
 from radix.cache import RadixCache
 from radix.config import CacheConfig
 from radix.node import TreeNode
@@ -15,8 +17,15 @@ from radix.policies import POLICY_REGISTRY, resolve_policy
 from radix.results import CacheRequest, EvictResult, InsertResult, LockRef, MatchResult
 from radix.tree import RadixKey
 
+try:
+    #: The installed distribution's version (``hybrid-prefix-cache``).
+    __version__ = metadata.version("hybrid-prefix-cache")
+except metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
+
 __all__ = [
     "POLICY_REGISTRY",
+    "__version__",
     "CacheConfig",
     "CacheRequest",
     "EvictResult",
