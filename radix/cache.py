@@ -38,7 +38,7 @@ from components.state import StateComponent, StateWalkFactory, check_state_walk_
 from components.swa import SWAComponent
 from hicache import HiCacheConfig, HiCacheController
 from radix import diagnostics, requests
-from radix.checks import check_count
+from radix.checks import check_count, check_lock, check_node
 from radix.config import CacheConfig
 from radix.core import NO_PARTS, CacheCore
 from radix.insert import RidDepths, insert_key
@@ -341,16 +341,6 @@ class RadixCache:
         self.rid_depths.release(rid)
 
     # ================================================================== locks
-    def _check_node(self, node: Any, device: bool = True) -> TreeNode:
-        """Validate a node handle; ``device``: it must also be on device (lockable)."""
-        if not isinstance(node, TreeNode):
-            raise TypeError(f"node must be a TreeNode from match_prefix/insert, got {type(node).__name__}")
-        if not self.core.tree.is_attached(node):
-            raise ValueError(f"node {node.id} is not in this cache (removed, reset, or another cache's)")
-        if device and node.parent is not None and node.kv_value is None:
-            raise ValueError(f"node {node.id} is host-only; load_back it before locking it")
-        return node
-
     def inc_lock_ref(self, node: TreeNode) -> TreeNode | LockRef:
         """Protect ``node``'s KV path, its state, and (SWA) the live nodes covering the last
         ``sliding_window_size`` tokens before it, while a request uses them.
@@ -366,7 +356,7 @@ class RadixCache:
         """
         core = self.core
         if type(node) is not TreeNode or node.owner != core.tree.uid or node.kv_value is None:
-            node = self._check_node(node)  # raises, unless it is the root
+            node = check_node(self.core, node)  # raises, unless it is the root
             if node.parent is None:
                 return node
         return core.lock(node)
@@ -389,45 +379,12 @@ class RadixCache:
                 and not core.unlock_checks):
             core.unlock(lock, NO_PARTS)  # the common case, every check passed
             return
-        node, parts = self._check_lock(lock, "lock")
+        node, parts = check_lock(self.core, lock, "lock")
         if node.parent is None:
             return
         core.unlock(node, parts)
         if isinstance(lock, LockRef):
             lock.released = True
-
-    def _check_lock(self, lock: Any, name: str) -> tuple[TreeNode, dict[str, Any]]:
-        """Raise unless :meth:`dec_lock_ref` may release ``lock`` (``name`` says where it came
-        from); return its node and the components' lock data."""
-        if isinstance(lock, LockRef):
-            if lock.released:
-                raise ValueError(f"{name} {lock!r} was released already")
-            node, parts = lock.node, lock._parts
-        elif isinstance(lock, TreeNode):
-            node, parts = lock, NO_PARTS
-        else:
-            raise TypeError(
-                f"{name} must be what inc_lock_ref returned (a LockRef or a TreeNode), got "
-                f"{type(lock).__name__}"
-            )
-        node = self._check_node(node)
-        if node.parent is None:
-            return node, parts
-        if self.core.lock_data and not isinstance(lock, LockRef):
-            raise ValueError(
-                f"{name}: pass the LockRef inc_lock_ref returned for node {node.id} (this cache's "
-                "sliding-window locks record where they start), not the node"
-            )
-        if node.lock_ref <= 0:
-            raise ValueError(
-                f"{name}: node {node.id} holds no lock of its own (pass the node inc_lock_ref "
-                "was given)"
-            )
-        for name, check in self.core.unlock_checks:
-            err = check(node, parts.get(name))
-            if err is not None:
-                raise ValueError(f"{name}: {err}")
-        return node, parts
 
     # =============================================================== eviction
     def evict(self, num_tokens: int) -> EvictResult:
@@ -533,7 +490,7 @@ class RadixCache:
             ValueError: without HiCache, or ``node`` not in this cache.
         """
         host = self._need_host("load_back")
-        return host.load_back(self._check_node(node, device=False))
+        return host.load_back(check_node(self.core, node, device=False))
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host KV tokens: host-only leaves, least recently used

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from radix.checks import check_count
+from radix.checks import check_count, check_lock, check_node
 from radix.results import CacheRequest, InsertResult, LockRef
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def _check_req(cache: RadixCache, req: Any, upto: Any) -> int:
         raise ValueError(
             f"need upto ({upto}) <= len(req.kv_indices) ({n}) <= len(req.key) ({key_len})"
         )
-    node = cache._check_node(req.last_node)
+    node = check_node(cache.core, req.last_node)
     if node is not cache.root:
         lock = req.lock
         if lock is not None and lock is not node and not (
@@ -72,7 +72,7 @@ def _check_req(cache: RadixCache, req: Any, upto: Any) -> int:
                 f"req.lock must be what inc_lock_ref returned for req.last_node (node "
                 f"{node.id}) or None, got {lock!r}"
             )
-        cache._check_lock(node if lock is None else lock, "req.lock")
+        check_lock(cache.core, node if lock is None else lock, "req.lock")
     cached = req.cached_len
     if isinstance(cached, bool) or not isinstance(cached, int):
         raise TypeError(f"req.cached_len must be an int, got {type(cached).__name__}")
