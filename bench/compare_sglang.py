@@ -87,27 +87,58 @@ def _run(cmd: list[str], env: dict[str, str] | None = None, cwd: Path = REPO) ->
     return _last_json(p.stdout)
 
 
+#: Runs a module or a script with its ``time.perf_counter`` replaced by ``time.thread_time``, so
+#: the per-operation timers of both benches count this thread's CPU time (a process preempted
+#: on a shared machine is not charged for the wait). Arguments: "module"|"path", target, args.
+CPU_CLOCK = (
+    "import runpy, sys, time; time.perf_counter = time.thread_time; kind, target = sys.argv[1:3]; "
+    "sys.argv = [target] + sys.argv[3:]; "
+    "runpy.run_module(target, run_name='__main__') if kind == 'module' else "
+    "runpy.run_path(target, run_name='__main__')"
+)
+
+
+def _clocked(python: str, kind: str, target: str, args: argparse.Namespace) -> list[str]:
+    if args.clock == "cpu":
+        return [python, "-c", CPU_CLOCK, kind, target]
+    return [python, "-m", target] if kind == "module" else [python, target]
+
+
 def ours_cmd(workload: str, states: bool, alloc: str, args: argparse.Namespace) -> list[str]:
-    cmd = [sys.executable, "-m", "bench.radix_bench", "--workload", workload,
-           "--allocator", alloc, "--page-size", str(args.page_size), "--policy", args.policy]
+    cmd = _clocked(sys.executable, "module", "bench.radix_bench", args) + [
+        "--workload", workload, "--allocator", alloc, "--page-size", str(args.page_size),
+        "--policy", args.policy]
     if states:
         cmd.append("--states")
     return cmd + args.extra
 
 
 def anchor_cmd(impl: str, workload: str, args: argparse.Namespace) -> list[str]:
-    return [args.anchor_python, str(args.anchor_script), "--impl", impl, "--workload", workload,
-            "--page-size", str(args.page_size), "--policy", args.policy] + args.extra
+    return _clocked(args.anchor_python, "path", str(args.anchor_script), args) + [
+        "--impl", impl, "--workload", workload, "--page-size", str(args.page_size),
+        "--policy", args.policy] + args.extra
 
 
 def anchor_available(args: argparse.Namespace) -> str | None:
-    """``None`` when the anchor can run, else why not."""
+    """``None`` when the anchor can run, else why not: the venv and the script exist and the
+    venv imports SGLang's radix caches (checked before a long run starts, in seconds)."""
     if not Path(args.anchor_python).exists():
         return (f"SGLang anchor venv not found: {args.anchor_python} does not exist "
                 f"(build it with {DEFAULT_ANCHOR_SCRIPT.parent / 'setup.sh'}, or pass "
                 "--anchor-python PATH); skipping the SGLang side")
-    if not Path(args.anchor_script).exists():
+    script = Path(args.anchor_script)
+    if not script.exists():
         return f"anchor script not found: {args.anchor_script} (pass --anchor-script PATH)"
+    probe = (f"import sys; sys.path.insert(0, {str(script.parent)!r}); import sglang_cpu_shim; "
+             "import sglang.srt.mem_cache.radix_cache, sglang.srt.mem_cache.unified_radix_cache")
+    try:
+        p = subprocess.run([args.anchor_python, "-c", probe], capture_output=True, text=True,
+                           timeout=300)
+    except subprocess.TimeoutExpired:
+        return "the anchor venv did not import SGLang's caches within 300 s; skipping the SGLang side"
+    if p.returncode != 0:
+        return (f"the anchor venv cannot import SGLang's caches ({p.stderr.strip()[-300:]}); "
+                "skipping the SGLang side")
     return None
 
 
@@ -386,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--anchor-script", default=str(DEFAULT_ANCHOR_SCRIPT))
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--policy", default="lru")
+    ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
+                    help="per-operation timers on both sides: this thread's CPU time (default; "
+                         "robust on a shared machine) or wall time")
     ap.add_argument("--no-memory", dest="memory", action="store_false")
     ap.add_argument("--json", metavar="FILE", help="write every run's JSON and the tables")
     ap.add_argument("--memory-child", choices=["malloc", "tracemalloc"], help=argparse.SUPPRESS)
@@ -408,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     results = run_reps(args, with_anchor)
     cmdline = "python -m bench.compare_sglang " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"\n## {cmdline}\n")
-    print(f"{args.reps} repetitions, interleaved; page size {args.page_size}, policy {args.policy}")
+    print(f"{args.reps} repetitions, interleaved; page size {args.page_size}, policy {args.policy}, "
+          f"{args.clock} clock; load average at the start {os.getloadavg()[0]:.1f}")
     if with_anchor:
         for alloc in ALLOCS:
             desc = ("the anchor's convention: ids from a counter, free only counts"
