@@ -231,7 +231,8 @@ class HiCacheController:
         kv = self.pools["kv"]
         dev_pool: KVStorage | None = getattr(kv.device, "pool", None)
         host_pool: Any = getattr(kv.host, "pool", None)
-        pieces: list[tuple[torch.Tensor, Callable[[torch.Tensor], None]]] = []
+        # each span is one chunk (its regions, one event): K and V of up to a quarter of the ring,
+        # or one state tensor (never two regions that together could wrap onto each other)
         spans: list[list[tuple[torch.Tensor, Callable[[torch.Tensor], None]]]] = []
         if device_slots is not None and host_slots is not None and dev_pool is not None \
                 and host_pool is not None and host_slots.numel():
@@ -245,12 +246,8 @@ class HiCacheController:
                               (v, partial(_put_rows, host_pool.v_all, h))])
         if device_state is not None and host_state is not None:
             sd, sh = self._states()
-            pieces = [(sd.conv[:, device_state].clone(), partial(_put_slot, sh.conv, host_state)),
-                      (sd.ssm[:, device_state].clone(), partial(_put_slot, sh.ssm, host_state))]
-            if spans:
-                spans[-1].extend(pieces)
-            else:
-                spans.append(pieces)
+            spans.append([(sd.conv[:, device_state].clone(), partial(_put_slot, sh.conv, host_state))])
+            spans.append([(sd.ssm[:, device_state].clone(), partial(_put_slot, sh.ssm, host_state))])
         t = Transfer(None, chunks=len(spans))
         side.wait_stream(cur)
         for span in spans:
@@ -301,7 +298,9 @@ class HiCacheController:
                 steps.append(partial(self._load_kv_chunk, host_pool, dev_pool,
                                      host_slots[lo:lo + step], d[lo:lo + step]))
         if host_state is not None and device_state is not None:
-            steps.append(partial(self._load_state, host_state, device_state))
+            sd, sh = self._states()
+            for rows, drows in ((sh.conv, sd.conv), (sh.ssm, sd.ssm)):
+                steps.append(partial(self._load_state, rows, drows, host_state, device_state))
         side.wait_stream(cur)  # earlier work on the device rows is done before they change
         ev = None
         for stage in steps:
@@ -332,19 +331,18 @@ class HiCacheController:
             dev_pool.scatter(d, k, v)
         return regions
 
-    def _load_state(self, host_state: int, device_state: int) -> list[Region]:
+    def _load_state(self, rows: torch.Tensor, drows: torch.Tensor, host_state: int,
+                    device_state: int) -> list[Region]:
+        """One state tensor (conv or SSM, every layer): host slot -> a pinned region -> the
+        device slot (on the load stream)."""
         assert self._ring is not None
-        sd, sh = self._states()
-        regions = []
-        for rows, drows in ((sh.conv, sd.conv), (sh.ssm, sd.ssm)):
-            src = rows[:, host_state]
-            region = self._ring.take(src.numel() * src.element_size())
-            buf = region.view(src.dtype, tuple(src.shape))
-            buf.copy_(src)
-            regions.append(region)
-            with torch.cuda.stream(self._load_stream):
-                drows[:, device_state].copy_(buf, non_blocking=True)
-        return regions
+        src = rows[:, host_state]
+        region = self._ring.take(src.numel() * src.element_size())
+        buf = region.view(src.dtype, tuple(src.shape))
+        buf.copy_(src)
+        with torch.cuda.stream(self._load_stream):
+            drows[:, device_state].copy_(buf, non_blocking=True)
+        return [region]
 
     def _finish_oldest_chunk(self) -> bool:
         """The staging ring needs the oldest held region: wait for its write (a host

@@ -192,7 +192,7 @@ def test_a_ring_smaller_than_the_copies_in_flight_waits_and_stays_exact() -> Non
 def test_a_load_of_a_state_still_being_written_waits_for_it() -> None:
     """Events never complete on their own. A state set on a node after its KV's backup is
     copied to the host asynchronously; its device state is then evicted while that copy is in
-    flight; bringing the state back must wait for the copy (the one sync) and get its data."""
+    flight; bringing the state back must wait for the copy (its only syncs) and get its data."""
     with cuda(events_complete=False) as sim:
         c, (pool, kv, sp) = hicache_cache()
         slots = kv.alloc(16)
@@ -209,7 +209,9 @@ def test_a_load_of_a_state_still_being_written_waits_for_it() -> None:
         assert n8.state_slot is None and n8.kv_value is not None
         before = sim.total_syncs
         assert c.load_back(n8) == 0 and n8.state_slot is not None  # the state alone came back
-        assert sim.total_syncs == before + 1  # the wait for the write that fills the host state
+        hc = c.hicache
+        assert hc is not None and hc.load_waits == 2  # the write's two chunks: conv and SSM
+        assert sim.total_syncs == before + 2  # those waits, nothing else
         assert (sp.ssm[:, n8.state_slot].cpu() == 7.0).all()
         c.sanity_check()
     assert sim.errors == []
