@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .host_mirror import host_ids
+
 
 def check_int(value: object, name: str, *, minimum: int) -> int:
     """Return ``value`` as a Python ``int`` that is ``>= minimum``.
@@ -53,7 +55,9 @@ def check_float_dtype(dtype: object, name: str = "dtype") -> torch.dtype:
 
 
 def check_device(device: object, name: str = "device") -> torch.device:
-    """Return ``device`` as a ``torch.device``.
+    """Return ``device`` as a ``torch.device`` with its index resolved (``"cuda"`` becomes
+    ``cuda:<current device>``, as the tensors created there report it), so that devices compare
+    by what they mean.
 
     Raises:
         TypeError: not a ``str`` or ``torch.device``.
@@ -67,7 +71,15 @@ def check_device(device: object, name: str = "device") -> torch.device:
         raise ValueError(f"{name}: invalid device {device!r} ({exc})") from None
     if result.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{name}: {device!r} requested but CUDA is not available")
-    return result
+    return resolve_device(result)
+
+
+def resolve_device(device: torch.device) -> torch.device:
+    """``device`` with its index filled in: a CUDA device without one is the current device
+    (``torch.device("cuda") != torch.device("cuda", 0)``, though they mean the same)."""
+    if device.index is None and device.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def check_shape(shape: object, name: str) -> tuple[int, ...]:
@@ -85,10 +97,12 @@ def check_shape(shape: object, name: str) -> tuple[int, ...]:
 
 
 def as_index_tensor(indices: object, name: str = "indices") -> torch.Tensor:
-    """Validate a 1-D ``torch.int64`` index tensor and return it on the CPU.
+    """Validate a 1-D ``torch.int64`` index tensor and return its values as a CPU tensor.
 
-    The result may share memory with ``indices`` when it already lives on the CPU; callers
-    that keep it must clone it. No value checks are made here (range, duplicates): those
+    A device tensor is read through its host mirror (``allocators.host_mirror``: no host
+    synchronisation for the tensors the library made); one without a mirror is copied to the
+    host. The result may share memory with ``indices`` or its mirror: callers must not write
+    it, and must clone it to keep it. No value checks are made here (range, duplicates): those
     belong to the owner of the index space.
 
     Raises:
@@ -101,13 +115,16 @@ def as_index_tensor(indices: object, name: str = "indices") -> torch.Tensor:
         raise TypeError(f"{name} must have dtype torch.int64, got {indices.dtype}")
     if indices.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(indices.shape)}")
-    return indices.detach().to("cpu")
+    if indices.is_cpu:
+        return indices
+    return torch.from_numpy(host_ids(indices, name))
 
 
 def as_slot_tensor(slots: object, name: str) -> torch.Tensor:
-    """Like :func:`as_index_tensor`, but also accept a single ``int`` (-> shape ``[1]``)."""
+    """Like :func:`as_index_tensor`, but also accept a single ``int`` or a 0-d tensor (->
+    shape ``[1]``)."""
     if isinstance(slots, torch.Tensor):
-        return as_index_tensor(slots, name)
+        return as_index_tensor(slots.reshape(1) if slots.dim() == 0 else slots, name)
     return torch.tensor([check_int(slots, name, minimum=-(2**62))], dtype=torch.int64)
 
 

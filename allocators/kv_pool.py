@@ -13,9 +13,17 @@ layer, as an attention kernel would take them. All tensors start zeroed.
 The pool does not know which slots are in use: that is the allocator's job
 (:class:`~allocators.token_allocator.TokenAllocator`). It only checks that slot ids are rows
 of its tensors.
+
+An engine that already has its K and V tensors (one per layer, allocated its own way) puts them
+behind the same interface with :class:`KVBuffers` (nothing copied), so the host tier moves
+their data: ``gather(slots) -> (k, v)`` and ``scatter(slots, k, v)`` over all layers are what
+copies use. Slot arguments are read on the host through their host mirrors
+(``allocators.host_mirror``) and used on the device as given: no host synchronisation.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -26,9 +34,11 @@ from ._checks import (
     check_int,
     check_positive_int,
     check_range,
+    resolve_device,
 )
+from .staging import pin_in_place, upload
 
-__all__ = ["KVPool"]
+__all__ = ["KVBuffers", "KVPool", "KVStorage"]
 
 
 class KVPool:
@@ -43,10 +53,14 @@ class KVPool:
         device: ``str`` or ``torch.device``; CUDA only when available.
         page_size: padding rows at the front (``> 0``); a paged allocator with page size P
             needs ``page_size=P`` so that page ids ``1..size/P`` fit.
+        pin_memory: page-lock the CPU tensors where they are allocated (``cudaHostRegister``:
+            no pageable copy pinned afterwards, no rounding up), so copies to and from a GPU
+            can be asynchronous; a host pool mirroring a CUDA pool is built so.
 
     Raises:
         TypeError: an argument of the wrong type (names it).
-        ValueError: a non-positive size, non-float dtype or unavailable device (names it).
+        ValueError: a non-positive size, non-float dtype or unavailable device (names it);
+            ``pin_memory`` on a device other than the CPU.
     """
 
     def __init__(
@@ -58,6 +72,8 @@ class KVPool:
         dtype: torch.dtype = torch.float16,
         device: str | torch.device = "cpu",
         page_size: int = 1,
+        *,
+        pin_memory: bool = False,
     ) -> None:
         self.size = check_positive_int(size, "size")
         self.num_layers = check_positive_int(num_layers, "num_layers")
@@ -65,11 +81,16 @@ class KVPool:
         self.head_dim = check_positive_int(head_dim, "head_dim")
         self.dtype = check_float_dtype(dtype, "dtype")
         self.device = check_device(device, "device")
+        if pin_memory and self.device.type != "cpu":
+            raise ValueError(f"pin_memory is for a host pool, this one is on {self.device}")
         self.page_size = check_positive_int(page_size, "page_size")
         self.num_slots = self.size + self.page_size
         shape = (self.num_layers, self.num_slots, self.num_heads, self.head_dim)
         self.k_all = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_all = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if pin_memory:
+            pin_in_place(self.k_all)
+            pin_in_place(self.v_all)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -107,8 +128,8 @@ class KVPool:
             ValueError: bad layer, slot out of range, or shape mismatch. Nothing is written.
         """
         layer = self._layer(layer)
-        idx = self._slots(slots, "slots")
-        shape = (idx.numel(), self.num_heads, self.head_dim)
+        host, idx = self._slots(slots, "slots")
+        shape = (host.numel(), self.num_heads, self.head_dim)
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -129,7 +150,7 @@ class KVPool:
             TypeError / ValueError: as :meth:`set_kv` for ``layer`` and ``slots``.
         """
         layer = self._layer(layer)
-        idx = self._slots(slots, "slots")
+        _, idx = self._slots(slots, "slots")
         return self.k_all[layer, idx], self.v_all[layer, idx]
 
     def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
@@ -144,14 +165,27 @@ class KVPool:
             ValueError: not 1-D, lengths differ, a slot out of ``[0, num_slots)``, or a
                 repeated destination slot. Nothing is written.
         """
-        src = self._slots(src_slots, "src_slots")
-        dst = self._slots(dst_slots, "dst_slots")
-        if src.numel() != dst.numel():
-            raise ValueError(f"src_slots has {src.numel()} slots but dst_slots has {dst.numel()}")
-        if torch.unique(dst).numel() != dst.numel():
+        src_host, src = self._slots(src_slots, "src_slots")
+        dst_host, dst = self._slots(dst_slots, "dst_slots")
+        if src_host.numel() != dst_host.numel():
+            raise ValueError(
+                f"src_slots has {src_host.numel()} slots but dst_slots has {dst_host.numel()}"
+            )
+        if torch.unique(dst_host).numel() != dst_host.numel():
             raise ValueError("dst_slots repeats a slot; the copy result would be unspecified")
-        self.k_all[:, dst] = self.k_all[:, src]
-        self.v_all[:, dst] = self.v_all[:, src]
+        k, v = self.gather(src)
+        self.scatter(dst, k, v)
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New tensors ``(k, v)``, each ``[num_layers, len(slots), num_heads, head_dim]``: the
+        rows ``slots`` (1-D int64 on ``device``, unchecked) of every layer. One gather each."""
+        return self.k_all.index_select(1, slots), self.v_all.index_select(1, slots)
+
+    def scatter(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k``, ``v`` (as :meth:`gather` returns them, on ``device``) into the rows
+        ``slots`` (1-D int64 on ``device``, unchecked, distinct) of every layer."""
+        self.k_all.index_copy_(1, slots, k)
+        self.v_all.index_copy_(1, slots, v)
 
     def __repr__(self) -> str:
         return (
@@ -167,7 +201,127 @@ class KVPool:
             raise ValueError(f"layer={layer} is out of range for num_layers={self.num_layers}")
         return layer
 
-    def _slots(self, slots: torch.Tensor, name: str) -> torch.Tensor:
-        idx = as_index_tensor(slots, name)
-        check_range(idx, name, low=0, high=self.num_slots)
-        return idx.to(self.device)
+    def _slots(self, slots: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return slot_args(slots, name, self.num_slots, self.device)
+
+
+def slot_args(slots: torch.Tensor, name: str, num_slots: int,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(host values, the same ids on device)`` of a slot argument, range-checked against
+    ``[0, num_slots)`` on the host (through the host mirror: no device read); the device ids
+    are ``slots`` itself when it is there already, else uploaded."""
+    idx = as_index_tensor(slots, name)
+    check_range(idx, name, low=0, high=num_slots)
+    if slots.device == device:
+        return idx, slots
+    if device.type == "cpu":
+        return idx, idx
+    return idx, upload(idx.numpy(), device)
+
+
+class KVBuffers:
+    """An engine's own K and V tensors, one pair per layer, behind the pool interface
+    (``slots -> tensors``): what the host tier copies when the engine allocated its KV cache
+    itself. Nothing is copied here; the tensors stay the engine's.
+
+    Args:
+        k_buffers, v_buffers: one tensor per layer each, ``[num_slots, num_heads, head_dim]``,
+            all of one floating-point dtype, shape and device.
+        page_size: padding rows at the front (as :class:`KVPool`'s): the allocator hands out
+            rows ``page_size .. num_slots - 1``.
+
+    Raises:
+        TypeError: not sequences of tensors, or a non-float dtype.
+        ValueError: empty or unequal lists, a shape, dtype or device that differs between
+            tensors, not 3-D, or fewer rows than one page plus one.
+    """
+
+    def __init__(self, k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
+                 page_size: int = 1) -> None:
+        for name, bufs in (("k_buffers", k_buffers), ("v_buffers", v_buffers)):
+            if isinstance(bufs, torch.Tensor) or not isinstance(bufs, Sequence) or not all(
+                    isinstance(b, torch.Tensor) for b in bufs):
+                raise TypeError(f"{name} must be a sequence of tensors (one per layer)")
+        if not k_buffers or len(k_buffers) != len(v_buffers):
+            raise ValueError(f"k_buffers and v_buffers need one tensor per layer each, got "
+                             f"{len(k_buffers)} and {len(v_buffers)}")
+        first = k_buffers[0]
+        if first.dim() != 3:
+            raise ValueError(f"k_buffers[0] must be [num_slots, num_heads, head_dim], got shape "
+                             f"{tuple(first.shape)}")
+        for name, bufs in (("k_buffers", k_buffers), ("v_buffers", v_buffers)):
+            for i, b in enumerate(bufs):
+                if b.shape != first.shape or b.dtype != first.dtype or b.device != first.device:
+                    raise ValueError(
+                        f"{name}[{i}] is {tuple(b.shape)} {b.dtype} on {b.device}; every buffer "
+                        f"must be {tuple(first.shape)} {first.dtype} on {first.device}"
+                    )
+        self.dtype = check_float_dtype(first.dtype, "k_buffers[0].dtype")
+        self.page_size = check_positive_int(page_size, "page_size")
+        self.num_slots, self.num_heads, self.head_dim = (int(x) for x in first.shape)
+        if self.num_slots <= self.page_size:
+            raise ValueError(f"buffers of {self.num_slots} rows hold no slot past the "
+                             f"{self.page_size} padding rows")
+        self.size = self.num_slots - self.page_size
+        self.num_layers = len(k_buffers)
+        self.device = resolve_device(first.device)
+        self.k_buffers = list(k_buffers)
+        self.v_buffers = list(v_buffers)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K plus V for one token slot over all layers."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_heads * self.head_dim * elem
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_token * self.num_slots
+
+    def k_buffer(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s K tensor (the engine's own)."""
+        return self.k_buffers[self._layer(layer)]
+
+    def v_buffer(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s V tensor (the engine's own)."""
+        return self.v_buffers[self._layer(layer)]
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`KVPool.gather`: ``[num_layers, len(slots), num_heads, head_dim]`` each
+        (one gather per layer, stacked)."""
+        return (torch.stack([b.index_select(0, slots) for b in self.k_buffers]),
+                torch.stack([b.index_select(0, slots) for b in self.v_buffers]))
+
+    def scatter(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """As :meth:`KVPool.scatter` (one scatter per layer)."""
+        for layer, (kb, vb) in enumerate(zip(self.k_buffers, self.v_buffers, strict=True)):
+            kb.index_copy_(0, slots, k[layer])
+            vb.index_copy_(0, slots, v[layer])
+
+    def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """As :meth:`KVPool.copy_slots`."""
+        src_host, src = slot_args(src_slots, "src_slots", self.num_slots, self.device)
+        dst_host, dst = slot_args(dst_slots, "dst_slots", self.num_slots, self.device)
+        if src_host.numel() != dst_host.numel():
+            raise ValueError(
+                f"src_slots has {src_host.numel()} slots but dst_slots has {dst_host.numel()}"
+            )
+        if torch.unique(dst_host).numel() != dst_host.numel():
+            raise ValueError("dst_slots repeats a slot; the copy result would be unspecified")
+        k, v = self.gather(src)
+        self.scatter(dst, k, v)
+
+    def __repr__(self) -> str:
+        return (f"KVBuffers(size={self.size}, num_layers={self.num_layers}, "
+                f"num_heads={self.num_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
+                f"device={self.device}, page_size={self.page_size})")
+
+    def _layer(self, layer: int) -> int:
+        layer = check_int(layer, "layer", minimum=0)
+        if layer >= self.num_layers:
+            raise ValueError(f"layer={layer} is out of range for num_layers={self.num_layers}")
+        return layer
+
+
+#: What an allocator's ``pool`` may be: the library's pool or an engine's own buffers.
+KVStorage = KVPool | KVBuffers

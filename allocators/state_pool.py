@@ -13,6 +13,12 @@ engine mutates a state it got from the tree, it allocates its own slot and
 Allocator behaviour (free-list order, errors, ``snapshot``) is that of
 :class:`~allocators.token_allocator.TokenAllocator`, with one addition: ``alloc`` zeroes the
 conv and ssm state of every slot it hands out, so a fresh request starts from zero state.
+
+On a CUDA device ``alloc``, ``free`` and ``copy`` do no host synchronisation: the free list is
+on the host, slot arguments are read as ints or through their host mirrors
+(``allocators.host_mirror``), zeroing is ``index_fill_`` with the uploaded ids (a scalar
+written through an index would be copied to the device first and block), and ``copy``
+between two single slots is a copy between views (no index tensor at all).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from ._checks import (
     check_positive_int,
     check_shape,
 )
+from .staging import pin_in_place, upload
 from .token_allocator import _FreeListAllocator
 
 __all__ = ["MambaStatePool"]
@@ -44,6 +51,8 @@ class MambaStatePool(_FreeListAllocator):
         ssm_state_shape: per-layer SSM (temporal) state shape of one slot, positive ints.
         dtype: floating-point ``torch.dtype`` of both states.
         device: ``str`` or ``torch.device``.
+        pin_memory: page-lock the CPU tensors where they are allocated (a host pool mirroring
+            a CUDA pool; see ``allocators.staging.pin_in_place``).
 
     Raises:
         TypeError / ValueError: a bad argument, naming it.
@@ -61,9 +70,13 @@ class MambaStatePool(_FreeListAllocator):
         ssm_state_shape: tuple[int, ...] = (2, 4, 4),
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        *,
+        pin_memory: bool = False,
     ) -> None:
         size = check_positive_int(size, "size")
         device = check_device(device, "device")
+        if pin_memory and device.type != "cpu":
+            raise ValueError(f"pin_memory is for a host pool, this one is on {device}")
         super().__init__(size, 1, device, "state slot")
         self.num_layers = check_positive_int(num_layers, "num_layers")
         self.conv_state_shape = check_shape(conv_state_shape, "conv_state_shape")
@@ -76,6 +89,9 @@ class MambaStatePool(_FreeListAllocator):
         self.ssm = torch.zeros(
             (self.num_layers, rows, *self.ssm_state_shape), dtype=self.dtype, device=device
         )
+        if pin_memory:
+            pin_in_place(self.conv)
+            pin_in_place(self.ssm)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -95,23 +111,33 @@ class MambaStatePool(_FreeListAllocator):
         """Copy every layer's conv and SSM state from ``src[i]`` to ``dst[i]``.
 
         Args:
-            src, dst: an ``int`` slot or a 1-D ``torch.int64`` tensor of slots, equal lengths,
-                all currently handed out. ``src[i] == dst[i]`` is a no-op.
+            src, dst: an ``int`` slot or a 1-D (or 0-d) ``torch.int64`` tensor of slots, on any
+                device, equal lengths, all currently handed out. ``src[i] == dst[i]`` is a
+                no-op.
 
         Raises:
             TypeError: a wrong type or dtype.
             ValueError: lengths differ, a slot is foreign or free, or ``dst`` repeats a slot.
             Nothing is written when it raises.
+
+        Validation reads host values only (ints, CPU tensors, host mirrors); on a device the
+        copy is enqueued on the current stream without a host synchronisation.
         """
         src_idx = self._allocated(src, "src")
         dst_idx = self._allocated(dst, "dst")
-        if src_idx.numel() != dst_idx.numel():
-            raise ValueError(f"src has {src_idx.numel()} slots but dst has {dst_idx.numel()}")
+        n = src_idx.numel()
+        if n != dst_idx.numel():
+            raise ValueError(f"src has {n} slots but dst has {dst_idx.numel()}")
+        if n == 1:  # one slot each (the copy-on-write of a request): views, no index tensors
+            s, d = int(src_idx[0]), int(dst_idx[0])
+            self.conv[:, d].copy_(self.conv[:, s])
+            self.ssm[:, d].copy_(self.ssm[:, s])
+            return
         if torch.unique(dst_idx).numel() != dst_idx.numel():
             raise ValueError("dst repeats a slot; the copy result would be unspecified")
-        src_dev, dst_dev = src_idx.to(self.device), dst_idx.to(self.device)
-        self.conv[:, dst_dev] = self.conv[:, src_dev]
-        self.ssm[:, dst_dev] = self.ssm[:, src_dev]
+        src_dev, dst_dev = self._on(src, src_idx), self._on(dst, dst_idx)
+        self.conv.index_copy_(1, dst_dev, self.conv.index_select(1, src_dev))
+        self.ssm.index_copy_(1, dst_dev, self.ssm.index_select(1, src_dev))
 
     def get_state(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Return copies ``(conv, ssm)`` of one slot's state in one layer.
@@ -162,9 +188,15 @@ class MambaStatePool(_FreeListAllocator):
 
     # ------------------------------------------------------------------ helpers
     def _on_alloc(self, slots: torch.Tensor) -> None:
-        idx = slots.to(self.device)
-        self.conv[:, idx] = 0
-        self.ssm[:, idx] = 0
+        self.conv.index_fill_(1, slots, 0)
+        self.ssm.index_fill_(1, slots, 0)
+
+    def _on(self, given: int | torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+        """The slots ``given`` (validated, values ``host``) as an index tensor on ``device``:
+        the given tensor itself when it is there, else ``host`` uploaded."""
+        if isinstance(given, torch.Tensor) and given.device == self.device:
+            return given.reshape(-1)
+        return host if self.device.type == "cpu" else upload(host.numpy(), self.device)
 
     def _allocated(self, slots: int | torch.Tensor, name: str) -> torch.Tensor:
         """Validate ``slots`` as handed-out slot ids; return them as a CPU int64 1-D tensor."""

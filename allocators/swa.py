@@ -39,8 +39,11 @@ Example (``SWAAllocator(6, 4)``)::
     alloc(2)            # full [4, 5]    -> SWA [4, 1]          SWA free list: [2]
     free([1])           # frees full slot 1 only; SWA slot 1 stays with full slot 5
 
-Bookkeeping stays on the CPU (numpy free lists, CPU mapping); ``alloc`` and ``translate``
-results are moved to ``device``.
+Bookkeeping stays on the host (numpy free lists, the CPU mapping ``full_to_swa``). On a CUDA
+``device`` the mapping also lives there (``full_to_swa_device``, what ``translate`` gathers
+from), kept equal to the host one by device-side writes (``index_copy_`` / ``index_fill_`` with
+device ids); ids are read on the host through their mirrors (``allocators.host_mirror``) and
+``alloc`` results are uploaded through pinned staging: zero host synchronisations per call.
 """
 
 from __future__ import annotations
@@ -52,7 +55,9 @@ import torch
 
 from ._checks import as_index_tensor, check_device, check_positive_int, check_range
 from .base import AllocatorSnapshot, SlotAllocator
-from .kv_pool import KVPool
+from .host_mirror import register
+from .kv_pool import KVStorage
+from .staging import upload
 from .token_allocator import PagedAllocator, TokenAllocator, _check_pool, _FreeListAllocator
 
 __all__ = ["SWAAllocator", "SWAAllocatorSnapshot"]
@@ -128,8 +133,8 @@ class SWAAllocator(SlotAllocator):
         full_size: int,
         swa_size: int,
         page_size: int = 1,
-        full_pool: KVPool | None = None,
-        swa_pool: KVPool | None = None,
+        full_pool: KVStorage | None = None,
+        swa_pool: KVStorage | None = None,
         device: str | torch.device = "cpu",
     ) -> None:
         full_size = check_positive_int(full_size, "full_size")
@@ -169,6 +174,11 @@ class SWAAllocator(SlotAllocator):
         self.full_to_swa = torch.zeros(full_size + page_size, dtype=torch.int64)
         self._map = self.full_to_swa.numpy()  # shares memory
         self._arange_page = np.arange(page_size, dtype=np.int64)
+        #: The mapping on ``device`` (``None`` on the CPU: ``full_to_swa`` is there already).
+        self.full_to_swa_device: torch.Tensor | None = None
+        if self._device.type != "cpu":
+            self.full_to_swa_device = torch.zeros(full_size + page_size, dtype=torch.int64,
+                                                  device=self._device)
 
     # ------------------------------------------------------------------ facts
     @property
@@ -247,12 +257,34 @@ class SWAAllocator(SlotAllocator):
         """
         idx = as_index_tensor(indices, "indices")
         check_range(idx, "indices", low=0, high=self.size + self._page_size)
-        return self.full_to_swa[idx].to(self._device)
+        dev_map = self.full_to_swa_device
+        if dev_map is None:
+            return self.full_to_swa[idx]
+        out = dev_map.index_select(0, self._on_device(indices, idx))
+        return register(out, self._map[idx.numpy()])
 
     def has_swa(self, indices: torch.Tensor) -> torch.Tensor:
         """Bool tensor on ``device``: which full slots still hold a live SWA slot.
         Raises as :meth:`translate`."""
         return self.translate(indices) != 0
+
+    def has_swa_host(self, ids: np.ndarray) -> np.ndarray:
+        """:meth:`has_swa` on the host: ``ids`` are full slot ids (int64 numpy, in
+        ``[0, full_size + page_size)``, unchecked); a new bool array. For the cache's planning,
+        which must not read the device."""
+        return self._map[ids] != 0
+
+    def _on_device(self, given: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+        """Slot ids (validated, values ``host``) on ``device``: ``given`` itself when it is
+        there, else ``host`` uploaded."""
+        if given.device == self._device:
+            return given
+        return upload(host.numpy(), self._device)
+
+    def _unmap_device(self, given: torch.Tensor, host: torch.Tensor) -> None:
+        """Clear the device mapping of full slots ``host`` (``given`` as passed)."""
+        if self.full_to_swa_device is not None and host.numel():
+            self.full_to_swa_device.index_fill_(0, self._on_device(given, host), 0)
 
     # ------------------------------------------------------------------ actions
     def alloc(self, n: int) -> torch.Tensor | None:
@@ -272,7 +304,13 @@ class SWAAllocator(SlotAllocator):
         swa = self._swa.alloc(n)
         assert full is not None and swa is not None
         self._map[full.numpy()] = swa.numpy()
-        return full.to(self._device)
+        dev_map = self.full_to_swa_device
+        if dev_map is None:
+            return full
+        both = np.concatenate((full.numpy(), swa.numpy()))  # one upload for both sides
+        dev = register(upload(both, self._device), both)
+        dev_map.index_copy_(0, dev[:n], dev[n:])
+        return dev[:n]
 
     def free(self, indices: torch.Tensor) -> None:
         """Free full slots and, where still mapped, their SWA slots; clear their mapping.
@@ -299,6 +337,7 @@ class SWAAllocator(SlotAllocator):
         self._full._pages.release(full_pages)
         self._swa._pages.release(swa_pages)
         self._map[idx.numpy()] = 0
+        self._unmap_device(indices, idx)
 
     def free_swa(self, indices: torch.Tensor) -> None:
         """Free only the SWA side of full slots ``indices`` (tombstone them); clear their
@@ -349,6 +388,7 @@ class SWAAllocator(SlotAllocator):
         swa_pages = _validated_release_pages(self._swa, swa)
         self._swa._pages.release(swa_pages)
         self._map[idx.numpy()] = 0
+        self._unmap_device(indices, idx)
 
     def undo_alloc(self, indices: torch.Tensor) -> None:
         """Give back the result of a recent :meth:`alloc`: both sides to the *front* of their
@@ -379,12 +419,15 @@ class SWAAllocator(SlotAllocator):
         self._full._pages.restore(full_pages)
         self._swa._pages.restore(swa_pages)
         self._map[idx.numpy()] = 0
+        self._unmap_device(indices, idx)
 
     def clear(self) -> None:
         """Free every slot on both sides, clear the mapping, restore the initial free order."""
         self._full.clear()
         self._swa.clear()
         self._map[:] = 0
+        if self.full_to_swa_device is not None:
+            self.full_to_swa_device.zero_()
 
     # ------------------------------------------------------------------ checking
     def check(self) -> None:
@@ -427,6 +470,12 @@ class SWAAllocator(SlotAllocator):
             problems.append(
                 f"{nz.size} non-zero mappings but {self._swa.used_size()} SWA slots used"
             )
+        dev_map = self.full_to_swa_device
+        if dev_map is not None:  # reads the device: for tests
+            differ = np.flatnonzero(dev_map.cpu().numpy() != m)
+            if differ.size:
+                problems.append(f"the device mapping differs from the host one at full slots "
+                                f"{differ[:16].tolist()}")
         if p > 1:
             rows = m.reshape(-1, p)
             live = rows != 0

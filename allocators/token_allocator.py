@@ -18,8 +18,13 @@ at the front. Example::
     a.free(torch.tensor([2]))     #                       free list: [4, 2]
     a.alloc(2)                    # tensor([4, 2])        free list: []
 
-Bookkeeping stays on the CPU (numpy ring buffer + ``is_free`` mask); results are moved to
-``device``, so on CUDA ``free`` costs a device-to-host copy of the indices.
+Bookkeeping stays on the host (numpy ring buffer + ``is_free`` mask), also for a CUDA
+``device``, and never reads the device: ``alloc`` uploads the ids it took through pinned
+staging (``allocators.staging.upload``: a ``non_blocking`` copy on the current stream) and
+keeps their host mirror (``allocators.host_mirror``); ``free`` / ``free_owned`` /
+``undo_alloc`` of a tensor the library made (an ``alloc`` result, a node's slots, slices and
+:func:`~allocators.host_mirror.cat_slots` of them) read that mirror. Zero host
+synchronisations per call; a device tensor without a mirror costs one device -> host copy.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ import torch
 from ._checks import as_index_tensor, check_device, check_int, check_positive_int
 from .base import AllocatorSnapshot, SlotAllocator
 from .free_list import FreeList
-from .kv_pool import KVPool
+from .host_mirror import host_ids, register
+from .kv_pool import KVBuffers, KVPool, KVStorage
+from .staging import upload
 
 __all__ = ["PagedAllocator", "SlotAllocator", "TokenAllocator"]
 
@@ -51,6 +58,8 @@ class _FreeListAllocator(SlotAllocator):
         self._pages = FreeList(num_pages, unit)
         self._free_mask = self._pages.free_mask()
         self._arange_page = torch.arange(page_size, dtype=torch.int64)
+        #: ``alloc`` results go to a device other than the host (uploaded, mirrored)
+        self._on_device = device.type != "cpu"
 
     # ------------------------------------------------------------------ facts
     @property
@@ -80,8 +89,13 @@ class _FreeListAllocator(SlotAllocator):
         if pages is None:
             return None
         slots = self._pages_to_slots(pages)
-        self._on_alloc(slots)
-        return slots.to(self._device)
+        if not self._on_device:
+            self._on_alloc(slots)
+            return slots
+        host = slots.numpy()  # a fresh array: the mirror owns it from here on
+        dev = register(upload(host, self._device), host)
+        self._on_alloc(dev)
+        return dev
 
     def free(self, indices: torch.Tensor) -> None:
         pages = self._slots_to_pages(as_index_tensor(indices, "indices"))
@@ -93,7 +107,7 @@ class _FreeListAllocator(SlotAllocator):
         if isinstance(indices, int):
             arr = np.array([indices], dtype=np.int64)
         else:
-            arr = (indices if indices.device.type == "cpu" else indices.cpu()).numpy()
+            arr = host_ids(indices, "indices")
         if self._page_size != 1:
             arr = arr[:: self._page_size] // self._page_size
         self._pages.release_owned(arr)
@@ -121,7 +135,7 @@ class _FreeListAllocator(SlotAllocator):
 
         Used by cache invariant checks (a slot the tree holds must not be free). O(len).
         """
-        pages = indices.detach().cpu().numpy() // self._page_size
+        pages = host_ids(indices, "indices") // self._page_size
         return torch.from_numpy(self._pages._is_free[pages])
 
     # ------------------------------------------------------------------ checking
@@ -139,7 +153,7 @@ class _FreeListAllocator(SlotAllocator):
 
     # ------------------------------------------------------------------ hooks
     def _on_alloc(self, slots: torch.Tensor) -> None:
-        """Called with the CPU slot ids just taken, before they are returned."""
+        """Called with the slot ids just taken, on ``device``, before they are returned."""
 
     # ------------------------------------------------------------------ page <-> slot
     def _num_pages_for(self, n: int) -> int:
@@ -188,11 +202,14 @@ class _FreeListAllocator(SlotAllocator):
         return starts // p
 
 
-def _check_pool(pool: object, rows_needed: int) -> KVPool | None:
+def _check_pool(pool: object, rows_needed: int) -> KVStorage | None:
     if pool is None:
         return None
-    if not isinstance(pool, KVPool):
-        raise TypeError(f"pool must be a KVPool or None, got {type(pool).__name__}")
+    if not isinstance(pool, (KVPool, KVBuffers)):
+        raise TypeError(
+            f"pool must be a KVPool, a KVBuffers (an engine's own per-layer K/V tensors) or "
+            f"None, got {type(pool).__name__}"
+        )
     if pool.num_slots < rows_needed:
         raise ValueError(
             f"pool has {pool.num_slots} slot rows but the allocator hands out ids up to"
@@ -206,8 +223,10 @@ class TokenAllocator(_FreeListAllocator):
 
     Args:
         size: slots that can be handed out (``> 0``).
-        pool: optional :class:`KVPool` these slots index (needs ``>= size + 1`` rows); kept
-            as ``self.pool`` so the cache can find the tensors. Not touched by the allocator.
+        pool: optional :class:`KVPool` these slots index (needs ``>= size + 1`` rows), or
+            :class:`KVBuffers` over the engine's own per-layer tensors; kept as ``self.pool``
+            so the cache can find the tensors (the host tier copies them). Not touched by the
+            allocator.
         device: device of returned index tensors (``str`` or ``torch.device``).
 
     Raises:
@@ -218,7 +237,7 @@ class TokenAllocator(_FreeListAllocator):
     """
 
     def __init__(
-        self, size: int, pool: KVPool | None = None, device: str | torch.device = "cpu"
+        self, size: int, pool: KVStorage | None = None, device: str | torch.device = "cpu"
     ) -> None:
         size = check_positive_int(size, "size")
         super().__init__(size, 1, check_device(device), "slot")
@@ -251,7 +270,7 @@ class PagedAllocator(_FreeListAllocator):
         self,
         size: int,
         page_size: int,
-        pool: KVPool | None = None,
+        pool: KVStorage | None = None,
         device: str | torch.device = "cpu",
     ) -> None:
         size = check_positive_int(size, "size")

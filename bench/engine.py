@@ -27,6 +27,11 @@ Per request, in trace order (``L`` = prompt tokens, ``U`` = usable cached prefix
    (``"exact"``), aligned down to a page; then the engine frees the output slots and the
    partial last prompt page, which it never hands to the cache.
 
+On a device (``EngineConfig.device``, e.g. ``"cuda"``) the engine keeps what a GPU engine keeps:
+slot tensors on the device (``alloc`` results, ``m.device_indices``), request rows built with
+``allocators.cat_slots`` (which keeps their host mirrors), and a state slot as the one-element
+tensor the state pool handed out; it never reads a device value on the host itself.
+
 Output KV is allocated together with the prompt's (one ``alloc`` call) but kept apart from
 ``CacheRequest.kv_indices``: the traces carry no output token ids, so output is never cached.
 ``kv_indices`` covers whole pages only (``[0, F)``): the cache frees its unkept tail, and a
@@ -42,7 +47,14 @@ from typing import Any, Literal
 
 import torch
 
-from allocators import MambaStatePool, PagedAllocator, SWAAllocator, TokenAllocator
+from allocators import (
+    KVPool,
+    MambaStatePool,
+    PagedAllocator,
+    SWAAllocator,
+    TokenAllocator,
+    cat_slots,
+)
 from bench.metrics import RequestLog
 from bench.traces import TraceRequest
 from components.state import StateWalkFactory
@@ -71,6 +83,9 @@ class EngineConfig:
         swa_tokens: SWA pool size [tokens] (with a window); the full pool is ``kv_tokens``.
         hicache_ratio: host (L2) pools of this many times the device pools; 0 = no host tier.
         hicache_write_policy: ``write_through``, ``write_through_selective`` or ``write_back``.
+        device: where the pools and slot tensors live (``"cpu"``, ``"cuda"``); with a host tier
+            on a device the KV allocator gets a one-layer, one-head KV pool so that backups
+            and load-backs move real data.
     """
 
     policy: str = "lru"
@@ -85,6 +100,7 @@ class EngineConfig:
     swa_tokens: int = 0
     hicache_ratio: float = 0.0
     hicache_write_policy: str = "write_through"
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         for name in ("kv_tokens", "page_size", "chunk_size", "concurrency"):
@@ -143,7 +159,7 @@ class _Running:
     """One admitted request: the cache's record plus what the engine itself holds."""
 
     req: CacheRequest
-    state_slot: int | None  # the request's running state (None on a KV-only model)
+    state_slot: int | torch.Tensor | None  # the running state (None on a KV-only model)
     own_slots: torch.Tensor  # output pages + partial last prompt page: the engine frees them
     keep_len: int  # tokens to cache at finish (before clamping to what is already cached)
 
@@ -167,17 +183,22 @@ class ReplayEngine:
         cfg = self.config
         ps = cfg.page_size
         num_slots = cfg.kv_tokens // ps * ps
+        dev = cfg.device
+        pool = None
+        if cfg.hicache_ratio and dev != "cpu":
+            pool = KVPool(num_slots, 1, 1, 1, torch.float16, dev, page_size=ps)
         self.kv_allocator: TokenAllocator | PagedAllocator | SWAAllocator
         if cfg.sliding_window:
-            self.kv_allocator = SWAAllocator(num_slots, cfg.swa_tokens // ps * ps, ps)
+            self.kv_allocator = SWAAllocator(num_slots, cfg.swa_tokens // ps * ps, ps, device=dev)
         elif ps == 1:
-            self.kv_allocator = TokenAllocator(num_slots)
+            self.kv_allocator = TokenAllocator(num_slots, pool=pool, device=dev)
         else:
-            self.kv_allocator = PagedAllocator(num_slots, ps)
+            self.kv_allocator = PagedAllocator(num_slots, ps, pool=pool, device=dev)
         self.state_pool: MambaStatePool | None = None
         if cfg.state_slots:
             self.state_pool = MambaStatePool(
-                cfg.state_slots, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,)
+                cfg.state_slots, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,),
+                device=dev,
             )
         cache_cfg = CacheConfig(
             page_size=ps,
@@ -193,7 +214,8 @@ class ReplayEngine:
             state_walk=self.state_walk,
         )
         self._running: deque[_Running] = deque()
-        self._empty = torch.empty(0, dtype=torch.int64)
+        self._empty = self.cache._empty
+        self._on_cpu = self.kv_allocator.device.type == "cpu"
 
     # ------------------------------------------------------------------ public
     def drain(self) -> None:
@@ -249,12 +271,13 @@ class ReplayEngine:
         kv = self._alloc_kv(prompt_alloc + out_alloc)
         if kv is None:
             if pool is not None and slot is not None:
-                pool.free(torch.tensor([slot], dtype=torch.int64))
+                pool.free(slot if isinstance(slot, torch.Tensor)
+                          else torch.tensor([slot], dtype=torch.int64))
             return self._skip(lock)
         own = kv[full_len - usable :]
         req = CacheRequest(
             key=tokens,
-            kv_indices=torch.cat((m.device_indices, kv[: full_len - usable]))
+            kv_indices=cat_slots((m.device_indices, kv[: full_len - usable]))
             if usable
             else kv[: full_len - usable],
             cached_len=usable,
@@ -272,7 +295,7 @@ class ReplayEngine:
     def _prefill_checkpoints(
         self,
         req: CacheRequest,
-        slot: int | None,
+        slot: int | torch.Tensor | None,
         usable: int,
         prompt_len: int,
         branching: int | None,
@@ -354,17 +377,19 @@ class ReplayEngine:
             if not self._finish_oldest():
                 return None
 
-    def _alloc_state(self, *, finish_running: bool) -> int | None:
-        """One state slot, evicting a state if needed; then (if allowed) finishing requests."""
+    def _alloc_state(self, *, finish_running: bool) -> int | torch.Tensor | None:
+        """One state slot, evicting a state if needed; then (if allowed) finishing requests.
+        An ``int`` on the CPU; on a device the one-element tensor ``alloc`` returned (an engine
+        there never reads it on the host)."""
         pool = self.state_pool
         assert pool is not None
         while True:
             t = pool.alloc(1)
             if t is not None:
-                return int(t[0])
+                return int(t[0]) if self._on_cpu else t
             self._count(self.cache.evict_states(1))
             t = pool.alloc(1)
             if t is not None:
-                return int(t[0])
+                return int(t[0]) if self._on_cpu else t
             if not finish_running or not self._finish_oldest():
                 return None

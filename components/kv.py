@@ -12,6 +12,11 @@ node, or repeated::
     _held[id] == 1      held by a node
     _held[0], _held[-1] == -1: the padding id and one past the last id (``take(mode="clip")``
                         lands every out-of-range id on one of them)
+
+On a GPU the nodes' slot tensors live on the device, and this bookkeeping still runs on the
+host: every slot tensor the tree keeps or is handed by the library has a host mirror
+(``allocators.host_mirror``: node values are made with it, views keep it), so claims, held
+marks and frees read the mirror and never the device.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from allocators import resolve_device
+from allocators.host_mirror import host_ids, register
 from components.base import Component
 from components.ordered import OrderedNodeSet
 
@@ -58,7 +65,8 @@ class KVComponent(Component):
         """
         self.allocator = allocator
         self.key_fn = key_fn
-        self.device = torch.device(getattr(allocator, "device", "cpu"))
+        # Resolved: ``cuda`` means the current device; tensors always report their index.
+        self.device = resolve_device(torch.device(getattr(allocator, "device", "cpu")))
         self._cpu = self.device.type == "cpu"
         self.evicted = 0
         self.inserted = 0
@@ -99,7 +107,8 @@ class KVComponent(Component):
         only.
 
         Args:
-            value: 1-D int64 CPU tensor of the caller's slots.
+            value: 1-D int64 tensor of the caller's slots, on the CPU or the allocator's
+                device (read through its host mirror: see :meth:`claim_device`).
             lo, hi: the range to adopt [positions in ``value``]; ``hi`` defaults to its end.
             copy: return a new tensor equal to ``value[lo:hi]``: what a node keeps (a view
                 would pin the caller's whole tensor and see its later writes).
@@ -109,21 +118,41 @@ class KVComponent(Component):
 
         Raises:
             ValueError: naming ``value`` and the first bad slot; nothing is marked then.
-            TypeError: ``value`` is not a 1-D int64 CPU tensor.
+            TypeError: ``value`` is not a 1-D int64 tensor on the CPU or the device.
 
         Complexity: O(hi - lo). One C pass (``components/_claim.c``: checks, marks and copy
         in one loop) when the extension is built; else vectorised numpy (:meth:`_claim_numpy`,
         the reference the C pass is tested against).
         """
-        if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or not value.is_cpu \
-                or value.dim() != 1:
-            raise TypeError("value must be a 1-D int64 CPU tensor of KV slots")
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.dim() != 1 \
+                or not (value.is_cpu or value.device == self.device):
+            where = "CPU tensor" if self._cpu else f"tensor on the CPU or {self.device}"
+            raise TypeError(f"value must be a 1-D int64 {where} of KV slots")
         n = value.shape[0]
         if hi is None:
             hi = n
         if not 0 <= lo <= hi <= n:
             raise ValueError(f"claim range [{lo}, {hi}) is outside value's {n} slots")
+        if not value.is_cpu:
+            return self.claim_device(value, lo, hi, copy)
         return self.claim_trusted(value, lo, hi, copy)
+
+    def claim_device(self, value: torch.Tensor, lo: int, hi: int,
+                     copy: bool) -> torch.Tensor | None:
+        """:meth:`claim` of a checked device tensor: the checks and marks run on its host
+        mirror (no host synchronisation; a tensor without a mirror is copied to the host once,
+        ``allocators.host_mirror.host_ids``). With ``copy``, returns the node's copy of
+        ``value[lo:hi]`` on the device, mirrored."""
+        host = torch.from_numpy(np.ascontiguousarray(host_ids(value, "value")))
+        got = self.claim_trusted(host, lo, hi, copy)
+        if got is None:
+            return None
+        return register(value[lo:hi].clone(), got.numpy())
+
+    def host_slots(self, value: torch.Tensor) -> np.ndarray:
+        """The values of slot tensor ``value`` on the host (its memory on the CPU, its mirror
+        on a device; see ``allocators.host_mirror.host_ids``). Not to be written."""
+        return value.numpy() if value.is_cpu else host_ids(value, "value")
 
     def claim_trusted(self, value: torch.Tensor, lo: int, hi: int,
                       copy: bool) -> torch.Tensor | None:
@@ -257,7 +286,7 @@ class KVComponent(Component):
         held = self._held
         if held is None:
             return
-        arr = (value if value.device.type == "cpu" else value.cpu()).numpy()
+        arr = value.numpy() if value.is_cpu else host_ids(value, "value")
         held[arr if self.page_size == 1 else arr[:: self.page_size] // self.page_size] = 0
 
     # ------------------------------------------------------------------ values
@@ -376,14 +405,14 @@ class KVComponent(Component):
             raise ValueError(
                 f"value has {value.shape[0]} slots but key has {n} tokens; lengths must match"
             )
-        if value.is_cpu if self._cpu else value.device == self.device:
+        if value.is_cpu if self._cpu else value.device == self.device:  # both indices resolved
             return
         raise ValueError(f"value is on {value.device}, the KV allocator on {self.device}")
 
     def check(self, nodes: list[TreeNode]) -> None:
         dev = [n.kv_value for n in nodes if n.kv_value is not None]
         if dev:
-            slots = torch.cat(dev)
+            slots = torch.cat(dev).cpu()  # the true device values (a check may read them)
             assert slots.unique().numel() == slots.numel(), "a KV slot is held by two nodes"
             is_free = getattr(self.allocator, "is_free", None)
             if callable(is_free):

@@ -18,12 +18,16 @@ lock to both halves, and both lie below ``start``).
 
 Eviction (``evict_swa``): live, unlocked nodes in LRU order of ``last_access_time``; an internal
 node becomes a tombstone, a leaf leaves whole (a tombstoned leaf could never be used).
+
+Planning reads the host copy of the full-to-SWA map (``SWAAllocator.has_swa_host``) at the
+host copies of the caller's slots (``KVComponent.host_slots``), never the device.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from components.base import Component, InsertPlan
@@ -55,7 +59,7 @@ class SWAComponent(Component):
 
     def __init__(self, allocator: SWAAllocator, sliding_window_size: int,
                  kv: KVComponent) -> None:
-        if not (hasattr(allocator, "free_swa") and hasattr(allocator, "has_swa")):
+        if not (hasattr(allocator, "free_swa") and hasattr(allocator, "has_swa_host")):
             raise TypeError(
                 "sliding_window_size needs an SWA allocator (allocators.SWAAllocator) as "
                 f"kv_allocator, got {type(allocator).__name__}"
@@ -91,10 +95,10 @@ class SWAComponent(Component):
         before released ones would be SWA KV no window can use)."""
         live = lo >= plan.note(self.name, lo)
         if not live:
-            dead = plan.value[lo:hi]
-            still = dead[self.allocator.has_swa(dead)]
+            dead = self.kv.host_slots(plan.value)[lo:hi]
+            still = dead[self.allocator.has_swa_host(dead)]
             if len(still):
-                self.allocator.free_swa(still)
+                self.allocator.free_swa(torch.from_numpy(still))
         node.swa_tombstone = not live
         if live:
             self._evictable += len(node.key)
@@ -238,14 +242,14 @@ class SWAComponent(Component):
         return self.order.pop_first()
 
     # ------------------------------------------------------------------ insert
-    def live_suffix_start(self, value: torch.Tensor, lo: int, hi: int) -> int:
+    def live_suffix_start(self, host: np.ndarray, lo: int, hi: int) -> int:
         """First page-aligned position in ``[lo, hi]`` from which every caller slot of
-        ``value[lo:hi]`` still has live SWA KV (``hi`` when the last one has none)."""
-        live = self.allocator.has_swa(value[lo:hi])
-        if bool(live.all()):
+        ``host[lo:hi]`` (the host copy of the caller's slots, in range) still has live SWA KV
+        (``hi`` when the last one has none)."""
+        live = self.allocator.has_swa_host(host[lo:hi])
+        if live.all():
             return lo
-        dead = (~live).nonzero()
-        t = lo + int(dead[-1]) + 1
+        t = lo + int(np.flatnonzero(~live)[-1]) + 1
         ps = self.kv.page_size
         return min(hi, -(-t // ps) * ps)
 
@@ -256,8 +260,9 @@ class SWAComponent(Component):
         the caller's slots are live (the node the walk ends inside counts with its matched
         part, split there first); the new tail is live from the page where the caller's slots
         are, a tombstone before it, and not cached at all when none of it is live."""
-        value, end, walk = plan.value, plan.end, plan.walk
-        self.kv.check_range(value[:end].cpu().numpy())
+        end, walk = plan.end, plan.walk
+        host = self.kv.host_slots(plan.value)
+        self.kv.check_range(host[:end])
         spans = [(n, n.start, n.depth, n.kv_value) for n in walk.path]
         part = walk.partial
         if part is not None:
@@ -268,14 +273,14 @@ class SWAComponent(Component):
             if not n.swa_tombstone or n.kv_lock > 0:
                 continue  # live or in use
             assert kvv is not None  # a tombstone keeps its full-attention slots
-            if bool((value[lo:hi] == kvv).any()):
+            if (host[lo:hi] == self.kv.host_slots(kvv)).any():
                 continue  # the caller got (some of) these slots from the tree
-            t = self.live_suffix_start(value, lo, hi)
+            t = self.live_suffix_start(host, lo, hi)
             if t < hi:
                 plan.add_revival(hi, t, self)
         p = plan.prefix_len
         if p < end:
-            live_from = self.live_suffix_start(value, p, end)
+            live_from = self.live_suffix_start(host, p, end)
             plan.set_note(self.name, live_from)
             if live_from >= end:
                 plan.insert_end = p  # no live SWA KV at all: nothing worth caching
@@ -283,13 +288,12 @@ class SWAComponent(Component):
                 plan.add_cut(live_from)
 
     # --------------------------------------------------------- request helpers
-    def request_keeps(self, caller: torch.Tensor, tree: torch.Tensor,
-                      dup: torch.Tensor) -> torch.Tensor:
+    def request_keeps(self, caller: np.ndarray, tree: np.ndarray, dup: np.ndarray) -> np.ndarray:
         """Of a running request's duplicate slots ``caller[dup]`` (the tree holds the same
-        tokens in ``tree``), those it keeps: its own live copy where the tree only has a
-        tombstone (it still needs that SWA KV for its window; it frees the copy when it
-        finishes). Returns a bool mask over ``caller``."""
-        has_swa = self.allocator.has_swa
+        tokens in ``tree``; host copies of both), those it keeps: its own live copy where the
+        tree only has a tombstone (it still needs that SWA KV for its window; it frees the
+        copy when it finishes). Returns a bool mask over ``caller``."""
+        has_swa = self.allocator.has_swa_host
         return dup & has_swa(caller) & ~has_swa(tree)
 
     def release(self, kv_indices: torch.Tensor, start: int, seq_len: int) -> int:

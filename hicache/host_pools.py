@@ -1,12 +1,19 @@
 """Host (L2) pools mirroring the device pools, registered per pool by name.
 
 Each device pool gets a host counterpart of the same layout (layers, heads, head_dim, dtype;
-conv / SSM state shapes), on the CPU, in pinned memory when the device is CUDA (so copies can
-be asynchronous). Sizes: ``hicache_ratio`` x the device pool, or ``hicache_size`` GB.
+conv / SSM state shapes), on the CPU. When the device is a GPU the host tensors are page-locked
+where they are allocated (``allocators.staging.pin_in_place``: never a pageable pool pinned
+afterwards, which would hold both copies at once). Sizes: ``hicache_ratio`` x the device pool,
+or ``hicache_size`` GB.
 
-    name     device                       host
-    "kv"     TokenAllocator/PagedAllocator + KVPool    same class, host size, CPU tensors
-    "state"  MambaStatePool               MambaStatePool, host size, CPU tensors
+    name     device                                        host
+    "kv"     TokenAllocator/PagedAllocator + KVPool or     same allocator class, host size,
+             KVBuffers (the engine's own K/V tensors)      KVPool on the CPU
+    "state"  MambaStatePool                                MambaStatePool, host size, CPU
+
+A KV allocator without a pool is an index-only model (replays that count slots and move no
+data): allowed on the CPU, refused for a device allocator, whose KV data would silently not
+be copied.
 """
 
 from __future__ import annotations
@@ -15,7 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
-from allocators import KVPool, MambaStatePool, PagedAllocator, SlotAllocator, TokenAllocator
+from allocators import (
+    KVPool,
+    KVStorage,
+    MambaStatePool,
+    PagedAllocator,
+    SlotAllocator,
+    TokenAllocator,
+)
 from hicache.config import HiCacheConfig
 
 
@@ -44,17 +58,26 @@ def _host_size(device_size: int, page_size: int, cfg: HiCacheConfig, bytes_per_u
 
 
 def mirror_kv(device: SlotAllocator, cfg: HiCacheConfig) -> SlotAllocator:
-    """A host allocator (and KVPool, when the device has one) mirroring ``device``."""
+    """A host allocator (and KVPool, when the device has a pool) mirroring ``device``.
+
+    Raises:
+        ValueError: the host pool would not be larger than the device pool, or ``device``
+            lives on a GPU without a pool (``KVPool``, or ``KVBuffers`` over the engine's own
+            K/V tensors): its backups would copy no data.
+    """
     ps = device.page_size
-    pool: KVPool | None = getattr(device, "pool", None)
+    pool: KVStorage | None = getattr(device, "pool", None)
+    if pool is None and device.device.type != "cpu":
+        raise ValueError(
+            f"hicache on {device.device} needs the KV tensors behind the KV allocator: give it "
+            "pool=KVPool(...) or pool=KVBuffers(k_buffers, v_buffers) over the engine's own "
+            "per-layer K/V tensors (without one, backups and load-backs would copy nothing)"
+        )
     size = _host_size(device.size, ps, cfg, pool.bytes_per_token if pool is not None else 0)
     host_pool = None
     if pool is not None:
         host_pool = KVPool(size, pool.num_layers, pool.num_heads, pool.head_dim, pool.dtype,
-                           "cpu", page_size=ps)
-        if pool.device.type == "cuda":
-            host_pool.k_all = host_pool.k_all.pin_memory()
-            host_pool.v_all = host_pool.v_all.pin_memory()
+                           "cpu", page_size=ps, pin_memory=pool.device.type == "cuda")
     if ps == 1:
         return TokenAllocator(size, pool=host_pool)
     return PagedAllocator(size, ps, pool=host_pool)
@@ -63,33 +86,27 @@ def mirror_kv(device: SlotAllocator, cfg: HiCacheConfig) -> SlotAllocator:
 def mirror_state(device: MambaStatePool, cfg: HiCacheConfig) -> MambaStatePool:
     """A host state pool of the same shapes, ``hicache_ratio`` x the device slots."""
     size = _host_size(device.size, 1, cfg, 0)
-    host = MambaStatePool(size, device.num_layers, device.conv_state_shape,
-                          device.ssm_state_shape, dtype=device.dtype, device="cpu")
-    if device.device.type == "cuda":
-        host.conv = host.conv.pin_memory()
-        host.ssm = host.ssm.pin_memory()
-    return host
+    return MambaStatePool(size, device.num_layers, device.conv_state_shape,
+                          device.ssm_state_shape, dtype=device.dtype, device="cpu",
+                          pin_memory=device.device.type == "cuda")
 
 
 def copy_kv(src: SlotAllocator, src_slots: torch.Tensor, dst: SlotAllocator,
-            dst_slots: torch.Tensor, non_blocking: bool = False) -> None:
-    """Copy K and V of every layer ``src_slots[i] -> dst_slots[i]`` between two pools.
-
-    One gather + one scatter per direction for all layers; a no-op when the allocators hold
-    no tensors (index-only replays).
-    """
-    sp: KVPool | None = getattr(src, "pool", None)
-    dp: KVPool | None = getattr(dst, "pool", None)
+            dst_slots: torch.Tensor) -> None:
+    """Copy K and V of every layer ``src_slots[i] -> dst_slots[i]`` between two pools,
+    synchronously (the CPU path of the transfers; on a GPU ``HiCacheController`` stages its
+    copies asynchronously instead). One gather + one scatter per direction for all layers; a
+    no-op when the allocators hold no tensors (index-only replays)."""
+    sp: KVStorage | None = getattr(src, "pool", None)
+    dp: KVStorage | None = getattr(dst, "pool", None)
     if sp is None or dp is None or src_slots.numel() == 0:
         return
-    s = src_slots.to(sp.device)
-    d = dst_slots.to(dp.device)
-    dp.k_all[:, d] = sp.k_all[:, s].to(dp.device, non_blocking=non_blocking)
-    dp.v_all[:, d] = sp.v_all[:, s].to(dp.device, non_blocking=non_blocking)
+    k, v = sp.gather(src_slots.to(sp.device))
+    dp.scatter(dst_slots.to(dp.device), k.to(dp.device), v.to(dp.device))
 
 
-def copy_state(src: MambaStatePool, src_slot: int, dst: MambaStatePool, dst_slot: int,
-               non_blocking: bool = False) -> None:
-    """Copy every layer's conv and SSM state of one slot between two state pools."""
-    dst.conv[:, dst_slot] = src.conv[:, src_slot].to(dst.device, non_blocking=non_blocking)
-    dst.ssm[:, dst_slot] = src.ssm[:, src_slot].to(dst.device, non_blocking=non_blocking)
+def copy_state(src: MambaStatePool, src_slot: int, dst: MambaStatePool, dst_slot: int) -> None:
+    """Copy every layer's conv and SSM state of one slot between two state pools,
+    synchronously (see :func:`copy_kv`)."""
+    dst.conv[:, dst_slot].copy_(src.conv[:, src_slot])
+    dst.ssm[:, dst_slot].copy_(src.ssm[:, src_slot])

@@ -29,8 +29,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
 import torch
 
+from allocators.host_mirror import cat_slots, host_int, register
 from components.base import Component
 from components.gds import GDS_WALKS
 from components.kv import KVComponent
@@ -134,9 +136,9 @@ class RadixCache:
         self.config = config
         self.page_size = config.page_size
         self.policy = config.policy
-        self.device = torch.device(getattr(kv_allocator, "device", "cpu"))
         policy = self.policy
         self.kv = KVComponent(kv_allocator, policy.kv_key, host_tier=hicache is not None)
+        self.device = self.kv.device
         built: list[Component] = [self.kv]
         self.state: StateComponent | None = None
         if state_allocator is not None:
@@ -161,7 +163,10 @@ class RadixCache:
                 self._storage = host.storage = StorageTier(core, host)
         #: The tier hook an insert ends with (the host tier's write policy), or ``None``.
         self._after_insert = self._host.after_insert if self._host is not None else None
-        self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._empty = register(torch.empty(0, dtype=torch.int64, device=self.device),
+                               np.empty(0, dtype=np.int64))
+        #: ``torch.cat`` of slot tensors; on a device it keeps their host mirrors.
+        self._cat = torch.cat if self.device.type == "cpu" else cat_slots
         self._init_counters()
 
     def _init_counters(self) -> None:
@@ -252,7 +257,7 @@ class RadixCache:
                 indices = last.kv_value
                 assert indices is not None  # a usable (device) node holds KV slots
             else:
-                indices = torch.cat(cast("list[torch.Tensor]", [n.kv_value for n in path[:usable]]))
+                indices = self._cat(cast("list[torch.Tensor]", [n.kv_value for n in path[:usable]]))
             state_slot = last.state_slot
         else:
             last = tree.root
@@ -285,7 +290,7 @@ class RadixCache:
         value: torch.Tensor,
         extra_key: Any = None,
         *,
-        state_slot: int | None = None,
+        state_slot: int | torch.Tensor | None = None,
         priority: int = 0,
         rid: object = None,
     ) -> InsertResult:
@@ -297,8 +302,9 @@ class RadixCache:
                 device.
             extra_key: namespace (LoRA adapter id, cache salt).
             state_slot: a state slot valid after ``inserted_len`` tokens, owned by the caller
-                until adopted. Required on a hybrid cache when new tokens are added (a leaf
-                never stays without a state).
+                until adopted: an ``int``, or the one-element tensor the state pool's ``alloc``
+                returned (read through its host mirror: no host synchronisation). Required on
+                a hybrid cache when new tokens are added (a leaf never stays without a state).
             priority: request priority (``priority`` policy: a node keeps the max).
             rid: request id: a request counts once per node in ``hit_count``, also across its
                 chunked-prefill re-inserts (the cache remembers how deep each rid counted until
@@ -321,6 +327,8 @@ class RadixCache:
         O(matched nodes) in Python.
         """
         key, extra_key = resolve_key(key, extra_key)
+        if isinstance(state_slot, torch.Tensor):
+            state_slot = host_int(state_slot, "state_slot")
         for check in self.core.insert_checks:
             check(len(key), value, state_slot)
         if state_slot is not None and self.state is None:
@@ -530,14 +538,14 @@ class RadixCache:
             self._storage.close()
 
     # ====================================================== request helpers
-    def cache_unfinished_req(self, req: CacheRequest, state_slot: int | None = None,
+    def cache_unfinished_req(self, req: CacheRequest, state_slot: int | torch.Tensor | None = None,
                              upto: int | None = None) -> InsertResult:
         """Chunked prefill: cache ``req.key[:upto]`` (default: every computed token) with a
         state checkpoint, keep the request's lock (moved down to the new node); see
         :func:`radix.requests.cache_unfinished_req`."""
         return requests.cache_unfinished_req(self, req, state_slot, upto)
 
-    def cache_finished_req(self, req: CacheRequest, state_slot: int | None = None,
+    def cache_finished_req(self, req: CacheRequest, state_slot: int | torch.Tensor | None = None,
                            upto: int | None = None) -> InsertResult:
         """Cache ``req.key[:upto]`` with a state at its end, free what the tree does not keep,
         release the request's lock; see :func:`radix.requests.cache_finished_req`."""

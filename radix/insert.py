@@ -24,8 +24,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
 import torch
 
+from allocators.host_mirror import slot_copy
 from components.base import InsertPlan
 from radix.results import InsertResult
 
@@ -37,10 +39,11 @@ if TYPE_CHECKING:
 
 def own_copy(value: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """A node's own copy of ``value[lo:hi]`` (on the CPU sliced and copied in numpy: a third
-    of torch's cost). A view would pin the caller's whole tensor and see its later writes."""
+    of torch's cost; on a device with its host mirror). A view would pin the caller's whole
+    tensor and see its later writes."""
     if value.is_cpu:
         return torch.from_numpy(value.numpy()[lo:hi].copy())
-    return value[lo:hi].clone()
+    return slot_copy(value, lo, hi)
 
 
 def insert_key(cache: RadixCache, key: Tokens, value: torch.Tensor, extra_key: Any,
@@ -138,19 +141,24 @@ def _claim(cache: RadixCache, plan: InsertPlan) -> torch.Tensor | None:
     ``value[prefix_len:insert_end]`` and the revival ranges, as one tensor (a slot repeated
     across them is refused).
 
-    Returns the claimed copy of the new tail when that is all the insert adopts, it becomes
-    one leaf and ``value`` is on the CPU (the common case: the new leaf keeps the copy), else
-    ``None`` (the nodes copy their parts, :func:`own_copy`)."""
+    Returns the claimed copy of the new tail when that is all the insert adopts and it becomes
+    one leaf (the common case: the new leaf keeps the copy), else ``None`` (the nodes copy
+    their parts, :func:`own_copy`). On a device the slots are read through their host mirror
+    (no host synchronisation)."""
     value, lo, hi = plan.value, plan.prefix_len, plan.insert_end
     kv = cache.kv
-    if not plan.revive and value.is_cpu:  # the common case: only the new tail is adopted
-        return kv.claim_trusted(value, lo, hi, not plan.cuts) if lo < hi else None
-    ranges = sorted((t, e) for e, (t, _) in (plan.revive or {}).items())
+    if not plan.revive:  # the common case: only the new tail is adopted
+        if lo >= hi:
+            return None
+        if value.is_cpu:
+            return kv.claim_trusted(value, lo, hi, not plan.cuts)
+        return kv.claim_device(value, lo, hi, not plan.cuts)
+    ranges = sorted((t, e) for e, (t, _) in plan.revive.items())
     if lo < hi:
         ranges.append((lo, hi))
-    if ranges:
-        parts = [value[a:b] for a, b in ranges]
-        kv.claim((parts[0] if len(parts) == 1 else torch.cat(parts)).cpu())
+    host = kv.host_slots(value)
+    parts = [host[a:b] for a, b in ranges]
+    kv.claim(torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts)))
     return None
 
 

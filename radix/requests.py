@@ -12,8 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
+from allocators.host_mirror import register
+from allocators.staging import upload
 from radix.checks import check_count, check_lock, check_node
 from radix.results import CacheRequest, InsertResult, LockRef
 
@@ -27,7 +30,7 @@ def _path_indices(cache: RadixCache, node: TreeNode) -> torch.Tensor:
     vals = [n.kv_value for n in reversed(node.path_to_root()) if n.kv_value is not None]
     if not vals:
         return cache._empty
-    return vals[0] if len(vals) == 1 else torch.cat(vals)
+    return vals[0] if len(vals) == 1 else cache._cat(vals)
 
 
 def _check_req(cache: RadixCache, req: Any, upto: Any) -> int:
@@ -86,12 +89,13 @@ def _check_req(cache: RadixCache, req: Any, upto: Any) -> int:
     return upto
 
 
-def _free_state(cache: RadixCache, slot: int | None, adopted: bool) -> None:
+def _free_state(cache: RadixCache, slot: int | torch.Tensor | None, adopted: bool) -> None:
     if slot is not None and not adopted and cache.state is not None:
-        cache.state.allocator.free(torch.tensor([slot], dtype=torch.int64))
+        cache.state.allocator.free(slot.reshape(-1) if isinstance(slot, torch.Tensor)
+                                   else torch.tensor([slot], dtype=torch.int64))
 
 
-def _insert_req(cache: RadixCache, req: CacheRequest, state_slot: int | None, upto: int,
+def _insert_req(cache: RadixCache, req: CacheRequest, state_slot: int | torch.Tensor | None, upto: int,
                 unfinished: bool) -> tuple[InsertResult, torch.Tensor | None]:
     """Insert ``req.key[:upto]``; free the request's duplicate slots and an unadopted state.
 
@@ -103,7 +107,8 @@ def _insert_req(cache: RadixCache, req: CacheRequest, state_slot: int | None, up
     from the tree), so they are the duplicates. With SWA or HiCache the tree may have taken
     some of the request's slots (revival), so duplicates are found by comparing slots; and
     a running request keeps its own live copy where the tree only has a tombstone (it still
-    needs that SWA KV for its window; it frees the copy when it finishes).
+    needs that SWA KV for its window; it frees the copy when it finishes). The comparisons
+    run on the slots' host copies (``KVComponent.host_slots``), never on the device.
     """
     res = cache.insert(req.key[:upto], req.kv_indices[:upto], req.extra_key,
                        state_slot=state_slot, priority=req.priority, rid=req.rid)
@@ -117,21 +122,25 @@ def _insert_req(cache: RadixCache, req: CacheRequest, state_slot: int | None, up
         return res, _path_indices(cache, res.last_node)[:p]
     if p == 0:
         return res, None
-    caller = req.kv_indices[:p]
     tree = _path_indices(cache, res.last_node)[:p]
-    dup = caller != tree
-    if unfinished and cache.swa is not None and bool(dup.any()):
-        keep = cache.swa.request_keeps(caller, tree, dup)
-        dup &= ~keep
-        merged = torch.where(keep, caller, tree)
-    else:
-        merged = tree
-    if bool(dup.any()):
-        alloc.free(caller[dup])
+    caller_h = cache.kv.host_slots(req.kv_indices)[:p]
+    tree_h = cache.kv.host_slots(tree)
+    dup = caller_h != tree_h
+    merged = tree
+    if unfinished and cache.swa is not None and dup.any():
+        keep = cache.swa.request_keeps(caller_h, tree_h, dup)
+        if keep.any():
+            dup &= ~keep
+            merged_h = np.where(keep, caller_h, tree_h)
+            merged = torch.from_numpy(merged_h) if tree.is_cpu else register(
+                upload(merged_h, tree.device), merged_h)
+    if dup.any():
+        alloc.free(torch.from_numpy(caller_h[dup]))
     return res, merged
 
 
-def cache_unfinished_req(cache: RadixCache, req: CacheRequest, state_slot: int | None = None,
+def cache_unfinished_req(cache: RadixCache, req: CacheRequest,
+                         state_slot: int | torch.Tensor | None = None,
                          upto: int | None = None) -> InsertResult:
     """Chunked prefill: cache ``req.key[:upto]`` (default: every computed token) with a
     state checkpoint, keep the request's lock (moved down to the new node).
@@ -154,7 +163,7 @@ def cache_unfinished_req(cache: RadixCache, req: CacheRequest, state_slot: int |
     res, merged = _insert_req(cache, req, state_slot, upto, unfinished=True)
     n = res.inserted_len
     if merged is not None:
-        req.kv_indices = torch.cat([merged, req.kv_indices[res.prefix_len:]])
+        req.kv_indices = cache._cat([merged, req.kv_indices[res.prefix_len:]])
     lock = cache.inc_lock_ref(res.last_node)
     cache.dec_lock_ref(req.last_node if req.lock is None else req.lock)
     req.last_node = res.last_node
@@ -163,7 +172,8 @@ def cache_unfinished_req(cache: RadixCache, req: CacheRequest, state_slot: int |
     return res
 
 
-def cache_finished_req(cache: RadixCache, req: CacheRequest, state_slot: int | None = None,
+def cache_finished_req(cache: RadixCache, req: CacheRequest,
+                       state_slot: int | torch.Tensor | None = None,
                        upto: int | None = None) -> InsertResult:
     """Cache ``req.key[:upto]`` (default: every computed token) with a state at its end,
     free duplicates and every computed slot not kept (``req.kv_indices[inserted_len:]``),

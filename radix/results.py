@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
 import torch
 
+from allocators.host_mirror import host_ids, register
+from allocators.staging import upload
 from radix.node import TreeNode
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from radix.tree import RadixKey
 
 
@@ -96,8 +97,14 @@ class InsertResult(NamedTuple):
         if self.prefix_len == 0:
             return caller
         ts = self.tree_slots
-        tree = ts[0] if len(ts) == 1 else torch.cat(ts)
-        return caller[caller != tree]
+        if caller.is_cpu:
+            tree = ts[0] if len(ts) == 1 else torch.cat(ts)
+            return caller[caller != tree]
+        # on a device: compared on the host copies, the result uploaded (no host sync)
+        host = host_ids(caller, "value")
+        tree_h = np.concatenate([host_ids(t, "tree slots") for t in ts])
+        dup = host[host != tree_h]
+        return register(upload(dup, caller.device), dup)
 
 
 @dataclass(frozen=True)

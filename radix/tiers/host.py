@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from allocators import alloc_all
+from allocators import alloc_all, host_int, slot_copy
 from components.base import Component, InsertPlan
 from components.ordered import OrderedNodeSet
 from radix.core import freed_counts
@@ -240,9 +240,10 @@ class HostTier(Component, Tier):
         if got is None:
             return
         node.host_state_slot = int(got[0])
-        self.controller.save_state(node.state_slot, node.host_state_slot)
-        if self.storage is not None:
-            self.storage.backup(node)  # the state joins the node's pages; never raises
+        storage = self.storage
+        # the state joins the node's pages once it is on host; never raises
+        self.controller.save_state(node.state_slot, node.host_state_slot,
+                                   None if storage is None else lambda: storage.backup(node))
 
     def _on_write_done(self, node: TreeNode, demote_after: bool) -> None:
         if self.storage is not None:
@@ -385,14 +386,14 @@ class HostTier(Component, Tier):
             return 0
         dev_slots, dev_state = got
         host_slots = torch.cat([c.host_value for c in chain if c.host_value is not None])
-        self.kv.claim(dev_slots.cpu())  # fresh from the allocator: marked held
+        self.kv.claim(dev_slots)  # fresh from the allocator: marked held (its host mirror)
         self.controller.load(host_slots, dev_slots,
                              node.host_state_slot if want_state else None, dev_state)
         off = 0
         now = core.tick()
         for c in chain:
             size = len(c.key)
-            self.kv.attach(c, dev_slots[off:off + size].clone())
+            self.kv.attach(c, slot_copy(dev_slots, off, off + size))
             off += size
             c.last_access_time = now
             self.refresh(c)
@@ -441,7 +442,7 @@ class HostTier(Component, Tier):
             got = alloc_all(asks)
             if got is None:
                 return None
-        return got[0], (int(got[1][0]) if states else None)
+        return got[0], (host_int(got[1], "state slot") if states else None)
 
     def describe(self, node: TreeNode) -> str:
         where = ("dev+host" if node.host_value is not None else "dev") if (
