@@ -1,0 +1,51 @@
+"""Shared pytest set-up: every test module marked by the area it covers, so that a contributor
+can run a subset (``python -m pytest tests -m "not storage and not model"``,
+``python -m pytest tests -m cache``). The markers are registered in ``pyproject.toml``.
+
+A module's area is read from its file name (``test_<area>_*.py``), one rule for every module
+present and future; a module whose name names no area gets only ``core``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+#: File-name prefix (after ``test_``) -> the markers its tests carry.
+AREAS: dict[str, tuple[str, ...]] = {
+    "allocators": ("allocators",),
+    "bench": ("bench",),
+    "sim": ("bench",),
+    "cache": ("cache",),
+    "compiled": ("cache",),
+    "readme": ("cache",),
+    "gpu": ("gpu",),
+    "simcuda": ("gpu",),
+    "sync": ("gpu",),
+    "hicache": ("hicache",),
+    "storage": ("hicache", "storage"),
+    "lora": ("lora",),
+    "model": ("model",),
+    "reliability": ("reliability",),
+    "sglang": ("sglang",),
+    "kv": ("cache",),
+    "threads": ("reliability",),
+    "traces": ("bench",),
+}
+
+
+def markers_for(module_name: str) -> tuple[str, ...]:
+    """The markers of test module ``module_name`` (``test_storage_tier`` -> hicache, storage)."""
+    stem = module_name.removeprefix("test_")
+    for prefix, marks in AREAS.items():
+        if stem == prefix or stem.startswith(prefix + "_"):
+            return marks
+    return ("core",)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None:
+            continue
+        for mark in markers_for(module.__name__.rsplit(".", 1)[-1]):
+            item.add_marker(getattr(pytest.mark, mark))
