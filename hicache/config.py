@@ -119,7 +119,7 @@ class HiCacheConfig:
                 raise ValueError('hicache_storage_backend="redis" needs hicache_storage_url (redis://host:port)')
             from hicache.storage.redis_store import split_urls
 
-            split_urls(url)  # ValueError with credentials masked
+            split_urls(url, "hicache_storage_url")  # ValueError with credentials masked
         elif url is not None and backend != "mooncake":
             raise ValueError(f"hicache_storage_url is for the redis backend (redis://) or the mooncake "
                              f"backend (mooncake://); hicache_storage_backend is {backend!r}")
