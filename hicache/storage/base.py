@@ -45,6 +45,7 @@ from hicache.storage.page import (
     CorruptPage,
     decode,
     encode,
+    mac_state,
     tag_digest,
 )
 
@@ -56,6 +57,7 @@ COUNTERS = (
     "get_hits",
     "get_misses",
     "corrupt",
+    "unverified",
     "set_calls",
     "written",
     "already_present",
@@ -130,22 +132,32 @@ class StorageBackend(ABC):
         tag: the layout tag of the pages this client reads and writes (a record carrying
             another tag is refused as corrupt).
         cooldown_s: seconds to answer misses without calling the backend after a fault.
+        secret: the deployment secret (bytes, at least 16): every record written carries an
+            HMAC-SHA256 under it, and only records whose MAC checks are served
+            (:mod:`hicache.storage.page`). ``None``: checksummed records. Kept only inside the
+            MAC state, never in ``repr``, logs or stats.
     """
 
     name = "abstract"
 
-    def __init__(self, tag: str = "", cooldown_s: float = 1.0) -> None:
+    def __init__(self, tag: str = "", cooldown_s: float = 1.0, secret: bytes | None = None) -> None:
         if not isinstance(tag, str):
             raise TypeError(f"tag must be a str (hicache.storage.keys.layout_tag), got {type(tag).__name__}")
         self.tag = tag
         self._tag_digest = tag_digest(tag)
         self.cooldown_s = check_seconds(cooldown_s, "cooldown_s", zero_ok=True)
+        self._mac: Any = None if secret is None else mac_state(secret)
         self._down_until = 0.0
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(COUNTERS, 0)
         self._logged = 0
         #: Record size [bytes] of each kind this client reads, when known (``expect_sections``).
         self.record_bytes: dict[int, int] = {}
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether records carry and must carry a MAC under a deployment secret."""
+        return self._mac is not None
 
     # ------------------------------------------------------------ raw calls
     @abstractmethod
@@ -178,7 +190,8 @@ class StorageBackend(ABC):
         """Store ``(key, kind, page hash, a, b)`` records unless present (set-if-absent); for
         each: written (``True``), already present (``False``) or refused for want of space
         (``None``, counted ``refused``). Default: :func:`encode` each, then ``_set_nx_raw``."""
-        records = [(key, encode(kind, self._tag_digest, h, a, b)) for key, kind, h, a, b in items]
+        records = [(key, encode(kind, self._tag_digest, h, a, b, self._mac))
+                   for key, kind, h, a, b in items]
         return self._set_nx_raw(records)
 
     # -------------------------------------------------------------- helpers
@@ -278,20 +291,63 @@ class StorageBackend(ABC):
         return self.batch_get([check_key(key)])[0]
 
     def _verify(self, key: str, record: Record) -> Page | None:
+        """The record's sections, or ``None``: a damaged record is counted ``corrupt`` and
+        deleted (so it can be written again); a foreign one (``CorruptPage.foreign``: another
+        deployment's secret, or a forgery) is counted ``unverified`` and left in place (a
+        writer holding a valid record replaces it: :meth:`keep_verified`)."""
         try:
             kind, page_hash = _split_key(key)
-            a, b = decode(record, kind, self._tag_digest, page_hash)
+            a, b = decode(record, kind, self._tag_digest, page_hash, self._mac)
         except (CorruptPage, ValueError) as exc:
-            self._count("corrupt")
+            foreign = isinstance(exc, CorruptPage) and exc.foreign
+            self._count("unverified" if foreign else "corrupt")
             log.warning("L3 %s: page %s… refused (%s); treated as a miss", self.name, key[:12],
                         exc)
-            try:
-                self._delete_raw(key, bytes(record))
-            except Exception as dexc:  # the miss stands; the next writer may fail NX
-                self._fault("delete", dexc, rest=False)  # one record: no rest period
+            if not foreign:
+                self._delete(key, record)
             return None
         self._count("bytes_read", len(record))
         return Page(a, b)
+
+    def _delete(self, key: str, record: Record) -> None:
+        try:
+            self._delete_raw(key, bytes(record))
+        except Exception as exc:  # the miss stands; the next writer may fail NX
+            self._fault("delete", exc, rest=False)  # one record: no rest period
+
+    def keep_verified(self, keys: Sequence[str]) -> list[bool]:
+        """For a writer about to store its own records under ``keys``: whether each key holds
+        a record this client accepts (keep it). A record it refuses (damaged, foreign,
+        forged) is deleted, if it is still the same record, so the writer's record takes its
+        place: a record nobody can check never blocks a valid one. ``False`` for absent keys
+        and on a fault (then the writer's set-if-absent decides).
+
+        Raises ``TypeError`` / ``ValueError`` naming ``keys[i]`` for a malformed key."""
+        keys = _check_keys(keys, "keys")
+        if not keys:
+            return []
+        self._count("get_calls")
+        if not self._available():
+            return [False] * len(keys)
+        try:
+            records = self._get_raw(keys)
+        except Exception as exc:
+            self._fault("get", exc)
+            return [False] * len(keys)
+        out = []
+        for key, rec in zip(keys, records, strict=True):
+            if rec is None:
+                out.append(False)
+                continue
+            try:
+                kind, page_hash = _split_key(key)
+                decode(rec, kind, self._tag_digest, page_hash, self._mac)
+                out.append(True)
+            except CorruptPage as exc:
+                self._count("unverified" if exc.foreign else "corrupt")
+                self._delete(key, rec)
+                out.append(False)
+        return out
 
     # --------------------------------------------------------------- writes
     def batch_set(self, items: Sequence[tuple[str, bytes, bytes]]) -> int:

@@ -41,6 +41,7 @@ CONTROLLER_COUNTERS = (
     "backup_already_present",
     "backup_known_skipped",
     "backup_dropped",
+    "backup_unverified",
     "prefetch_started",
     "prefetch_pages",
     "prefetch_tokens",
@@ -239,7 +240,7 @@ class StorageController:
     def _write(self, items: list[tuple[str, bytes, bytes]], size: int) -> None:
         try:
             keys = [k for k, _, _ in items]
-            present = self.backend.exists_mask(keys)
+            present = self._present(keys)
             todo = [it for it, p in zip(items, present, strict=True) if not p]
             written = self.backend.batch_set(todo)
             if written == len(todo):  # on a fault nothing is remembered: it is tried again
@@ -252,6 +253,21 @@ class StorageController:
         finally:
             with self._lock:
                 self._pending_bytes -= size
+
+    def _present(self, keys: list[str]) -> list[bool]:
+        """Which keys already hold a record we may keep. Authenticated (a deployment secret):
+        only records whose MAC checks count; one that does not check is deleted and our own
+        record is written in its place (``StorageBackend.keep_verified``): a forged record
+        never stops our backup."""
+        be = self.backend
+        present = be.exists_mask(keys)
+        if be.authenticated and any(present):
+            idx = [i for i, p in enumerate(present) if p]
+            for i, ok in zip(idx, be.keep_verified([keys[i] for i in idx]), strict=True):
+                if not ok:
+                    present[i] = False
+                    self.count("backup_unverified")
+        return present
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for queued writes and running prefetches; whether all finished in time."""

@@ -44,7 +44,7 @@ class FileStore(StorageBackend):
     Args:
         root: the directory.
         max_bytes: size cap over the records' bytes (``None``: no cap).
-        tag / cooldown_s: see :class:`StorageBackend`.
+        tag / cooldown_s / secret: see :class:`StorageBackend`.
 
     Raises:
         ValueError: ``max_bytes`` not a positive int; ``OSError`` when ``root`` cannot be made.
@@ -53,8 +53,8 @@ class FileStore(StorageBackend):
     name = "file"
 
     def __init__(self, root: str | os.PathLike[str], max_bytes: int | None = None, tag: str = "",
-                 cooldown_s: float = 1.0) -> None:
-        super().__init__(tag, cooldown_s)
+                 cooldown_s: float = 1.0, secret: bytes | None = None) -> None:
+        super().__init__(tag, cooldown_s, secret)
         if not isinstance(root, (str, os.PathLike)):
             raise TypeError(f"root must be a directory path (str or os.PathLike), got {type(root).__name__}")
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)

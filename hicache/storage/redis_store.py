@@ -120,7 +120,7 @@ class RedisStore(StorageBackend):
 
     Args:
         urls: one URL, comma-separated URLs, or a sequence of them (cluster startup nodes).
-        tag / cooldown_s: see :class:`StorageBackend`.
+        tag / cooldown_s / secret: see :class:`StorageBackend`.
         timeout_s: connect and socket timeout of every call [s].
         prefix: key prefix (several caches may share a server under different prefixes).
 
@@ -132,8 +132,8 @@ class RedisStore(StorageBackend):
     name = "redis"
 
     def __init__(self, urls: str | Sequence[str], tag: str = "", timeout_s: float = 1.0,
-                 prefix: str = "hpc:", cooldown_s: float = 1.0) -> None:
-        super().__init__(tag, cooldown_s)
+                 prefix: str = "hpc:", cooldown_s: float = 1.0, secret: bytes | None = None) -> None:
+        super().__init__(tag, cooldown_s, secret)
         import redis  # noqa: F401 - fail at construction when the client is missing
 
         self._urls = split_urls(urls)
