@@ -57,8 +57,10 @@ class HiCacheConfig:
             two models with the same layout never share pages.
         hicache_storage_prefetch_policy: on a miss whose key continues in L3: ``best_effort`` (fetch
             in the background; the pages join the tree at a later ``match_prefix`` /
-            ``poll_storage``), ``wait_complete`` (fetch before ``match_prefix`` returns) or
-            ``timeout`` (wait at most ``hicache_prefetch_timeout_s``, then as best_effort).
+            ``poll_storage``), ``wait_complete`` (fetch before ``match_prefix`` returns, but
+            wait ``hicache_storage_timeout_s`` at most in all, retries included) or
+            ``timeout`` (wait at most ``hicache_prefetch_timeout_s``); past the deadline, as
+            best_effort. A re-match of the same key waits only for what is left of it.
         hicache_prefetch_timeout_s: the ``timeout`` policy's wait [s].
         hicache_storage_secret: a deployment secret (str, UTF-8, or bytes; at least 16 bytes)
             shared by the engines of one deployment: every L3 record then carries an

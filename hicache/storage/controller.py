@@ -2,11 +2,12 @@
 
 The engine thread packs host bytes into page sections (:meth:`StorageController.pack_kv`, a
 gather and a copy) and hands them to one writer thread, which asks the backend which pages are
-missing and writes only those (set-if-absent). Prefetch jobs run on one reader thread (or in
-the caller, for ``wait_complete``): leading pages present in L3, their verified bytes, and for
-a hybrid model the state record at the deepest page that has one. The tree is never touched off
-the engine thread: jobs only collect bytes; :class:`radix.storage_tier.StorageTier` attaches
-them (``unpack_kv`` into fresh host slots) on the engine thread.
+missing and writes only those (set-if-absent). Prefetch jobs run on one reader thread (the
+engine waits for them, up to a deadline, under ``wait_complete`` / ``timeout``): leading pages
+present in L3, their verified bytes, and for a hybrid model the state record at the deepest
+page that has one. The tree is never touched off the engine thread: jobs only collect bytes;
+:class:`radix.tiers.storage.StorageTier` attaches them (``unpack_kv`` into fresh host slots) on
+the engine thread.
 
 Section byte layouts are those of :mod:`hicache.storage.page`.
 """
@@ -62,6 +63,8 @@ class PrefetchJob:
     ``hashes``: the page hashes from ``start`` on. Filled by the fetch: ``pages`` (the leading
     verified pages, in order; for a hybrid model only once complete) and ``state`` (the state
     record at the end of the last page, hybrid only); ``done`` is set at the end.
+    ``deadline`` (``time.monotonic``, engine thread only): until when matches wait for it;
+    ``timed_out``: a wait reached the deadline.
     """
 
     tokens: Any
@@ -73,6 +76,8 @@ class PrefetchJob:
     state: Page | None = None
     done: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    deadline: float | None = None
+    timed_out: bool = False
 
     def snapshot(self) -> tuple[list[Page], Page | None, bool]:
         """(pages so far, state, finished) read consistently."""
@@ -279,12 +284,9 @@ class StorageController:
         return not not_done
 
     # -------------------------------------------------------------- prefetch
-    def start(self, job: PrefetchJob, inline: bool) -> None:
-        """Run ``job``: here (``inline``) or on the reader thread."""
+    def start(self, job: PrefetchJob) -> None:
+        """Run ``job`` on the reader thread (``job.done`` is set when it ends)."""
         self.count("prefetch_started")
-        if inline:
-            self._fetch(job)
-            return
         if self._reader is None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-prefetch")
         fut = self._reader.submit(self._fetch, job)
