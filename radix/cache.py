@@ -146,7 +146,8 @@ class RadixCache:
         self.swa: SWAComponent | None = None
         if config.sliding_window_size is not None:
             self.swa = SWAComponent(cast("SWAAllocator", kv_allocator),
-                                    config.sliding_window_size, self.kv)
+                                    config.sliding_window_size, self.kv,
+                                    config.swa_release_extra_pages)
             built.append(self.swa)
         self.core = core = CacheCore(self.page_size, tuple(built) + extra)
         self.hicache: HiCacheController | None = None
