@@ -60,6 +60,7 @@ from bench.traces import TraceRequest
 from components.state import StateWalkFactory
 from hicache import HiCacheConfig
 from radix import CacheConfig, CacheRequest, EvictResult, RadixCache, RadixKey
+from radix.config import SWA_RELEASE_EXTRA_PAGES
 
 __all__ = ["EndCheckpoint", "EngineConfig", "EngineCounters", "ReplayEngine"]
 
@@ -81,6 +82,8 @@ class EngineConfig:
         end_checkpoint: where a finished prompt's state is cached (see module docstring).
         sliding_window: SWA window [tokens]; 0 = no sliding-window layers.
         swa_tokens: SWA pool size [tokens] (with a window); the full pool is ``kv_tokens``.
+        swa_release_extra_pages: ``CacheConfig.swa_release_extra_pages`` (pages kept live past
+            the window when a request releases its out-of-window SWA KV).
         hicache_ratio: host (L2) pools of this many times the device pools; 0 = no host tier.
         hicache_write_policy: ``write_through``, ``write_through_selective`` or ``write_back``.
         device: where the pools and slot tensors live (``"cpu"``, ``"cuda"``); with a host tier
@@ -98,6 +101,7 @@ class EngineConfig:
     end_checkpoint: EndCheckpoint = "block"
     sliding_window: int = 0
     swa_tokens: int = 0
+    swa_release_extra_pages: int = SWA_RELEASE_EXTRA_PAGES
     hicache_ratio: float = 0.0
     hicache_write_policy: str = "write_through"
     device: str = "cpu"
@@ -205,6 +209,7 @@ class ReplayEngine:
             radix_eviction_policy=cfg.policy,
             radix_eviction_policy_config=cfg.policy_config,
             sliding_window_size=cfg.sliding_window or None,
+            swa_release_extra_pages=cfg.swa_release_extra_pages,
         )
         self.cache = RadixCache(
             cache_cfg,

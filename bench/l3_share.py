@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import os
+import secrets
 import sys
 import time
 import uuid
@@ -54,6 +55,7 @@ class L3EngineConfig(EngineConfig):
     l3_where: str | None = None
     l3_model: str = "default"
     l3_extra_config: str | None = None
+    l3_secret: bytes | None = None
 
     def hicache_config(self) -> HiCacheConfig | None:
         base = EngineConfig.hicache_config(self)
@@ -64,7 +66,8 @@ class L3EngineConfig(EngineConfig):
                        "hicache_storage_backend_extra_config": self.l3_extra_config})
         return dataclasses.replace(base, hicache_storage_backend=self.l3_backend,
                                    hicache_storage_model=self.l3_model,
-                                   hicache_storage_prefetch_policy="wait_complete", **where)
+                                   hicache_storage_prefetch_policy="wait_complete",
+                                   hicache_storage_secret=self.l3_secret, **where)
 
 
 def parse_l3(text: str) -> tuple[str, str]:
@@ -89,8 +92,10 @@ def mooncake_extra_config(segment: int) -> str:
 
 
 def run_setup(setup: str, trace: list[TraceRequest], base: EngineConfig, n: int,
-              l3: tuple[str, str], extra_config: str | None = None) -> list[dict[str, Any]]:
-    """Replay ``trace`` over ``n`` instances in one set-up; one result row per instance."""
+              l3: tuple[str, str], extra_config: str | None = None,
+              secret: bytes | None = None) -> list[dict[str, Any]]:
+    """Replay ``trace`` over ``n`` instances in one set-up; one result row per instance
+    (``secret``: the instances' pages are authenticated under it)."""
     backend, where = l3
     run = uuid.uuid4().hex[:8]
     engines = []
@@ -100,11 +105,11 @@ def run_setup(setup: str, trace: list[TraceRequest], base: EngineConfig, n: int,
             model = f"l3share-{run}" + ("" if setup == "shared" else f"-{i}")
             loc = str(Path(where) / run) if backend == "file" else where
             cfg = L3EngineConfig(**fields, l3_backend=backend, l3_where=loc, l3_model=model,
-                                 l3_extra_config=extra_config)
+                                 l3_extra_config=extra_config, l3_secret=secret)
         else:
             cfg = L3EngineConfig(**fields)
         engines.append(ReplayEngine(cfg))
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), time.process_time()
     for j, tr in enumerate(trace):
         eng = engines[j % n]
         eng.admit(tr, rid=j)
@@ -129,6 +134,8 @@ def run_setup(setup: str, trace: list[TraceRequest], base: EngineConfig, n: int,
             "l3_faults": st.get("l3_faults", 0) + st.get("l3_backend_errors", 0)
             + st.get("l3_backend_timeouts", 0),
             "seconds": round(time.perf_counter() - start, 1),
+            "cpu_s": round(time.process_time() - cpu0, 2),
+            "authenticated": secret is not None,
         })
         eng.cache.close_storage()
     return rows
@@ -149,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--hicache-ratio", type=float, default=2.0)
     p.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
+    p.add_argument("--authenticated", action="store_true",
+                   help="seal every L3 page with a MAC under a random deployment secret")
     p.add_argument("--json", default=None, help="write the rows as JSON here ('-': stdout)")
     return p
 
@@ -163,10 +172,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         page_size=args.page_size, hicache_ratio=args.hicache_ratio)
     rows = []
     extra = mooncake_extra_config(args.mooncake_segment) if args.l3[0] == "mooncake" else None
+    secret = secrets.token_bytes(32) if args.authenticated else None
     for setup in args.setups:
-        rows += run_setup(setup, trace, base, args.instances, args.l3, extra)
+        rows += run_setup(setup, trace, base, args.instances, args.l3, extra, secret)
     head = ("setup", "instance", "requests", "prompt_tokens", "hit_tokens", "hit_rate",
-            "l3_prefetch_tokens", "l3_pages_written", "l3_faults", "seconds")
+            "l3_prefetch_tokens", "l3_pages_written", "l3_faults", "seconds", "cpu_s")
     print(" | ".join(head))
     for r in rows:
         print(" | ".join(str(r[h]) for h in head))

@@ -53,6 +53,7 @@ from bench.traces import (
 )
 from hicache import WRITE_POLICIES
 from radix import CacheConfig
+from radix.config import SWA_RELEASE_EXTRA_PAGES
 
 __all__ = ["main", "parse_count", "replay_one"]
 
@@ -190,6 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="SWA pool size [tokens] with --sliding-window (default: kv-tokens / 4)",
     )
     p.add_argument(
+        "--swa-release-extra-pages",
+        type=int,
+        default=SWA_RELEASE_EXTRA_PAGES,
+        help="pages a request keeps live past the window when it releases out-of-window SWA KV "
+        f"(default {SWA_RELEASE_EXTRA_PAGES}; 0 keeps exactly max(window, page))",
+    )
+    p.add_argument(
         "--hicache-ratio",
         nargs="+",
         type=_ratio,
@@ -303,6 +311,7 @@ def _configs(args: argparse.Namespace) -> list[EngineConfig]:
                 concurrency=args.concurrency,
                 end_checkpoint=args.end_checkpoint,
                 sliding_window=args.sliding_window,
+                swa_release_extra_pages=args.swa_release_extra_pages,
                 swa_tokens=swa_tokens,
                 hicache_ratio=host_ratio,
                 hicache_write_policy=args.hicache_write_policy,

@@ -191,16 +191,33 @@ def _int_field(obj: dict[str, Any], name: str, where: str, minimum: int) -> int:
     return value
 
 
-def _hash_ids(obj: dict[str, Any], where: str) -> list[int]:
+INT64_MAX = 2**63 - 1
+
+
+def _hash_ids(obj: dict[str, Any], where: str, block_size: int) -> list[int]:
+    """The line's ids: non-negative ints whose tokens (``h*B + 1 .. h*B + B``) fit int64."""
     ids = _field(obj, "hash_ids", where)
     if not isinstance(ids, list) or not ids:
         raise TraceFormatError(f"{where}: 'hash_ids' must be a non-empty list")
+    top = (INT64_MAX - block_size) // block_size
     for h in ids:
         if isinstance(h, bool) or not isinstance(h, int) or h < 0:
             raise TraceFormatError(
                 f"{where}: 'hash_ids' must hold non-negative integers, got {h!r}"
             )
+        if h > top:
+            raise TraceFormatError(
+                f"{where}: hash_id {h} is too large: its token ids (h*{block_size}+1 .. "
+                f"h*{block_size}+{block_size}) leave int64; at most {top}"
+            )
     return ids
+
+
+def _timestamp(value: float, where: str, unit: str) -> float:
+    if not math.isfinite(value) or value < 0:
+        raise TraceFormatError(f"{where}: 'timestamp' must be a finite number >= 0 of {unit}, "
+                               f"got {value!r}")
+    return value
 
 
 def _lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -237,7 +254,7 @@ def detect_format(obj: dict[str, Any]) -> TraceFormat:
 def _mooncake(where: str, obj: dict[str, Any], block_size: int) -> TraceRequest:
     input_length = _int_field(obj, "input_length", where, 1)
     output_length = _int_field(obj, "output_length", where, 0)
-    ids = _hash_ids(obj, where)
+    ids = _hash_ids(obj, where, block_size)
     if len(ids) != math.ceil(input_length / block_size):
         raise TraceFormatError(
             f"{where}: {len(ids)} hash_ids for input_length {input_length}; expected "
@@ -246,6 +263,7 @@ def _mooncake(where: str, obj: dict[str, Any], block_size: int) -> TraceRequest:
     ts = _field(obj, "timestamp", where)
     if isinstance(ts, bool) or not isinstance(ts, int | float):
         raise TraceFormatError(f"{where}: 'timestamp' must be a number of milliseconds, got {ts!r}")
+    _timestamp(ts, where, "milliseconds")
     return TraceRequest(
         timestamp_s=ts / 1000.0,
         input_length=input_length,
@@ -258,7 +276,7 @@ def _mooncake(where: str, obj: dict[str, Any], block_size: int) -> TraceRequest:
 
 def _gmi(where: str, obj: dict[str, Any]) -> TraceRequest:
     output_length = _int_field(obj, "output_length", where, 0)
-    ids = _hash_ids(obj, where)
+    ids = _hash_ids(obj, where, GMI_BLOCK_SIZE)
     ts = _field(obj, "timestamp", where)
     try:
         ts_ns = int(ts)
@@ -266,6 +284,7 @@ def _gmi(where: str, obj: dict[str, Any]) -> TraceRequest:
         raise TraceFormatError(
             f"{where}: 'timestamp' must be integer nanoseconds, got {ts!r}"
         ) from None
+    _timestamp(ts_ns, where, "nanoseconds")
     input_length = GMI_BLOCK_SIZE * len(ids)  # one id == exactly 32 tokens (see module doc)
     return TraceRequest(
         timestamp_s=ts_ns / 1e9,  # absolute here; load_trace subtracts the earliest
@@ -383,8 +402,10 @@ def load_trace(
 
     Raises:
         FileNotFoundError: the file does not exist.
-        TraceFormatError: a line is not JSON, misses a field, has a bad value, or a
-            different format than the first line; the message gives ``path:line``.
+        TraceFormatError: a line is not JSON, misses a field, has a bad value (a hash id
+            whose token ids leave int64, a timestamp that is negative or not finite, or, in
+            the Mooncake and GMI formats, earlier than the line before), or a different format
+            than the first line; the message gives ``path:line``.
         ValueError: ``max_requests`` or a block size is not positive.
     """
     if max_requests is not None and max_requests < 0:
@@ -393,6 +414,7 @@ def load_trace(
         raise ValueError("block sizes must be >= 1")
     resolved = resolve_trace_path(path)
     out: list[TraceRequest] = []
+    prev_stamp: Any = None
     tracelab = _TraceLabBuilder(tracelab_block_size)
     for where, obj in _lines(resolved):
         line_fmt = _detect_or_none(obj)
@@ -402,10 +424,14 @@ def load_trace(
             raise TraceFormatError(
                 f"{where}: line looks like {line_fmt!r}, not the trace's format {fmt!r}"
             )
-        if fmt == "mooncake":
-            out.append(_mooncake(where, obj, mooncake_block_size))
-        elif fmt == "gmi":
-            out.append(_gmi(where, obj))
+        if fmt in ("mooncake", "gmi"):
+            r = _mooncake(where, obj, mooncake_block_size) if fmt == "mooncake" else _gmi(where, obj)
+            if out and r.timestamp_s < out[-1].timestamp_s:  # these files are in arrival order
+                raise TraceFormatError(
+                    f"{where}: timestamp {obj['timestamp']} is before the previous line's "
+                    f"{prev_stamp} (the {fmt} format lists requests in arrival order)")
+            prev_stamp = obj["timestamp"]
+            out.append(r)
         elif fmt == "tracelab":
             out.append(tracelab.add(where, obj))
         else:

@@ -58,7 +58,7 @@ class SWAComponent(Component):
     revives = True
 
     def __init__(self, allocator: SWAAllocator, sliding_window_size: int,
-                 kv: KVComponent) -> None:
+                 kv: KVComponent, release_extra_pages: int = 0) -> None:
         if not (hasattr(allocator, "free_swa") and hasattr(allocator, "has_swa_host")):
             raise TypeError(
                 "sliding_window_size needs an SWA allocator (allocators.SWAAllocator) as "
@@ -67,6 +67,7 @@ class SWAComponent(Component):
         self.allocator = allocator
         self.window = sliding_window_size
         self.kv = kv
+        self.release_extra_pages = release_extra_pages
         self.order = OrderedNodeSet(_lru_key)
         self._evictable = 0
         self._protected = 0
@@ -296,14 +297,26 @@ class SWAComponent(Component):
         has_swa = self.allocator.has_swa_host
         return dup & has_swa(caller) & ~has_swa(tree)
 
+    def release_margin(self) -> int:
+        """Tokens kept live before a release boundary: ``max(window, page_size)`` (a page
+        larger than the window never tombstones the leaf the request inserts) plus
+        ``release_extra_pages`` pages (a later match that ends one page earlier, at a
+        divergence inside the last page or on a prompt minus its last token, still has its
+        whole window live)::
+
+            window 4, page 2, boundary 12, one extra page:
+            tokens  0 1 2 3 4 5 | 6 7 8 9 10 11      released | live (margin 6)
+            a match ending at 10 needs [6, 10) live; with margin 4 it would end at 0
+        """
+        ps = self.kv.page_size
+        return max(self.window, ps) + self.release_extra_pages * ps
+
     def release(self, kv_indices: torch.Tensor, start: int, seq_len: int) -> int:
         """Free the SWA KV of ``kv_indices[start:upto]``, the request's own tokens that slid
-        out of its window, where ``upto`` keeps the last ``max(sliding_window_size,
-        page_size)`` tokens before ``seq_len`` live (page aligned). Returns ``upto`` (<= start:
-        nothing freed)."""
+        out of its window, where ``upto`` keeps the last :meth:`release_margin` tokens before
+        ``seq_len`` live (page aligned). Returns ``upto`` (<= start: nothing freed)."""
         ps = self.kv.page_size
-        margin = max(self.window, ps)
-        upto = max(seq_len - margin, 0) // ps * ps
+        upto = max(seq_len - self.release_margin(), 0) // ps * ps
         if upto > start:
             self.allocator.free_swa(kv_indices[start:upto])
         return upto

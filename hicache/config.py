@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from hicache.storage.page import MIN_SECRET_BYTES
+
 #: Write policies (SGLang ``--hicache-write-policy``).
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+#: The environment variable a deployment secret for L3 pages may come from.
+SECRET_ENV = "HICACHE_STORAGE_SECRET"
 
 #: L3 storage backends (``hicache_storage_backend``) and prefetch policies.
 STORAGE_BACKENDS = (None, "file", "redis", "mooncake")
@@ -51,9 +57,17 @@ class HiCacheConfig:
             two models with the same layout never share pages.
         hicache_storage_prefetch_policy: on a miss whose key continues in L3: ``best_effort`` (fetch
             in the background; the pages join the tree at a later ``match_prefix`` /
-            ``poll_storage``), ``wait_complete`` (fetch before ``match_prefix`` returns) or
-            ``timeout`` (wait at most ``hicache_prefetch_timeout_s``, then as best_effort).
+            ``poll_storage``), ``wait_complete`` (fetch before ``match_prefix`` returns, but
+            wait ``hicache_storage_timeout_s`` at most in all, retries included) or
+            ``timeout`` (wait at most ``hicache_prefetch_timeout_s``); past the deadline, as
+            best_effort. A re-match of the same key waits only for what is left of it.
         hicache_prefetch_timeout_s: the ``timeout`` policy's wait [s].
+        hicache_storage_secret: a deployment secret (str, UTF-8, or bytes; at least 16 bytes)
+            shared by the engines of one deployment: every L3 record then carries an
+            HMAC-SHA256 under it and a record whose MAC does not check is a miss (see
+            ``hicache/storage/README.md``, threat model). ``None`` (default): taken from the
+            ``HICACHE_STORAGE_SECRET`` environment variable when that is set, else records are
+            checksummed only. Never in ``repr``, logs or error messages.
 
     Raises:
         TypeError / ValueError: naming the argument.
@@ -72,6 +86,8 @@ class HiCacheConfig:
     hicache_storage_prefetch_policy: str = "best_effort"
     hicache_storage_backend_extra_config: str | None = None
     hicache_prefetch_timeout_s: float = 0.5
+    hicache_storage_secret: str | bytes | None = field(default=None, repr=False)
+    _secret: bytes | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         r = self.hicache_ratio
@@ -119,7 +135,7 @@ class HiCacheConfig:
                 raise ValueError('hicache_storage_backend="redis" needs hicache_storage_url (redis://host:port)')
             from hicache.storage.redis_store import split_urls
 
-            split_urls(url)  # ValueError with credentials masked
+            split_urls(url, "hicache_storage_url")  # ValueError with credentials masked
         elif url is not None and backend != "mooncake":
             raise ValueError(f"hicache_storage_url is for the redis backend (redis://) or the mooncake "
                              f"backend (mooncake://); hicache_storage_backend is {backend!r}")
@@ -135,6 +151,31 @@ class HiCacheConfig:
                 f"expected one of {list(PREFETCH_POLICIES)}"
             )
         self._check_extra_config()
+        object.__setattr__(self, "_secret", self._resolve_secret())
+
+    def _resolve_secret(self) -> bytes | None:
+        """The deployment secret as bytes (the setting, else the environment), checked; the
+        errors never show it."""
+        value: Any = self.hicache_storage_secret
+        name = "hicache_storage_secret"
+        if value is None:
+            value = os.environ.get(SECRET_ENV) or None
+            name = f"{SECRET_ENV} (environment)"
+            if value is None:
+                return None
+        if isinstance(value, str):
+            value = value.encode("utf-8")
+        if not isinstance(value, bytes):
+            raise TypeError(f"{name} must be a str or bytes, got {type(value).__name__}")
+        if len(value) < MIN_SECRET_BYTES:
+            raise ValueError(f"{name} must be at least {MIN_SECRET_BYTES} bytes (got {len(value)}); "
+                             "use a random secret, e.g. 32 bytes from secrets.token_hex")
+        return value
+
+    @property
+    def storage_secret(self) -> bytes | None:
+        """The deployment secret L3 records are authenticated with, or ``None``."""
+        return self._secret
 
     @property
     def host_size_bytes(self) -> int | None:

@@ -20,8 +20,12 @@ and the storage tier below it (L3) are objects it holds (``radix.tiers``), calle
 few named hooks. Every public method validates its arguments before mutating anything: a
 refused call leaves the tree and every pool exactly as before.
 
-Threading: engine calls are single-threaded (one scheduler thread calls the cache); the
-library's own copy and storage threads never touch the tree.
+Threading: engine calls are single-threaded: one thread at a time calls the cache and the
+allocators and pools it was built over (an engine's scheduler loop); the cache takes no lock.
+The library's own threads (the L3 writer and prefetch threads) never touch the tree: they move
+bytes the engine thread packed or will attach, and device -> host copies are finished on the
+engine thread (``poll_transfers``, and at every match). An engine that calls from several
+threads wraps the cache in ``radix.locked.LockedCache`` (one lock around every call).
 """
 
 from __future__ import annotations
@@ -148,7 +152,8 @@ class RadixCache:
         self.swa: SWAComponent | None = None
         if config.sliding_window_size is not None:
             self.swa = SWAComponent(cast("SWAAllocator", kv_allocator),
-                                    config.sliding_window_size, self.kv)
+                                    config.sliding_window_size, self.kv,
+                                    config.swa_release_extra_pages)
             built.append(self.swa)
         self.core = core = CacheCore(self.page_size, tuple(built) + extra)
         self.hicache: HiCacheController | None = None

@@ -21,7 +21,12 @@ _FIELDS = (
     "radix_eviction_policy",
     "radix_eviction_policy_config",
     "sliding_window_size",
+    "swa_release_extra_pages",
 )
+
+#: Default of ``CacheConfig.swa_release_extra_pages`` (see ``bench/README.md`` for the
+#: measurement behind it).
+SWA_RELEASE_EXTRA_PAGES = 0
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,11 @@ class CacheConfig:
         radix_eviction_policy_config: knobs of that policy (``POLICIES.md``), or ``None``.
         sliding_window_size: tokens an SWA layer attends to (>= 1), or ``None`` for a model
             without sliding-window layers. Needs an ``allocators.SWAAllocator`` as KV allocator.
+        swa_release_extra_pages: pages a request keeps live, beyond ``max(sliding_window_size,
+            page_size)`` tokens, before the boundary it releases SWA KV up to
+            (``release_swa``): with one more page a later key that diverges inside the last
+            cached page (or an engine matching a prompt minus its last token) still finds a
+            whole window before its page-aligned match (default 1; 0 keeps exactly the window).
 
     Raises:
         TypeError / ValueError: naming the argument, on a bad page size, unknown policy name,
@@ -46,6 +56,7 @@ class CacheConfig:
     radix_eviction_policy: str | None = None
     radix_eviction_policy_config: Mapping[str, Any] | None = None
     sliding_window_size: int | None = None
+    swa_release_extra_pages: int = SWA_RELEASE_EXTRA_PAGES
     policy: ResolvedPolicy = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +71,11 @@ class CacheConfig:
                 raise TypeError(f"sliding_window_size must be an int >= 1 or None, got {type(w).__name__}")
             if w < 1:
                 raise ValueError(f"sliding_window_size must be an int >= 1 or None, got {w}")
+        x = self.swa_release_extra_pages
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise TypeError(f"swa_release_extra_pages must be an int >= 0, got {type(x).__name__}")
+        if x < 0:
+            raise ValueError(f"swa_release_extra_pages must be an int >= 0 [pages], got {x}")
         object.__setattr__(
             self,
             "policy",
@@ -114,6 +130,7 @@ class CacheConfig:
             "radix_eviction_policy": self.radix_eviction_policy,
             "radix_eviction_policy_config": dict(self.radix_eviction_policy_config or {}),
             "sliding_window_size": self.sliding_window_size,
+            "swa_release_extra_pages": self.swa_release_extra_pages,
             "resolved_policy": self.policy.name,
             "resolved_knobs": dict(self.policy.knobs),
             "policy_explicit": self.policy_explicit,

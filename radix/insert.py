@@ -64,7 +64,7 @@ def insert_key(cache: RadixCache, key: Tokens, value: torch.Tensor, extra_key: A
     now = core.clock
     if walk.partial is not None:
         path.append(core.split_touched(walk.partial, walk.partial_len, now))
-    counted = 0 if rid is None else cache.rid_depths.counted(rid, end)
+    counted = 0 if rid is None else cache.rid_depths.counted(rid, plan.insert_end)
     revived = cache._empty
     if plan.revive:
         path, revived = _revive(cache, path, plan)

@@ -208,9 +208,11 @@ def release_swa(cache: RadixCache, req: CacheRequest, seq_len: int) -> int:
     """Free the SWA KV of the request's own tokens that slid out of its window.
 
     Keeps the last ``max(sliding_window_size, page_size)`` tokens before ``seq_len`` live
-    (so a page larger than the window never tombstones the leaf the request will insert);
-    call it with the boundary the next ``cache_*_req`` will use (its ``upto``). Tokens
-    below ``req.cached_len`` belong to the tree, which tombstones them itself.
+    (so a page larger than the window never tombstones the leaf the request will insert), plus
+    ``CacheConfig.swa_release_extra_pages`` pages (so a later match ending one page earlier
+    still has its window: ``components.swa.SWAComponent.release_margin``); call it with the
+    boundary the next ``cache_*_req`` will use (its ``upto``). Tokens below
+    ``req.cached_len`` belong to the tree, which tombstones them itself.
 
     Returns the tokens released now. Raises ``ValueError`` without an SWA component or
     with ``seq_len`` outside ``[0, len(req.kv_indices)]``; ``TypeError`` when ``req`` is not

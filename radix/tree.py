@@ -105,7 +105,13 @@ def namespace_key(extra_key: Any) -> Any:
     (``hicache.storage.keys.encode_namespace``): ``bool``, ``int``, ``str``, ``bytes``,
     ``float`` (by its hex form, so ``-0.0`` and ``0.0`` differ) and tuples and frozen
     dataclasses of these, element by element; any other hashable value by its exact type and
-    value. ``None`` stays ``None`` (the common case costs nothing).
+    value. ``None`` stays ``None`` (the common case costs nothing). Subclasses of ``int``
+    other than ``bool`` (``IntEnum`` members), of ``str`` (``StrEnum``), ``bytes`` and
+    ``float`` are their plain values (``Color.RED`` and ``1`` are one tenant, as ``==`` says);
+    a named tuple is a tuple. Dataclass types are told apart by identity: two types of one
+    qualified name (made by a factory, or the old class of a reloaded module) are two
+    tenants here, and L3 stores neither (``hicache.storage.keys.names_itself``), so every
+    namespace L3 stores is one tenant there exactly when it is one here.
 
     >>> namespace_key(None), namespace_key(1), namespace_key(True)
     (None, ('i', 1), ('b', True))

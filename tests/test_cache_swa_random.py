@@ -65,14 +65,16 @@ class Req:
 
 class SWAHarness:
     def __init__(self, seed: int, page_size: int, hybrid: bool, window: int,
-                 full: int = 40, swa: int = 24, states: int = 6) -> None:
+                 full: int = 40, swa: int = 24, states: int = 6, extra_pages: int = 0) -> None:
         self.rng = random.Random(seed)
         self.ps = page_size
         self.w = window
+        self.extra = extra_pages  # pages release_swa keeps live past max(window, page)
         self.kv = SWAAllocator(full, swa, page_size)
         self.pool = (MambaStatePool(states, num_layers=1, conv_state_shape=(1,),
                                     ssm_state_shape=(1,)) if hybrid else None)
-        self.cache = RadixCache(CacheConfig(page_size=page_size, sliding_window_size=window),
+        self.cache = RadixCache(CacheConfig(page_size=page_size, sliding_window_size=window,
+                                            swa_release_extra_pages=extra_pages),
                                 kv_allocator=self.kv, state_allocator=self.pool)
         self.model = SWARefCache(page_size, window, hybrid)
         self.hybrid = hybrid
@@ -294,7 +296,7 @@ class SWAHarness:
 
     def release(self, r: Req) -> None:
         req = r.req
-        upto = max(r.computed - max(self.w, self.ps), 0) // self.ps * self.ps
+        upto = max(r.computed - max(self.w, self.ps) - self.extra * self.ps, 0) // self.ps * self.ps
         lo = max(req.swa_evicted_seqlen, req.cached_len)
         want = max(0, upto - lo)
         slots = req.kv_indices[lo:upto].tolist() if want else []
@@ -448,9 +450,14 @@ class SWAHarness:
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("page_size", [1, 2])
 @pytest.mark.parametrize("hybrid", [False, True], ids=["full+swa", "full+swa+state"])
-def test_random_swa_against_model(seed: int, page_size: int, hybrid: bool) -> None:
-    window = [1, 2, 3, 4, 5, 6][seed]  # windows below, at and above the page size
-    h = SWAHarness(1000 + 10 * seed + page_size + 100 * hybrid, page_size, hybrid, window)
+@pytest.mark.parametrize("extra_pages", [0, 1])
+def test_random_swa_against_model(seed: int, page_size: int, hybrid: bool,
+                                  extra_pages: int) -> None:
+    # Windows below, at and above the page size (with an extra page, smaller ones: the keys
+    # of at most 16 tokens must still slide past the larger margin).
+    window = ([1, 2, 3, 1, 2, 3] if extra_pages else [1, 2, 3, 4, 5, 6])[seed]
+    h = SWAHarness(1000 + 10 * seed + page_size + 100 * hybrid + 7 * extra_pages, page_size,
+                   hybrid, window, extra_pages=extra_pages)
     h.run(250)
     # The run must have exercised what it is about.
     assert h.counts["swa_evicted"] > 0 and h.counts["release"] > 0, h.counts

@@ -58,13 +58,13 @@ def test_backend_is_built_from_the_config(tmp_path: Any) -> None:
     assert isinstance(store, FileStore) and store.max_bytes == 1 << 20
     assert store.tag == "model=default;page=1;kv=1x1x2:torch.float32"
     cfg = HiCacheConfig(hicache_storage_backend="redis",
-                        hicache_storage_url="rediss://u:pw@127.0.0.1:1,redis://127.0.0.1:2",
+                        hicache_storage_url="rediss://u:pw@127.0.0.1:1,rediss://127.0.0.1:2",
                         hicache_storage_timeout_s=0.1)
     cache = RadixCache(CacheConfig(), kv_allocator=TokenAllocator(8), hicache=cfg)
     store = cache.storage.backend  # type: ignore[union-attr]
     assert isinstance(store, RedisStore) and store.timeout_s == 0.1
     assert store.tag.endswith("kv=none")  # an index-only cache stores empty pages
-    assert repr(store) == ("RedisStore(urls='rediss://***:***@127.0.0.1:1,redis://127.0.0.1:2', "
+    assert repr(store) == ("RedisStore(urls='rediss://***:***@127.0.0.1:1,rediss://127.0.0.1:2', "
                            "cluster=None, prefix='hpc:')")  # nothing connected yet
 
 

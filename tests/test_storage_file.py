@@ -113,4 +113,6 @@ def test_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_bytes"):
         FileStore(tmp_path, max_bytes=0)
     s = FileStore(tmp_path)
-    assert s.get("../etc") is None and s.stats["errors"] == 1  # a bad key is a fault, a miss
+    with pytest.raises(ValueError, match="key"):  # misuse, refused before any file is touched
+        s.get("../etc")
+    assert s.stats["errors"] == 0 and s.stats["get_calls"] == 0

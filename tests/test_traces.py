@@ -206,3 +206,49 @@ def test_bounds_match_the_trace_notes_on_the_shipped_mooncake_trace() -> None:
     b = compute_bounds(load_trace())
     assert b.every_block_hit_rate == pytest.approx(0.3736, abs=5e-5)
     assert b.sparse_hit_rate == pytest.approx(0.3586, abs=5e-5)
+
+
+# ------------------------------------------------------------------ refused values
+@pytest.mark.parametrize("block", [512, 1])
+def test_a_hash_id_whose_tokens_leave_int64_names_the_line(tmp_path: Path, block: int) -> None:
+    """Block ``h`` holds token ids up to ``h*B + B``: past int64 they cannot be tokens."""
+    top = (2**63 - 1 - block) // block  # the largest id whose tokens still fit
+    ok = write_jsonl(tmp_path / "ok.jsonl", [mooncake_row(0, block, [top])])
+    assert load_trace(ok, mooncake_block_size=block)[0].tokens[-1] == top * block + block
+    bad = write_jsonl(tmp_path / "t.jsonl", [mooncake_row(0, block, [1]),
+                                             mooncake_row(1, block, [top + 1])])
+    with pytest.raises(TraceFormatError, match=r"t\.jsonl:2: .*hash_id.*int64"):
+        load_trace(bad, mooncake_block_size=block)
+    huge = write_jsonl(tmp_path / "h.jsonl", [mooncake_row(0, block, [2**64])])
+    with pytest.raises(TraceFormatError, match=r"h\.jsonl:1: .*int64"):
+        load_trace(huge, mooncake_block_size=block)
+
+
+def test_gmi_hash_ids_past_int64_are_refused(tmp_path: Path) -> None:
+    rows = [{"timestamp": "1", "output_length": 1, "hash_ids": [2**58]}]
+    with pytest.raises(TraceFormatError, match=r"g\.jsonl:1: .*int64"):
+        load_trace(write_jsonl(tmp_path / "g.jsonl", rows))
+
+
+@pytest.mark.parametrize("bad", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_timestamps_name_the_line(tmp_path: Path, bad: str) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(mooncake_row(0, 4, [1])) + "\n"
+                    + f'{{"timestamp": {bad}, "input_length": 4, "output_length": 1, "hash_ids": [2]}}\n')
+    with pytest.raises(TraceFormatError, match=r"t\.jsonl:2: 'timestamp' must be a finite"):
+        load_trace(path, mooncake_block_size=4)
+
+
+def test_decreasing_timestamps_name_the_line(tmp_path: Path) -> None:
+    rows = [mooncake_row(0, 4, [1]), mooncake_row(10, 4, [2]), mooncake_row(10, 4, [3]),
+            mooncake_row(5, 4, [4])]
+    with pytest.raises(TraceFormatError, match=r"t\.jsonl:4: timestamp 5 is before the previous "
+                                               r"line's 10"):
+        load_trace(write_jsonl(tmp_path / "t.jsonl", rows), mooncake_block_size=4)
+    gmi = [{"timestamp": "20", "output_length": 1, "hash_ids": [1]},
+           {"timestamp": "10", "output_length": 1, "hash_ids": [2]}]
+    with pytest.raises(TraceFormatError, match=r"g\.jsonl:2: timestamp"):
+        load_trace(write_jsonl(tmp_path / "g.jsonl", gmi))
+    neg = [{"timestamp": "-1", "output_length": 1, "hash_ids": [1]}]
+    with pytest.raises(TraceFormatError, match=r"n\.jsonl:1: 'timestamp'"):
+        load_trace(write_jsonl(tmp_path / "n.jsonl", neg))

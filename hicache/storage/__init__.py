@@ -67,14 +67,17 @@ def make_backend(config: HiCacheConfig, tag: str) -> StorageBackend | None:
     name = config.hicache_storage_backend
     if name is None:
         return None
+    secret = config.storage_secret
     if name == "file":
         assert config.hicache_storage_dir is not None
-        return FileStore(config.hicache_storage_dir, config.hicache_storage_max_bytes, tag=tag)
+        return FileStore(config.hicache_storage_dir, config.hicache_storage_max_bytes, tag=tag,
+                         secret=secret)
     if name == "mooncake":
         from hicache.storage.mooncake_store import MooncakeStore
 
         options = MooncakeOptions.resolve(config.hicache_storage_url, config.extra_config())
-        return MooncakeStore(options, tag=tag, timeout_s=config.hicache_storage_timeout_s)
+        return MooncakeStore(options, tag=tag, timeout_s=config.hicache_storage_timeout_s,
+                             secret=secret)
     assert name == "redis" and config.hicache_storage_url is not None
     return RedisStore(config.hicache_storage_url, tag=tag,
-                      timeout_s=config.hicache_storage_timeout_s)
+                      timeout_s=config.hicache_storage_timeout_s, secret=secret)

@@ -29,11 +29,13 @@ method may be called from several threads; subclasses lock what they share.
 from __future__ import annotations
 
 import logging
+import math
+import re
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from hicache.storage.keys import STATE_SUFFIX
 from hicache.storage.page import (
@@ -43,6 +45,7 @@ from hicache.storage.page import (
     CorruptPage,
     decode,
     encode,
+    mac_state,
     tag_digest,
 )
 
@@ -54,6 +57,7 @@ COUNTERS = (
     "get_hits",
     "get_misses",
     "corrupt",
+    "unverified",
     "set_calls",
     "written",
     "already_present",
@@ -78,6 +82,39 @@ class Page(NamedTuple):
 Record = bytes | memoryview
 
 
+_KEY = re.compile(r"[0-9a-f]{64}(?:\.s)?")
+
+
+def check_seconds(value: Any, name: str, zero_ok: bool = False) -> float:
+    """``value`` as seconds: a finite number > 0 (>= 0 with ``zero_ok``); errors name ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+            value < 0 if zero_ok else value <= 0):
+        raise ValueError(f"{name} must be a finite number {'>=' if zero_ok else '>'} 0 [s], "
+                         f"got {value!r}")
+    return float(value)
+
+
+def check_key(key: Any, name: str = "key") -> str:
+    """``key`` if it is a page key (64 lowercase hex digits, ``.s`` for a state record:
+    :mod:`hicache.storage.keys`); ``TypeError`` / ``ValueError`` naming ``name`` otherwise."""
+    if not isinstance(key, str):
+        raise TypeError(f"{name} must be a str page key (64 hex digits), got {type(key).__name__}")
+    if _KEY.fullmatch(key) is None:
+        shown = key if len(key) <= 80 else key[:80] + "..."
+        raise ValueError(f"{name} must be a page key: 64 lowercase hex digits, '.s' after them for "
+                         f"a state record (hicache.storage.keys), got {shown!r}")
+    return key
+
+
+def _check_keys(keys: Sequence[str], name: str) -> list[str]:
+    if isinstance(keys, str):
+        raise TypeError(f"{name} must be a sequence of page keys, not one str")
+    out = list(keys)
+    for i, k in enumerate(out):
+        check_key(k, f"{name}[{i}]")
+    return out
+
+
 def _split_key(key: str) -> tuple[int, bytes]:
     if key.endswith(STATE_SUFFIX):
         return KIND_STATE, bytes.fromhex(key[: -len(STATE_SUFFIX)])
@@ -95,20 +132,32 @@ class StorageBackend(ABC):
         tag: the layout tag of the pages this client reads and writes (a record carrying
             another tag is refused as corrupt).
         cooldown_s: seconds to answer misses without calling the backend after a fault.
+        secret: the deployment secret (bytes, at least 16): every record written carries an
+            HMAC-SHA256 under it, and only records whose MAC checks are served
+            (:mod:`hicache.storage.page`). ``None``: checksummed records. Kept only inside the
+            MAC state, never in ``repr``, logs or stats.
     """
 
     name = "abstract"
 
-    def __init__(self, tag: str = "", cooldown_s: float = 1.0) -> None:
+    def __init__(self, tag: str = "", cooldown_s: float = 1.0, secret: bytes | None = None) -> None:
+        if not isinstance(tag, str):
+            raise TypeError(f"tag must be a str (hicache.storage.keys.layout_tag), got {type(tag).__name__}")
         self.tag = tag
         self._tag_digest = tag_digest(tag)
-        self.cooldown_s = float(cooldown_s)
+        self.cooldown_s = check_seconds(cooldown_s, "cooldown_s", zero_ok=True)
+        self._mac: Any = None if secret is None else mac_state(secret)
         self._down_until = 0.0
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(COUNTERS, 0)
         self._logged = 0
         #: Record size [bytes] of each kind this client reads, when known (``expect_sections``).
         self.record_bytes: dict[int, int] = {}
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether records carry and must carry a MAC under a deployment secret."""
+        return self._mac is not None
 
     # ------------------------------------------------------------ raw calls
     @abstractmethod
@@ -141,7 +190,8 @@ class StorageBackend(ABC):
         """Store ``(key, kind, page hash, a, b)`` records unless present (set-if-absent); for
         each: written (``True``), already present (``False``) or refused for want of space
         (``None``, counted ``refused``). Default: :func:`encode` each, then ``_set_nx_raw``."""
-        records = [(key, encode(kind, self._tag_digest, h, a, b)) for key, kind, h, a, b in items]
+        records = [(key, encode(kind, self._tag_digest, h, a, b, self._mac))
+                   for key, kind, h, a, b in items]
         return self._set_nx_raw(records)
 
     # -------------------------------------------------------------- helpers
@@ -170,10 +220,14 @@ class StorageBackend(ABC):
             return False
         return True
 
-    def _fault(self, op: str, exc: BaseException) -> None:
+    def _fault(self, op: str, exc: BaseException, rest: bool = True) -> None:
+        """Count and log a fault; ``rest``: the backend itself failed (a connection, a
+        timeout), so it answers misses for ``cooldown_s``. A fault of one key (an error reply
+        about it, one unreadable record) passes ``rest=False``: a miss for that key only."""
         kind = "timeouts" if _is_timeout(exc) else "errors"
         self._count(kind)
-        self._down_until = time.monotonic() + self.cooldown_s if self.cooldown_s > 0 else 0.0
+        if rest:
+            self._down_until = time.monotonic() + self.cooldown_s if self.cooldown_s > 0 else 0.0
         self._logged += 1
         if self._logged <= 10 or self._logged % 1000 == 0:
             log.warning("L3 %s %s failed (%s: %s); treated as a miss",
@@ -181,20 +235,24 @@ class StorageBackend(ABC):
 
     # ------------------------------------------------------------- presence
     def exists_mask(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key holds a record (unverified: ``get`` still checks it)."""
+        """Whether each key holds a record (unverified: ``get`` still checks it).
+
+        Raises ``TypeError`` / ``ValueError`` naming ``keys[i]`` for a malformed key, before
+        any call (:func:`check_key`)."""
+        keys = _check_keys(keys, "keys")
         if not keys:
             return []
         self._count("exists_calls")
         if not self._available():
             return [False] * len(keys)
         try:
-            return [bool(x) for x in self._exists_raw(list(keys))]
+            return [bool(x) for x in self._exists_raw(keys)]
         except Exception as exc:
             self._fault("exists", exc)
             return [False] * len(keys)
 
     def exists(self, key: str) -> bool:
-        return self.exists_mask([key])[0]
+        return self.exists_mask([check_key(key)])[0]
 
     def batch_exists(self, keys: Sequence[str]) -> int:
         """How many of ``keys`` exist consecutively from the start (0 on a fault)."""
@@ -208,14 +266,16 @@ class StorageBackend(ABC):
     # ---------------------------------------------------------------- reads
     def batch_get(self, keys: Sequence[str]) -> list[Page | None]:
         """Verified sections of each key's record; ``None`` for a miss, a corrupt record or a
-        fault."""
+        fault. Raises ``TypeError`` / ``ValueError`` naming ``keys[i]`` for a malformed key,
+        before any call."""
+        keys = _check_keys(keys, "keys")
         if not keys:
             return []
         self._count("get_calls")
         if not self._available():
             return [None] * len(keys)
         try:
-            records = self._get_raw(list(keys))
+            records = self._get_raw(keys)
         except Exception as exc:
             self._fault("get", exc)
             return [None] * len(keys)
@@ -228,28 +288,72 @@ class StorageBackend(ABC):
         return out
 
     def get(self, key: str) -> Page | None:
-        return self.batch_get([key])[0]
+        return self.batch_get([check_key(key)])[0]
 
     def _verify(self, key: str, record: Record) -> Page | None:
+        """The record's sections, or ``None``: a damaged record is counted ``corrupt`` and
+        deleted (so it can be written again); a foreign one (``CorruptPage.foreign``: another
+        deployment's secret, or a forgery) is counted ``unverified`` and left in place (a
+        writer holding a valid record replaces it: :meth:`keep_verified`)."""
         try:
             kind, page_hash = _split_key(key)
-            a, b = decode(record, kind, self._tag_digest, page_hash)
+            a, b = decode(record, kind, self._tag_digest, page_hash, self._mac)
         except (CorruptPage, ValueError) as exc:
-            self._count("corrupt")
+            foreign = isinstance(exc, CorruptPage) and exc.foreign
+            self._count("unverified" if foreign else "corrupt")
             log.warning("L3 %s: page %s… refused (%s); treated as a miss", self.name, key[:12],
                         exc)
-            try:
-                self._delete_raw(key, bytes(record))
-            except Exception as dexc:  # the miss stands; the next writer may fail NX
-                self._fault("delete", dexc)
+            if not foreign:
+                self._delete(key, record)
             return None
         self._count("bytes_read", len(record))
         return Page(a, b)
+
+    def _delete(self, key: str, record: Record) -> None:
+        try:
+            self._delete_raw(key, bytes(record))
+        except Exception as exc:  # the miss stands; the next writer may fail NX
+            self._fault("delete", exc, rest=False)  # one record: no rest period
+
+    def keep_verified(self, keys: Sequence[str]) -> list[bool]:
+        """For a writer about to store its own records under ``keys``: whether each key holds
+        a record this client accepts (keep it). A record it refuses (damaged, foreign,
+        forged) is deleted, if it is still the same record, so the writer's record takes its
+        place: a record nobody can check never blocks a valid one. ``False`` for absent keys
+        and on a fault (then the writer's set-if-absent decides).
+
+        Raises ``TypeError`` / ``ValueError`` naming ``keys[i]`` for a malformed key."""
+        keys = _check_keys(keys, "keys")
+        if not keys:
+            return []
+        self._count("get_calls")
+        if not self._available():
+            return [False] * len(keys)
+        try:
+            records = self._get_raw(keys)
+        except Exception as exc:
+            self._fault("get", exc)
+            return [False] * len(keys)
+        out = []
+        for key, rec in zip(keys, records, strict=True):
+            if rec is None:
+                out.append(False)
+                continue
+            try:
+                kind, page_hash = _split_key(key)
+                decode(rec, kind, self._tag_digest, page_hash, self._mac)
+                out.append(True)
+            except CorruptPage as exc:
+                self._count("unverified" if exc.foreign else "corrupt")
+                self._delete(key, rec)
+                out.append(False)
+        return out
 
     # --------------------------------------------------------------- writes
     def batch_set(self, items: Sequence[tuple[str, bytes, bytes]]) -> int:
         """Write each ``(key, a, b)`` unless present; return how many this call wrote (a page
         the backend has no room for is counted ``refused``)."""
+        items = _check_items(items)
         if not items:
             return 0
         self._count("set_calls")
@@ -271,4 +375,17 @@ class StorageBackend(ABC):
         return written
 
     def set(self, key: str, a: bytes, b: bytes) -> bool:
-        return self.batch_set([(key, a, b)]) == 1
+        return self.batch_set([(check_key(key), a, b)]) == 1
+
+
+def _check_items(items: Sequence[tuple[str, bytes, bytes]]) -> list[tuple[str, bytes, bytes]]:
+    """``items`` as a list of ``(key, a, b)``: a page key and two bytes-like sections."""
+    out = list(items)
+    for i, it in enumerate(out):
+        if not isinstance(it, tuple) or len(it) != 3:
+            raise TypeError(f"items[{i}] must be a (key, a, b) tuple, got {type(it).__name__}")
+        check_key(it[0], f"items[{i}] key")
+        for part in it[1:]:
+            if not isinstance(part, (bytes, bytearray, memoryview)):
+                raise TypeError(f"items[{i}]: sections must be bytes, got {type(part).__name__}")
+    return out

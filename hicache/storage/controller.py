@@ -2,11 +2,12 @@
 
 The engine thread packs host bytes into page sections (:meth:`StorageController.pack_kv`, a
 gather and a copy) and hands them to one writer thread, which asks the backend which pages are
-missing and writes only those (set-if-absent). Prefetch jobs run on one reader thread (or in
-the caller, for ``wait_complete``): leading pages present in L3, their verified bytes, and for
-a hybrid model the state record at the deepest page that has one. The tree is never touched off
-the engine thread: jobs only collect bytes; :class:`radix.storage_tier.StorageTier` attaches
-them (``unpack_kv`` into fresh host slots) on the engine thread.
+missing and writes only those (set-if-absent). Prefetch jobs run on one reader thread (the
+engine waits for them, up to a deadline, under ``wait_complete`` / ``timeout``): leading pages
+present in L3, their verified bytes, and for a hybrid model the state record at the deepest
+page that has one. The tree is never touched off the engine thread: jobs only collect bytes;
+:class:`radix.tiers.storage.StorageTier` attaches them (``unpack_kv`` into fresh host slots) on
+the engine thread.
 
 Section byte layouts are those of :mod:`hicache.storage.page`.
 """
@@ -41,6 +42,7 @@ CONTROLLER_COUNTERS = (
     "backup_already_present",
     "backup_known_skipped",
     "backup_dropped",
+    "backup_unverified",
     "prefetch_started",
     "prefetch_pages",
     "prefetch_tokens",
@@ -61,6 +63,8 @@ class PrefetchJob:
     ``hashes``: the page hashes from ``start`` on. Filled by the fetch: ``pages`` (the leading
     verified pages, in order; for a hybrid model only once complete) and ``state`` (the state
     record at the end of the last page, hybrid only); ``done`` is set at the end.
+    ``deadline`` (``time.monotonic``, engine thread only): until when matches wait for it;
+    ``timed_out``: a wait reached the deadline.
     """
 
     tokens: Any
@@ -72,6 +76,8 @@ class PrefetchJob:
     state: Page | None = None
     done: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    deadline: float | None = None
+    timed_out: bool = False
 
     def snapshot(self) -> tuple[list[Page], Page | None, bool]:
         """(pages so far, state, finished) read consistently."""
@@ -239,7 +245,7 @@ class StorageController:
     def _write(self, items: list[tuple[str, bytes, bytes]], size: int) -> None:
         try:
             keys = [k for k, _, _ in items]
-            present = self.backend.exists_mask(keys)
+            present = self._present(keys)
             todo = [it for it, p in zip(items, present, strict=True) if not p]
             written = self.backend.batch_set(todo)
             if written == len(todo):  # on a fault nothing is remembered: it is tried again
@@ -253,6 +259,21 @@ class StorageController:
             with self._lock:
                 self._pending_bytes -= size
 
+    def _present(self, keys: list[str]) -> list[bool]:
+        """Which keys already hold a record we may keep. Authenticated (a deployment secret):
+        only records whose MAC checks count; one that does not check is deleted and our own
+        record is written in its place (``StorageBackend.keep_verified``): a forged record
+        never stops our backup."""
+        be = self.backend
+        present = be.exists_mask(keys)
+        if be.authenticated and any(present):
+            idx = [i for i, p in enumerate(present) if p]
+            for i, ok in zip(idx, be.keep_verified([keys[i] for i in idx]), strict=True):
+                if not ok:
+                    present[i] = False
+                    self.count("backup_unverified")
+        return present
+
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for queued writes and running prefetches; whether all finished in time."""
         with self._lock:
@@ -263,12 +284,9 @@ class StorageController:
         return not not_done
 
     # -------------------------------------------------------------- prefetch
-    def start(self, job: PrefetchJob, inline: bool) -> None:
-        """Run ``job``: here (``inline``) or on the reader thread."""
+    def start(self, job: PrefetchJob) -> None:
+        """Run ``job`` on the reader thread (``job.done`` is set when it ends)."""
         self.count("prefetch_started")
-        if inline:
-            self._fetch(job)
-            return
         if self._reader is None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-prefetch")
         fut = self._reader.submit(self._fetch, job)

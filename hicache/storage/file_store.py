@@ -44,7 +44,7 @@ class FileStore(StorageBackend):
     Args:
         root: the directory.
         max_bytes: size cap over the records' bytes (``None``: no cap).
-        tag / cooldown_s: see :class:`StorageBackend`.
+        tag / cooldown_s / secret: see :class:`StorageBackend`.
 
     Raises:
         ValueError: ``max_bytes`` not a positive int; ``OSError`` when ``root`` cannot be made.
@@ -53,8 +53,10 @@ class FileStore(StorageBackend):
     name = "file"
 
     def __init__(self, root: str | os.PathLike[str], max_bytes: int | None = None, tag: str = "",
-                 cooldown_s: float = 1.0) -> None:
-        super().__init__(tag, cooldown_s)
+                 cooldown_s: float = 1.0, secret: bytes | None = None) -> None:
+        super().__init__(tag, cooldown_s, secret)
+        if not isinstance(root, (str, os.PathLike)):
+            raise TypeError(f"root must be a directory path (str or os.PathLike), got {type(root).__name__}")
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
                                       or max_bytes <= 0):
             raise ValueError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
@@ -136,6 +138,10 @@ class FileStore(StorageBackend):
                 except FileNotFoundError:
                     out.append(False)
                     continue
+                except OSError as exc:  # this key only (permissions, a bad entry)
+                    self._fault("exists", exc, rest=False)
+                    out.append(False)
+                    continue
                 self._note(key, size)
                 out.append(True)
         return out
@@ -149,6 +155,10 @@ class FileStore(StorageBackend):
                     data = path.read_bytes()
                 except FileNotFoundError:
                     self._forget(key)
+                    out.append(None)
+                    continue
+                except OSError as exc:  # this key only (permissions, a directory in its place)
+                    self._fault("get", exc, rest=False)
                     out.append(None)
                     continue
                 self._note(key, len(data))  # most recently used now

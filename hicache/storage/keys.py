@@ -35,7 +35,11 @@ def encode_namespace(extra_key: Any) -> bytes | None:
     """A typed, process-independent encoding of ``extra_key``, or ``None`` when it has none.
 
     Supported: ``None``, ``bool``, ``int``, ``str``, ``bytes``, ``float``, tuples of these,
-    and frozen dataclasses of these (a ``LoraUid``): their qualified type name and fields.
+    and frozen dataclasses of these (a ``LoraUid``): their qualified type name and fields,
+    only for a type that name leads back to (:func:`names_itself`). Subclasses of ``int``
+    (``IntEnum`` members; ``bool`` aside), ``str`` (``StrEnum``), ``bytes`` and ``float`` are
+    their plain values, and a named tuple is a tuple: as ``radix.tree.namespace_key`` types
+    them, so L3 and the tree agree on what is one tenant.
 
     >>> encode_namespace(None), encode_namespace(1), encode_namespace("1")
     (b'N', b'I1;', b'S1:1')
@@ -54,14 +58,18 @@ def encode_namespace(extra_key: Any) -> bytes | None:
     if isinstance(extra_key, float):
         return b"F" + extra_key.hex().encode() + b";"
     if isinstance(extra_key, tuple):
-        parts = [encode_namespace(x) for x in extra_key]
-        if any(p is None for p in parts):
-            return None
-        return b"T%d(" % len(parts) + b"".join(parts) + b")"  # type: ignore[arg-type]
+        parts: list[bytes] = []
+        for x in extra_key:
+            part = encode_namespace(x)
+            if part is None:
+                return None
+            parts.append(part)
+        return b"T%d(" % len(parts) + b"".join(parts) + b")"
     if dataclasses.is_dataclass(extra_key) and not isinstance(extra_key, type):
-        if not type(extra_key).__dataclass_params__.frozen:  # type: ignore[attr-defined]
-            return None
         t = type(extra_key)
+        params = getattr(t, "__dataclass_params__", None)
+        if params is None or not params.frozen or not names_itself(t):
+            return None
         name = f"{t.__module__}.{t.__qualname__}".encode()
         fields = tuple(getattr(extra_key, f.name) for f in dataclasses.fields(extra_key))
         body = encode_namespace(fields)
@@ -69,6 +77,23 @@ def encode_namespace(extra_key: Any) -> bytes | None:
             return None
         return b"D%d:" % len(name) + name + body
     return None
+
+
+def names_itself(t: type) -> bool:
+    """Whether ``module.qualname`` of ``t`` leads back to ``t`` itself in this process: the
+    only types L3 can name unambiguously. Not for a class made inside a function (two calls
+    make two types of one name) or the old class of a reloaded module (its name now leads to
+    the new class): the tree tells those apart by identity, L3 could not.
+
+    >>> names_itself(int), names_itself(type("Made", (), {}))
+    (True, False)
+    """
+    obj: Any = sys.modules.get(t.__module__)
+    for part in t.__qualname__.split("."):
+        if obj is None or part == "<locals>":
+            return False
+        obj = getattr(obj, part, None)
+    return obj is t
 
 
 def chain_seed(tag: str, extra_key: Any) -> bytes | None:

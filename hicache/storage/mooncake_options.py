@@ -114,17 +114,29 @@ def load_extra_config(text: str | None) -> dict[str, Any]:
 
 
 def _check_address(addr: Any, name: str) -> str:
-    if not isinstance(addr, str) or not re.fullmatch(r"[^\s:/]+:\d{1,5}", addr):
-        raise ValueError(f"{name} must be 'host:port', got {addr!r}")
+    """``addr`` if it is ``host:port`` with a port in 1..65535."""
+    m = re.fullmatch(r"[^\s:/]+:(\d{1,5})", addr) if isinstance(addr, str) else None
+    if m is None or not 1 <= int(m.group(1)) <= 65535:
+        raise ValueError(f"{name} must be 'host:port' (port 1..65535), got {addr!r}")
     return addr
 
 
+def _url_port(url: str) -> int | None:
+    try:
+        return urlsplit(url).port
+    except ValueError:
+        return -1
+
+
 def master_from_url(url: str) -> str:
-    """``host:port`` from ``mooncake://host:port``."""
+    """``host:port`` from ``mooncake://host:port`` (port 1..65535)."""
     parts = urlsplit(url)
-    if parts.scheme != "mooncake" or not parts.hostname or parts.port is None or parts.path not in ("", "/"):
-        raise ValueError(f"hicache_storage_url for mooncake must be mooncake://host:port, got {url!r}")
-    return f"{parts.hostname}:{parts.port}"
+    port = _url_port(url)
+    if (parts.scheme != "mooncake" or not parts.hostname or port is None or not 1 <= port <= 65535
+            or parts.path not in ("", "/")):
+        raise ValueError(f"hicache_storage_url for mooncake must be mooncake://host:port (port "
+                         f"1..65535), got {url!r}")
+    return f"{parts.hostname}:{port}"
 
 
 @dataclass(frozen=True)
@@ -151,10 +163,17 @@ class MooncakeOptions:
         if not self.local_hostname:
             raise ValueError("local_hostname must not be empty")
         ms = self.metadata_server
-        if ms != DEFAULT_METADATA_SERVER and not ms.startswith(("http://", "etcd://", "redis://")):
-            if not re.fullmatch(r"[^\s:/]+:\d{1,5}", ms):
-                raise ValueError(f"metadata_server must be P2PHANDSHAKE, http://host:port/metadata, "
-                                 f"etcd://... or host:port, got {ms!r}")
+        if ms != DEFAULT_METADATA_SERVER:
+            form = ("metadata_server must be P2PHANDSHAKE, http://host:port/metadata, etcd://... or "
+                    f"host:port (port 1..65535), got {ms!r}")
+            if ms.startswith(("http://", "etcd://", "redis://")):
+                port = _url_port(ms)
+                if not urlsplit(ms).hostname or (port is not None and not 1 <= port <= 65535):
+                    raise ValueError(form)
+            elif not re.fullmatch(r"[^\s:/]+:\d{1,5}", ms) or not 1 <= int(ms.rsplit(":", 1)[1]) <= 65535:
+                raise ValueError(form)
+        if not self.key_prefix:
+            raise ValueError("key_prefix must not be empty (several caches share a store by prefix)")
         seg = self.global_segment_size
         if 0 < seg < MIN_SEGMENT_SIZE:
             raise ValueError(f"global_segment_size must be 0 or >= {MIN_SEGMENT_SIZE} bytes "

@@ -88,7 +88,7 @@ class MooncakeStore(StorageBackend):
 
     Args:
         options: the resolved client options.
-        tag / cooldown_s: see :class:`StorageBackend`.
+        tag / cooldown_s / secret: see :class:`StorageBackend`.
         timeout_s: the longest wait for one client call [s].
         setup_timeout_s: the longest wait for the client's setup (connect, mount) [s].
 
@@ -99,8 +99,9 @@ class MooncakeStore(StorageBackend):
     name = "mooncake"
 
     def __init__(self, options: MooncakeOptions, tag: str = "", timeout_s: float = 1.0,
-                 cooldown_s: float = 1.0, setup_timeout_s: float = 10.0) -> None:
-        super().__init__(tag, cooldown_s)
+                 cooldown_s: float = 1.0, setup_timeout_s: float = 10.0,
+                 secret: bytes | None = None) -> None:
+        super().__init__(tag, cooldown_s, secret)
         from mooncake.store import MooncakeDistributedStore  # ImportError here when absent
 
         self._client_class = MooncakeDistributedStore
@@ -308,7 +309,7 @@ class MooncakeStore(StorageBackend):
                         ) -> Sequence[bool | None]:
         total = sum(HEADER_SIZE + len(a) + len(b) for *_, a, b in items)
         if not self.zero_copy or total < self.options.zero_copy_min_bytes:
-            return self._put_records([(k, encode(kind, self._tag_digest, h, a, b))
+            return self._put_records([(k, encode(kind, self._tag_digest, h, a, b, self._mac))
                                       for k, kind, h, a, b in items])
         store = self._client()
         done: list[bool | None] = [False] * len(items)
@@ -322,7 +323,7 @@ class MooncakeStore(StorageBackend):
         try:
             for i, n in zip(todo, sizes, strict=True):
                 _, kind, h, a, b = items[i]
-                encode_into(view[off : off + n], kind, self._tag_digest, h, a, b)
+                encode_into(view[off : off + n], kind, self._tag_digest, h, a, b, self._mac)
                 offsets.append(off)
                 off += n
         except BaseException:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from hicache.storage.base import StorageBackend
+from hicache.storage.base import StorageBackend, check_seconds
 
 GET_CHUNK = 512
 
@@ -35,31 +35,83 @@ return 0
 """
 
 
-def split_urls(urls: str | Sequence[str]) -> list[str]:
-    """A list of URLs from ``"u1,u2"`` or a sequence; ``ValueError`` when a scheme is not
-    ``redis://`` / ``rediss://`` or no host is given."""
-    items = urls.split(",") if isinstance(urls, str) else list(urls)
-    out = [u.strip() for u in items if u and u.strip()]
-    if not out:
-        raise ValueError("no Redis URL given (redis://host:port or rediss://host:port)")
-    for u in out:
-        parts = urlsplit(u)
-        if parts.scheme not in ("redis", "rediss") or not parts.hostname:
-            raise ValueError(
-                f"Redis URL must look like redis://[user:password@]host:port[/db] or rediss://..., "
-                f"got {redact_url(u)!r}"
-            )
-    return out
+def split_urls(urls: Any, name: str = "urls") -> list[str]:
+    """The URLs of ``"u1,u2"`` or a sequence of str, each checked; errors name ``name`` (the
+    argument or setting) and mask credentials.
+
+    Each URL: ``redis://`` or ``rediss://``, a host, a port in 1..65535 when given, a database
+    ``/N`` (an int >= 0) when given. Several URLs are startup nodes of one cluster: one scheme,
+    no node twice, database 0 only (a cluster has no other).
+
+    Raises:
+        TypeError: not a str or a sequence of str (naming ``name[i]``).
+        ValueError: an empty list or element, or a malformed URL.
+    """
+    if isinstance(urls, str):
+        items = [u.strip() for u in urls.split(",")]
+        if not any(items):
+            raise ValueError(f"{name}: no Redis URL given (redis://host:port or rediss://host:port)")
+    elif isinstance(urls, (list, tuple)):
+        items = []
+        for i, u in enumerate(urls):
+            if not isinstance(u, str):
+                raise TypeError(f"{name}[{i}] must be a str URL (redis://host:port), got "
+                                f"{type(u).__name__}")
+            items.append(u.strip())
+        if not items:
+            raise ValueError(f"{name}: no Redis URL given (redis://host:port or rediss://host:port)")
+    else:
+        raise TypeError(f"{name} must be a str (one URL or comma-separated URLs) or a list of str, "
+                        f"got {type(urls).__name__}")
+    for i, u in enumerate(items):
+        if not u:
+            raise ValueError(f"{name}: URL {i + 1} of {len(items)} is empty")
+    nodes = [_check_url(u, name) for u in items]
+    if len(nodes) > 1:
+        if len({scheme for scheme, _, _ in nodes}) > 1:
+            raise ValueError(f"{name}: the startup nodes of one cluster use one scheme (all redis:// "
+                             "or all rediss://)")
+        seen: set[str] = set()
+        for (_, node, db), u in zip(nodes, items, strict=True):
+            if db != 0:
+                raise ValueError(f"{name}: a Redis Cluster has only database 0, got /{db} in "
+                                 f"{redact_url(u)!r}")
+            if node in seen:
+                raise ValueError(f"{name}: startup node {node} is given twice")
+            seen.add(node)
+    return items
+
+
+def _check_url(url: str, name: str) -> tuple[str, str, int]:
+    """``(scheme, host:port, db)`` of one checked URL."""
+    shown = redact_url(url)
+    parts = urlsplit(url)
+    form = "redis://[user:password@]host:port[/db] or rediss://..."
+    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+        raise ValueError(f"{name}: a Redis URL must look like {form}, got {shown!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"{name}: port must be an int in 1..65535, got {shown!r}")
+    path = parts.path
+    db = 0
+    if path not in ("", "/"):
+        digits = path[1:]
+        if not digits.isdigit() or not digits.isascii():
+            raise ValueError(f"{name}: the database after the port must be an int >= 0 (/0), got "
+                             f"{shown!r}")
+        db = int(digits)
+    return parts.scheme, f"{parts.hostname}:{port or 6379}", db
 
 
 def redact_url(url: str) -> str:
-    """``url`` with its user name and password replaced by ``***``."""
+    """``url`` with its user name and password replaced by ``***`` (also in a malformed URL)."""
     parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
+    if "@" not in parts.netloc:
         return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
+    host = parts.netloc.rsplit("@", 1)[1]
     return urlunsplit((parts.scheme, f"***:***@{host}", parts.path, parts.query, parts.fragment))
 
 
@@ -68,23 +120,29 @@ class RedisStore(StorageBackend):
 
     Args:
         urls: one URL, comma-separated URLs, or a sequence of them (cluster startup nodes).
-        tag / cooldown_s: see :class:`StorageBackend`.
+        tag / cooldown_s / secret: see :class:`StorageBackend`.
         timeout_s: connect and socket timeout of every call [s].
         prefix: key prefix (several caches may share a server under different prefixes).
 
     Raises:
-        ValueError: bad URLs (with credentials masked); ``ImportError`` without redis-py.
+        TypeError / ValueError: bad arguments, naming them (URLs: see :func:`split_urls`,
+            credentials masked); ``ImportError`` without redis-py.
     """
 
     name = "redis"
 
     def __init__(self, urls: str | Sequence[str], tag: str = "", timeout_s: float = 1.0,
-                 prefix: str = "hpc:", cooldown_s: float = 1.0) -> None:
-        super().__init__(tag, cooldown_s)
+                 prefix: str = "hpc:", cooldown_s: float = 1.0, secret: bytes | None = None) -> None:
+        super().__init__(tag, cooldown_s, secret)
         import redis  # noqa: F401 - fail at construction when the client is missing
 
         self._urls = split_urls(urls)
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = check_seconds(timeout_s, "timeout_s")
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str (a key prefix such as 'hpc:'), got "
+                            f"{type(prefix).__name__}")
+        if not prefix:
+            raise ValueError("prefix must not be empty (several caches share a server by prefix)")
         self.prefix = prefix
         self._secrets = set()
         for u in self._urls:
@@ -159,6 +217,15 @@ class RedisStore(StorageBackend):
             except Exception:
                 pass
 
+    def _reply_fault(self, op: str, exc: Exception) -> None:
+        """One command of a pipeline failed: a lost connection or a timeout (a cluster node
+        down) rests the backend; an error reply about its key (``NOPERM`` of an ACL key
+        pattern, ``WRONGTYPE``) is a miss for that key only."""
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+
+        self._fault(op, exc, rest=isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError)))
+
     # -------------------------------------------------------------- batches
     def _groups(self, keys: list[bytes]) -> list[list[int]]:
         """Indices of ``keys`` grouped by hash slot (cluster) or in chunks (one node)."""
@@ -184,7 +251,7 @@ class RedisStore(StorageBackend):
         out = []
         for r in res:
             if isinstance(r, Exception):
-                self._fault("exists", r)
+                self._reply_fault("exists", r)
                 out.append(False)
             else:
                 out.append(bool(r))
@@ -201,7 +268,7 @@ class RedisStore(StorageBackend):
         out: list[bytes | None] = [None] * len(keys)
         for g, r in zip(groups, res, strict=True):
             if isinstance(r, Exception):
-                self._fault("get", r)
+                self._reply_fault("get", r)
                 continue
             for i, v in zip(g, r, strict=True):
                 out[i] = v
@@ -218,7 +285,7 @@ class RedisStore(StorageBackend):
         out = [False] * len(items)
         for i, r in zip(order, res, strict=True):
             if isinstance(r, Exception):
-                self._fault("set", r)
+                self._reply_fault("set", r)
             else:
                 out[i] = bool(r)
         return out

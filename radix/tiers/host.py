@@ -25,7 +25,7 @@ after an insert, on a device eviction). The L3 storage tier, when configured, ha
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 
@@ -226,8 +226,12 @@ class HostTier(Component, Tier):
         self.host_tokens += size
         self.kv.lock(node)  # until the copy has landed
         self.core.refresh(node)
+        flight = _Flight(node.start, size, int(node.state_slot is not None), demote_after)
+        if demote_after:  # the write-back victim's units are freed when the copy lands
+            self.core.pending[0] += flight.tokens
+            self.core.pending[1] += flight.states
         hc.write(node.kv_value, host_slots, node.state_slot if with_state else None, host_state,
-                 lambda: self._on_write_done(node, demote_after))
+                 lambda: self._on_write_done(node, flight))
         self.counters["backup_tokens"] += size
         return True
 
@@ -245,13 +249,18 @@ class HostTier(Component, Tier):
         self.controller.save_state(node.state_slot, node.host_state_slot,
                                    None if storage is None else lambda: storage.backup(node))
 
-    def _on_write_done(self, node: TreeNode, demote_after: bool) -> None:
-        if self.storage is not None:
-            self.storage.backup(node)  # host copy landed -> pages to L3; never raises
+    def _on_write_done(self, node: TreeNode, flight: _Flight) -> None:
+        """The copy of ``node``'s span (``flight``) landed. Splits while it was in flight cut
+        upper halves off the span (``node`` kept the lowest part): every piece is backed up
+        (to L3) and, for a write-back victim, demoted while it is an unlocked device leaf."""
         core = self.core
-        if demote_after:
-            core.pending[0] -= len(node.key)
-            core.pending[1] -= int(node.state_slot is not None)
+        if flight.demote:
+            core.pending[0] -= flight.tokens
+            core.pending[1] -= flight.states
+        span = _span(node, flight.start) if core.tree.is_attached(node) else [node]
+        if self.storage is not None:
+            for n in span:
+                self.storage.backup(n)  # host copy landed -> pages to L3; never raises
         if node.kv_value is None or not core.tree.is_attached(node):
             return
         self.kv.unlock(node)
@@ -259,8 +268,13 @@ class HostTier(Component, Tier):
         if core.is_dead_leaf(node):  # its children left while the copy was in flight
             core.remove_leaf(node)
             return
-        if demote_after and node.kv_lock == 0 and _is_device_leaf(node):
-            self._demote(node)
+        if flight.demote:
+            for n in reversed(span):  # deepest first: each may leave its parent a device leaf
+                if n.kv_value is None or n.kv_lock or not _is_device_leaf(n):
+                    break
+                self._demote(n)
+                if not core.tree.is_attached(n):
+                    break
         if self.state is not None and node.state_slot is not None:
             self.state.requeue(node)
 
@@ -279,9 +293,7 @@ class HostTier(Component, Tier):
 
     def _free_device_leaf(self, node: TreeNode) -> None:
         if node.host_value is None and self.controller.config.hicache_write_policy == "write_back":
-            if self.backup_chain(node, demote_after=True):
-                self.core.pending[0] += len(node.key)
-                self.core.pending[1] += int(node.state_slot is not None)
+            if self.backup_chain(node, demote_after=True):  # raises ``core.pending`` meanwhile
                 self.poll()
                 return
         if node.host_value is not None:
@@ -503,6 +515,29 @@ class HostTier(Component, Tier):
         if self.storage is not None:
             out.update(self.storage.stats())
         return out
+
+
+class _Flight(NamedTuple):
+    """One backup copy in flight: the span it covers starts at ``start`` [tokens]; a
+    write-back victim (``demote``) raised ``CacheCore.pending`` by ``tokens`` and ``states``."""
+
+    start: int
+    tokens: int
+    states: int
+    demote: bool
+
+
+def _span(node: TreeNode, start: int) -> list[TreeNode]:
+    """``node`` and the ancestors that splits cut off the span beginning at ``start`` (a split
+    keeps the lower part in ``node``; its upper halves are the ancestors starting at or after
+    ``start``), shallowest first."""
+    out = [node]
+    n = node.parent
+    while n is not None and n.parent is not None and n.start >= start:
+        out.append(n)
+        n = n.parent
+    out.reverse()
+    return out
 
 
 def _is_device_leaf(node: TreeNode) -> bool:

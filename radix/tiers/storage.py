@@ -14,9 +14,12 @@
   a hybrid model: up to the deepest page whose end state is stored) is read, verified, copied
   into fresh host slots and attached as one host-only node below the match, so the match
   reports it as a host hit (``last_host_node``) and ``load_back`` brings it to device.
-  ``best_effort``: the lookup runs in the background and its pages join at a later
-  ``match_prefix`` / :meth:`StorageTier.poll`; ``wait_complete``: before the match
-  returns; ``timeout``: waits ``hicache_prefetch_timeout_s`` at most, then as best_effort.
+  The lookup runs on the prefetch thread. ``best_effort``: its pages join at a later
+  ``match_prefix`` / :meth:`StorageTier.poll`; ``wait_complete``: the match waits for it,
+  ``hicache_storage_timeout_s`` at most in all; ``timeout``: ``hicache_prefetch_timeout_s`` at
+  most. One deadline per prefetch, set when it starts: the store's retries and later matches
+  of the same key (which find the same prefetch running) wait only for what is left of it;
+  past it the prefetch goes on as best_effort (``l3_prefetch_timeouts``).
 * Faults never reach the engine: every L3 step is guarded; a fault is logged, counted
   (``stats()["l3_faults"]``, backend ``l3_backend_errors`` / ``_timeouts`` / ``_corrupt``)
   and is a miss. Only verified pages are attached, and the tree is changed on the engine
@@ -26,6 +29,7 @@
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +87,13 @@ class StorageTier:
         self.controller = StorageController(backend, hc.host_kv, hc.host_state, self.page_size,
                                             tag, cfg.hicache_storage_prefetch_policy,
                                             cfg.hicache_prefetch_timeout_s)
+        #: How long a match waits for its prefetch in all, retries and re-matches included
+        #: [s]: ``wait_complete`` the storage timeout, ``timeout`` the prefetch timeout;
+        #: ``None`` (``best_effort``): not at all.
+        self._blocking_wait_s: float | None = {
+            "wait_complete": cfg.hicache_storage_timeout_s,
+            "timeout": cfg.hicache_prefetch_timeout_s,
+        }.get(cfg.hicache_storage_prefetch_policy)
 
     def reset(self) -> None:
         """The tree was emptied: forget the memoised hashes and the prefetches (their pages
@@ -201,16 +212,18 @@ class StorageTier:
                 st.count("prefetch_in_flight_skipped")
                 return
             job = PrefetchJob(key[:upto], extra_key, m, hashes, self.host.state is not None)
-            if st.prefetch_policy == "wait_complete":
-                st.start(job, inline=True)
-                self._attach(job, *job.snapshot()[:2])
-                return
+            wait = self._blocking_wait_s
+            if wait is not None:
+                job.deadline = time.monotonic() + wait
             self._jobs[jk] = job
-            st.start(job, inline=False)
-        if st.prefetch_policy == "wait_complete":
-            job.done.wait()
-        elif st.prefetch_policy == "timeout" and not job.done.wait(st.prefetch_timeout_s):
-            st.count("prefetch_timeouts")
+            st.start(job)
+        if job.deadline is not None and not job.done.is_set():
+            left = job.deadline - time.monotonic()
+            if left <= 0 or not job.done.wait(left):
+                if not job.timed_out:  # counted once; later matches do not wait again
+                    job.timed_out = True
+                    st.count("prefetch_timeouts")
+                job.deadline = None
         self._harvest()
 
     def _harvest(self) -> int:
