@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from components.base import Component
+from components.events import KVEvent, KVEventRecorder
 from components.gds import GDS_WALKS
 from components.kv import KVComponent
 from components.state import StateComponent, StateWalkFactory, check_state_walk_factory
@@ -141,13 +142,19 @@ class RadixCache:
         self.state: StateComponent | None = None
         if state_allocator is not None:
             gds = (policy.knobs["d"], policy.knobs["e"]) if policy.state_walk in GDS_WALKS else None
-            self.state = StateComponent(state_allocator, policy.state_walk, gds, state_walk)
+            self.state = StateComponent(state_allocator, policy.state_walk, gds, state_walk,
+                                        recency=config.state_recency,
+                                        stateless_leaf=config.stateless_leaf)
             built.append(self.state)
         self.swa: SWAComponent | None = None
         if config.sliding_window_size is not None:
             self.swa = SWAComponent(cast("SWAAllocator", kv_allocator),
                                     config.sliding_window_size, self.kv)
             built.append(self.swa)
+        self.kv_events: KVEventRecorder | None = None
+        if config.enable_kv_cache_events:
+            self.kv_events = KVEventRecorder(self.page_size, host_tier=hicache is not None)
+            built.append(self.kv_events)
         self.core = core = CacheCore(self.page_size, tuple(built) + extra)
         self.hicache: HiCacheController | None = None
         self._host: HostTier | None = None
@@ -602,6 +609,12 @@ class RadixCache:
             raise ValueError("reset while requests hold locks or copies are in flight; release them first")
         core.reset()
         self._init_counters()
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV events (``components.events``: ``BlockStored`` / ``BlockRemoved`` /
+        ``AllBlocksCleared``) since the last call, oldest first; ``[]`` unless built with
+        ``enable_kv_cache_events``."""
+        return self.kv_events.take() if self.kv_events is not None else []
 
     def stats(self) -> dict[str, Any]:
         """Counters: match calls, requested / usable-hit / KV-hit tokens, evicted tokens,

@@ -21,7 +21,15 @@ _FIELDS = (
     "radix_eviction_policy",
     "radix_eviction_policy_config",
     "sliding_window_size",
+    "enable_kv_cache_events",
+    "state_recency",
+    "stateless_leaf",
 )
+
+#: ``state_recency`` values: which states a match or an insert refreshes in the state LRU.
+STATE_RECENCY = ("consumed", "path")
+#: ``stateless_leaf`` values: what becomes of an unlocked leaf left without a state.
+STATELESS_LEAF = ("prune", "keep")
 
 
 @dataclass(frozen=True)
@@ -36,16 +44,32 @@ class CacheConfig:
         radix_eviction_policy_config: knobs of that policy (``POLICIES.md``), or ``None``.
         sliding_window_size: tokens an SWA layer attends to (>= 1), or ``None`` for a model
             without sliding-window layers. Needs an ``allocators.SWAAllocator`` as KV allocator.
+        enable_kv_cache_events: record KV events (``RadixCache.take_events``:
+            ``components.events``), SGLang's name.
+        state_recency: which recurrent states move to most recently used in the state LRU
+            (policies whose state walk is ``"lru"``): ``"consumed"`` (default) the state a
+            match ends at and the state an insert ends at, as SGLang 0.5.23's
+            ``UnifiedRadixCache``; ``"path"`` every state on the matched or inserted path and
+            the lower half of a split, as SGLang's ``MambaRadixCache`` (0.5.12 and before).
+        stateless_leaf: what becomes of an unlocked leaf left with no state on device or on
+            host (its state evicted, or its last child gone): ``"prune"`` (default) removes it
+            at once, with the ancestors it leaves childless and stateless; ``"keep"`` keeps it
+            as KV only (a match cannot end there) until a KV eviction frees it, as SGLang
+            0.5.23 does. Without a recurrent-state component it changes nothing.
 
     Raises:
         TypeError / ValueError: naming the argument, on a bad page size, unknown policy name,
-            unknown knob or bad knob value.
+            unknown knob or bad knob value, a bad option, ``state_recency="path"`` with a
+            policy whose state walk is not the state LRU (``joint_lru``, the GDS family).
     """
 
     page_size: int = 1
     radix_eviction_policy: str | None = None
     radix_eviction_policy_config: Mapping[str, Any] | None = None
     sliding_window_size: int | None = None
+    enable_kv_cache_events: bool = False
+    state_recency: str = "consumed"
+    stateless_leaf: str = "prune"
     policy: ResolvedPolicy = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -60,11 +84,19 @@ class CacheConfig:
                 raise TypeError(f"sliding_window_size must be an int >= 1 or None, got {type(w).__name__}")
             if w < 1:
                 raise ValueError(f"sliding_window_size must be an int >= 1 or None, got {w}")
-        object.__setattr__(
-            self,
-            "policy",
-            resolve_policy(self.radix_eviction_policy, self.radix_eviction_policy_config),
-        )
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise TypeError(
+                f"enable_kv_cache_events must be a bool, got {type(self.enable_kv_cache_events).__name__}"
+            )
+        _check_choice(self.state_recency, "state_recency", STATE_RECENCY)
+        _check_choice(self.stateless_leaf, "stateless_leaf", STATELESS_LEAF)
+        policy = resolve_policy(self.radix_eviction_policy, self.radix_eviction_policy_config)
+        if self.state_recency == "path" and policy.state_walk != "lru":
+            raise ValueError(
+                f"state_recency='path' needs a policy whose states age in the state LRU; "
+                f"{policy.name!r} orders states by {policy.state_walk!r}"
+            )
+        object.__setattr__(self, "policy", policy)
 
     @property
     def policy_name(self) -> str:
@@ -114,7 +146,17 @@ class CacheConfig:
             "radix_eviction_policy": self.radix_eviction_policy,
             "radix_eviction_policy_config": dict(self.radix_eviction_policy_config or {}),
             "sliding_window_size": self.sliding_window_size,
+            "enable_kv_cache_events": self.enable_kv_cache_events,
+            "state_recency": self.state_recency,
+            "stateless_leaf": self.stateless_leaf,
             "resolved_policy": self.policy.name,
             "resolved_knobs": dict(self.policy.knobs),
             "policy_explicit": self.policy_explicit,
         }
+
+
+def _check_choice(value: Any, name: str, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {choices}; got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
