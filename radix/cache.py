@@ -168,6 +168,8 @@ class RadixCache:
                 self._storage = host.storage = StorageTier(core, host)
         #: The tier hook an insert ends with (the host tier's write policy), or ``None``.
         self._after_insert = self._host.after_insert if self._host is not None else None
+        #: ``match_recency="usable"``: a match stamps only its usable prefix.
+        self._stamp_usable = config.match_recency == "usable"
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self._init_counters()
 
@@ -216,7 +218,8 @@ class RadixCache:
 
         Returns:
             :class:`MatchResult`. Splits a node when the KV match ends inside it (at a page
-            multiple); stamps every matched node and only the consumed state.
+            multiple); stamps every matched node (``match_recency="usable"``: the nodes up
+            to the usable prefix) and only the consumed state.
 
         Raises:
             TypeError / ValueError: bad token ids. Complexity: O(matched nodes + key length).
@@ -236,11 +239,18 @@ class RadixCache:
         if walk.partial is not None:
             full_path.append(core.split_touched(walk.partial, walk.partial_len, now))
         kv_hit = walk.matched_len
-        for n in full_path:
-            n.last_access_time = now
+        stamp_all = not self._stamp_usable
+        if stamp_all:
+            for n in full_path:
+                n.last_access_time = now
+        else:  # host-only nodes keep the host tier's order; device ones wait for the rule
+            for n in full_path:
+                if n.kv_value is None:
+                    n.last_access_time = now
         path = full_path if host is None else host.device_part(full_path)
-        for touch in core.touch_hooks:
-            touch(path)
+        if stamp_all:
+            for touch in core.touch_hooks:
+                touch(path)
         usable = len(path)
         misses = None
         rule = core.one_rule
@@ -248,6 +258,12 @@ class RadixCache:
             usable = rule(path, usable)
         elif core.rules:
             usable, misses = core.usable(path, usable)
+        if not stamp_all:  # match_recency="usable": only what the match may end within
+            used = path[:usable]
+            for n in used:
+                n.last_access_time = now
+            for touch in core.touch_hooks:
+                touch(used)
         if usable:
             last = path[usable - 1]
             for hit in core.hit_hooks:

@@ -24,12 +24,15 @@ _FIELDS = (
     "enable_kv_cache_events",
     "state_recency",
     "stateless_leaf",
+    "match_recency",
 )
 
 #: ``state_recency`` values: which states a match or an insert refreshes in the state LRU.
 STATE_RECENCY = ("consumed", "path")
 #: ``stateless_leaf`` values: what becomes of an unlocked leaf left without a state.
 STATELESS_LEAF = ("prune", "keep")
+#: ``match_recency`` values: which matched nodes a match moves to most recently used.
+MATCH_RECENCY = ("matched", "usable")
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,11 @@ class CacheConfig:
             at once, with the ancestors it leaves childless and stateless; ``"keep"`` keeps it
             as KV only (a match cannot end there) until a KV eviction frees it, as SGLang
             0.5.23 does. Without a recurrent-state component it changes nothing.
+        match_recency: which nodes a match stamps as used (the KV order): ``"matched"``
+            (default) every node the key's KV match passes; ``"usable"`` only the nodes up to
+            where the match may end (the state rule and the window rule applied), as SGLang
+            0.5.23's ``UnifiedRadixCache`` (a node split by the match is stamped either way).
+            The same without a recurrent-state or sliding-window component.
 
     Raises:
         TypeError / ValueError: naming the argument, on a bad page size, unknown policy name,
@@ -70,6 +78,7 @@ class CacheConfig:
     enable_kv_cache_events: bool = False
     state_recency: str = "consumed"
     stateless_leaf: str = "prune"
+    match_recency: str = "matched"
     policy: ResolvedPolicy = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -90,6 +99,7 @@ class CacheConfig:
             )
         _check_choice(self.state_recency, "state_recency", STATE_RECENCY)
         _check_choice(self.stateless_leaf, "stateless_leaf", STATELESS_LEAF)
+        _check_choice(self.match_recency, "match_recency", MATCH_RECENCY)
         policy = resolve_policy(self.radix_eviction_policy, self.radix_eviction_policy_config)
         if self.state_recency == "path" and policy.state_walk != "lru":
             raise ValueError(
@@ -149,6 +159,7 @@ class CacheConfig:
             "enable_kv_cache_events": self.enable_kv_cache_events,
             "state_recency": self.state_recency,
             "stateless_leaf": self.stateless_leaf,
+            "match_recency": self.match_recency,
             "resolved_policy": self.policy.name,
             "resolved_knobs": dict(self.policy.knobs),
             "policy_explicit": self.policy_explicit,
