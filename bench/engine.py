@@ -71,6 +71,9 @@ class EngineConfig:
         swa_tokens: SWA pool size [tokens] (with a window); the full pool is ``kv_tokens``.
         hicache_ratio: host (L2) pools of this many times the device pools; 0 = no host tier.
         hicache_write_policy: ``write_through``, ``write_through_selective`` or ``write_back``.
+        kv_events: ``"off"``; ``"on"`` the cache records KV events (``components.events``)
+            and the replay takes them after every request, as an engine publishes them;
+            ``"check"`` also rebuilds the page set from them (``bench.kv_events``).
     """
 
     policy: str = "lru"
@@ -85,6 +88,7 @@ class EngineConfig:
     swa_tokens: int = 0
     hicache_ratio: float = 0.0
     hicache_write_policy: str = "write_through"
+    kv_events: str = "off"
 
     def __post_init__(self) -> None:
         for name in ("kv_tokens", "page_size", "chunk_size", "concurrency"):
@@ -105,6 +109,8 @@ class EngineConfig:
             raise ValueError(
                 f"end_checkpoint must be 'block' or 'exact', got {self.end_checkpoint!r}"
             )
+        if self.kv_events not in ("off", "on", "check"):
+            raise ValueError(f"kv_events must be 'off', 'on' or 'check', got {self.kv_events!r}")
         if self.hicache_ratio:
             self.hicache_config()  # validates ratio and write policy (ValueError / TypeError)
             if self.sliding_window:
@@ -184,6 +190,7 @@ class ReplayEngine:
             radix_eviction_policy=cfg.policy,
             radix_eviction_policy_config=cfg.policy_config,
             sliding_window_size=cfg.sliding_window or None,
+            enable_kv_cache_events=cfg.kv_events != "off",
         )
         self.cache = RadixCache(
             cache_cfg,
