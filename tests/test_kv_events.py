@@ -359,3 +359,34 @@ def test_without_the_option_nothing_is_recorded() -> None:
     assert cache.kv_events is None and cache.take_events() == []
     with pytest.raises(TypeError, match="enable_kv_cache_events"):
         CacheConfig(enable_kv_cache_events=cast(bool, 1))
+
+
+def test_pages_an_l3_prefetch_brings_back_are_published_on_host(tmp_path: Any) -> None:
+    kv = TokenAllocator(32)
+    hc = HiCacheConfig(load_back_threshold=1, hicache_storage_backend="file",
+                       hicache_storage_dir=str(tmp_path), hicache_storage_model="events-test",
+                       hicache_storage_prefetch_policy="wait_complete")
+    cache = RadixCache(CacheConfig(enable_kv_cache_events=True), kv_allocator=kv, hicache=hc)
+    router = Router()
+    key = list(range(1, 17))
+    try:
+        cache.insert(key, kv.alloc(16))
+        assert cache.flush_storage(10)  # the pages are in L3
+        cache.poll_transfers()
+        cache.evict(32)
+        cache.evict_host(64)  # the tree is empty; only L3 keeps the pages
+        router.apply(cache.take_events())
+        assert router.pages == set() and cache.tree.num_nodes == 0
+        m = cache.match_prefix(key + [99])  # continues into L3: a prefetch attaches host pages
+        assert m.host_hit_length == 16
+        evs = cache.take_events()
+        assert [(type(e).__name__, e.medium) for e in evs] == [("BlockStored", CPU)]
+        router.apply(evs)
+        assert router.pages == tree_pages(cache) == {(h, CPU) for h in ref_chain(key, 1)}
+        assert cache.load_back(m.last_host_node) == 16
+        router.apply(cache.take_events())
+        assert router.pages == tree_pages(cache)
+        assert {m for _, m in router.pages} == {GPU, CPU}
+        cache.sanity_check()
+    finally:
+        cache.close_storage()
