@@ -89,6 +89,9 @@ class EngineConfig:
         device: where the pools and slot tensors live (``"cpu"``, ``"cuda"``); with a host tier
             on a device the KV allocator gets a one-layer, one-head KV pool so that backups
             and load-backs move real data.
+        kv_events: ``"off"``; ``"on"`` the cache records KV events (``components.events``)
+            and the replay takes them after every request, as an engine publishes them;
+            ``"check"`` also rebuilds the page set from them (``bench.kv_events``).
     """
 
     policy: str = "lru"
@@ -105,6 +108,7 @@ class EngineConfig:
     hicache_ratio: float = 0.0
     hicache_write_policy: str = "write_through"
     device: str = "cpu"
+    kv_events: str = "off"
 
     def __post_init__(self) -> None:
         for name in ("kv_tokens", "page_size", "chunk_size", "concurrency"):
@@ -125,6 +129,8 @@ class EngineConfig:
             raise ValueError(
                 f"end_checkpoint must be 'block' or 'exact', got {self.end_checkpoint!r}"
             )
+        if self.kv_events not in ("off", "on", "check"):
+            raise ValueError(f"kv_events must be 'off', 'on' or 'check', got {self.kv_events!r}")
         if self.hicache_ratio:
             self.hicache_config()  # validates ratio and write policy (ValueError / TypeError)
             if self.sliding_window:
@@ -210,6 +216,7 @@ class ReplayEngine:
             radix_eviction_policy_config=cfg.policy_config,
             sliding_window_size=cfg.sliding_window or None,
             swa_release_extra_pages=cfg.swa_release_extra_pages,
+            enable_kv_cache_events=cfg.kv_events != "off",
         )
         self.cache = RadixCache(
             cache_cfg,

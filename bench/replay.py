@@ -14,6 +14,9 @@ Examples::
         # LoRA adapters (bench.lora_replay): slot loads, evictions, hit rate; lru vs fifo
     python -m bench.replay --kv-tokens 2M --state-slots 256 --hicache-ratio 0 4
         # without and with a host (L2) tier of 4x the device pools, side by side
+    python -m bench.replay --policy lru --page-size 16 --kv-events off on check
+        # KV events for routers: their cost (off vs on), and the page set a router rebuilds
+        # from them checked against the tree's (0 disagreements expected)
 
 Memory sizes accept ``16000000``, ``16e6``, ``16M`` or ``512K``. Several ``--kv-tokens`` /
 ``--state-slots`` values run every combination (a sweep). ``--state-slots 0`` replays a
@@ -40,6 +43,7 @@ from tqdm import tqdm
 
 from bench.bounds import compute_bounds
 from bench.engine import EngineConfig, ReplayEngine
+from bench.kv_events import EventConsumer, EventCounter, disagreements
 from bench.lora_replay import add_lora_arguments, lora_replay_configs, run_lora_replays
 from bench.metrics import summarize
 from bench.plot import sweep_axis_of, write_plot
@@ -211,6 +215,23 @@ def build_parser() -> argparse.ArgumentParser:
         default="write_through",
         help="when a node is copied to host (default write_through)",
     )
+    p.add_argument(
+        "--kv-events",
+        nargs="+",
+        choices=("off", "on", "check"),
+        default=["off"],
+        help="KV events (BlockStored / BlockRemoved for routers): off (default); on = the "
+        "cache records them and the replay takes them after every request; check = also "
+        "rebuild the page set from them and compare it with the tree's; several values run "
+        "side by side (off on: the events' cost)",
+    )
+    p.add_argument(
+        "--kv-events-check-every",
+        type=parse_count,
+        default=1000,
+        help="with --kv-events check: compare the rebuilt page set with the tree's every N "
+        "requests, and at the end (default 1000; 0 = at the end only)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_lora_arguments(p)
     return p
@@ -242,11 +263,15 @@ def peak_rss_mib() -> float:
 
 
 def replay_one(
-    trace: Sequence[TraceRequest], config: EngineConfig, progress: bool | None = None
+    trace: Sequence[TraceRequest], config: EngineConfig, progress: bool | None = None,
+    check_every: int = 1000,
 ) -> RunResult:
     """Replay ``trace`` through a fresh cache built from ``config``; check the cache after.
 
     ``progress``: ``True`` show a bar on stderr, ``False`` none, ``None`` only on a terminal.
+    With ``config.kv_events`` the events are taken after every request; ``"check"`` also
+    rebuilds the page set from them (``bench.kv_events``) and compares it with the tree's
+    every ``check_every`` requests (0: at the end only) and at the end.
 
     Raises:
         AssertionError (from ``sanity_check``) if the cache broke an invariant, or a lock
@@ -256,7 +281,13 @@ def replay_one(
     desc = f"{config.policy} kv={config.kv_tokens:,} slots={config.state_slots:,}"
     if config.hicache_ratio:
         desc += f" host={config.hicache_ratio:g}x"
+    events = config.kv_events
+    consumer = EventConsumer() if events == "check" else None
+    counter = EventCounter()
+    checks = bad = 0
+    cache = engine.cache
     start = time.perf_counter()
+    cpu0 = time.process_time()
     with tqdm(
         total=len(trace),
         desc=desc,
@@ -268,9 +299,28 @@ def replay_one(
     ) as bar:
         for i, tr in enumerate(trace):
             engine.admit(tr, rid=i)
+            if events != "off":
+                got = cache.take_events()
+                counter.apply(got)
+                if consumer is not None:
+                    consumer.apply(got)
+                    if check_every and (i + 1) % check_every == 0:
+                        bad += disagreements(consumer, cache)
+                        checks += 1
             bar.update()
         engine.drain()
     wall = time.perf_counter() - start
+    cpu = time.process_time() - cpu0
+    report: dict[str, Any] | None = None
+    if events != "off":
+        got = cache.take_events()
+        counter.apply(got)
+        report = counter.summary()
+        if consumer is not None:
+            consumer.apply(got)
+            bad += disagreements(consumer, cache)
+            checks += 1
+            report = {**consumer.summary(), "checks": checks, "disagreements": bad}
     engine.cache.sanity_check()
     if engine.cache.protected_size():
         raise AssertionError(
@@ -283,6 +333,8 @@ def replay_one(
         wall_s=wall,
         peak_rss_mib=peak_rss_mib(),
         cache_stats=engine.cache.stats(),
+        cpu_s=cpu,
+        kv_events=report,
     )
 
 
@@ -291,8 +343,8 @@ def _configs(args: argparse.Namespace) -> list[EngineConfig]:
     starts."""
     knobs = _policy_configs(args.policy_config)
     out = []
-    for kv, slots, policy, host_ratio in itertools.product(
-        args.kv_tokens, args.state_slots, args.policy, args.hicache_ratio
+    for kv, slots, policy, host_ratio, events in itertools.product(
+        args.kv_tokens, args.state_slots, args.policy, args.hicache_ratio, args.kv_events
     ):
         # fails on a bad name or knob before anything runs
         CacheConfig(page_size=args.page_size, radix_eviction_policy=policy,
@@ -315,6 +367,7 @@ def _configs(args: argparse.Namespace) -> list[EngineConfig]:
                 swa_tokens=swa_tokens,
                 hicache_ratio=host_ratio,
                 hicache_write_policy=args.hicache_write_policy,
+                kv_events=events,
             )
         )
     return out
@@ -358,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = []
     for config in configs:
         gc.collect()
-        runs.append(replay_one(trace, config, progress))
+        runs.append(replay_one(trace, config, progress, args.kv_events_check_every))
     table_out: TextIO = sys.stderr if args.json == "-" else sys.stdout
     print(render_table(info, runs, bounds, notes_bounds), file=table_out)
     if args.json is not None:

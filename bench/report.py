@@ -42,11 +42,16 @@ class RunResult:
     wall_s: float
     peak_rss_mib: float
     cache_stats: dict[str, Any] = field(default_factory=dict)
+    cpu_s: float = 0.0
+    kv_events: dict[str, Any] | None = None
 
     @property
     def label(self) -> str:
         ratio = self.config.hicache_ratio
-        return f"{self.config.policy} host {ratio:g}x" if ratio else self.config.policy
+        out = f"{self.config.policy} host {ratio:g}x" if ratio else self.config.policy
+        if self.config.kv_events != "off":
+            out += f" events{'+check' if self.config.kv_events == 'check' else ''}"
+        return out
 
 
 def _fmt_int(x: float) -> str:
@@ -117,6 +122,7 @@ def _rows(runs: Sequence[RunResult]) -> list[tuple[str, list[str]]]:
             col(lambda r: f"{r.metrics.requests:,} ({r.metrics.skipped_requests:,})"),
         ),
         ("wall time s", col(lambda r: f"{r.wall_s:.1f}")),
+        ("CPU time s", col(lambda r: f"{r.cpu_s:.1f}")),
         ("peak RSS MiB (process)", col(lambda r: f"{r.peak_rss_mib:,.0f}")),
     ]
 
@@ -159,6 +165,16 @@ def render_table(
         "token hit = usable matched / prompt tokens; state-miss = KV-matched - usable; "
         "prefill cost = d*(L-U) + e*(L^2-U^2)/2e5",
     ]
+    for r in runs:
+        ev = r.kv_events
+        if ev is not None:
+            line = (f"kv events ({r.label}): {ev['events']:,} events, {ev['pages_stored']:,} pages "
+                    f"stored, {ev['pages_removed']:,} removed, {ev['all_cleared']} cleared")
+            if "checks" in ev:
+                line += (f"; rebuilt page set checked {ev['checks']}x against the tree "
+                         f"({ev['pages_held']:,} pages at the end): {ev['disagreements']} "
+                         f"disagreements, {ev['redundant_events']} redundant events")
+            lines.append(line)
     return "\n".join(lines)
 
 
@@ -207,6 +223,9 @@ def to_json_dict(
                 "forced_finishes": r.counters.forced_finishes,
                 "wall_s": r.wall_s,
                 "peak_rss_mib": r.peak_rss_mib,
+                "cpu_s": r.cpu_s,
+                "kv_events_mode": r.config.kv_events,
+                "kv_events": r.kv_events,
                 "cache_stats": r.cache_stats,
             }
             for r in runs

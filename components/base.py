@@ -22,7 +22,9 @@ Hook order, per engine call (``node`` is a ``TreeNode``; positions are half-open
     dec_lock_ref   unlock_error(node, data) (every component, before anything changes)
                    -> unlock(node, data)
     evict*         pop_victim() -> evict_internal(node) (it has children) or the leaf leaves
-                   whole: on_remove(node) for every component
+                   whole: on_remove(node) for every component -> on_detach(node) (it left
+                   the tree; also when a host tier drops a host-only node)
+    reset          before_reset() -> on_remove(node) for every node -> reset()
     any change     refresh(node) (re-file ``node`` in the eviction order)
 """
 
@@ -124,6 +126,14 @@ class Component:
         """``node``'s device data leaves (the node leaves the tree, or is demoted to host):
         free this component's value on it. Returns the units freed (counted as evicted)."""
         return 0
+
+    def on_detach(self, node: TreeNode) -> None:
+        """``node`` has left the tree (after every component's :meth:`on_remove`, or, for a
+        host-only node a host tier drops, without it): forget what is kept per node."""
+
+    def before_reset(self) -> None:
+        """The cache is about to remove every node (``on_remove`` follows for each, then
+        :meth:`reset`)."""
 
     def refresh(self, node: TreeNode) -> None:
         """``node``'s leaf status, locks or stamps changed: re-file it in the eviction order."""

@@ -117,6 +117,9 @@ class StateComponent(Component):
         walk: str = "lru",
         gds: tuple[float, float] | None = None,
         state_walk: StateWalkFactory | None = None,
+        *,
+        recency: str = "consumed",
+        stateless_leaf: str = "prune",
     ) -> None:
         """Args:
             allocator: the state pool (slots).
@@ -130,10 +133,18 @@ class StateComponent(Component):
                 the walk named by ``walk`` (``walk`` then only says which policy the cache was
                 built with; ``self.walk`` becomes ``"custom"``). Called once here, and again
                 on every ``RadixCache.reset``.
+            recency: ``"consumed"`` (a match refreshes only the state it ends at, an insert
+                the state it ends at) or ``"path"`` (every state on the matched or inserted
+                path, and the lower half of a split: SGLang's ``MambaRadixCache``); ``"path"``
+                needs ``walk="lru"``.
+            stateless_leaf: ``"prune"`` (an unlocked leaf left with no state is removed, with
+                the ancestors it leaves childless and stateless) or ``"keep"`` (it stays, KV
+                only, until a KV eviction frees it: SGLang 0.5.23).
 
         Raises:
             TypeError: ``state_walk`` is not callable, or built an object lacking a walk method.
-            ValueError: unknown ``walk``, or ``gds`` given / missing.
+            ValueError: unknown ``walk``, ``gds`` given / missing, a bad ``recency`` or
+                ``stateless_leaf``.
         """
         if walk not in ("lru", "joint") + GDS_WALKS:
             raise ValueError(
@@ -142,14 +153,28 @@ class StateComponent(Component):
         if (walk in GDS_WALKS) != (gds is not None):
             raise ValueError(f"gds=(d, e) is required with walk in {GDS_WALKS} and only then")
         check_state_walk_factory(state_walk)
+        if recency not in ("consumed", "path"):
+            raise ValueError(f"recency must be 'consumed' or 'path', got {recency!r}")
+        if recency == "path" and (walk != "lru" or state_walk is not None):
+            raise ValueError(f"recency='path' needs walk='lru' (the state LRU), got walk={walk!r}")
+        if stateless_leaf not in ("prune", "keep"):
+            raise ValueError(f"stateless_leaf must be 'prune' or 'keep', got {stateless_leaf!r}")
+        self.recency = recency
+        self.stateless_leaf = stateless_leaf
         self.allocator = allocator
         #: The pool's live free mask over slots (``None`` for a pool without one).
         self.free_mask = getattr(allocator, "free_mask", None)
         self._walk_name = walk
         self._gds_args = gds
         self._state_walk = state_walk
-        if walk != "joint":
-            self.skip_hooks = frozenset({"on_touch"})
+        skip = set()
+        if walk != "joint" and recency != "path":
+            skip.add("on_touch")
+        if recency != "path":
+            skip.add("on_split")
+        if stateless_leaf == "keep":
+            skip.add("is_dead")
+        self.skip_hooks = frozenset(skip)
         self.walk = walk
         self.gds: StateWalk | None = None
         """The strategy object every state event goes to (GDS or a custom walk); ``None``
@@ -240,7 +265,13 @@ class StateComponent(Component):
         else:
             self.allocator.free(_slot_tensor(slot))
 
-    # (on_split: the state stays on ``lower``, valid at its end; ``upper`` starts without one.)
+    def on_split(self, upper: TreeNode, lower: TreeNode, split_len: int) -> None:
+        """The state stays on ``lower`` (valid at its end; ``upper`` starts without one).
+        ``recency="path"`` only: the walk that split it passed through, so its state moves to
+        most recently used."""
+        if lower.state_slot is not None:
+            lower.state_access_time = lower.last_access_time
+            self.refresh(lower)
 
     def on_remove(self, node: TreeNode) -> int:
         if node.state_slot is None:
@@ -260,9 +291,13 @@ class StateComponent(Component):
         return n
 
     def on_touch(self, path: list[TreeNode]) -> None:
-        """``joint_lru`` only: the states along a touched path follow their nodes' stamps."""
+        """``joint_lru``: the states along a touched path follow their nodes' stamps;
+        ``recency="path"``: every state on the path takes its node's new stamp."""
+        stamp = self.recency == "path"
         for n in path:
             if n.state_slot is not None:
+                if stamp:
+                    n.state_access_time = n.last_access_time
                 self.refresh(n)
 
     def on_hit(self, node: TreeNode, now: int) -> None:

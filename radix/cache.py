@@ -38,6 +38,7 @@ import torch
 
 from allocators.host_mirror import cat_slots, host_int, register
 from components.base import Component
+from components.events import KVEvent, KVEventRecorder
 from components.gds import GDS_WALKS
 from components.kv import KVComponent
 from components.state import StateComponent, StateWalkFactory, check_state_walk_factory
@@ -147,7 +148,9 @@ class RadixCache:
         self.state: StateComponent | None = None
         if state_allocator is not None:
             gds = (policy.knobs["d"], policy.knobs["e"]) if policy.state_walk in GDS_WALKS else None
-            self.state = StateComponent(state_allocator, policy.state_walk, gds, state_walk)
+            self.state = StateComponent(state_allocator, policy.state_walk, gds, state_walk,
+                                        recency=config.state_recency,
+                                        stateless_leaf=config.stateless_leaf)
             built.append(self.state)
         self.swa: SWAComponent | None = None
         if config.sliding_window_size is not None:
@@ -155,6 +158,10 @@ class RadixCache:
                                     config.sliding_window_size, self.kv,
                                     config.swa_release_extra_pages)
             built.append(self.swa)
+        self.kv_events: KVEventRecorder | None = None
+        if config.enable_kv_cache_events:
+            self.kv_events = KVEventRecorder(self.page_size, host_tier=hicache is not None)
+            built.append(self.kv_events)
         self.core = core = CacheCore(self.page_size, tuple(built) + extra)
         self.hicache: HiCacheController | None = None
         self._host: HostTier | None = None
@@ -168,6 +175,8 @@ class RadixCache:
                 self._storage = host.storage = StorageTier(core, host)
         #: The tier hook an insert ends with (the host tier's write policy), or ``None``.
         self._after_insert = self._host.after_insert if self._host is not None else None
+        #: ``match_recency="usable"``: a match stamps only its usable prefix.
+        self._stamp_usable = config.match_recency == "usable"
         self._empty = register(torch.empty(0, dtype=torch.int64, device=self.device),
                                np.empty(0, dtype=np.int64))
         #: ``torch.cat`` of slot tensors; on a device it keeps their host mirrors.
@@ -219,7 +228,8 @@ class RadixCache:
 
         Returns:
             :class:`MatchResult`. Splits a node when the KV match ends inside it (at a page
-            multiple); stamps every matched node and only the consumed state.
+            multiple); stamps every matched node (``match_recency="usable"``: the nodes up
+            to the usable prefix) and only the consumed state.
 
         Raises:
             TypeError / ValueError: bad token ids. Complexity: O(matched nodes + key length).
@@ -239,13 +249,20 @@ class RadixCache:
         if walk.partial is not None:
             full_path.append(core.split_touched(walk.partial, walk.partial_len, now))
         kv_hit = walk.matched_len
-        for n in full_path:
-            n.last_access_time = now
+        stamp_all = not self._stamp_usable
+        if stamp_all:
+            for n in full_path:
+                n.last_access_time = now
+        else:  # host-only nodes keep the host tier's order; device ones wait for the rule
+            for n in full_path:
+                if n.kv_value is None:
+                    n.last_access_time = now
         path = full_path if host is None else host.device_part(full_path)
-        if path:
-            self.kv.refresh(path[-1])  # the only node of the path that can be a KV leaf
-        for touch in core.touch_hooks:
-            touch(path)
+        if stamp_all:
+            if path:
+                self.kv.refresh(path[-1])  # the only node of the path that can be a KV leaf
+            for touch in core.touch_hooks:
+                touch(path)
         usable = len(path)
         misses = None
         rule = core.one_rule
@@ -253,6 +270,14 @@ class RadixCache:
             usable = rule(path, usable)
         elif core.rules:
             usable, misses = core.usable(path, usable)
+        if not stamp_all:  # match_recency="usable": only what the match may end within
+            used = path[:usable]
+            for n in used:
+                n.last_access_time = now
+            if used and usable == len(path):  # else the deepest stamped node has a child
+                self.kv.refresh(used[-1])
+            for touch in core.touch_hooks:
+                touch(used)
         if usable:
             last = path[usable - 1]
             for hit in core.hit_hooks:
@@ -574,6 +599,12 @@ class RadixCache:
             raise ValueError("reset while requests hold locks or copies are in flight; release them first")
         core.reset()
         self._init_counters()
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV events (``components.events``: ``BlockStored`` / ``BlockRemoved`` /
+        ``AllBlocksCleared``) since the last call, oldest first; ``[]`` unless built with
+        ``enable_kv_cache_events``."""
+        return self.kv_events.take() if self.kv_events is not None else []
 
     def stats(self) -> dict[str, Any]:
         """Counters: match calls, requested / usable-hit / KV-hit tokens, evicted tokens,

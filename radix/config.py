@@ -22,11 +22,22 @@ _FIELDS = (
     "radix_eviction_policy_config",
     "sliding_window_size",
     "swa_release_extra_pages",
+    "enable_kv_cache_events",
+    "state_recency",
+    "stateless_leaf",
+    "match_recency",
 )
 
 #: Default of ``CacheConfig.swa_release_extra_pages`` (see ``bench/README.md`` for the
 #: measurement behind it).
 SWA_RELEASE_EXTRA_PAGES = 0
+
+#: ``state_recency`` values: which states a match or an insert refreshes in the state LRU.
+STATE_RECENCY = ("consumed", "path")
+#: ``stateless_leaf`` values: what becomes of an unlocked leaf left without a state.
+STATELESS_LEAF = ("prune", "keep")
+#: ``match_recency`` values: which matched nodes a match moves to most recently used.
+MATCH_RECENCY = ("matched", "usable")
 
 
 @dataclass(frozen=True)
@@ -45,11 +56,29 @@ class CacheConfig:
             page_size)`` tokens, before the boundary it releases SWA KV up to
             (``release_swa``): with one more page a later key that diverges inside the last
             cached page (or an engine matching a prompt minus its last token) still finds a
-            whole window before its page-aligned match (default 1; 0 keeps exactly the window).
+            whole window before its page-aligned match (default 0: exactly the window; ``bench/README.md`` shows the measurement).
+        enable_kv_cache_events: record KV events (``RadixCache.take_events``:
+            ``components.events``), SGLang's name.
+        state_recency: which recurrent states move to most recently used in the state LRU
+            (policies whose state walk is ``"lru"``): ``"consumed"`` (default) the state a
+            match ends at and the state an insert ends at, as SGLang 0.5.23's
+            ``UnifiedRadixCache``; ``"path"`` every state on the matched or inserted path and
+            the lower half of a split, as SGLang's ``MambaRadixCache`` (0.5.12 and before).
+        stateless_leaf: what becomes of an unlocked leaf left with no state on device or on
+            host (its state evicted, or its last child gone): ``"prune"`` (default) removes it
+            at once, with the ancestors it leaves childless and stateless; ``"keep"`` keeps it
+            as KV only (a match cannot end there) until a KV eviction frees it, as SGLang
+            0.5.23 does. Without a recurrent-state component it changes nothing.
+        match_recency: which nodes a match stamps as used (the KV order): ``"matched"``
+            (default) every node the key's KV match passes; ``"usable"`` only the nodes up to
+            where the match may end (the state rule and the window rule applied), as SGLang
+            0.5.23's ``UnifiedRadixCache`` (a node split by the match is stamped either way).
+            The same without a recurrent-state or sliding-window component.
 
     Raises:
         TypeError / ValueError: naming the argument, on a bad page size, unknown policy name,
-            unknown knob or bad knob value.
+            unknown knob or bad knob value, a bad option, ``state_recency="path"`` with a
+            policy whose state walk is not the state LRU (``joint_lru``, the GDS family).
     """
 
     page_size: int = 1
@@ -57,6 +86,10 @@ class CacheConfig:
     radix_eviction_policy_config: Mapping[str, Any] | None = None
     sliding_window_size: int | None = None
     swa_release_extra_pages: int = SWA_RELEASE_EXTRA_PAGES
+    enable_kv_cache_events: bool = False
+    state_recency: str = "consumed"
+    stateless_leaf: str = "prune"
+    match_recency: str = "matched"
     policy: ResolvedPolicy = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -76,11 +109,20 @@ class CacheConfig:
             raise TypeError(f"swa_release_extra_pages must be an int >= 0, got {type(x).__name__}")
         if x < 0:
             raise ValueError(f"swa_release_extra_pages must be an int >= 0 [pages], got {x}")
-        object.__setattr__(
-            self,
-            "policy",
-            resolve_policy(self.radix_eviction_policy, self.radix_eviction_policy_config),
-        )
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise TypeError(
+                f"enable_kv_cache_events must be a bool, got {type(self.enable_kv_cache_events).__name__}"
+            )
+        _check_choice(self.state_recency, "state_recency", STATE_RECENCY)
+        _check_choice(self.stateless_leaf, "stateless_leaf", STATELESS_LEAF)
+        _check_choice(self.match_recency, "match_recency", MATCH_RECENCY)
+        policy = resolve_policy(self.radix_eviction_policy, self.radix_eviction_policy_config)
+        if self.state_recency == "path" and policy.state_walk != "lru":
+            raise ValueError(
+                f"state_recency='path' needs a policy whose states age in the state LRU; "
+                f"{policy.name!r} orders states by {policy.state_walk!r}"
+            )
+        object.__setattr__(self, "policy", policy)
 
     @property
     def policy_name(self) -> str:
@@ -131,7 +173,18 @@ class CacheConfig:
             "radix_eviction_policy_config": dict(self.radix_eviction_policy_config or {}),
             "sliding_window_size": self.sliding_window_size,
             "swa_release_extra_pages": self.swa_release_extra_pages,
+            "enable_kv_cache_events": self.enable_kv_cache_events,
+            "state_recency": self.state_recency,
+            "stateless_leaf": self.stateless_leaf,
+            "match_recency": self.match_recency,
             "resolved_policy": self.policy.name,
             "resolved_knobs": dict(self.policy.knobs),
             "policy_explicit": self.policy_explicit,
         }
+
+
+def _check_choice(value: Any, name: str, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {choices}; got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")

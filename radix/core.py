@@ -84,6 +84,8 @@ class CacheCore:
             for c in comps if type(c).on_remove is not Component.on_remove
         )
         self._node_removers = hooks(per_node, "on_remove")
+        self.detach_hooks = hooks(everything, "on_detach")
+        self._reset_hooks = hooks(everything, "before_reset")
         self.dead_rules = hooks(comps, "is_dead")
         self.insert_checks = hooks(comps, "check_insert")
         self.planners = hooks(everything, "plan_insert")
@@ -122,6 +124,8 @@ class CacheCore:
     def reset(self) -> None:
         """Remove every node (no dead-leaf cascade, nothing counted as evicted) and reset every
         component and per-node holder; the tree gets a new identity (old handles go stale)."""
+        for hook in self._reset_hooks:
+            hook()
         for n in sorted(self.tree.iter_nodes(), key=lambda x: -x.depth):
             self.device_remove(n, freed_counts())
             for hook in self._node_removers:
@@ -251,6 +255,8 @@ class CacheCore:
             for hook in node_removers:
                 hook(node)
             parent = tree.remove_leaf(node)
+            for hook in self.detach_hooks:
+                hook(node)
             if parent is root:
                 break
             if self.dead_rules and not parent.children and self.is_dead_leaf(parent):
@@ -259,6 +265,11 @@ class CacheCore:
             for hook in self.refreshers:
                 hook(parent)
             break
+
+    def detached(self, node: TreeNode) -> None:
+        """``node`` (host-only) left the tree through a tier: tell every ``on_detach``."""
+        for hook in self.detach_hooks:
+            hook(node)
 
     def prune(self, node: TreeNode) -> None:
         """Remove ``node`` (and the ancestors it leaves dead) if it is a dead leaf."""

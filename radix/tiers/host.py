@@ -339,6 +339,7 @@ class HostTier(Component, Tier):
         while True:
             self.on_remove(node)
             parent = core.tree.remove_leaf(node)
+            core.detached(node)
             if parent is root:
                 break
             if parent.kv_value is None:

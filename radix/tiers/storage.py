@@ -282,7 +282,7 @@ class StorageTier:
         hashes = job.hashes[first:len(pages)]
         self._hashes[leaf] = hashes
         st.mark_known([page_key(h) for h in hashes] + ([state_key(hashes[-1])] if state else []))
-        self.host.refresh(leaf)
+        self.core.refresh(leaf)
         if anchor is not self.core.root:
             self.core.refresh(anchor)
         st.count("prefetch_pages", len(pages) - first)
