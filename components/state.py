@@ -14,7 +14,7 @@ stays without a state).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -39,6 +39,12 @@ class StateWalk(Protocol):
     none; only nodes for which ``is_candidate`` holds may be returned), ``check`` to assert
     that the walk tracks exactly ``state_nodes``. ``watermark`` is what
     ``RadixCache.watermark`` reports (0.0 for walks without one).
+
+    Optional: ``on_match(kv_end, consumed, key, end)``, called by every match before
+    ``on_hit``, with the deepest KV-matched device node (``None`` when nothing matched), the
+    node whose state the match consumes (``None`` when none) and the matched key
+    (``key[:end]``, token ids): where requests wanted a state, whether or not one was left
+    there.
     """
 
     watermark: float
@@ -130,6 +136,7 @@ class StateComponent:
             self.gds = built
         elif gds is not None:
             self.gds = make_gds_walk(walk, gds[0], gds[1], self.is_candidate)
+        self._on_match = getattr(self.gds, "on_match", None)
         self.lru = (
             OrderedNodeSet(_joint_key if walk == "joint" else _state_lru_key)
             if self.gds is None
@@ -168,6 +175,16 @@ class StateComponent:
         if self.gds is not None:
             self.gds.on_set(node)
         self.refresh(node)
+
+    def match_end(self, kv_end: TreeNode | None, consumed: TreeNode | None,
+                  key: Sequence[int], end: int) -> None:
+        """A match of ``key[:end]`` (token ids; ``end`` page-aligned) walked the KV path down to
+        ``kv_end`` (``None``: nothing matched) and will consume the state on ``consumed``
+        (``None``: none usable). Passed to the walk's optional ``on_match`` (a walk that learns
+        from where requests wanted a state); ``key`` must not be kept or modified."""
+        hook = self._on_match
+        if hook is not None:
+            hook(kv_end, consumed, key, end)
 
     def use(self, node: TreeNode, clock: int) -> None:
         """The state on ``node`` was consumed by a match (only that state is refreshed)."""

@@ -247,6 +247,10 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         if self.swa is not None:
             for n in path:  # stamps moved: re-file live nodes in the SWA order
                 self.swa.refresh(n)
+        if state is not None:
+            # the walk sees where the KV match ended before the consumed state's hit
+            state.match_end(path[-1] if path else None, path[usable - 1] if usable else None,
+                            key, end)
         if state is not None and usable > 0:
             node = path[usable - 1]
             state_slot = node.state_slot
