@@ -55,6 +55,7 @@ from bench.traces import (
     resolve_trace_path,
     sniff_format,
 )
+from bench.workloads import add_workload_arguments, workload_requests
 from hicache import WRITE_POLICIES
 from radix import CacheConfig
 from radix.config import SWA_RELEASE_EXTRA_PAGES
@@ -110,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto"
     )
+    add_workload_arguments(p)
     p.add_argument(
         "--torch-threads",
         type=_positive,
@@ -381,25 +383,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         configs = _configs(args)
         loras = lora_replay_configs(args)  # None unless --adapters N
-        path = resolve_trace_path(args.trace)
-        fmt = sniff_format(path) if args.trace_format == "auto" else args.trace_format
-        trace = load_trace(
-            path,
-            fmt=fmt,
-            max_requests=args.max_requests,
-            tracelab_block_size=args.tracelab_block_size,
-        )
+        source: str
+        if args.workload is not None:
+            trace = workload_requests(args.workload, args.workload_seed, args.max_requests,
+                                      args.trace)
+            source, fmt = f"workload {args.workload} (seed {args.workload_seed})", "generated"
+        else:
+            path = resolve_trace_path(args.trace)
+            fmt = sniff_format(path) if args.trace_format == "auto" else args.trace_format
+            trace = load_trace(
+                path,
+                fmt=fmt,
+                max_requests=args.max_requests,
+                tracelab_block_size=args.tracelab_block_size,
+            )
+            source = str(path)
     except (FileNotFoundError, TraceFormatError, ValueError, TypeError) as e:
         parser.exit(2, f"error: {e}\n")
     if not trace:
-        parser.exit(2, f"error: no requests in {path}\n")
+        parser.exit(2, f"error: no requests in {source}\n")
     if args.plot is not None:
         try:
             sweep_axis_of(configs)
         except ValueError as e:
             parser.exit(2, f"error: {e}\n")
     info = TraceInfo(
-        str(path), fmt, len(trace), sum(r.input_length for r in trace), trace[0].block_size
+        source, fmt, len(trace), sum(r.input_length for r in trace), trace[0].block_size
     )
     bounds = compute_bounds(trace, exclude_last_token=True, page_size=args.page_size)
     notes_bounds = compute_bounds(trace)

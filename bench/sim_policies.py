@@ -21,8 +21,9 @@ its own edge, from a :mod:`bench.presets` model). Nodes with at most one child a
 as Marconi considers only those; branch points go only when nothing else can.
 ``alpha = 0`` is LRU on state stamps. How alpha is tuned: :mod:`bench.simulator`.
 
-``belady`` (offline reference): evict the state whose prefix is next needed farthest in the
-future, states never needed again first (oldest first among those). *Needed by request j*
+``belady_state`` (the offline reference of the earlier tables; ``belady``, in
+:mod:`bench.sim_offline`, supersedes it): evict the state whose prefix is next needed farthest
+in the future, states never needed again first (oldest first among those); KV leaves stay LRU. *Needed by request j*
 means that request j's match key (its prompt minus the last token, page-aligned) starts with
 the node's whole prefix. Next uses come from a trie over the trace's blocks
 (:class:`NextUseIndex`); the replay tells the strategy which request it is serving
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -60,7 +61,7 @@ __all__ = [
     "state_walk_factory",
 ]
 
-BASELINE_POLICIES = ("marconi", "belady", *IDEAS)
+BASELINE_POLICIES = ("marconi", "seglen", "belady", "belady_state", *IDEAS)
 """Policy names the replay runs with a replay-side state walk on top of ``gds`` (the
 baselines, and the experimental walks of :mod:`bench.sim_ideas`, ``idea:...``)."""
 
@@ -232,15 +233,27 @@ class NextUseIndex:
     def child(self, trie_node: int, token: int) -> int | None:
         return self._child.get((trie_node, token))
 
-    def next_use(self, trie_node: int, prefix_len: int, now: int) -> int:
-        """The first request ``j > now`` at ``trie_node`` with ``cap_j >= prefix_len``."""
+    def next_use(self, trie_node: int, prefix_len: int, now: int,
+                 served: np.ndarray | None = None) -> int:
+        """The first request ``j > now`` at ``trie_node`` with ``cap_j >= prefix_len`` (and,
+        with ``served``, a boolean mask over requests, not served yet)."""
         users = self._users[trie_node]
         caps = self.caps
         for j in range(bisect_right(users, now), len(users)):
             r = users[j]
-            if caps[r] >= prefix_len:
+            if caps[r] >= prefix_len and (served is None or not served[r]):
                 return r
         return NEVER
+
+    def users(self, trie_node: int) -> list[int]:
+        """The requests listed at ``trie_node``, in trace order (do not modify)."""
+        return self._users[trie_node]
+
+    def needs(self, trie_node: int, prefix_len: int, request: int) -> bool:
+        """Whether ``request`` is listed at ``trie_node`` and its key holds ``prefix_len``."""
+        users = self._users[trie_node]
+        k = bisect_left(users, request)
+        return k < len(users) and users[k] == request and self.caps[request] >= prefix_len
 
 
 class BeladyStrategy(_LiveSet):

@@ -49,6 +49,7 @@ from bench.sweep import (
     write_sweep_plot,
 )
 from bench.traces import TraceFormatError, load_trace, resolve_trace_path, sniff_format
+from bench.workloads import add_workload_arguments, workload_requests
 from radix import CacheConfig
 
 __all__ = ["build_parser", "main", "plan_runs", "render_rows"]
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Simulate an engine serving a trace over the hybrid prefix cache.")
     a = p.add_argument
     a("--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)")
+    add_workload_arguments(p)
     a("--torch-threads", type=int, default=1,
       help="torch intra-op threads (default 1, as bench.replay: bookkeeping-sized tensor ops)")
     a("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto")
@@ -229,7 +231,7 @@ def beats_reference(results: Sequence[SimResult], values: Sequence[float | None]
     return out
 
 
-def _header(args: argparse.Namespace, path: Path, n: int, bounds: Bounds) -> str:
+def _header(args: argparse.Namespace, path: Path | str, n: int, bounds: Bounds) -> str:
     model = ""
     if args.model:
         p = get_preset(args.model)
@@ -266,10 +268,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.plot is not None and args.sweep is None:
             raise ValueError("--plot needs --sweep AXIS=V1,V2,...")
         plan = plan_runs(args)
-        path = resolve_trace_path(args.trace)
-        fmt = sniff_format(path) if args.trace_format == "auto" else args.trace_format
-        trace = load_trace(path, fmt=fmt, max_requests=args.max_requests,
-                           mooncake_block_size=args.mooncake_block_size)
+        path: Path | str
+        if args.workload is not None:
+            trace = workload_requests(args.workload, args.workload_seed, args.max_requests,
+                                      args.trace)
+            path = f"workload {args.workload} (seed {args.workload_seed})"
+        else:
+            path = resolve_trace_path(args.trace)
+            fmt = sniff_format(path) if args.trace_format == "auto" else args.trace_format
+            trace = load_trace(path, fmt=fmt, max_requests=args.max_requests,
+                               mooncake_block_size=args.mooncake_block_size)
     except (FileNotFoundError, TraceFormatError, ValueError, TypeError) as e:
         parser.exit(2, f"error: {e}\n")
     if not trace:
@@ -292,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_csv(args.csv, rows)
     if args.plot:
         write_csv(Path(args.plot).with_suffix(".csv"), rows)
-        title = f"{path.name}: {len(trace):,} requests"
+        title = f"{path.name if isinstance(path, Path) else path}: {len(trace):,} requests"
         write_sweep_plot(args.plot, results, args.sweep, values, bounds, title)  # type: ignore[arg-type]
     if args.json is not None:
         text = json.dumps(_json(results, values, bounds, args.sweep), indent=2)

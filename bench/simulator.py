@@ -19,6 +19,11 @@ Time model (simulated seconds)::
 whose usable cached prefix is ``U`` starts at ``a >= U``: cache hits shorten prefill exactly
 by ``cost(0, U)``.
 
+Sessions (trace arrivals): a request whose session's previous request (``TraceRequest.session``,
+set by TraceLab and the generated workloads) has not finished when its timestamp comes waits
+and arrives the moment that one finishes: a client sends its next turn, or an agent its next
+step, only after the answer came back. Traces without sessions are unaffected.
+
 Scheduler (SGLang's default loop, without mixed prefill/decode batches): at each step
 boundary arrivals join a FIFO queue; if there is prefill work, one *prefill step* runs, else
 one *decode step* (consecutive decode steps with nothing to change are taken in one jump).
@@ -60,6 +65,7 @@ from bench.engine import EngineConfig, EngineCounters, ReplayEngine
 from bench.metrics import COST_D, COST_E, ReplayMetrics, prefill_cost, summarize
 from bench.presets import get_preset
 from bench.sim_ideas import IDEAS
+from bench.sim_offline import OfflineStrategy
 from bench.sim_policies import (
     BASELINE_POLICIES,
     BeladyStrategy,
@@ -68,6 +74,7 @@ from bench.sim_policies import (
     StateStrategy,
     state_walk_factory,
 )
+from bench.sim_utility import SeglenStrategy, install_scan_kv, utility
 from bench.traces import TraceRequest
 
 __all__ = [
@@ -263,6 +270,7 @@ class Simulator:
         self.cfg = config
         self._walks: list[StateStrategy] = []
         self.engine = ReplayEngine(config.engine, state_walk=self._state_walk(next_use))
+        self._order_kv_leaves()
         self._alpha_switch = alpha_switch
         n = len(trace)
         ts = np.fromiter((r.timestamp_s for r in trace), np.float64, n)
@@ -282,6 +290,21 @@ class Simulator:
         self._released = min(config.engine.concurrency, n)  # closed arrivals: issued so far
         if config.arrivals == "closed":
             self.arrival[: self._released] = 0.0
+        self._pred = _session_predecessors(trace) if config.arrivals == "trace" else None
+        self._done = np.zeros(n, dtype=bool)  # finished or skipped
+        self._blocked: dict[int, int] = {}  # unfinished request -> its session's next one
+
+    def _order_kv_leaves(self) -> None:
+        """The baselines that order KV leaves too: ``belady``, ``seglen``, ``marconi``."""
+        walk, cache = self.strategy, self.engine.cache
+        if isinstance(walk, OfflineStrategy) and self.cfg.policy == "belady":
+            walk.kv_leaves = install_scan_kv(cache, pick=walk.kv_pick)
+        elif isinstance(walk, SeglenStrategy):
+            install_scan_kv(cache, walk.kv_score())
+        elif isinstance(walk, MarconiStrategy):
+            m = walk
+            install_scan_kv(cache, utility(lambda n: n.last_access_time, m.efficiency,
+                                           lambda: m.alpha))
 
     def _state_walk(self, next_use: NextUseIndex | None
                     ) -> Callable[[Callable[[Any], bool]], StateStrategy] | None:
@@ -292,8 +315,12 @@ class Simulator:
             alpha = cfg.marconi_alpha or 0.0
             return state_walk_factory(lambda ok: MarconiStrategy(
                 ok, preset, alpha, cfg.cost_d, cfg.cost_e), self._walks)
-        if cfg.policy == "belady":
+        if cfg.policy == "seglen":
+            return state_walk_factory(SeglenStrategy, self._walks)
+        if cfg.policy in ("belady", "belady_state"):
             index = next_use or NextUseIndex(self.trace, cfg.engine.page_size)
+            if cfg.policy == "belady":
+                return state_walk_factory(lambda ok: OfflineStrategy(ok, index), self._walks)
             return state_walk_factory(lambda ok: BeladyStrategy(ok, index), self._walks)
         if cfg.policy in IDEAS:
             return state_walk_factory(IDEAS[cfg.policy], self._walks)
@@ -333,9 +360,22 @@ class Simulator:
     def _arrive(self) -> None:
         n = len(self.trace)
         limit = self._released if self.cfg.arrivals == "closed" else n
+        pred = self._pred
         while self._next < limit and self.arrival[self._next] <= self.t:
-            self._waiting.append(self._next)
+            i = self._next
             self._next += 1
+            if pred is not None and pred[i] >= 0 and not self._done[pred[i]]:
+                self._blocked[int(pred[i])] = i  # arrives when its predecessor is done
+            else:
+                self._waiting.append(i)
+
+    def _unblock(self, i: int) -> None:
+        """Request ``i`` is done: its session's next request, if it came early, arrives now."""
+        self._done[i] = True
+        k = self._blocked.pop(i, None)
+        if k is not None:
+            self.arrival[k] = max(self.arrival[k], self.t)
+            self._waiting.append(k)
 
     def _next_arrival(self) -> float:
         if self.cfg.arrivals == "closed" or self._next >= len(self.trace):
@@ -398,6 +438,7 @@ class Simulator:
         assert self.engine.counters.forced_finishes == forced, "admission finished a request"
         self.admit_count += 1
         if not ok:
+            self._unblock(i)
             self._release()
             return _Job(i, 0, 0)
         log = self.engine.log
@@ -440,10 +481,12 @@ class Simulator:
         assert self.engine.finish(i), f"request {i} was not running"
         self.finished[i] = self.t
         self._running.discard(i)
+        self._unblock(i)
         self._release()
 
     def _check_done(self) -> None:
-        assert not self._running and not self._waiting, "requests left behind"
+        assert not self._running and not self._waiting and not self._blocked, \
+            "requests left behind"
         cache = self.engine.cache
         cache.sanity_check()
         if cache.protected_size():
@@ -459,6 +502,17 @@ class Simulator:
         eng = self.engine
         return SimResult(self.cfg, summarize(eng.log, self.cfg.cost_d, self.cfg.cost_e),
                          self.timing(), eng.counters, wall_s, eng.cache.stats(), tuning)
+
+
+def _session_predecessors(trace: Sequence[TraceRequest]) -> np.ndarray:
+    """For each request, the index of the previous request of its session (-1: none)."""
+    pred = np.full(len(trace), -1, dtype=np.int64)
+    last: dict[str, int] = {}
+    for i, r in enumerate(trace):
+        if r.session is not None:
+            pred[i] = last.get(r.session, -1)
+            last[r.session] = i
+    return pred
 
 
 def tune_marconi(trace: Sequence[TraceRequest], config: SimConfig) -> MarconiTuning:

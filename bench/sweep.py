@@ -139,7 +139,7 @@ def run_all(trace: Sequence[TraceRequest], configs: Sequence[SimConfig], jobs: i
 
     The offline next-use index is built once when any config runs ``belady``.
     """
-    if any(c.policy == "belady" for c in configs):
+    if any(c.policy in ("belady", "belady_state") for c in configs):
         _SHARED["next_use"] = NextUseIndex(trace, configs[0].engine.page_size)
     else:
         _SHARED.pop("next_use", None)

@@ -30,7 +30,7 @@ from typing import Any
 
 from bench.engine import EngineConfig, ReplayEngine
 from bench.simcuda import SimCuda
-from bench.traces import TraceRequest, _runs_from_blocks, load_trace
+from bench.traces import TraceRequest, runs_from_blocks, load_trace
 
 #: The engine-facing calls of the cache and the pool calls an engine makes itself.
 CACHE_OPS = ("match_prefix", "insert", "inc_lock_ref", "dec_lock_ref", "evict", "evict_states",
@@ -69,7 +69,7 @@ def conversations(num_requests: int = 160, num_sessions: int = 24, seed: int = 0
         ids = sessions[s]
         length = len(ids) * block_size - rng.randint(0, block_size - 1)
         out.append(TraceRequest(float(i), length, rng.randint(16, 128), block_size, tuple(ids),
-                                _runs_from_blocks(ids, block_size, length)))
+                                runs_from_blocks(ids, block_size, length)))
     return out
 
 

@@ -32,7 +32,7 @@ from bench.traces import (
     sniff_format,
 )
 
-__all__ = ["BlockReuse", "block_reuse", "main", "trace_stats"]
+__all__ = ["BlockReuse", "block_reuse", "main", "render_stats", "trace_stats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +125,8 @@ def trace_stats(trace: Sequence[TraceRequest]) -> dict[str, Any]:
     }
 
 
-def _render(path: str, fmt: str, s: dict[str, Any]) -> str:
+def render_stats(path: str, fmt: str, s: dict[str, Any]) -> str:
+    """The human-readable statistics of :func:`trace_stats` (``path``, ``fmt``: what was read)."""
     i, o = s["input_length"], s["output_length"]
     b, r = s["bounds_whole_prompt"], s["bounds_replay"]
     share = s["per_request_reused_share"]
@@ -168,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stats = trace_stats(trace)
     except (FileNotFoundError, TraceFormatError, ValueError) as e:
         p.exit(2, f"error: {e}\n")
-    print(_render(str(path), fmt, stats), file=sys.stderr if args.json == "-" else sys.stdout)
+    print(render_stats(str(path), fmt, stats), file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json is not None:
         text = json.dumps({"trace": str(path), "format": fmt, **stats}, indent=2)
         if args.json == "-":

@@ -54,6 +54,7 @@ __all__ = [
     "detect_format",
     "load_trace",
     "resolve_trace_path",
+    "runs_from_blocks",
     "sniff_format",
 ]
 
@@ -130,7 +131,7 @@ class TraceRequest:
 # --------------------------------------------------------------------------- helpers
 
 
-def _runs_from_blocks(
+def runs_from_blocks(
     hash_ids: list[int], block_size: int, input_length: int
 ) -> tuple[tuple[int, int], ...]:
     """Token runs for ``hash_ids`` (block ``h`` -> ids ``h*B+1 .. h*B+n``), merging neighbours.
@@ -270,7 +271,7 @@ def _mooncake(where: str, obj: dict[str, Any], block_size: int) -> TraceRequest:
         output_length=output_length,
         block_size=block_size,
         block_ids=tuple(ids),
-        runs=_runs_from_blocks(ids, block_size, input_length),
+        runs=runs_from_blocks(ids, block_size, input_length),
     )
 
 
@@ -292,7 +293,7 @@ def _gmi(where: str, obj: dict[str, Any]) -> TraceRequest:
         output_length=output_length,
         block_size=GMI_BLOCK_SIZE,
         block_ids=tuple(ids),
-        runs=_runs_from_blocks(ids, GMI_BLOCK_SIZE, input_length),
+        runs=runs_from_blocks(ids, GMI_BLOCK_SIZE, input_length),
     )
 
 

@@ -30,7 +30,7 @@ Hook order, per engine call (``node`` is a ``TreeNode``; positions are half-open
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -151,6 +151,11 @@ class Component:
         """The largest ``k <= n`` such that a match may end after ``path[k - 1]`` under this
         component's rule (``k = 0``, the root, always may). Must not mutate anything."""
         return n
+
+    def on_match(self, path: list[TreeNode], usable: int, key: Sequence[int], end: int) -> None:
+        """Every match, once its usable prefix is known and before ``on_hit``: ``path`` the
+        device nodes the KV match walked, ``path[:usable]`` the part the match returns,
+        ``key[:end]`` the matched token ids (page aligned; not to be kept or modified)."""
 
     def on_hit(self, node: TreeNode, now: int) -> None:
         """A match's usable prefix ends at ``node`` (not the root)."""

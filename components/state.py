@@ -14,7 +14,7 @@ stays without a state).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -41,6 +41,12 @@ class StateWalk(Protocol):
     none; only nodes for which ``is_candidate`` holds may be returned), ``check`` to assert
     that the walk tracks exactly ``state_nodes``. ``watermark`` is what
     ``RadixCache.watermark`` reports (0.0 for walks without one).
+
+    Optional: ``on_match(kv_end, consumed, key, end)``, called by every match before
+    ``on_hit``, with the deepest KV-matched device node (``None`` when nothing matched), the
+    node whose state the match consumes (``None`` when none) and the matched key
+    (``key[:end]``, token ids): where requests wanted a state, whether or not one was left
+    there. ``key`` must not be kept or modified.
     """
 
     watermark: float
@@ -182,7 +188,10 @@ class StateComponent(Component):
         self.lru: OrderedNodeSet | None = None
         self.slot_to_node: dict[int, TreeNode] = {}
         self._evictable = self._protected = self.evicted = self.inserted = 0
+        self._on_match: Callable[..., None] | None = None
         self.reset()
+        if self._on_match is None:
+            self.skip_hooks = self.skip_hooks | {"on_match"}
 
     def reset(self) -> None:
         """Every state is gone: counters at 0, a fresh walk (a custom walk's factory is
@@ -201,6 +210,7 @@ class StateComponent(Component):
             self.gds = built
         elif gds is not None:
             self.gds = make_gds_walk(walk, gds[0], gds[1], self.is_candidate)
+        self._on_match = getattr(self.gds, "on_match", None)
         self.lru = (
             OrderedNodeSet(_joint_key if walk == "joint" else _state_lru_key)
             if self.gds is None
@@ -299,6 +309,13 @@ class StateComponent(Component):
                 if stamp:
                     n.state_access_time = n.last_access_time
                 self.refresh(n)
+
+    def on_match(self, path: list[TreeNode], usable: int, key: Sequence[int], end: int) -> None:
+        """Passes the match to the walk's optional ``on_match`` (see :class:`StateWalk`): the
+        deepest KV-matched node ``path[-1]`` and the node whose state it consumes."""
+        hook = self._on_match
+        if hook is not None:
+            hook(path[-1] if path else None, path[usable - 1] if usable else None, key, end)
 
     def on_hit(self, node: TreeNode, now: int) -> None:
         self.use(node, now)

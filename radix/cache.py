@@ -278,6 +278,8 @@ class RadixCache:
                 self.kv.refresh(used[-1])
             for touch in core.touch_hooks:
                 touch(used)
+        for on_match in core.match_hooks:
+            on_match(path, usable, key, end)
         if usable:
             last = path[usable - 1]
             for hit in core.hit_hooks:

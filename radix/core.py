@@ -95,6 +95,7 @@ class CacheCore:
         # only one of a matched path that can be a KV leaf)
         self.touch_hooks = hooks(comps, "on_touch")
         self.hit_hooks = hooks(comps, "on_hit")
+        self.match_hooks = hooks(comps, "on_match")
         self.lockers = tuple(c for c in comps if type(c).lock is not Component.lock)
         self._lock_fns = tuple(c.lock for c in self.lockers)
         self._unlock_fns = hooks(comps, "unlock")
