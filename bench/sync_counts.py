@@ -30,7 +30,7 @@ from typing import Any
 
 from bench.engine import EngineConfig, ReplayEngine
 from bench.simcuda import SimCuda
-from bench.traces import TraceRequest, runs_from_blocks, load_trace
+from bench.traces import TraceRequest, load_trace, runs_from_blocks
 
 #: The engine-facing calls of the cache and the pool calls an engine makes itself.
 CACHE_OPS = ("match_prefix", "insert", "inc_lock_ref", "dec_lock_ref", "evict", "evict_states",
