@@ -1,1 +1,1 @@
-"""Trace replay of the prefix cache (SPEC section 7): loaders, bounds, engine model, metrics, CLI."""
+"""Trace replay of the prefix cache : loaders, bounds, engine model, metrics, CLI."""

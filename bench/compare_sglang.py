@@ -1,11 +1,11 @@
 """Our RadixCache against SGLang's radix caches, side by side, on the same seeded workloads.
 
-    python -m bench.compare_sglang --reps 3
-    python -m bench.compare_sglang --reps 5 --impls radix unified-rust --workloads sysprompt
-    python -m bench.compare_sglang --anchor-python /path/to/venv/bin/python --json out.json
+    python -m bench compare --reps 3
+    python -m bench compare --reps 5 --impls radix unified-rust --workloads sysprompt
+    python -m bench compare --anchor-python /path/to/venv/bin/python --json out.json
 
 Runs ``../shared/anchors/sglang_radix_bench.py`` (SGLang 0.5.23, in the anchor venv built by
-its ``setup.sh``; default ``/tmp/sglang-anchor``) and ``python -m bench.radix_bench`` back to
+its ``setup.sh``; default ``/tmp/sglang-anchor``) and ``python -m bench radix-ops`` back to
 back, one process per run, interleaved: every repetition runs every configuration once, and
 odd repetitions run them in reverse order, so drifting machine load hits both sides alike.
 Each SGLang run is paired with our run of the same repetition and workload (KV-only impls
@@ -40,6 +40,8 @@ import textwrap
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.cli import prog
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ANCHOR_PYTHON = "/tmp/sglang-anchor/bin/python"
@@ -405,7 +407,7 @@ def memory_table(args: argparse.Namespace, with_anchor: bool) -> tuple[str, list
 
 # ------------------------------------------------------------------ CLI
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.compare_sglang",
+    ap = argparse.ArgumentParser(prog=prog("compare"),
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workloads", nargs="+", choices=["sysprompt", "multiturn"],
@@ -440,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"NOTE: {why}", flush=True)
     t0 = time.perf_counter()
     results = run_reps(args, with_anchor)
-    cmdline = "python -m bench.compare_sglang " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmdline = "python -m bench compare " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"\n## {cmdline}\n")
     print(f"{args.reps} repetitions, interleaved; page size {args.page_size}, policy {args.policy}, "
           f"{args.clock} clock; load average at the start {os.getloadavg()[0]:.1f}")

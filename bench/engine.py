@@ -1,4 +1,4 @@
-"""The engine model of the trace replay (SPEC section 7): one trace request at a time,
+"""The engine model of the trace replay : one trace request at a time,
 driving a :class:`radix.RadixCache` the way a serving engine would, without a model.
 
 Per request, in trace order (``L`` = prompt tokens, ``U`` = usable cached prefix)::

@@ -1,4 +1,4 @@
-"""Where a state walk's hits come from: ``python -m bench.hit_breakdown`` (issue 12).
+"""Where a state walk's hits come from: ``python -m bench hit-breakdown``.
 
 Runs one simulator configuration with the policy's state walk wrapped by a recorder, and
 sorts the prefill tokens the consumed states saved (their depth) by what an online walk could
@@ -12,7 +12,7 @@ have known about each state when it was consumed:
 A ``first`` hit on a ``leaf`` in bucket 0 is a first reuse with no signal but the bucket's
 base rate: a new conversation's first end state that came back. Example::
 
-    python -m bench.hit_breakdown --trace ../shared/traces/mooncake_fast25_conversation_trace.jsonl \\
+    python -m bench hit-breakdown --trace ../shared/traces/mooncake_fast25_conversation_trace.jsonl \\
         --policy belady gds_adaptive --state-slots 256 --time-scale 2
 """
 
@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.replay import parse_count
+from bench.cli import parse_count, prog
 from bench.sim_ideas import live_states_below
 from bench.sim_policies import BASELINE_POLICIES
 from bench.simulator import SimConfig, Simulator
@@ -120,7 +120,7 @@ def breakdown(trace: Sequence[Any], config: SimConfig) -> tuple[float, Recorder]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.hit_breakdown", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=prog("hit-breakdown"), description=__doc__.split("\n")[0])
     p.add_argument("--trace", default=None)
     p.add_argument("--max-requests", type=parse_count, default=None)
     p.add_argument("--policy", nargs="+", default=["belady", "gds_adaptive"])

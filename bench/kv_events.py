@@ -1,5 +1,5 @@
 """The router's side of KV events in a replay: rebuild the cache's page set from its events
-alone and compare it with the tree's (``python -m bench.replay --kv-events check``).
+alone and compare it with the tree's (``python -m bench replay --kv-events check``).
 
 A cache-aware router (SGLang's router, Dynamo, llm-d) keeps the pages each instance holds
 from ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``. :class:`EventConsumer` does the

@@ -1,8 +1,8 @@
 """Engine instances sharing one HiCache L3: hit rate with and without sharing.
 
-    python -m bench.l3_share --max-requests 1000 --instances 2 --l3 file:/tmp/hpc-l3
-    python -m bench.l3_share --instances 2 --l3 redis://127.0.0.1:6379 --json out.json
-    python -m bench.l3_share --instances 2 --l3 mooncake://127.0.0.1:50051   # Mooncake master
+    python -m bench l3-share --max-requests 1000 --instances 2 --l3 file:/tmp/hpc-l3
+    python -m bench l3-share --instances 2 --l3 redis://127.0.0.1:6379 --json out.json
+    python -m bench l3-share --instances 2 --l3 mooncake://127.0.0.1:50051   # Mooncake master
 
 The trace (default: the shipped Mooncake conversation trace) is cut to its first
 ``--max-requests`` requests; request ``i`` goes to instance ``i % N`` (N independent
@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.cli import parse_count, prog
 from bench.engine import EngineConfig, ReplayEngine
 from bench.metrics import summarize
-from bench.replay import parse_count
 from bench.traces import TraceRequest, load_trace
 from hicache import HiCacheConfig
 
@@ -142,7 +142,7 @@ def run_setup(setup: str, trace: list[TraceRequest], base: EngineConfig, n: int,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.l3_share", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=prog("l3-share"), description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)")
     p.add_argument("--max-requests", type=int, default=1000)
     p.add_argument("--instances", type=int, default=2)

@@ -1,4 +1,4 @@
-"""Load time and bytes of real PEFT adapters: ``python -m bench.lora_load``.
+"""Load time and bytes of real PEFT adapters: ``python -m bench lora-load``.
 
 Adapters are made by PEFT (``get_peft_model`` + ``save_pretrained``, safetensors) on a
 Llama-shaped model built from a config (random weights, nothing downloaded), for every rank of
@@ -22,7 +22,7 @@ Needs ``peft`` and ``transformers`` (``pip install -e ".[lora,model]"``).
 
 Example::
 
-    python -m bench.lora_load --hidden 1024 --layers 4 --ranks 8 16 64 --repeats 5
+    python -m bench lora-load --hidden 1024 --layers 4 --ranks 8 16 64 --repeats 5
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from allocators.lora import (
     linear_module_shapes,
     read_peft_adapter,
 )
+from bench.cli import prog
 
 __all__ = ["main", "measure"]
 
@@ -173,7 +174,7 @@ def render(rows: Sequence[dict[str, Any]], hidden: int, layers: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.lora_load", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=prog("lora-load"), description=__doc__.split("\n")[0])
     p.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 64], help="LoRA ranks")

@@ -1,4 +1,4 @@
-"""The trace replay with LoRA adapters: ``python -m bench.replay --adapters N|DIR... ...``.
+"""The trace replay with LoRA adapters: ``python -m bench replay --adapters N|DIR... ...``.
 
 Each request runs through an adapter (:func:`bench.lora_sched.assign_adapters`); the
 :class:`~bench.lora_sched.LoraScheduler` batches requests so their adapters fit
@@ -19,9 +19,9 @@ them to the prefix-cache engine with the adapter's uid as ``extra_key``. One run
 
 Examples::
 
-    python -m bench.replay --max-requests 2000 --adapters 32 --adapter-skew zipf:1.1 \\
+    python -m bench replay --max-requests 2000 --adapters 32 --adapter-skew zipf:1.1 \\
         --max-loras-per-batch 8 --lora-eviction-policy lru fifo --policy lru
-    python -m bench.replay --max-requests 2000 --adapters sql=/ckpt/sql chat=/ckpt/chat \\
+    python -m bench replay --max-requests 2000 --adapters sql=/ckpt/sql chat=/ckpt/chat \\
         /ckpt/code --max-loras-per-batch 2
 """
 
@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
-from tqdm import tqdm
 
 from allocators.lora import (
     LoraAdapter,
@@ -50,6 +49,7 @@ from allocators.lora import (
     write_peft_adapter,
 )
 from bench.bounds import Bounds
+from bench.cli import Progress
 from bench.engine import EngineConfig, ReplayEngine
 from bench.lora_sched import (
     LoraCounters,
@@ -289,15 +289,8 @@ def replay_lora_one(
     )
     assignment = assign_adapters(trace, lora)
     start = time.perf_counter()
-    with tqdm(
-        total=len(trace),
-        desc=f"{config.policy}/{lora.eviction_policy} adapters={lora.num_adapters}",
-        unit="req",
-        file=sys.stderr,
-        mininterval=0.5,
-        disable=None if progress is None else not progress,
-        leave=False,
-    ) as bar:
+    with Progress(len(trace), f"{config.policy}/{lora.eviction_policy} "
+                  f"adapters={lora.num_adapters}", "req", progress) as bar:
         counters = sched.run(trace, assignment, engine, on_admit=bar.update)
     wall = time.perf_counter() - start
     engine.cache.sanity_check()

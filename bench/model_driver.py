@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from allocators import MambaStatePool
+from bench.cli import prog
 from bench.model_adapter import (
     ARCHITECTURES,
     CacheLayout,
@@ -386,7 +387,7 @@ def tree_prompts(n: int, *, vocab: int, seed: int = 0, roots: int = 3,
 def main(argv: list[str] | None = None) -> None:
     """Print one row per (architecture, page size): requests, reused tokens, evictions, the
     largest logit difference, seconds; a row that fails says why."""
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap = argparse.ArgumentParser(prog=prog("model"), description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--arch", nargs="+", default=sorted(ARCHITECTURES))
     ap.add_argument("--page-size", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--prompts", type=int, default=32)

@@ -1,6 +1,6 @@
 """Radix-operation speed on the anchor's seeded workloads, driven through our RadixCache.
 
-    python -m bench.radix_bench --workload sysprompt|multiturn [--states] [--page-size P]
+    python -m bench radix-ops --workload sysprompt|multiturn [--states] [--page-size P]
         [--capacity N --mamba-capacity M --policy lru --allocator real|counter]
 
 Reproduces ``../shared/anchors/sglang_radix_bench.py`` exactly: the same seeded generator
@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from allocators import MambaStatePool, PagedAllocator, TokenAllocator
+from bench.cli import prog
 from radix import CacheConfig, RadixCache, RadixKey
 
 __all__ = ["build_parser", "make_workload", "run", "main"]
@@ -342,7 +343,7 @@ def run(args: argparse.Namespace, keep: dict[str, Any] | None = None) -> dict[st
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m bench.radix_bench",
+        prog=prog("radix-ops"),
         description="Our RadixCache on the SGLang anchor's seeded workloads (one JSON line).",
     )
     ap.add_argument("--workload", choices=["sysprompt", "multiturn"], default="sysprompt")

@@ -1,4 +1,4 @@
-"""Trace replay CLI (SPEC section 7): ``python -m bench.replay`` / ``hpc-replay``.
+"""Trace replay CLI: ``python -m bench replay`` / ``hpc-bench replay``.
 
 Replays a request trace through the prefix cache the way an engine would
 (:mod:`bench.engine`), once per eviction policy and memory size, and prints the metrics side
@@ -6,22 +6,22 @@ by side (:mod:`bench.report`) with the trace's infinite-memory bounds (:mod:`ben
 
 Examples::
 
-    python -m bench.replay                                   # shipped Mooncake trace, lru vs gds
-    python -m bench.replay --max-requests 2000 --policy lru gds --kv-tokens 16M --state-slots 512
-    python -m bench.replay --trace ../shared/traces/lmbench_gmi_trace.jsonl --kv-tokens 1M --json out.json
-    python -m bench.replay --state-slots 128 256 512 --policy lru gds --json -   # a sweep, JSON on stdout
-    python -m bench.replay --max-requests 2000 --adapters 32 --adapter-skew zipf:1.1 --max-loras-per-batch 8
+    python -m bench replay                                   # shipped Mooncake trace, lru vs gds
+    python -m bench replay --max-requests 2000 --policy lru gds --kv-tokens 16M --state-slots 512
+    python -m bench replay --trace ../shared/traces/lmbench_gmi_trace.jsonl --kv-tokens 1M --json out.json
+    python -m bench replay --state-slots 128 256 512 --policy lru gds --json -   # a sweep, JSON on stdout
+    python -m bench replay --max-requests 2000 --adapters 32 --adapter-skew zipf:1.1 --max-loras-per-batch 8
         # LoRA adapters (bench.lora_replay): slot loads, evictions, hit rate; lru vs fifo
-    python -m bench.replay --kv-tokens 2M --state-slots 256 --hicache-ratio 0 4
+    python -m bench replay --kv-tokens 2M --state-slots 256 --hicache-ratio 0 4
         # without and with a host (L2) tier of 4x the device pools, side by side
-    python -m bench.replay --policy lru --page-size 16 --kv-events off on check
+    python -m bench replay --policy lru --page-size 16 --kv-events off on check
         # KV events for routers: their cost (off vs on), and the page set a router rebuilds
         # from them checked against the tree's (0 disagreements expected)
 
 Memory sizes accept ``16000000``, ``16e6``, ``16M`` or ``512K``. Several ``--kv-tokens`` /
 ``--state-slots`` values run every combination (a sweep). ``--state-slots 0`` replays a
-KV-only (pure attention) model. The progress bar goes to stderr (shown on a terminal only,
-unless ``--no-progress``); the table to stdout (to stderr when ``--json -`` takes stdout).
+KV-only (pure attention) model. Progress goes to stderr (a bar on a terminal, a line every few
+seconds elsewhere; none with ``--no-progress``); the table to stdout (to stderr when ``--json -`` takes stdout).
 Peak RSS is the process's high-water mark so far (``getrusage``), so with several runs it
 never decreases from one column to the next.
 """
@@ -39,9 +39,10 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 import torch
-from tqdm import tqdm
 
 from bench.bounds import compute_bounds
+from bench.cli import Progress, output_path, parse_count, prog, require_package
+from bench.cli import positive as _positive
 from bench.engine import EngineConfig, ReplayEngine
 from bench.kv_events import EventConsumer, EventCounter, disagreements
 from bench.lora_replay import add_lora_arguments, lora_replay_configs, run_lora_replays
@@ -54,6 +55,7 @@ from bench.traces import (
     load_trace,
     resolve_trace_path,
     sniff_format,
+    trace_label,
 )
 from bench.workloads import add_workload_arguments, workload_requests
 from hicache import WRITE_POLICIES
@@ -61,33 +63,6 @@ from radix import CacheConfig
 from radix.config import SWA_RELEASE_EXTRA_PAGES
 
 __all__ = ["main", "parse_count", "replay_one"]
-
-_SUFFIX = {"K": 10**3, "M": 10**6, "G": 10**9}
-
-
-def parse_count(text: str) -> int:
-    """``"16000000"``, ``"16e6"``, ``"16M"``, ``"512K"`` -> int (must be a whole number >= 0)."""
-    s = text.strip().upper().replace("_", "").replace(",", "")
-    scale = 1
-    if s and s[-1] in _SUFFIX:
-        scale, s = _SUFFIX[s[-1]], s[:-1]
-    try:
-        value = float(s) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not a count: {text!r} (try 16000000, 16e6 or 16M)"
-        ) from None
-    if value < 0 or value != int(value):
-        raise argparse.ArgumentTypeError(f"not a whole non-negative count: {text!r}")
-    return int(value)
-
-
-def _positive(text: str) -> int:
-    value = parse_count(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
-    return value
-
 
 def _ratio(text: str) -> float:
     """A host-tier ratio: 0 (off) or a finite number (> 1, checked with the config)."""
@@ -102,7 +77,7 @@ def _ratio(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m bench.replay",
+        prog=prog("replay"),
         description="Replay a request trace through the hybrid prefix cache, one run per policy.",
     )
     p.add_argument(
@@ -168,11 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="state of a finished prompt at its last full trace block (default) or its last token",
     )
     p.add_argument(
-        "--json", metavar="FILE|-", default=None, help="also write results as JSON ('-': stdout)"
+        "--json", metavar="FILE|-", type=output_path, default=None,
+        help="also write results as JSON ('-': stdout)"
     )
     p.add_argument(
         "--plot",
         metavar="FILE",
+        type=output_path,
         default=None,
         help="hit rate and state-miss vs memory, one line per policy (needs a sweep and matplotlib)",
     )
@@ -270,7 +247,7 @@ def replay_one(
 ) -> RunResult:
     """Replay ``trace`` through a fresh cache built from ``config``; check the cache after.
 
-    ``progress``: ``True`` show a bar on stderr, ``False`` none, ``None`` only on a terminal.
+    ``progress``: ``False`` none, else on stderr (:class:`bench.cli.Progress`).
     With ``config.kv_events`` the events are taken after every request; ``"check"`` also
     rebuilds the page set from them (``bench.kv_events``) and compares it with the tree's
     every ``check_every`` requests (0: at the end only) and at the end.
@@ -290,15 +267,7 @@ def replay_one(
     cache = engine.cache
     start = time.perf_counter()
     cpu0 = time.process_time()
-    with tqdm(
-        total=len(trace),
-        desc=desc,
-        unit="req",
-        file=sys.stderr,
-        mininterval=0.5,
-        disable=None if progress is None else not progress,
-        leave=False,
-    ) as bar:
+    with Progress(len(trace), desc, "req", progress) as bar:
         for i, tr in enumerate(trace):
             engine.admit(tr, rid=i)
             if events != "off":
@@ -379,6 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit status (0 ok, 2 bad arguments or trace)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.plot is not None:
+        require_package(parser, "matplotlib", "--plot", "plot")
     torch.set_num_threads(args.torch_threads)
     try:
         configs = _configs(args)
@@ -397,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 max_requests=args.max_requests,
                 tracelab_block_size=args.tracelab_block_size,
             )
-            source = str(path)
+            source = trace_label(path)
     except (FileNotFoundError, TraceFormatError, ValueError, TypeError) as e:
         parser.exit(2, f"error: {e}\n")
     if not trace:
@@ -431,7 +402,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             with open(args.json, "w", encoding="utf-8") as f:
                 f.write(payload + "\n")
     if args.plot is not None:
-        write_plot(args.plot, runs, bounds)
+        sizes = ", ".join(f"{a.replace('_', ' ')} {', '.join(f'{v:,}' for v in vals)}"
+                          for a, vals in (("kv_tokens", args.kv_tokens),
+                                          ("state_slots", args.state_slots)))
+        write_plot(args.plot, runs, bounds,
+                   f"{info.path}: {info.requests:,} requests; {sizes}; "
+                   f"concurrency {args.concurrency}")
     return 0
 
 

@@ -1,6 +1,6 @@
 """The robustness table: every policy on every trace and generated workload, one command.
 
-``python -m bench.robustness`` runs the simulator (:mod:`bench.simulator`, trace arrivals) for
+``python -m bench robustness`` runs the simulator (:mod:`bench.simulator`, trace arrivals) for
 every source x state slots (64 / 256 / 1,024 / 4,096) x KV tokens (4M / 16M) x concurrency
 (16 / 64) x policy, writes one CSV row per run, and prints per source a table of token hit
 rates plus the verdict on the recommended policy (``gds_adaptive``): at every point its
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.cli import prog
 from bench.simulator import SimConfig, SimResult
 from bench.sweep import run_all
 from bench.traces import TraceRequest, load_trace
@@ -200,7 +201,7 @@ def _write_csv(path: str, rows: Sequence[Row]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.robustness", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=prog("robustness"), description=__doc__.split("\n")[0])
     p.add_argument("--sources", nargs="+", default=list(SOURCES), choices=list(SOURCES))
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
     p.add_argument("--slots", nargs="+", type=int, default=list(SLOTS))

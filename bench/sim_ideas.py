@@ -1,7 +1,7 @@
-"""Replay-only experimental state walks (issue 12): online ideas measured against ``belady``.
+"""Replay-only experimental state walks: online ideas measured against ``belady``.
 
 Each is a :class:`components.state.StateWalk` given to the cache through ``state_walk=``
-(run with ``python -m bench.simulate --policy idea:NAME``). They favour clarity over speed:
+(run with ``python -m bench simulate --policy idea:NAME``). They favour clarity over speed:
 ``pop_victim`` scans every candidate (O(states) per eviction), so no lazy-heap invariant is
 needed while weights are learned. Priorities follow GreedyDual: ``stamp + weight x cost``,
 ``stamp`` the watermark at the state's last use, the watermark raised to each victim's

@@ -1,4 +1,4 @@
-"""Engine simulator CLI: ``python -m bench.simulate`` (SPEC 7; :mod:`bench.simulator`).
+"""Engine simulator CLI: ``python -m bench simulate`` (SPEC 7; :mod:`bench.simulator`).
 
 Replays a trace through the cache *with time*: requests arrive at their timestamps, a
 scheduler admits them under a prefill token budget and ``--max-running-requests``, prefill
@@ -8,11 +8,11 @@ minute per GPU beside the cache metrics, one row per run, with the infinite-memo
 
 Examples::
 
-    python -m bench.simulate --max-requests 2000 --policy lru gds marconi belady
-    python -m bench.simulate --model qwen3-next-80b --memory-gb 40 --state-fraction 0.2
-    python -m bench.simulate --policy lru joint_lru gds marconi belady \\
+    python -m bench simulate --max-requests 2000 --policy lru gds marconi belady
+    python -m bench simulate --model qwen3-next-80b --memory-gb 40 --state-fraction 0.2
+    python -m bench simulate --policy lru joint_lru gds marconi belady \\
         --sweep state-slots=64,128,256,512,1024,2048 --plot bench/results/slots.png
-    python -m bench.simulate --sweep concurrency=16,24,32,40,64 --arrivals closed --plot c.png
+    python -m bench simulate --sweep concurrency=16,24,32,40,64 --arrivals closed --plot c.png
 
 ``--plot FILE`` (needs a sweep) writes the figure and a CSV beside it (``FILE`` with
 ``.csv``); ``--csv FILE`` writes the CSV alone. Runs of a sweep go to ``--jobs`` processes.
@@ -35,8 +35,10 @@ from typing import Any
 import torch
 
 from bench.bounds import Bounds, compute_bounds
+from bench.cli import output_path, parse_count, prog, require_package
+from bench.cli import positive as _positive
+from bench.cli import positive_float as _positive_float
 from bench.presets import PRESETS, get_preset, split_memory
-from bench.replay import parse_count
 from bench.sim_policies import BASELINE_POLICIES
 from bench.simulator import SimConfig, SimResult
 from bench.sweep import (
@@ -48,32 +50,21 @@ from bench.sweep import (
     write_csv,
     write_sweep_plot,
 )
-from bench.traces import TraceFormatError, load_trace, resolve_trace_path, sniff_format
+from bench.traces import (
+    TraceFormatError,
+    load_trace,
+    resolve_trace_path,
+    sniff_format,
+    trace_label,
+)
 from bench.workloads import add_workload_arguments, workload_requests
 from radix import CacheConfig
 
 __all__ = ["build_parser", "main", "plan_runs", "render_rows"]
 
 
-def _positive(text: str) -> int:
-    v = parse_count(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.simulate",
+    p = argparse.ArgumentParser(prog=prog("simulate"),
                                 description="Simulate an engine serving a trace over the hybrid prefix cache.")
     a = p.add_argument
     a("--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)")
@@ -110,9 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--sweep", type=parse_sweep, default=None, metavar="AXIS=V1,V2,...",
       help="kv-tokens / state-slots / concurrency / memory-gb / state-fraction")
     a("--jobs", type=_positive, default=os.cpu_count() or 1, help="parallel runs (default: CPUs)")
-    a("--plot", metavar="FILE", default=None, help="figure of a sweep (+ FILE.csv beside it)")
-    a("--csv", metavar="FILE", default=None, help="one row per run")
-    a("--json", metavar="FILE|-", default=None, help="everything as JSON ('-': stdout)")
+    a("--plot", metavar="FILE", type=output_path, default=None, help="figure of a sweep (+ FILE.csv beside it)")
+    a("--csv", metavar="FILE", type=output_path, default=None, help="one row per run")
+    a("--json", metavar="FILE|-", type=output_path, default=None, help="everything as JSON ('-': stdout)")
     a("--markdown", action="store_true", help="print the table as Markdown")
     a("--no-progress", action="store_true")
     return p
@@ -238,7 +229,7 @@ def _header(args: argparse.Namespace, path: Path | str, n: int, bounds: Bounds) 
         model = (f", model {p.name} ({p.kv_bytes_per_token:,} B/token, "
                  f"{p.state_bytes_per_slot:,} B/slot)")
     return "\n".join([
-        f"trace: {path} ({n:,} requests), arrivals {args.arrivals}, time scale {args.time_scale:g}"
+        f"trace: {trace_label(path) if isinstance(path, Path) else path} ({n:,} requests), arrivals {args.arrivals}, time scale {args.time_scale:g}"
         f", decode {args.decode_ms:g} ms/token, prefill budget "
         f"{args.max_prefill_tokens or args.chunk_size:,} tokens/step{model}",
         f"infinite-memory bounds (match prompt[:-1]): every block {bounds.every_block_hit_rate:.4f}, "
@@ -261,6 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; 0 ok, 2 bad arguments or trace."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.plot is not None:
+        require_package(parser, "matplotlib", "--plot", "plot")
     if args.torch_threads < 1:
         parser.exit(2, f"error: --torch-threads must be >= 1, got {args.torch_threads}\n")
     torch.set_num_threads(args.torch_threads)
@@ -300,7 +293,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_csv(args.csv, rows)
     if args.plot:
         write_csv(Path(args.plot).with_suffix(".csv"), rows)
-        title = f"{path.name if isinstance(path, Path) else path}: {len(trace):,} requests"
+        name = trace_label(path) if isinstance(path, Path) else path
+        title = (f"{name}: {len(trace):,} requests; KV {args.kv_tokens:,} tokens, "
+                 f"{args.state_slots:,} state slots, concurrency {args.concurrency} "
+                 f"(swept: {args.sweep.axis})")
         write_sweep_plot(args.plot, results, args.sweep, values, bounds, title)  # type: ignore[arg-type]
     if args.json is not None:
         text = json.dumps(_json(results, values, bounds, args.sweep), indent=2)

@@ -1,9 +1,9 @@
 """Page throughput of the L3 backends: pages/s and MiB/s, written and read, batched or not.
 
-    python -m bench.storage_bench                                  # file store only
-    eval "$(bash .ci/redis-up)"; python -m bench.storage_bench     # + Redis node and cluster
-    eval "$(bash .ci/mooncake-up)"; python -m bench.storage_bench  # + Mooncake Store
-    python -m bench.storage_bench --page-bytes 1M --pages 128 --batch 1 64 --json out.json
+    python -m bench storage                                  # file store only
+    eval "$(bash .ci/redis-up)"; python -m bench storage     # + Redis node and cluster
+    eval "$(bash .ci/mooncake-up)"; python -m bench storage  # + Mooncake Store
+    python -m bench storage --page-bytes 1M --pages 128 --batch 1 64 --json out.json
 
 Each run writes ``--pages`` fresh pages of ``--page-bytes`` random bytes (through the whole
 interface: record header, checksum, set-if-absent) in batches of ``--batch`` pages, then
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.replay import parse_count
+from bench.cli import parse_count, prog
 from hicache.storage import FileStore, MooncakeOptions, RedisStore, StorageBackend
 from hicache.storage.page import KIND_KV, decode, encode, mac_state, tag_digest
 
@@ -130,7 +130,7 @@ def bench_backend(name: str, store: StorageBackend, args: argparse.Namespace,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.storage_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=prog("storage"), description=__doc__.split("\n\n")[0])
     p.add_argument("--page-bytes", type=parse_count, default=parse_count("256K"))
     p.add_argument("--pages", type=int, default=256)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])

@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import csv
 import multiprocessing as mp
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from bench.bounds import Bounds
+from bench.cli import Progress
+from bench.plot import legend_below, policy_style, pyplot
 from bench.sim_policies import NextUseIndex
 from bench.simulator import SimConfig, SimResult, run_policy
 from bench.traces import TraceRequest
@@ -144,8 +143,7 @@ def run_all(trace: Sequence[TraceRequest], configs: Sequence[SimConfig], jobs: i
     else:
         _SHARED.pop("next_use", None)
     _SHARED["trace"] = trace
-    bar = tqdm(total=len(configs), desc="runs", unit="run", file=sys.stderr,
-               disable=None if progress is None else not progress, leave=False)
+    bar = Progress(len(configs), "runs", "run", progress)
     try:
         if jobs <= 1 or len(configs) == 1:
             out = []
@@ -215,9 +213,6 @@ def write_csv(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
         w.writerows(rows)
 
 
-_STYLE = {"belady": {"color": "black", "linestyle": "--", "marker": "x"}}
-
-
 def write_sweep_plot(path: str | Path, results: Sequence[SimResult], sweep: Sweep,
                      values: Sequence[float], bounds: Bounds, title: str = "") -> None:
     """Three panels against the swept value, one line per policy: token hit rate (with the
@@ -226,13 +221,7 @@ def write_sweep_plot(path: str | Path, results: Sequence[SimResult], sweep: Swee
     ``values[i]`` is the swept value of ``results[i]``. Raises ``RuntimeError`` without
     matplotlib (the project's ``plot`` extra).
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'hybrid-prefix-cache[plot]'") from None
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     panels = (
         ("token hit rate", lambda r: r.metrics.token_hit_rate),
@@ -241,7 +230,7 @@ def write_sweep_plot(path: str | Path, results: Sequence[SimResult], sweep: Swee
     )
     for policy in dict.fromkeys(r.label for r in results):
         pts = sorted((v, r) for v, r in zip(values, results, strict=True) if r.label == policy)
-        style = _STYLE.get(policy, {"marker": "o"})
+        style = policy_style(policy)
         label = "belady (offline reference)" if policy == "belady" else policy
         for ax, (_, get) in zip(axes, panels, strict=True):
             ax.plot([v for v, _ in pts], [get(r) for _, r in pts], label=label, **style)
@@ -259,9 +248,6 @@ def write_sweep_plot(path: str | Path, results: Sequence[SimResult], sweep: Swee
         ax.set_xlabel(sweep.axis)
         ax.set_title(name)
         ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize="small")
-    if title:
-        fig.suptitle(title, fontsize="medium")
-    fig.tight_layout()
+    legend_below(fig, axes, title)
     fig.savefig(path, dpi=90)
     plt.close(fig)

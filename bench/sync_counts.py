@@ -1,5 +1,5 @@
 """Host synchronisations per request and per operation of the replay's engine on a (simulated)
-CUDA device: ``python -m bench.sync_counts``.
+CUDA device: ``python -m bench sync-counts``.
 
 The replay's engine (:class:`bench.engine.ReplayEngine`) runs on ``device="cuda"`` inside
 :class:`bench.simcuda.SimCuda`, so every allocator, pool and cache takes its CUDA path on a
@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bench.cli import prog
 from bench.engine import EngineConfig, ReplayEngine
 from bench.simcuda import SimCuda
 from bench.traces import TraceRequest, load_trace, runs_from_blocks
@@ -142,7 +143,7 @@ def table(results: Sequence[ModelCounts]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.sync_counts", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=prog("sync-counts"), description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=160, help="requests per model (160)")
     p.add_argument("--trace", default=None,
                    help="replay this trace file's first --requests instead of the seeded "

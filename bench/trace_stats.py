@@ -1,4 +1,4 @@
-"""Statistics of a request trace: ``python -m bench.trace_stats TRACE [--json FILE|-]``.
+"""Statistics of a request trace: ``python -m bench trace-stats TRACE [--json FILE|-]``.
 
 Prints requests, time span and rate, prompt / output lengths, block reuse and the
 infinite-cache bounds, computed the way ``../shared/traces/README.md`` describes them:
@@ -24,12 +24,14 @@ from typing import Any
 import numpy as np
 
 from bench.bounds import compute_bounds
+from bench.cli import prog
 from bench.traces import (
     TraceFormatError,
     TraceRequest,
     load_trace,
     resolve_trace_path,
     sniff_format,
+    trace_label,
 )
 
 __all__ = ["BlockReuse", "block_reuse", "main", "render_stats", "trace_stats"]
@@ -154,7 +156,7 @@ def render_stats(path: str, fmt: str, s: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.trace_stats", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=prog("trace-stats"), description=__doc__.split("\n")[0])
     p.add_argument("trace", nargs="?", default=None, help="JSONL trace (default: the shipped one)")
     p.add_argument("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto")
     p.add_argument("--mooncake-block-size", type=int, default=512)
@@ -169,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stats = trace_stats(trace)
     except (FileNotFoundError, TraceFormatError, ValueError) as e:
         p.exit(2, f"error: {e}\n")
-    print(render_stats(str(path), fmt, stats), file=sys.stderr if args.json == "-" else sys.stdout)
+    print(render_stats(trace_label(path), fmt, stats), file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json is not None:
         text = json.dumps({"trace": str(path), "format": fmt, **stats}, indent=2)
         if args.json == "-":

@@ -1,4 +1,4 @@
-"""TraceLab round trace -> Mooncake-style JSONL: ``python -m bench.tracelab_convert IN OUT``.
+"""TraceLab round trace -> Mooncake-style JSONL: ``python -m bench convert IN OUT``.
 
 TraceLab (uw-syfi/TraceLab) records one LLM call per line with ``session_id``,
 ``input_tokens_total``, ``prefix_tokens`` and ``newly_append_tokens`` but no block hashes.
@@ -27,6 +27,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.cli import prog
 from bench.traces import TraceFormatError, TraceRequest, load_trace
 
 __all__ = ["block_runs", "convert", "main", "to_mooncake_lines"]
@@ -83,7 +84,7 @@ def convert(src: str | Path, dst: str | Path, block_size: int = 512) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.tracelab_convert",
+    p = argparse.ArgumentParser(prog=prog("convert"),
                                 description="TraceLab round trace -> Mooncake-style JSONL")
     p.add_argument("src", help="TraceLab round_trace.jsonl")
     p.add_argument("dst", help="output JSONL")

@@ -56,6 +56,7 @@ __all__ = [
     "resolve_trace_path",
     "runs_from_blocks",
     "sniff_format",
+    "trace_label",
 ]
 
 TraceFormat = Literal["mooncake", "gmi", "tracelab"]
@@ -364,6 +365,16 @@ def resolve_trace_path(path: str | Path | None) -> Path:
     if not resolved.is_file():
         raise FileNotFoundError(f"trace file not found: {resolved}")
     return resolved
+
+
+def trace_label(path: str | Path) -> str:
+    """How reports name a trace file: its path inside the repository (``bench/traces/...``)
+    when it lies there, else its file name, never a machine's absolute path."""
+    resolved = Path(path).resolve()
+    repo = Path(__file__).resolve().parents[1]
+    if resolved.is_relative_to(repo):
+        return resolved.relative_to(repo).as_posix()
+    return resolved.name
 
 
 def sniff_format(path: str | Path | None = None) -> TraceFormat:

@@ -49,7 +49,8 @@ class CacheConfig:
             trailing partial page is never cached. Must equal the KV allocator's page size.
         radix_eviction_policy: a name from ``radix.policies.POLICY_REGISTRY`` or ``None``
             (resolved to ``"lru"``). ``"gds"`` is opt-in only.
-        radix_eviction_policy_config: knobs of that policy (``POLICIES.md``), or ``None``.
+        radix_eviction_policy_config: knobs of that policy (``radix.policies``: each
+            policy's knobs, defaults and checks), or ``None``.
         sliding_window_size: tokens an SWA layer attends to (>= 1), or ``None`` for a model
             without sliding-window layers. Needs an ``allocators.SWAAllocator`` as KV allocator.
         swa_release_extra_pages: pages a request keeps live, beyond ``max(sliding_window_size,

@@ -1,6 +1,7 @@
 """Radix eviction policies: a registry of small key functions, chosen by name.
 
-A policy maps a node to a sort key; the **smaller key is evicted first** (``POLICIES.md``).
+A policy maps a node to a sort key; the **smaller key is evicted first**. Each policy's
+semantics are the ``doc`` of its entry in ``POLICY_REGISTRY`` and its key function below.
 Each policy also says which walk its recurrent-state component uses (``lru`` on the state's own
 access stamp, or GreedyDual-Size) and whether its key can *decrease* when a node is touched
 (a lazy heap is only sound when it cannot; the KV index here is a sorted structure, so every
@@ -20,7 +21,8 @@ from radix.node import TreeNode
 
 KeyFn = Callable[[TreeNode], tuple[Any, ...]]
 
-#: GreedyDual-Size cost coefficients, fitted on GLM prefill timings (FlashState; SPEC 2.3).
+#: GreedyDual-Size cost coefficients ``cost(a, b) = d*(b - a) + e*(b*b - a*a)/2e5``
+#: (``components.gds``), fitted on GLM prefill timings as in the FlashState paper.
 GDS_DEFAULT_D = 1.862e-5
 GDS_DEFAULT_E = 3.33e-6
 

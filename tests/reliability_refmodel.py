@@ -17,7 +17,7 @@ legality check where the library chooses by its eviction policy (which victims a
 takes, which host leaves a backup evicts): :meth:`absorb` checks each observed change is one
 the chosen operation may make, then adopts it. It never asks the library why.
 
-Rules mirrored (SPEC 1-4, 6):
+Rules mirrored (the library's documented rules: tree, components, host tier, L3):
 
 * matching walks whole pages; the usable prefix ends at the deepest device page holding a
   state whose SWA window is intact (no tombstone on the path, or ``window`` live tokens

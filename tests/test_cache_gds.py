@@ -1,4 +1,4 @@
-"""GreedyDual-Size eviction of recurrent states (SPEC 2.3, POLICIES.md): the cost function by
+"""GreedyDual-Size eviction of recurrent states (``components.gds``): the cost function by
 hand, the worked example on a real cache, re-seeding, stamps, the lower-bound invariant and
 the watermark, and knob validation at build time."""
 

@@ -2,8 +2,8 @@
 
 ``generate("docqa", seed=0)`` (or a spec with parameters, ``"agentic:sessions=60,tool_s=20"``)
 returns ``list[TraceRequest]`` in arrival order, the form every trace loader returns, so the
-replay (``python -m bench.replay --workload docqa``), the simulator
-(``python -m bench.simulate --workload mix``) and ``python -m bench.workloads NAME --out F``
+replay (``python -m bench replay --workload docqa``), the simulator
+(``python -m bench simulate --workload mix``) and ``python -m bench workloads NAME --out F``
 (Mooncake-format JSONL for ``--trace F --mooncake-block-size 64``) all read them.
 
 | name | shape | reuse it exercises |
@@ -185,7 +185,7 @@ def add_workload_arguments(parser: Any) -> None:
     parser.add_argument(
         "--workload", metavar="NAME[:k=v,...]", default=None,
         help=f"generated requests instead of --trace: one of {', '.join(WORKLOADS)} "
-             "(python -m bench.workloads --list shows the parameters)")
+             "(python -m bench workloads --list shows the parameters)")
     parser.add_argument("--workload-seed", type=int, default=0,
                         help="seed of --workload (default 0)")
 

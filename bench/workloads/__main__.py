@@ -1,16 +1,16 @@
-"""``python -m bench.workloads NAME[:k=v,...] [--seed N] [--out FILE] [--json FILE|-]``.
+"""``python -m bench workloads NAME[:k=v,...] [--seed N] [--out FILE] [--json FILE|-]``.
 
 Generates a workload (:mod:`bench.workloads`), prints its reuse statistics (the same ones
-``python -m bench.trace_stats`` prints for a trace file) and, with ``--out``, writes it as
+``python -m bench trace-stats`` prints for a trace file) and, with ``--out``, writes it as
 Mooncake-format JSONL (``timestamp`` in ms, ``input_length``, ``output_length``, ``hash_ids``
 one per block, plus ``session``), which ``--trace FILE --mooncake-block-size B`` reads back
 request for request (``B`` = the workload's block size, 64 unless ``block=`` says otherwise).
 
 Examples::
 
-    python -m bench.workloads docqa
-    python -m bench.workloads agentic:sessions=80,tool_s=30 --seed 3 --out agentic.jsonl
-    python -m bench.workloads --list
+    python -m bench workloads docqa
+    python -m bench workloads agentic:sessions=80,tool_s=30 --seed 3 --out agentic.jsonl
+    python -m bench workloads --list
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 
+from bench.cli import prog
 from bench.trace_stats import render_stats, trace_stats
 from bench.traces import TraceRequest
 from bench.workloads import WORKLOADS, generate
@@ -47,7 +48,7 @@ def _listing() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.workloads",
+    p = argparse.ArgumentParser(prog=prog("workloads"),
                                 description="Generate a workload and print its reuse statistics.")
     p.add_argument("spec", nargs="?", help="NAME or NAME:key=value,... (--list shows them)")
     p.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,227 @@
+"""One command line for the bench tools: ``python -m bench COMMAND [ARGS...]`` (console script
+``hpc-bench``), and what every command shares: argument types, output paths and optional
+packages checked before a run starts, progress on stderr.
+
+``python -m bench`` / ``python -m bench --help`` lists the commands without importing any of
+them (no torch); ``python -m bench COMMAND --help`` shows one command's options. Commands are
+registered by name in :data:`COMMANDS` (module, one-line summary); the core tools never import
+the experimental ones.
+
+Progress: on a terminal a tqdm bar (the ``bench`` extra; a line without it); elsewhere (a pipe,
+a log, CI) one line every :data:`PROGRESS_INTERVAL_S` seconds to stderr, so a long run is never
+silent. Results go to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+__all__ = [
+    "COMMANDS",
+    "Progress",
+    "check_output_path",
+    "main",
+    "output_path",
+    "parse_count",
+    "positive",
+    "positive_float",
+    "prog",
+    "require_package",
+]
+
+#: Command -> (module whose ``main(argv)`` runs it, what it does). Core tools first.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "replay": ("bench.replay", "trace replay in the engine model: hit rates, state misses, "
+                               "memory, per policy and pool size (the main job)"),
+    "simulate": ("bench.simulate", "timed engine simulator: TTFT, throughput, hit rates; "
+                                   "sweeps over one axis (--sweep), CSV and plots"),
+    "robustness": ("bench.robustness", "every policy on every trace and generated workload "
+                                       "across memory sizes: the robustness table"),
+    "workloads": ("bench.workloads.__main__", "generate a seeded workload (docqa, agentic, "
+                                              "multiturn, sysprompt, mix), print its reuse"),
+    "trace-stats": ("bench.trace_stats", "reuse statistics of a trace file"),
+    "convert": ("bench.tracelab_convert", "convert a TraceLab trace to the Mooncake format"),
+    "compare": ("bench.compare_sglang", "radix operations against SGLang's own caches "
+                                        "(needs the anchor environment)"),
+    "radix-ops": ("bench.radix_bench", "per-operation cost of match / insert / evict / locks"),
+    "hit-breakdown": ("bench.hit_breakdown", "where a state policy's hits come from"),
+    "sync-counts": ("bench.sync_counts", "host synchronisations per request on a simulated "
+                                         "CUDA device"),
+    "storage": ("bench.storage_bench", "L3 backend throughput (file, Redis, Mooncake Store)"),
+    "l3-share": ("bench.l3_share", "hit rates of engines sharing one L3 store"),
+    "lora-load": ("bench.lora_load", "LoRA adapter load cost from PEFT directories"),
+    "model": ("bench.model_driver", "a tiny real hybrid model served through the cache "
+                                    "(bit-exact check)"),
+}
+
+#: Seconds between two progress lines when stderr is not a terminal.
+PROGRESS_INTERVAL_S = 5.0
+
+
+def prog(command: str) -> str:
+    """The ``prog`` of a command's parser: how the user typed it."""
+    return f"python -m bench {command}"
+
+
+# ------------------------------------------------------------------ argument types
+_SUFFIX = {"K": 10**3, "M": 10**6, "G": 10**9}
+
+
+def parse_count(text: str) -> int:
+    """``"16000000"``, ``"16e6"``, ``"16M"``, ``"512K"`` -> int (a whole number >= 0)."""
+    s = text.strip().upper().replace("_", "").replace(",", "")
+    scale = 1
+    if s and s[-1] in _SUFFIX:
+        scale, s = _SUFFIX[s[-1]], s[:-1]
+    try:
+        value = float(s) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a count: {text!r} (try 16000000, 16e6 or 16M)"
+        ) from None
+    if value < 0 or value != int(value):
+        raise argparse.ArgumentTypeError(f"not a whole non-negative count: {text!r}")
+    return int(value)
+
+
+def positive(text: str) -> int:
+    """:func:`parse_count` of at least 1."""
+    value = parse_count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0: {text!r}")
+    return value
+
+
+def check_output_path(path: str) -> str | None:
+    """Why ``path`` cannot be written (its folder missing or read-only, a folder itself), or
+    ``None``; ``"-"`` (stdout) is always fine."""
+    if path == "-":
+        return None
+    if os.path.isdir(path):
+        return f"{path!r} is a folder"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"the folder of {path!r} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"the folder of {path!r} is not writable"
+    return None
+
+
+def output_path(text: str) -> str:
+    """Argument type of an output file (``-``: stdout), checked when the command line is read,
+    so a bad path fails before the run, not after it."""
+    why = check_output_path(text)
+    if why is not None:
+        raise argparse.ArgumentTypeError(why)
+    return text
+
+
+def require_package(parser: argparse.ArgumentParser, module: str, option: str,
+                    extra: str) -> None:
+    """Stop with a usage error before the run when ``option`` needs ``module`` and it is not
+    installed (``extra``: the project's extra that brings it)."""
+    if importlib.util.find_spec(module) is None:
+        parser.error(f"{option} needs {module}: pip install 'hybrid-prefix-cache[{extra}]'")
+
+
+# ------------------------------------------------------------------ progress
+class Progress:
+    """Progress of ``total`` steps on stderr: a tqdm bar on a terminal (a line when tqdm is
+    absent), elsewhere one line every :data:`PROGRESS_INTERVAL_S` seconds and a last one.
+
+    Args:
+        total: steps expected.
+        desc: what runs (starts every line).
+        unit: what a step is (``"req"``, ``"run"``).
+        enabled: ``True`` always, ``False`` never, ``None`` (default) always too: a terminal
+            gets the bar, anything else the lines.
+    """
+
+    def __init__(self, total: int, desc: str, unit: str = "req",
+                 enabled: bool | None = None) -> None:
+        self.total, self.desc, self.unit = total, desc, unit
+        self.enabled = enabled is not False
+        self.n = 0
+        self._bar: Any = None
+        self._start = self._last = time.monotonic()
+        if self.enabled and sys.stderr.isatty() and importlib.util.find_spec("tqdm"):
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr,
+                             mininterval=0.5, leave=False)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self._bar is not None:
+            self._bar.update(n)
+            return
+        if self.enabled:
+            now = time.monotonic()
+            if now - self._last >= PROGRESS_INTERVAL_S:
+                self._last = now
+                self._line(now)
+
+    def _line(self, now: float) -> None:
+        elapsed = now - self._start
+        rate = self.n / elapsed if elapsed > 0 else 0.0
+        print(f"{self.desc}: {self.n:,}/{self.total:,} {self.unit} ({rate:,.0f} {self.unit}/s, "
+              f"{elapsed:.0f} s)", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        elif self.enabled and self.n and time.monotonic() - self._start >= PROGRESS_INTERVAL_S:
+            self._line(time.monotonic())
+        self.enabled = False
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------ the command line
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: python -m bench COMMAND [ARGS...]   (or: hpc-bench COMMAND [ARGS...])",
+             "", "commands:"]
+    lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
+    lines += ["", "python -m bench COMMAND --help shows the options of one command."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``argv[0]``'s command with the rest of ``argv``; its exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"python -m bench: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    code = module.main(rest)
+    return int(code or 0)
