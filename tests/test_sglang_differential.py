@@ -1,11 +1,13 @@
-"""Differential tests: the SGLang front end against SGLang 0.5.23's own caches.
+"""Differential tests: the SGLang front end against SGLang's own caches (0.5.23 and 0.5.12).
 
 The same seeded operation sequences (inserts with and without states, with the matched
 prefix's slots or with every slot fresh, matches that split nodes, locks and unlocks,
 evictions of KV tokens and of states) run on this library through ``radix.sglang`` and on
 SGLang's ``RadixCache`` / ``UnifiedRadixCache`` (full KV; full KV + Mamba), page sizes 1 and
-16. Every operation's answer (prefix length, matched slots, branching point, ``mamba_exist``,
-evicted counts), the sizes after it and the exact sets of KV slots and state slots the cache
+16, and on SGLang 0.5.12's ``MambaRadixCache`` (page size 1; the library with the options
+that give it that release's rules: ``state_recency="path"``, ``stateless_leaf="prune"``,
+``match_recency="usable"``). Every operation's answer (prefix length, matched slots,
+branching point, ``mamba_exist``, evicted counts), the sizes after it and the exact sets of KV slots and state slots the cache
 gave back during it must be equal, operation by operation.
 
 SGLang runs in the anchor environment (``../shared/anchors/setup.sh``; default
@@ -52,6 +54,12 @@ OPS = int(os.environ.get("HPC_SGLANG_DIFF_OPS", "300"))
 #: (variant, SGLang class, page size): the caches compared.
 CONFIGS = [("kv", "radix", 1), ("kv", "radix", 16), ("kv", "unified", 1),
            ("kv", "unified", 16), ("mamba", "unified", 1), ("mamba", "unified", 16)]
+#: SGLang 0.5.12's ``MambaRadixCache`` (page size 1 only), and the options that give the
+#: library its rules; its ``evict`` does not count what the KV walk freed on the way towards
+#: the state target, so its scripts ask for one kind at a time.
+LEGACY = "mamba-0.5.12"
+LEGACY_RULES: dict[str, Any] = dict(state_recency="path", stateless_leaf="prune",
+                                    match_recency="usable")
 
 
 def anchor_missing() -> str | None:
@@ -60,6 +68,17 @@ def anchor_missing() -> str | None:
         return f"the SGLang anchor environment is not built ({ANCHOR_PY} missing: run ../shared/anchors/setup.sh)"
     if not (ANCHOR_DIR / "sglang_cpu_shim.py").exists():
         return f"{ANCHOR_DIR}/sglang_cpu_shim.py missing"
+    return None
+
+
+def legacy_missing() -> str | None:
+    """Why SGLang 0.5.12 cannot be run here, or ``None`` (the anchor's setup.sh unpacks it
+    into ``older/x_0.5.12`` of the environment)."""
+    if (why := anchor_missing()) is not None:
+        return why
+    older = ANCHOR_PY.parents[1] / "older" / "x_0.5.12"
+    if not older.is_dir():
+        return f"SGLang 0.5.12 is not unpacked in the anchor environment ({older} missing)"
     return None
 
 
@@ -74,8 +93,10 @@ class Side:
                                  ssm_state_shape=(1,)) if variant == "mamba" else None
         pool = ReqToTokenPool(1, 1, mamba_pool=self.sp) if self.sp is not None else None
         cls = RadixCache if impl == "radix" else UnifiedRadixCache
+        rules = LEGACY_RULES if impl == LEGACY else {}
         self.cache = cls(CacheInitParams(disable=False, req_to_token_pool=pool,
-                                         token_to_kv_pool_allocator=self.kv, page_size=ps))
+                                         token_to_kv_pool_allocator=self.kv, page_size=ps,
+                                         **rules))
         self.locks: dict[int, Any] = {}
 
     def free_ids(self) -> tuple[np.ndarray, np.ndarray | None]:
@@ -199,7 +220,10 @@ def generate(variant: str, impl: str, ps: int, seed: int, n_ops: int
             run(["unlock", rng.choice(sorted(side.locks))])
         else:
             states = rng.randrange(0, 3) if side.sp is not None else 0
-            run(["evict", rng.randrange(0, 3) * ps, states])
+            tokens = rng.randrange(0, 3) * ps
+            if impl == LEGACY and tokens and states:
+                tokens, states = (tokens, 0) if rng.random() < 0.5 else (0, states)
+            run(["evict", tokens, states])
     script = {"variant": variant, "impl": impl, "page_size": ps, "policy": "lru", "ops": ops}
     return script, obs
 
@@ -213,12 +237,53 @@ def run_anchor(scripts: list[dict[str, Any]]) -> list[Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def legacy_view(op: list[Any], obs: list[Any]) -> list[Any]:
+    """Our observation as SGLang 0.5.12 reports it: its ``evict`` counts only what the walk
+    asked for walked (KV tokens of the KV walk, states of the state walk), not what it freed
+    on the way (the freed-slot sets stay compared exactly)."""
+    if op[0] != "evict":
+        return obs
+    tokens, states = obs[0]
+    return [[tokens if op[1] else 0, states if op[2] else 0], *obs[1:]]
+
+
 def first_mismatch(script: dict[str, Any], ours: list[Any], theirs: list[Any]) -> str | None:
+    if script["impl"] == LEGACY:
+        ours = [legacy_view(op, o) for op, o in zip(script["ops"], ours, strict=True)]
     for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         if a != b:
             ctx = script["ops"][max(0, i - 3): i + 1]
             return f"op {i} {script['ops'][i][:2]}: ours {a} != SGLang {b}; last ops {ctx}"
     return None
+
+
+def check_sequences(seqs: list[tuple[dict[str, Any], list[Any], list[Any]]], variant: str,
+                    impl: str) -> None:
+    """Every sequence gives SGLang's observations, and the sequences did exercise what they
+    are meant to (every kind of operation, evictions that freed KV slots and states, inserts
+    that freed the caller's duplicates)."""
+    bad = [m for s, o, t in seqs if (m := first_mismatch(s, o, t)) is not None]
+    total = sum(len(s["ops"]) for s, _, _ in seqs)
+    kinds = {op[0] for s, _, _ in seqs for op in s["ops"]}
+    assert kinds == {"insert", "match", "lock", "unlock", "evict"}
+    evicts = [o for s, obs, _ in seqs for op, o in zip(s["ops"], obs, strict=True)
+              if op[0] == "evict"]
+    assert any(o[2] for o in evicts), "no eviction freed a KV slot"
+    if variant == "mamba":
+        assert any(o[3] for o in evicts), "no eviction freed a state"
+    inserts = [o for s, obs, _ in seqs for op, o in zip(s["ops"], obs, strict=True)
+               if op[0] == "insert"]
+    assert impl == "radix" or any(o[2] for o in inserts), "no insert freed a duplicate"
+    assert not bad, f"{len(bad)} of {len(seqs)} sequences ({total} ops) differ; first: {bad[0]}"
+
+
+@pytest.mark.skipif(legacy_missing() is not None, reason=str(legacy_missing()))
+def test_path_recency_and_pruning_reproduce_sglang_0_5_12() -> None:
+    """``state_recency="path"``, ``stateless_leaf="prune"``, ``match_recency="usable"`` against
+    SGLang 0.5.12's ``MambaRadixCache`` (whose ``lru`` refreshes every state on a path)."""
+    made = [generate("mamba", LEGACY, 1, seed, OPS) for seed in range(SEQUENCES)]
+    theirs = run_anchor([s for s, _ in made])
+    check_sequences([(s, o, t) for (s, o), t in zip(made, theirs, strict=True)], "mamba", LEGACY)
 
 
 @pytest.fixture(scope="module")
@@ -236,17 +301,4 @@ def runs() -> dict[tuple[str, str, int], list[tuple[dict[str, Any], list[Any], l
 def test_same_answers_sizes_and_freed_slots_as_sglang(
         runs: dict[tuple[str, str, int], list[tuple[dict[str, Any], list[Any], list[Any]]]],
         variant: str, impl: str, ps: int) -> None:
-    seqs = runs[(variant, impl, ps)]
-    bad = [m for s, o, t in seqs if (m := first_mismatch(s, o, t)) is not None]
-    total = sum(len(s["ops"]) for s, _, _ in seqs)
-    kinds = {op[0] for s, _, _ in seqs for op in s["ops"]}
-    assert kinds == {"insert", "match", "lock", "unlock", "evict"}
-    evicts = [o for s, obs, _ in seqs for op, o in zip(s["ops"], obs, strict=True)
-              if op[0] == "evict"]
-    assert any(o[2] for o in evicts), "no eviction freed a KV slot"
-    if variant == "mamba":
-        assert any(o[3] for o in evicts), "no eviction freed a state"
-    inserts = [o for s, obs, _ in seqs for op, o in zip(s["ops"], obs, strict=True)
-               if op[0] == "insert"]
-    assert impl == "radix" or any(o[2] for o in inserts), "no insert freed a duplicate"
-    assert not bad, f"{len(bad)} of {len(seqs)} sequences ({total} ops) differ; first: {bad[0]}"
+    check_sequences(runs[(variant, impl, ps)], variant, impl)

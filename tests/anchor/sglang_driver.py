@@ -5,8 +5,10 @@ project: ``tests/test_sglang_differential.py`` starts it as a subprocess.
     <anchor python> sglang_driver.py ANCHOR_DIR < script.json
 
 ``ANCHOR_DIR`` holds ``sglang_cpu_shim`` (import-time stand-ins for triton / torchvision).
-The script is ``{"variant": "kv" | "mamba", "impl": "unified" | "radix",
-"page_size": P, "policy": NAME, "ops": [...]}``; each op is a list:
+The script is ``{"variant": "kv" | "mamba", "impl": "unified" | "radix" | "mamba-0.5.12",
+"page_size": P, "policy": NAME, "ops": [...]}`` (``mamba-0.5.12``: SGLang 0.5.12's
+``MambaRadixCache``, page size 1, from the copy the anchor's setup.sh unpacks; one process
+runs one release); each op is a list:
 
     ["insert", key, value, prev_prefix_len, state | null]
     ["match", key]
@@ -31,12 +33,34 @@ from typing import Any
 SG = types.SimpleNamespace()
 
 
-def load_sglang(anchor_dir: str) -> None:
-    """Import SGLang's caches (after the CPU shim from ``anchor_dir``) into ``SG``."""
+def load_legacy() -> None:
+    """Import SGLang 0.5.12's ``MambaRadixCache`` (unpacked by the anchor's setup.sh in the
+    environment, ``older/x_0.5.12``) into ``SG``."""
+    sys.path.insert(0, f"{sys.prefix}/older/x_0.5.12")
+    import importlib
+
+    import transformers  # 0.5.12 registers model configs newer transformers already has
+
+    register = transformers.AutoConfig.register
+
+    def _register(model_type: Any, config: Any, exist_ok: bool = False) -> Any:
+        return register(model_type, config, exist_ok=True)
+
+    transformers.AutoConfig.register = staticmethod(_register)
+    mrc = importlib.import_module("sglang.srt.mem_cache.mamba_radix_cache")
+    SG.legacy = mrc
+    SG.legacy_alloc = importlib.import_module("sglang.srt.mem_cache.allocator")
+
+
+def load_sglang(anchor_dir: str, legacy: bool = False) -> None:
+    """Import SGLang's caches (after the CPU shim from ``anchor_dir``) into ``SG``; with
+    ``legacy``, SGLang 0.5.12's instead of 0.5.23's."""
     sys.path.insert(0, anchor_dir)
     import importlib
 
     importlib.import_module("sglang_cpu_shim")  # before any sglang import
+    if legacy:
+        load_legacy()
     import torch
     from sglang.srt.mem_cache import memory_pool
     from sglang.srt.mem_cache.base_prefix_cache import (
@@ -46,16 +70,20 @@ def load_sglang(anchor_dir: str) -> None:
     )
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+    SG.__dict__.update(torch=torch, memory_pool=memory_pool, EvictParams=EvictParams,
+                       InsertParams=InsertParams, MatchPrefixParams=MatchPrefixParams,
+                       CacheInitParams=CacheInitParams, RadixCache=RadixCache,
+                       RadixKey=RadixKey)
+    if legacy:
+        return
     from sglang.srt.mem_cache.rust_tree_core import adapter
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
     from sglang.srt.mem_cache.unified_cache.components import mamba
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    SG.__dict__.update(torch=torch, memory_pool=memory_pool, EvictParams=EvictParams,
-                       InsertParams=InsertParams, MatchPrefixParams=MatchPrefixParams,
-                       CacheInitParams=CacheInitParams, RadixCache=RadixCache,
-                       RadixKey=RadixKey, adapter=adapter, ComponentType=ComponentType,
-                       mamba_component=mamba, UnifiedRadixCache=UnifiedRadixCache)
+    SG.__dict__.update(adapter=adapter, ComponentType=ComponentType, mamba_component=mamba,
+                       UnifiedRadixCache=UnifiedRadixCache)
 
 
 class RecordingAllocator:
@@ -97,8 +125,22 @@ class RecordingStates:
     schedulable_available_size = available_size
 
 
+def build_legacy(ps: int) -> tuple[Any, RecordingAllocator, RecordingStates]:
+    """SGLang 0.5.12's ``MambaRadixCache`` over recording stand-ins (page size 1 only)."""
+    cls = type("RecordingTokenAllocator", (RecordingAllocator, SG.legacy_alloc.TokenToKVPoolAllocator), {})
+    alloc = cls(ps)
+    SG.legacy.get_global_server_args = lambda: types.SimpleNamespace(mamba_cache_chunk_size=ps)
+    states = RecordingStates()
+    pool = types.SimpleNamespace(mamba_pool=states)
+    cache = SG.legacy.MambaRadixCache(SG.CacheInitParams(
+        disable=False, req_to_token_pool=pool, token_to_kv_pool_allocator=alloc, page_size=ps))
+    return cache, alloc, states
+
+
 def build(script: dict[str, Any]) -> tuple[Any, RecordingAllocator, RecordingStates | None]:
     ps = script["page_size"]
+    if script["impl"] == "mamba-0.5.12":
+        return build_legacy(ps)
     alloc = RecordingAllocator(ps)
     if script["impl"] == "radix":
         cache = SG.RadixCache(SG.CacheInitParams(disable=False, req_to_token_pool=None,
@@ -165,14 +207,21 @@ def run(script: dict[str, Any]) -> list[Any]:
             answer = [res.prefix_len, bool(res.mamba_exist)]
         elif kind in ("match", "lock"):
             m = cache.match_prefix(SG.MatchPrefixParams(key=key(op[1])))
-            n = m.device_prefix_len
-            answer = [n, cache.path_device_indices(m.last_device_node)[:n].tolist(),
-                      m.mamba_branching_seqlen if mamba else None]
+            if hasattr(m, "device_prefix_len"):
+                n = m.device_prefix_len
+                slots = cache.path_device_indices(m.last_device_node)[:n].tolist()
+            else:  # 0.5.12 returns the slots themselves
+                slots = m.device_indices.tolist()
+                n = len(slots)
+            answer = [n, slots, m.mamba_branching_seqlen if mamba else None]
             if kind == "lock":
                 locks[op[2]] = (m.last_device_node, cache.inc_lock_ref(m.last_device_node))
         elif kind == "unlock":
             node, receipt = locks.pop(op[1])
-            cache.dec_lock_ref(node, receipt.to_dec_params())
+            if hasattr(receipt, "to_dec_params"):
+                cache.dec_lock_ref(node, receipt.to_dec_params())
+            else:
+                cache.dec_lock_ref(node)
         elif kind == "evict":
             r = cache.evict(SG.EvictParams(num_tokens=op[1], mamba_num=op[2]))
             answer = [r.num_tokens_evicted, r.mamba_num_evicted]
@@ -184,6 +233,9 @@ def run(script: dict[str, Any]) -> list[Any]:
 
 
 if __name__ == "__main__":
-    load_sglang(sys.argv[1])
     scripts = json.load(sys.stdin)
+    legacy = {s["impl"] == "mamba-0.5.12" for s in scripts}
+    if len(legacy) > 1:
+        raise SystemExit("one process runs either SGLang 0.5.23 or 0.5.12, not both")
+    load_sglang(sys.argv[1], legacy=legacy.pop() if legacy else False)
     print(json.dumps([run(s) for s in scripts]))
