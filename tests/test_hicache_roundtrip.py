@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_hicache_common import HC, free_slots, ids, make, node_at
+from tests.cache_helpers import free_slots
+from tests.test_hicache_common import HC, ids, make, node_at
 
 KEY_A = list(range(1, 9))  # 8 tokens
 KEY_B = [1, 2, 3, 4, 20, 21, 22, 23]  # shares 4 tokens with A
