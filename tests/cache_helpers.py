@@ -70,6 +70,21 @@ def free_slots(alloc: Any) -> list[int]:
     return [p * ps + i for p in alloc.snapshot().free_ids() for i in range(ps)]
 
 
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Uniformly random bit patterns (NaN payloads, infinities, -0.0...) as ``dtype`` (2 or 4
+    bytes wide), drawn from ``gen``: a copy that goes through any float arithmetic shows."""
+    width = torch.empty((), dtype=dtype).element_size()
+    int_dtype = {2: torch.int16, 4: torch.int32}[width]
+    lo, hi = -(2 ** (8 * width - 1)), 2 ** (8 * width - 1)
+    return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int64).to(int_dtype).view(dtype)
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """``x`` viewed as same-width integers, so ``torch.equal`` compares bit patterns."""
+    width = x.element_size()
+    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width])
+
+
 def tiny_state_pool(states: int) -> MambaStatePool:
     """A state pool of ``states`` slots, one layer, one-element conv and SSM states (the random
     tests follow slot ids, not contents)."""

@@ -20,6 +20,17 @@ def make(d: float = 1.0, e: float = 0.0, size: int = 1200, states: int = 8,
     return RadixCache(cfg, kv_allocator=kv, state_allocator=pool), kv, pool
 
 
+def state_nodes(cache: RadixCache) -> list[TreeNode]:
+    """Every node holding a state (any order)."""
+    out, stack = [], list(cache.root.children.values())
+    while stack:
+        n = stack.pop()
+        if n.state_slot is not None:
+            out.append(n)
+        stack.extend(n.children.values())
+    return out
+
+
 def put(cache: RadixCache, kv: TokenAllocator, pool: MambaStatePool,
         key: list[int]) -> tuple[TreeNode, int]:
     """Insert ``key`` with fresh KV slots (the cached part comes back as duplicates, freed)

@@ -14,7 +14,7 @@ import torch
 
 from allocators import MambaStatePool, TokenAllocator
 from radix import CacheConfig, EvictResult, RadixCache
-from tests.gds_helpers import draw_key, make, put
+from tests.gds_helpers import draw_key, make, put, state_nodes
 
 
 def t64(*xs: int) -> torch.Tensor:
@@ -32,16 +32,6 @@ def true_priority(node, d: float, e: float) -> float:
         p = p.parent
     b = node.depth
     return node.gds_stamp + d * (b - a) + e * (b * b - a * a) / 200000.0
-
-
-def state_nodes(cache: RadixCache) -> list:
-    out, stack = [], list(cache.root.children.values())
-    while stack:
-        n = stack.pop()
-        if n.state_slot is not None:
-            out.append(n)
-        stack.extend(n.children.values())
-    return out
 
 
 def assert_lower_bounds(cache: RadixCache, d: float, e: float) -> None:

@@ -16,17 +16,7 @@ from components.gds import GDSFStrategy, GDSStrategy, gds_cost
 from components.gds_adaptive import CHAIN, HUB, HUB0, LEAF, AdaptiveGDSStrategy, seen_bucket
 from radix import CacheConfig, EvictResult, RadixCache
 from radix.node import TreeNode
-from tests.gds_helpers import draw_key, make, put
-
-
-def state_nodes(cache: RadixCache) -> list[TreeNode]:
-    out, stack = [], list(cache.root.children.values())
-    while stack:
-        n = stack.pop()
-        if n.state_slot is not None:
-            out.append(n)
-        stack.extend(n.children.values())
-    return out
+from tests.gds_helpers import draw_key, make, put, state_nodes
 
 
 def shallower_pos(node: TreeNode) -> int:

@@ -34,6 +34,7 @@ from allocators import KVPool, MambaStatePool, PagedAllocator, TokenAllocator
 from hicache import HiCacheConfig
 from hicache.storage import StorageBackend
 from radix import CacheConfig, RadixCache
+from tests.cache_helpers import bits, random_bits
 from tests.mooncake_helpers import MOONCAKE_META_ENV, mooncake_extra
 
 REDIS_ENV = "HPC_REDIS_URL"
@@ -56,18 +57,6 @@ def fresh_model() -> str:
 
 def t64(*xs: int) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.int64)
-
-
-def random_bits(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """Uniformly random bit patterns (NaN payloads, infinities, -0.0...) as ``dtype``."""
-    width = torch.empty((), dtype=dtype).element_size()
-    int_dtype = {2: torch.int16, 4: torch.int32}[width]
-    lo, hi = -(2 ** (8 * width - 1)), 2 ** (8 * width - 1)
-    return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int64).to(int_dtype).view(dtype)
-
-
-def bits(x: torch.Tensor) -> torch.Tensor:
-    return x.view({2: torch.int16, 4: torch.int32}[x.element_size()])
 
 
 # ======================================================================= caches
