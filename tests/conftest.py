@@ -4,9 +4,14 @@ can run a subset (``python -m pytest tests -m "not storage and not model"``,
 
 A module's area is read from its file name (``test_<area>_*.py``), one rule for every module
 present and future; a module whose name names no area gets only ``core``.
+
+Fixtures used by more than one module live here too (``caches``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -49,3 +54,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         for mark in markers_for(module.__name__.rsplit(".", 1)[-1]):
             item.add_marker(getattr(pytest.mark, mark))
+
+
+@pytest.fixture
+def caches() -> Iterator[list[Any]]:
+    """A list the test appends the caches it builds to; each is ``close()``d at teardown
+    (after a failure too), so backends release their connections, files and servers."""
+    made: list[Any] = []
+    yield made
+    for h in made:
+        h.close()

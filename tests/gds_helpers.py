@@ -7,6 +7,7 @@ import random
 from allocators import MambaStatePool, TokenAllocator
 from radix import CacheConfig, RadixCache
 from radix.node import TreeNode
+from tests.cache_helpers import draw_tokens, tiny_state_pool
 
 
 def make(d: float = 1.0, e: float = 0.0, size: int = 1200, states: int = 8,
@@ -14,9 +15,20 @@ def make(d: float = 1.0, e: float = 0.0, size: int = 1200, states: int = 8,
     """A hybrid cache with the GDS-family ``policy`` and cost coefficients ``d``, ``e`` over
     ``size`` KV slots and ``states`` tiny state slots: (cache, KV allocator, state pool)."""
     kv = TokenAllocator(size)
-    pool = MambaStatePool(states, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,))
+    pool = tiny_state_pool(states)
     cfg = CacheConfig(radix_eviction_policy=policy, radix_eviction_policy_config={"d": d, "e": e})
     return RadixCache(cfg, kv_allocator=kv, state_allocator=pool), kv, pool
+
+
+def state_nodes(cache: RadixCache) -> list[TreeNode]:
+    """Every node holding a state (any order)."""
+    out, stack = [], list(cache.root.children.values())
+    while stack:
+        n = stack.pop()
+        if n.state_slot is not None:
+            out.append(n)
+        stack.extend(n.children.values())
+    return out
 
 
 def put(cache: RadixCache, kv: TokenAllocator, pool: MambaStatePool,
@@ -35,10 +47,4 @@ def put(cache: RadixCache, kv: TokenAllocator, pool: MambaStatePool,
 def draw_key(rng: random.Random, keys: list[list[int]]) -> list[int]:
     """A random key over tokens 1..3, usually extending a prefix of an earlier one (shared
     prefixes: splits, chains of states); appended to ``keys``."""
-    if keys and rng.random() < 0.7:
-        base = rng.choice(keys)
-        key = base[: rng.randint(1, len(base))] + [rng.randint(1, 3) for _ in range(rng.randint(0, 6))]
-    else:
-        key = [rng.randint(1, 3) for _ in range(rng.randint(1, 12))]
-    keys.append(key)
-    return key
+    return draw_tokens(rng, keys, min_cut=1, grow=(0, 6), fresh=(1, 12))

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import importlib
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.server_helpers import ChildProcess, wait_port
 
 # The client logs through glog, read from the environment when it is first imported: warnings
 # and errors only, so a failing test's output stays readable.
@@ -83,18 +83,7 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _wait_port(port: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on port {port}")
-
-
-class MooncakeMaster:
+class MooncakeMaster(ChildProcess):
     """A private ``mooncake_master`` with its HTTP metadata server, on fixed free ports (so a
     restart comes back where its clients look)."""
 
@@ -114,14 +103,8 @@ class MooncakeMaster:
                  f"--http_metadata_server_port={self.http}", "--metrics_host=127.0.0.1",
                  f"--metrics_port={self.metrics}", "--rpc_thread_num=2", *self.args],
                 stdout=log, stderr=log)
-        _wait_port(self.rpc)
-        _wait_port(self.http)
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(5)
-            self.proc = None
+        wait_port(self.rpc)
+        wait_port(self.http)
 
     @property
     def url(self) -> str:
@@ -142,7 +125,7 @@ time.sleep(3600)
 """
 
 
-class SegmentOwner:
+class SegmentOwner(ChildProcess):
     """Another process whose Mooncake client lends ``segment`` bytes to ``master``."""
 
     def __init__(self, master: MooncakeMaster, segment: int) -> None:
@@ -155,9 +138,3 @@ class SegmentOwner:
         if line != "0":
             self.kill()
             raise RuntimeError(f"segment owner setup returned {line!r}")
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(5)
-            self.proc = None

@@ -1,7 +1,7 @@
 """A brute-force reference model of the prefix cache with a sliding-window (SWA) component.
 
-A copy of the page-trie idea of ``tests/refmodel.py``, extended for SWA; it shares no code with
-the library (nor with refmodel.py). One entry per cached page-aligned prefix
+The page trie of ``tests/refmodel_tree.py`` (shared with ``tests/refmodel.py``), extended for
+SWA; it shares no code with the library. One entry per cached page-aligned prefix
 ``(extra_key, tokens)``; a page marked ``boundary`` ends a library node (the end of an inserted
 key, a split point, a branch point, the live/tombstone border of an insert, a revival split).
 Every question is answered by scanning the pages.
@@ -35,57 +35,39 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-Prefix = tuple  # (extra_key, tuple of token ids)
+from tests.refmodel_tree import EvictOut as TreeEvictOut
+from tests.refmodel_tree import InsertOut as TreeInsertOut
+from tests.refmodel_tree import MatchOut as TreeMatchOut
+from tests.refmodel_tree import Page as TreePage
+from tests.refmodel_tree import PageTrie, Prefix, pick_tied
+
+__all__ = ["EvictOut", "InsertOut", "MatchOut", "Page", "Prefix", "SWARefCache"]
 
 
 @dataclass
-class Page:
-    slots: list[int]
-    t: int
-    boundary: bool = False
-    lock: int = 0
+class Page(TreePage):
     tomb: bool = False
     swa_lock: int = 0
-    state: int | None = None
-    state_lock: int = 0
-    state_t: int = 0
 
 
 @dataclass
-class MatchOut:
-    prefix_len: int
-    kv_hit_length: int
-    device_indices: list[int]
-    state_slot: int | None
-    branching_seqlen: int | None
+class MatchOut(TreeMatchOut):
     swa_miss_tokens: int
-    node: Prefix | None
 
 
 @dataclass
-class InsertOut:
-    prefix_len: int
-    inserted_len: int
-    duplicate_indices: list[int]
-    adopted_indices: list[int]
-    remainder_indices: list[int]
+class InsertOut(TreeInsertOut):
     revived_indices: list[int]
     freed_old: list[int]  # full slots the tree freed when it revived a tombstone
-    state_adopted: bool
-    node: Prefix | None
 
 
 @dataclass
-class EvictOut:
-    num_tokens: int = 0
-    num_states: int = 0
+class EvictOut(TreeEvictOut):
     num_swa_tokens: int = 0
-    freed_slots: list[int] = field(default_factory=list)  # full side, in the order freed
     freed_swa: list[int] = field(default_factory=list)  # full ids whose SWA side went, in order
-    freed_states: list[int] = field(default_factory=list)
 
 
-class SWARefCache:
+class SWARefCache(PageTrie[Page]):
     """The whole cache as a dict of pages.
 
     Args:
@@ -95,60 +77,14 @@ class SWARefCache:
     """
 
     def __init__(self, page_size: int, window: int, hybrid: bool) -> None:
-        self.ps = page_size
+        super().__init__(page_size, hybrid)
         self.w = window
-        self.hybrid = hybrid
-        self.pages: dict[Prefix, Page] = {}
         self.dead: set[int] = set()
-        self.clock = 0
 
     # ------------------------------------------------------------------ structure
-    def parent(self, p: Prefix) -> Prefix | None:
-        extra, toks = p
-        return None if len(toks) == self.ps else (extra, toks[: -self.ps])
-
-    def has_children(self, p: Prefix) -> bool:
-        extra, toks = p
-        n = len(toks) + self.ps
-        return any(q[0] == extra and len(q[1]) == n and q[1][: len(toks)] == toks for q in self.pages)
-
-    def children(self, p: Prefix) -> list[Prefix]:
-        extra, toks = p
-        n = len(toks) + self.ps
-        return [q for q in self.pages if q[0] == extra and len(q[1]) == n and q[1][: len(toks)] == toks]
-
-    def segment(self, end: Prefix) -> list[Prefix]:
-        """Pages of the node ending at boundary ``end``, deepest first."""
-        out = [end]
-        p = self.parent(end)
-        while p is not None and not self.pages[p].boundary:
-            out.append(p)
-            p = self.parent(p)
-        return out
-
-    def path(self, p: Prefix) -> list[Prefix]:
-        out = []
-        q: Prefix | None = p
-        while q is not None:
-            out.append(q)
-            q = self.parent(q)
-        return out[::-1]
-
-    def node_ends(self) -> list[Prefix]:
-        return [p for p, pg in self.pages.items() if pg.boundary]
-
-    def node_slots(self, end: Prefix) -> list[int]:
-        return [x for p in reversed(self.segment(end)) for x in self.pages[p].slots]
-
     def node_slots_path(self, end: Prefix | None) -> list[int]:
         """Slots of every page from the root down to ``end`` (none for the root)."""
         return [] if end is None else [x for p in self.path(end) for x in self.pages[p].slots]
-
-    def held_slots(self) -> list[int]:
-        return [s for pg in self.pages.values() for s in pg.slots]
-
-    def held_states(self) -> list[int]:
-        return [pg.state for pg in self.pages.values() if pg.state is not None]
 
     def view(self) -> dict[Prefix, tuple]:
         """Node end -> (slots, state, KV lock, state lock, tombstone, SWA lock)."""
@@ -197,29 +133,6 @@ class SWARefCache:
         self.dead.difference_update(slots)
 
     # ------------------------------------------------------------------ helpers
-    def _tick(self) -> int:
-        self.clock += 1
-        return self.clock
-
-    def _walk(self, key: list[int], extra: object) -> tuple[int, int]:
-        end = len(key) - len(key) % self.ps
-        k = 0
-        while k < end and (extra, tuple(key[: k + self.ps])) in self.pages:
-            k += self.ps
-        return k, end
-
-    def _split_at(self, p: Prefix, now: int | None) -> None:
-        """Make ``p`` a node end; a walk that split the node stamps both halves ``now``."""
-        if self.pages[p].boundary:
-            return
-        end = p
-        while not self.pages[end].boundary:
-            (end,) = self.children(end)
-        if now is not None:
-            for q in self.segment(end):
-                self.pages[q].t = now
-        self.pages[p].boundary = True
-
     def _ends_on(self, key: list[int], extra: object, k: int) -> list[int]:
         return [j for j in range(self.ps, k + 1, self.ps)
                 if self.pages[(extra, tuple(key[:j]))].boundary]
@@ -246,10 +159,7 @@ class SWARefCache:
     def match(self, key: list[int], extra: object = None) -> MatchOut:
         k, _ = self._walk(key, extra)
         now = self._tick()
-        if k:
-            self._split_at((extra, tuple(key[:k])), now)
-        for j in range(self.ps, k + 1, self.ps):
-            self.pages[(extra, tuple(key[:j]))].t = now
+        self._stamp_walk(key, extra, k, now)
         ends = self._ends_on(key, extra, k)
 
         def has_state(e: int) -> bool:
@@ -263,10 +173,9 @@ class SWARefCache:
             pg = self.pages[node]
             pg.state_t = now
             slot = pg.state
-        idx = [s for j in range(self.ps, usable + 1, self.ps)
-               for s in self.pages[(extra, tuple(key[:j]))].slots]
+        idx = self._slots_to(key, extra, usable)
         branching = k if self.hybrid and k > usable else None
-        return MatchOut(usable, k, idx, slot, branching, state_ok - usable, node)
+        return MatchOut(usable, k, idx, slot, branching, node, swa_miss_tokens=state_ok - usable)
 
     def _revive(self, key: list[int], value: list[int], extra: object, k: int,
                 revived: list[int], freed_old: list[int]) -> None:
@@ -300,16 +209,11 @@ class SWARefCache:
         k, end = self._walk(key, extra)
         assert not (self.hybrid and k < end and state_slot is None), "the library refuses this"
         now = self._tick()
-        if k:
-            self._split_at((extra, tuple(key[:k])), now)
+        self._stamp_walk(key, extra, k, now)  # stamps only: the revival below reads none
         revived: list[int] = []
         freed_old: list[int] = []
         self._revive(key, value, extra, k, revived, freed_old)
-        tree = []
-        for j in range(self.ps, k + 1, self.ps):
-            pg = self.pages[(extra, tuple(key[:j]))]
-            pg.t = now
-            tree.extend(pg.slots)
+        tree = self._slots_to(key, extra, k)
         dup = [v for v, t in zip(value[:k], tree, strict=True) if v != t]
         inserted = end
         if k < end:
@@ -331,7 +235,7 @@ class SWARefCache:
             pg.state, pg.state_t = state_slot, now
             adopted = True
         return InsertOut(k, inserted, dup, list(value[k:inserted]), list(value[inserted:]),
-                         revived, freed_old, adopted, node)
+                         adopted, node, revived_indices=revived, freed_old=freed_old)
 
     def lock(self, node: Prefix | None) -> int | None:
         if node is None:
@@ -370,47 +274,20 @@ class SWARefCache:
             self._remove_leaf(node, out)
         return out
 
-    def _remove_leaf(self, end: Prefix, out: EvictOut) -> None:
-        while True:
-            seg = self.segment(end)
-            top = seg[-1]
-            pg = self.pages[end]
-            if pg.state is not None:
-                out.num_states += 1
-                out.freed_states.append(pg.state)
-            for p in reversed(seg):
-                page = self.pages.pop(p)
-                out.num_tokens += self.ps
-                out.freed_slots.extend(page.slots)
-                if not page.tomb:
-                    out.num_swa_tokens += self.ps
-                    out.freed_swa.extend(page.slots)
-                self.dead.difference_update(page.slots)
-            par = self.parent(top)
-            if par is None or not self._dead_leaf(par):
-                return
-            end = par
+    def _new_out(self) -> EvictOut:
+        """Eviction records here count the SWA side too."""
+        return EvictOut()
 
-    @staticmethod
-    def _pick(tied: list[Prefix], out: EvictOut, choose: Callable | None, what: str) -> Prefix:
-        if len(tied) == 1:
-            return tied[0]
-        assert choose is not None, f"model: tied {what} victims {tied}"
-        victim = choose(tied, out)
-        assert victim in tied, f"{victim} is not one of the least recent {what} victims {tied}"
-        return victim
+    def _free_page(self, page: Page, out: TreeEvictOut) -> None:
+        super()._free_page(page, out)
+        assert isinstance(out, EvictOut)
+        if not page.tomb:
+            out.num_swa_tokens += self.ps
+            out.freed_swa.extend(page.slots)
+        self.dead.difference_update(page.slots)
 
-    def evict(self, num_tokens: int, choose: Callable | None = None) -> EvictOut:
-        out = EvictOut()
-        while out.num_tokens < num_tokens:
-            leaves = [p for p in self.node_ends()
-                      if self.pages[p].lock == 0 and not self.has_children(p)]
-            if not leaves:
-                break
-            best = min(self.pages[p].t for p in leaves)
-            tied = [p for p in leaves if self.pages[p].t == best]
-            self._remove_leaf(self._pick(tied, out, choose, "KV"), out)
-        return out
+    def _parent_goes(self, par: Prefix) -> bool:
+        return self._dead_leaf(par)
 
     def evict_swa(self, num_tokens: int, choose: Callable | None = None) -> EvictOut:
         out = EvictOut()
@@ -422,7 +299,7 @@ class SWARefCache:
                 break
             best = min(self.pages[p].t for p in cands)
             tied = [p for p in cands if self.pages[p].t == best]
-            victim = self._pick(tied, out, choose, "SWA")
+            victim = pick_tied(tied, choose, "SWA", out)
             if not self.has_children(victim):
                 self._remove_leaf(victim, out)
                 continue
@@ -437,19 +314,14 @@ class SWARefCache:
     def evict_states(self, num_states: int, choose: Callable | None = None) -> EvictOut:
         out = EvictOut()
         while out.num_states < num_states:
-            cands = [p for p in self.node_ends()
-                     if self.pages[p].state is not None and self.pages[p].state_lock == 0
-                     and (self.has_children(p) or self.pages[p].lock == 0)]
+            cands = self.state_candidates()
             if not cands:
                 break
             best = min(self.pages[p].state_t for p in cands)
             tied = [p for p in cands if self.pages[p].state_t == best]
-            victim = self._pick(tied, out, choose, "state")
+            victim = pick_tied(tied, choose, "state", out)
             if self.has_children(victim):
-                pg = self.pages[victim]
-                out.num_states += 1
-                out.freed_states.append(pg.state)  # type: ignore[arg-type]
-                pg.state = None
+                self._drop_state(victim, out)
             else:
                 self._remove_leaf(victim, out)
         return out

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from bench.engine import EngineConfig, ReplayEngine
+from bench.engine import ReplayEngine
 from bench.replay import main, parse_count
 from bench.traces import TraceRequest, load_trace
+from tests.replay_helpers import replay as replay_checked
+from tests.replay_helpers import rows
 
 
 def block_req(ids: list[int], length: int, out: int = 2, block: int = 4) -> TraceRequest:
@@ -31,20 +34,8 @@ TRACE = [
 ]
 
 
-def replay(trace: list[TraceRequest], **kw: object) -> ReplayEngine:
-    cfg = EngineConfig(**{"kv_tokens": 1000, "state_slots": 16, "concurrency": 1, **kw})  # type: ignore[arg-type]
-    engine = ReplayEngine(cfg)
-    for i, tr in enumerate(trace):
-        engine.admit(tr, rid=i)
-        engine.cache.sanity_check()
-    engine.drain()
-    engine.cache.sanity_check()
-    return engine
-
-
-def rows(engine: ReplayEngine) -> list[tuple[int, int, int]]:
-    log = engine.log
-    return list(zip(log.prompt_len, log.usable_len, log.kv_hit_len, strict=True))
+def replay(trace: list[TraceRequest], **kw: Any) -> ReplayEngine:
+    return replay_checked(trace, **{"kv_tokens": 1000, "state_slots": 16, **kw})
 
 
 def test_block_end_checkpoint_and_branch_checkpoint() -> None:

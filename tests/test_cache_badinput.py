@@ -14,14 +14,11 @@ import torch
 
 from allocators import MambaStatePool, PagedAllocator, TokenAllocator
 from radix import CacheConfig, CacheRequest, RadixCache, RadixKey
+from tests.cache_helpers import tiny_state_pool
 
 
 def t64(*xs: int) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.int64)
-
-
-def _pool(n: int = 4) -> MambaStatePool:
-    return MambaStatePool(n, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,))
 
 
 @dataclass
@@ -40,7 +37,7 @@ class Env:
 
 
 def build() -> Env:
-    kv, pool = TokenAllocator(32), _pool()
+    kv, pool = TokenAllocator(32), tiny_state_pool(4)
     cache = RadixCache(kv_allocator=kv, state_allocator=pool)
     s = int(pool.alloc(1)[0])
     cache.insert([9, 9], kv.alloc(2), state_slot=s)

@@ -23,6 +23,7 @@ import radix
 from allocators import MambaStatePool, TokenAllocator
 from components.base import Component, InsertPlan
 from radix import RadixCache
+from tests.cache_helpers import tiny_state_pool
 
 
 class Recorder(Component):
@@ -158,7 +159,7 @@ def test_refresh_reaches_an_added_component_on_every_change() -> None:
 
 def _hybrid(*extra: Component) -> tuple[RadixCache, TokenAllocator, MambaStatePool]:
     kv = TokenAllocator(64)
-    pool = MambaStatePool(8, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,))
+    pool = tiny_state_pool(8)
     return RadixCache(kv_allocator=kv, state_allocator=pool, components=list(extra)), kv, pool
 
 

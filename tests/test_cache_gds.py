@@ -12,9 +12,10 @@ import sys
 import pytest
 import torch
 
-from allocators import MambaStatePool, TokenAllocator
+from allocators import TokenAllocator
 from radix import CacheConfig, EvictResult, RadixCache
-from tests.gds_helpers import draw_key, make, put
+from tests.cache_helpers import tiny_state_pool
+from tests.gds_helpers import draw_key, make, put, state_nodes
 
 
 def t64(*xs: int) -> torch.Tensor:
@@ -32,16 +33,6 @@ def true_priority(node, d: float, e: float) -> float:
         p = p.parent
     b = node.depth
     return node.gds_stamp + d * (b - a) + e * (b * b - a * a) / 200000.0
-
-
-def state_nodes(cache: RadixCache) -> list:
-    out, stack = [], list(cache.root.children.values())
-    while stack:
-        n = stack.pop()
-        if n.state_slot is not None:
-            out.append(n)
-        stack.extend(n.children.values())
-    return out
 
 
 def assert_lower_bounds(cache: RadixCache, d: float, e: float) -> None:
@@ -255,7 +246,7 @@ def test_bad_gds_knobs_fail_when_the_config_is_built(knobs: dict, names: list[st
 
 
 def test_gds_is_opt_in_and_other_policies_use_the_lru_state_walk() -> None:
-    kv, pool = TokenAllocator(8), MambaStatePool(2, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,))
+    kv, pool = TokenAllocator(8), tiny_state_pool(2)
     cache = RadixCache(kv_allocator=kv, state_allocator=pool)
     assert cache.policy.name == "lru" and cache.state.gds is None and cache.watermark == 0.0
     cache.insert([1, 2], kv.alloc(2), state_slot=int(pool.alloc(1)[0]))

@@ -11,22 +11,13 @@ import random
 import pytest
 import torch
 
-from allocators import MambaStatePool, TokenAllocator
+from allocators import TokenAllocator
 from components.gds import GDSFStrategy, GDSStrategy, gds_cost
 from components.gds_adaptive import CHAIN, HUB, HUB0, LEAF, AdaptiveGDSStrategy, seen_bucket
 from radix import CacheConfig, EvictResult, RadixCache
 from radix.node import TreeNode
-from tests.gds_helpers import draw_key, make, put
-
-
-def state_nodes(cache: RadixCache) -> list[TreeNode]:
-    out, stack = [], list(cache.root.children.values())
-    while stack:
-        n = stack.pop()
-        if n.state_slot is not None:
-            out.append(n)
-        stack.extend(n.children.values())
-    return out
+from tests.cache_helpers import tiny_state_pool
+from tests.gds_helpers import draw_key, make, put, state_nodes
 
 
 def shallower_pos(node: TreeNode) -> int:
@@ -86,7 +77,7 @@ def test_state_walk_hook_drives_evictions_and_survives_reset() -> None:
         return built[-1]
 
     kv = TokenAllocator(100)
-    pool = MambaStatePool(4, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,))
+    pool = tiny_state_pool(4)
     cache = RadixCache(CacheConfig(radix_eviction_policy="gds"), kv_allocator=kv,
                        state_allocator=pool, state_walk=factory)
     assert cache.state is not None
@@ -109,13 +100,13 @@ def test_state_walk_hook_drives_evictions_and_survives_reset() -> None:
 
 @pytest.mark.parametrize("bad", [5, "walk", [None]])
 def test_state_walk_must_be_callable(bad) -> None:
-    pool = MambaStatePool(2, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,))
+    pool = tiny_state_pool(2)
     with pytest.raises(TypeError, match="state_walk"):
         RadixCache(kv_allocator=TokenAllocator(8), state_allocator=pool, state_walk=bad)
 
 
 def test_state_walk_factory_must_build_a_walk() -> None:
-    pool = MambaStatePool(2, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,))
+    pool = tiny_state_pool(2)
     with pytest.raises(TypeError, match="state_walk built a object without on_set"):
         RadixCache(kv_allocator=TokenAllocator(8), state_allocator=pool,
                    state_walk=lambda ok: object())  # type: ignore[arg-type,return-value]

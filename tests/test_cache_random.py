@@ -20,9 +20,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from allocators import MambaStatePool, PagedAllocator, TokenAllocator
+from allocators import PagedAllocator, TokenAllocator
 from radix import CacheConfig, RadixCache
 from radix.policies import POLICY_REGISTRY
+from tests.cache_helpers import draw_key, draw_tokens, free_leftovers, free_slots, tiny_state_pool
 from tests.refmodel import RefCache
 
 
@@ -47,11 +48,6 @@ def library_view(cache: RadixCache) -> dict[tuple, tuple[list[int], int | None, 
     return out
 
 
-def free_slots(alloc: Any) -> list[int]:
-    ps = alloc.page_size
-    return [p * ps + i for p in alloc.snapshot().free_ids() for i in range(ps)]
-
-
 class Harness:
     """Drives one cache and one model with the same engine-like operations."""
 
@@ -61,7 +57,7 @@ class Harness:
         self.ps = page_size
         self.kv = TokenAllocator(kv_size) if page_size == 1 else PagedAllocator(kv_size, page_size)
         self.pool = (
-            MambaStatePool(states, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,))
+            tiny_state_pool(states)
             if hybrid
             else None
         )
@@ -83,19 +79,8 @@ class Harness:
 
     # ------------------------------------------------------------------ helpers
     def gen_key(self) -> tuple[list[int], Any]:
-        rng = self.rng
-        if self.keys and rng.random() < 0.8:  # mostly extend or revisit earlier keys
-            base, extra = rng.choice(self.keys[-12:])
-            cut = rng.randint(len(base) // 2, len(base))
-            toks = base[:cut] + [rng.randint(1, 3) for _ in range(rng.randint(0, 5))]
-            if rng.random() < 0.1:
-                extra = rng.choice([None, "lora"])
-        else:
-            toks = [rng.randint(1, 3) for _ in range(rng.randint(0, 10))]
-            extra = rng.choice([None, None, "lora"])
-        toks = toks[:14]
-        self.keys.append((toks, extra))
-        return toks, extra
+        return draw_key(self.rng, self.keys, recent=12, grow=(0, 5), fresh=(0, 10), cap=14,
+                        extras=[None, None, "lora"], switch=0.1)
 
     def match(self, toks: list[int], extra: Any):
         m = self.cache.match_prefix(toks, extra)
@@ -431,12 +416,7 @@ def test_policy_victims_match_brute_force_oracle(policy: str, page_size: int) ->
     for _step in range(300):
         r = rng.random()
         if r < 0.45:
-            if keys and rng.random() < 0.7:
-                base = rng.choice(keys)
-                toks = base[: rng.randint(0, len(base))] + [rng.randint(1, 3) for _ in range(rng.randint(1, 5))]
-            else:
-                toks = [rng.randint(1, 3) for _ in range(rng.randint(1, 8))]
-            keys.append(toks)
+            toks = draw_tokens(rng, keys, min_cut=0, grow=(1, 5), fresh=(1, 8))
             n = -(-len(toks) // page_size) * page_size
             if kv.available_size() < n:
                 continue
@@ -444,11 +424,7 @@ def test_policy_victims_match_brute_force_oracle(policy: str, page_size: int) ->
             assert fresh is not None
             res = cache.insert(toks, fresh[: len(toks)], rid=rng.randint(0, 4),
                                priority=rng.randint(0, 3))
-            if len(res.duplicate_indices):
-                kv.free(res.duplicate_indices)
-            tail = torch.cat([res.remainder_indices, fresh[len(toks):]])
-            if len(tail):
-                kv.free(tail)
+            free_leftovers(kv, res, fresh, len(toks))
         elif r < 0.65 and keys:
             m = cache.match_prefix(rng.choice(keys)[: rng.randint(0, 8)])
             if rng.random() < 0.3 and m.last_device_node is not cache.root:

@@ -11,6 +11,7 @@ import torch
 
 from allocators import MambaStatePool, PagedAllocator, TokenAllocator
 from radix import CacheConfig, CacheRequest, EvictResult, RadixCache
+from tests.cache_helpers import free_leftovers
 
 
 def t64(*xs: int) -> torch.Tensor:
@@ -43,11 +44,7 @@ def put(cache: RadixCache, kv, pool, key: list[int], prefix: torch.Tensor | None
     fresh = kv.alloc(-(-need // ps) * ps)
     slot = int(pool.alloc(1)[0])
     res = cache.insert(key, torch.cat([prefix, fresh[:need]]), state_slot=slot)
-    if len(res.duplicate_indices):
-        kv.free(res.duplicate_indices)
-    tail = torch.cat([res.remainder_indices, fresh[need:]])
-    if len(tail):
-        kv.free(tail)
+    free_leftovers(kv, res, fresh, need)
     if not res.state_adopted:
         pool.free(t64(slot))
     cache.sanity_check()

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from allocators import MambaStatePool, TokenAllocator
+from allocators import TokenAllocator
 from radix import CacheConfig, RadixCache
+from tests.cache_helpers import tiny_state_pool
 
 
 class Hybrid:
@@ -22,7 +23,7 @@ class Hybrid:
 
     def __init__(self, **cfg: Any) -> None:
         self.kv = TokenAllocator(64)
-        self.sp = MambaStatePool(8, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,))
+        self.sp = tiny_state_pool(8)
         self.cache = RadixCache(CacheConfig(**cfg), kv_allocator=self.kv, state_allocator=self.sp)
 
     def put(self, key: list[int]) -> None:

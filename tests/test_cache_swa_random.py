@@ -25,8 +25,9 @@ from typing import Any
 import pytest
 import torch
 
-from allocators import MambaStatePool, SWAAllocator
+from allocators import SWAAllocator
 from radix import CacheConfig, CacheRequest, LockRef, RadixCache
+from tests.cache_helpers import draw_key, tiny_state_pool
 from tests.refmodel_swa import EvictOut, Prefix, SWARefCache
 
 
@@ -71,8 +72,7 @@ class SWAHarness:
         self.w = window
         self.extra = extra_pages  # pages release_swa keeps live past max(window, page)
         self.kv = SWAAllocator(full, swa, page_size)
-        self.pool = (MambaStatePool(states, num_layers=1, conv_state_shape=(1,),
-                                    ssm_state_shape=(1,)) if hybrid else None)
+        self.pool = tiny_state_pool(states) if hybrid else None
         self.cache = RadixCache(CacheConfig(page_size=page_size, sliding_window_size=window,
                                             swa_release_extra_pages=extra_pages),
                                 kv_allocator=self.kv, state_allocator=self.pool)
@@ -102,19 +102,8 @@ class SWAHarness:
 
     # ------------------------------------------------------------------ keys
     def gen_key(self) -> tuple[list[int], Any]:
-        rng = self.rng
-        if self.keys and rng.random() < 0.8:
-            base, extra = rng.choice(self.keys[-12:])
-            cut = rng.randint(len(base) // 2, len(base))
-            toks = base[:cut] + [rng.randint(1, 3) for _ in range(rng.randint(0, 6))]
-            if rng.random() < 0.05:
-                extra = rng.choice([None, "lora"])
-        else:
-            toks = [rng.randint(1, 3) for _ in range(rng.randint(0, 10))]
-            extra = rng.choice([None, None, "lora"])
-        toks = toks[:16]
-        self.keys.append((toks, extra))
-        return toks, extra
+        return draw_key(self.rng, self.keys, recent=12, grow=(0, 6), fresh=(0, 10), cap=16,
+                        extras=[None, None, "lora"], switch=0.05)
 
     # ------------------------------------------------------------------ checked calls
     def match(self, toks: list[int], extra: Any):

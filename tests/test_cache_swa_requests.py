@@ -13,6 +13,7 @@ import torch
 
 from allocators import MambaStatePool, SWAAllocator
 from radix import CacheConfig, CacheRequest, EvictResult, RadixCache
+from tests.cache_helpers import tiny_state_pool
 from tests.swa_helpers import Checked, ids, t64
 
 K = list(range(101, 117))  # 16 tokens
@@ -240,7 +241,7 @@ def test_full_plus_state_cache_has_no_swa_side() -> None:
     from allocators import TokenAllocator
 
     kv = TokenAllocator(16)
-    pool = MambaStatePool(2, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,))
+    pool = tiny_state_pool(2)
     cache = Checked(RadixCache(kv_allocator=kv, state_allocator=pool))
     res = cache.insert(K[:4], kv.alloc(4), state_slot=int(pool.alloc(1)[0]))
     node = res.last_node

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.cache_helpers import free_slots
 from tests.test_hicache_common import (
     check_accounting,
-    free_slots,
     held,
     ids,
     make,

@@ -27,6 +27,7 @@ from allocators import KVPool, MambaStatePool, PagedAllocator, TokenAllocator
 from hicache import HiCacheConfig, HiCacheController
 from radix import CacheConfig, RadixCache
 from radix.node import TreeNode
+from tests.cache_helpers import free_leftovers
 
 
 def t64(*xs: int) -> torch.Tensor:
@@ -120,11 +121,7 @@ def put(h: HC, key: list[int], prefix: torch.Tensor | None = None, extra_key: An
     with_state = h.sp is not None if with_state is None else with_state
     slot = h.state() if with_state else None
     res = h.cache.insert(key, torch.cat([prefix, fresh[:need]]), extra_key, state_slot=slot)
-    if len(res.duplicate_indices):
-        h.kv.free(res.duplicate_indices)
-    tail = torch.cat([res.remainder_indices, fresh[need:]])
-    if len(tail):
-        h.kv.free(tail)
+    free_leftovers(h.kv, res, fresh, need)
     if slot is not None and not res.state_adopted:
         h.sp.free(t64(slot))  # type: ignore[union-attr]
     h.cache.sanity_check()
@@ -147,12 +144,6 @@ def _arr(key: list[int]) -> Any:
     from array import array
 
     return array("q", key)
-
-
-def free_slots(alloc: Any) -> list[int]:
-    """An allocator's free list as slot ids (pages expanded), front first."""
-    ps = alloc.page_size
-    return [p * ps + i for p in alloc.snapshot().free_ids() for i in range(ps)]
 
 
 # ======================================================================== observing

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from radix import CacheRequest
+from tests.cache_helpers import free_slots
 from tests.test_hicache_common import (
     assert_same,
     check_accounting,
     dump,
-    free_slots,
     held,
     ids,
     make,

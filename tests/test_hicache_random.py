@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from radix.node import TreeNode
+from tests.cache_helpers import draw_key, free_leftovers
 from tests.test_hicache_common import (
     HC,
     check_accounting,
@@ -62,17 +63,8 @@ class Harness:
 
     # ------------------------------------------------------------------ helpers
     def gen_key(self) -> tuple[list[int], Any]:
-        rng = self.rng
-        if self.keys and rng.random() < 0.8:
-            base, extra = rng.choice(self.keys[-10:])
-            cut = rng.randint(len(base) // 2, len(base))
-            toks = base[:cut] + [rng.randint(1, 3) for _ in range(rng.randint(0, 6))]
-        else:
-            toks = [rng.randint(1, 3) for _ in range(rng.randint(1, 12))]
-            extra = rng.choice([None, None, "a"])
-        toks = toks[:14]
-        self.keys.append((toks, extra))
-        return toks, extra
+        return draw_key(self.rng, self.keys, recent=10, grow=(0, 6), fresh=(1, 12), cap=14,
+                        extras=[None, None, "a"])
 
     def match(self, toks: list[int], extra: Any) -> Any:
         m = self.c.match_prefix(toks, extra)
@@ -156,11 +148,7 @@ class Harness:
         r = len(res.revived_indices)
         assert res.revived_indices.tolist() == value[res.prefix_len - r:res.prefix_len].tolist()
         assert set(res.revived_indices.tolist()) <= set(fresh.tolist())
-        if len(res.duplicate_indices):
-            h.kv.free(res.duplicate_indices)
-        tail = torch.cat([res.remainder_indices, fresh[need:]])
-        if len(tail):
-            h.kv.free(tail)
+        free_leftovers(h.kv, res, fresh, need)
         if slot is not None and not res.state_adopted:
             h.sp.free(torch.tensor([slot], dtype=torch.int64))  # type: ignore[union-attr]
         c.dec_lock_ref(node)

@@ -9,31 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from bench.engine import EngineConfig, ReplayEngine
+from bench.engine import EngineConfig
 from bench.replay import _configs, build_parser, main
 from bench.traces import TraceRequest
+from tests.replay_helpers import replay, rows
 
 
 def block_req(ids: list[int], length: int, out: int = 2, block: int = 16) -> TraceRequest:
     """A Mooncake-style request with block size 16 (block h = tokens 16h+1 .. 16h+16)."""
     runs = tuple((h * block + 1, min(block, length - j * block)) for j, h in enumerate(ids))
     return TraceRequest(0.0, length, out, block, tuple(ids), runs)
-
-
-def replay(trace: list[TraceRequest], **kw: object) -> ReplayEngine:
-    cfg = EngineConfig(**{"concurrency": 1, **kw})  # type: ignore[arg-type]
-    engine = ReplayEngine(cfg)
-    for i, tr in enumerate(trace):
-        engine.admit(tr, rid=i)
-        engine.cache.sanity_check()
-    engine.drain()
-    engine.cache.sanity_check()
-    return engine
-
-
-def rows(engine: ReplayEngine) -> list[tuple[int, int, int]]:
-    log = engine.log
-    return list(zip(log.prompt_len, log.usable_len, log.kv_hit_len, strict=True))
 
 
 # r0: blocks 0 1 (32 tokens)   r1: blocks 2 3   r2: blocks 0 1 4 (48 tokens)

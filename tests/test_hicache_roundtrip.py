@@ -10,23 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_hicache_common import HC, free_slots, ids, make, node_at
+from tests.cache_helpers import bits, free_slots, random_bits
+from tests.test_hicache_common import HC, ids, make, node_at
 
 KEY_A = list(range(1, 9))  # 8 tokens
 KEY_B = [1, 2, 3, 4, 20, 21, 22, 23]  # shares 4 tokens with A
-
-
-def random_bits(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """Uniformly random bit patterns reinterpreted as ``dtype``."""
-    width = torch.empty((), dtype=dtype).element_size()
-    int_dtype = {2: torch.int16, 4: torch.int32}[width]
-    lo, hi = -(2 ** (8 * width - 1)), 2 ** (8 * width - 1)
-    return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int64).to(int_dtype).view(dtype)
-
-
-def bits(x: torch.Tensor) -> torch.Tensor:
-    width = x.element_size()
-    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width])
 
 
 def fill_kv(h: HC, slots: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

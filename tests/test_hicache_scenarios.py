@@ -9,9 +9,9 @@ the threshold.
 
 from __future__ import annotations
 
+from tests.cache_helpers import free_slots
 from tests.test_hicache_common import (
     check_accounting,
-    free_slots,
     held,
     ids,
     make,

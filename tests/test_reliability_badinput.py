@@ -27,16 +27,13 @@ import torch
 from allocators import MambaStatePool, PagedAllocator, SWAAllocator, TokenAllocator
 from hicache import HiCacheConfig
 from radix import CacheConfig, CacheRequest, LockRef, RadixCache, RadixKey
+from tests.cache_helpers import tiny_state_pool
 
 BAD_INPUTS_TRIED: list[str] = []
 
 
 def t64(*xs: int) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.int64)
-
-
-def _states(n: int = 4) -> MambaStatePool:
-    return MambaStatePool(n, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,))
 
 
 @dataclass
@@ -73,7 +70,7 @@ class Env:
 
 
 def build() -> Env:
-    kv, sp = TokenAllocator(32), _states()
+    kv, sp = TokenAllocator(32), tiny_state_pool(4)
     c = RadixCache(kv_allocator=kv, state_allocator=sp)
     c.insert([1, 2, 3], kv.alloc(3), state_slot=int(sp.alloc(1)[0]))
     c.insert([5, 6], kv.alloc(2), state_slot=int(sp.alloc(1)[0]))
@@ -86,13 +83,13 @@ def build() -> Env:
     assert c.evict(2).num_tokens == 2 and evicted.parent is None
     c.dec_lock_ref(leaf)
 
-    wkv, wsp = SWAAllocator(32, 16), _states()
+    wkv, wsp = SWAAllocator(32, 16), tiny_state_pool(4)
     w = RadixCache(CacheConfig(sliding_window_size=2), kv_allocator=wkv, state_allocator=wsp)
     w.insert([1, 2, 3, 4], wkv.alloc(4), state_slot=int(wsp.alloc(1)[0]))
     w_node = w.match_prefix([1, 2, 3, 4]).last_device_node
     w_start = w.inc_lock_ref(w_node)
 
-    hkv, hsp = TokenAllocator(16), _states()
+    hkv, hsp = TokenAllocator(16), tiny_state_pool(4)
     hc = RadixCache(kv_allocator=hkv, state_allocator=hsp, hicache=HiCacheConfig(load_back_threshold=0))
     hc.insert([3, 3], hkv.alloc(2), state_slot=int(hsp.alloc(1)[0]))
     stale = hc.match_prefix([3, 3]).last_device_node
@@ -286,7 +283,7 @@ def test_the_table_is_long_enough_and_its_environment_is_sound() -> None:
 
 
 def test_paged_insert_refuses_slots_that_are_not_whole_pages_and_repeated_pages() -> None:
-    kv, sp = PagedAllocator(32, 4), _states()
+    kv, sp = PagedAllocator(32, 4), tiny_state_pool(4)
     c = RadixCache(CacheConfig(page_size=4), kv_allocator=kv, state_allocator=sp)
     mine, slot = kv.alloc(8), int(sp.alloc(1)[0])
     key = list(range(1, 9))

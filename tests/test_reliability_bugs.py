@@ -9,10 +9,7 @@ import torch
 from allocators import MambaStatePool, TokenAllocator
 from hicache import HiCacheConfig
 from radix import CacheConfig, CacheRequest, RadixCache
-
-
-def _states(n: int) -> MambaStatePool:
-    return MambaStatePool(n, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,))
+from tests.cache_helpers import tiny_state_pool
 
 
 def _put(cache: RadixCache, kv: TokenAllocator, sp: MambaStatePool, key: list[int],
@@ -29,7 +26,7 @@ def _put(cache: RadixCache, kv: TokenAllocator, sp: MambaStatePool, key: list[in
 
 
 def test_write_back_evict_counts_every_device_token() -> None:
-    kv, sp = TokenAllocator(20), _states(10)
+    kv, sp = TokenAllocator(20), tiny_state_pool(10)
     cache = RadixCache(CacheConfig(), kv_allocator=kv, state_allocator=sp,
                        hicache=HiCacheConfig(hicache_ratio=1.1, hicache_write_policy="write_back"))
     assert cache.hicache is not None and cache.hicache.host_kv.size == 22
@@ -52,7 +49,7 @@ def test_write_back_evict_counts_every_device_token() -> None:
 
 
 def test_a_wrong_cached_len_is_refused_before_it_leaks_slots() -> None:
-    kv, sp = TokenAllocator(32), _states(4)
+    kv, sp = TokenAllocator(32), tiny_state_pool(4)
     cache = RadixCache(kv_allocator=kv, state_allocator=sp)
     cache.insert([1, 2, 3], kv.alloc(3), state_slot=int(sp.alloc(1)[0]))
     slot = int(sp.alloc(1)[0])
@@ -76,7 +73,7 @@ def test_a_chunk_ending_before_cached_len_is_refused_a_finish_keeps_the_trees_sl
     engine keeps less), but its slots [2, 4) are the tree's: only its own [4, 6) are freed.
     A chunk (cache_unfinished_req) ending before cached_len would move its lock above slots it
     keeps: refused."""
-    kv, sp = TokenAllocator(32), _states(4)
+    kv, sp = TokenAllocator(32), tiny_state_pool(4)
     cache = RadixCache(kv_allocator=kv, state_allocator=sp)
     cache.insert([1, 2, 3, 4], kv.alloc(4), state_slot=int(sp.alloc(1)[0]))
     m = cache.match_prefix([1, 2, 3, 4])
@@ -102,7 +99,7 @@ def test_write_back_evict_counts_earlier_copies_landing_during_it() -> None:
     """evict(4) under write_back with the copy held: nothing freed yet (the copy is in flight,
     counted towards the target). The next evict lands it first: those 4 tokens are freed in
     that call and reported there, but do not count towards its own target."""
-    kv, sp = TokenAllocator(20), _states(10)
+    kv, sp = TokenAllocator(20), tiny_state_pool(10)
     cache = RadixCache(CacheConfig(), kv_allocator=kv, state_allocator=sp,
                        hicache=HiCacheConfig(hicache_write_policy="write_back"))
     hc = cache.hicache

@@ -19,6 +19,7 @@ from allocators import KVPool, MambaStatePool, PagedAllocator, SWAAllocator, Tok
 from hicache import HiCacheConfig
 from radix import CacheConfig, CacheRequest, RadixCache, RadixKey
 from radix.policies import POLICY_REGISTRY
+from tests.cache_helpers import tiny_state_pool
 
 KNOBS: dict[str, dict[str, Any]] = {"gds": {"d": 1.0, "e": 0.0},
                                     "tlru": {"threshold": 4, "next_prompt_estimate": 1}}
@@ -26,10 +27,6 @@ KNOBS: dict[str, dict[str, Any]] = {"gds": {"d": 1.0, "e": 0.0},
 
 def t64(*xs: int) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.int64)
-
-
-def states(n: int = 8) -> MambaStatePool:
-    return MambaStatePool(n, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,))
 
 
 def hybrid(page_size: int = 1, size: int = 32, policy: str | None = None, n_states: int = 8,
@@ -44,7 +41,7 @@ def hybrid(page_size: int = 1, size: int = 32, policy: str | None = None, n_stat
         kv = TokenAllocator(size, pool=pool) if page_size == 1 else PagedAllocator(size, page_size, pool=pool)
     cfg = CacheConfig(page_size=page_size, radix_eviction_policy=policy,
                       radix_eviction_policy_config=KNOBS.get(policy or ""), sliding_window_size=window)
-    cache = RadixCache(cfg, kv_allocator=kv, state_allocator=states(n_states), hicache=hicache)
+    cache = RadixCache(cfg, kv_allocator=kv, state_allocator=tiny_state_pool(n_states), hicache=hicache)
     cache.sanity_check()
     return cache
 
@@ -135,7 +132,7 @@ def test_1_a_key_shorter_than_a_page_matches_nothing_and_counters_return_to_zero
     cache nothing; the evictable counter is exactly 0 again after lock / unlock / evict."""
     kv = PagedAllocator(32, 4)
     cache = RadixCache(CacheConfig(page_size=4), kv_allocator=kv,
-                       state_allocator=states() if with_state else None)
+                       state_allocator=tiny_state_pool(8) if with_state else None)
     slot = new_state(cache) if with_state else None
     cache.insert([1, 2, 3, 4, 5, 6, 7, 8], kv.alloc(8), state_slot=slot)
     tree = cache.pretty_print()
@@ -168,7 +165,7 @@ def test_2_split_under_a_lock_keeps_evictable_plus_protected_exact(with_state: b
     then B'. After every step: evictable + protected == tokens in the tree, neither negative,
     with these exact values."""
     kv = TokenAllocator(16)
-    cache = RadixCache(kv_allocator=kv, state_allocator=states() if with_state else None)
+    cache = RadixCache(kv_allocator=kv, state_allocator=tiny_state_pool(8) if with_state else None)
 
     def st() -> int | None:
         return new_state(cache) if with_state else None

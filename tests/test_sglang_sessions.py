@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from allocators import MambaStatePool, TokenAllocator
+from allocators import TokenAllocator
 from radix.sglang import (
     CacheInitParams,
     EvictParams,
@@ -25,6 +25,7 @@ from radix.sglang import (
     ReqToTokenPool,
     UnifiedRadixCache,
 )
+from tests.cache_helpers import tiny_state_pool
 
 P1 = list(range(1, 9))  # 8 prompt tokens
 O1 = [50, 51]
@@ -36,7 +37,7 @@ class Engine:
 
     def __init__(self, sessions: bool = True) -> None:
         self.kv = TokenAllocator(64)
-        self.sp = MambaStatePool(8, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,))
+        self.sp = tiny_state_pool(8)
         self.rtp = ReqToTokenPool(4, 64, mamba_pool=self.sp)
         self.cache = UnifiedRadixCache(CacheInitParams(
             disable=False, req_to_token_pool=self.rtp, token_to_kv_pool_allocator=self.kv,
@@ -140,7 +141,7 @@ def test_an_aborted_turn_is_released_as_any_request() -> None:
 @pytest.mark.parametrize("policy", ["gds", "gdsf", "gds_adaptive"])
 def test_gds_is_refused_with_streaming_sessions_on_a_model_with_recurrent_state(policy: str) -> None:
     kv = TokenAllocator(16)
-    sp = MambaStatePool(4, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,))
+    sp = tiny_state_pool(4)
     rtp = ReqToTokenPool(2, 16, mamba_pool=sp)
     with pytest.raises(ValueError, match="enable_streaming_session"):
         UnifiedRadixCache(CacheInitParams(disable=False, req_to_token_pool=rtp,

@@ -59,14 +59,6 @@ def store_at(request: Any, tmp_path: Any) -> tuple[str, str]:
     return "redis", need_env(REDIS_ENV)
 
 
-@pytest.fixture
-def caches() -> Iterator[list[L3]]:
-    made: list[L3] = []
-    yield made
-    for h in made:
-        h.close()
-
-
 def attacker_client(name: str, where: str, tag: str, secret: str | None) -> StorageBackend:
     raw = None if secret is None else secret.encode()
     if name == "file":

@@ -17,11 +17,9 @@ import json
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import threading
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,7 +32,9 @@ from allocators import KVPool, MambaStatePool, PagedAllocator, TokenAllocator
 from hicache import HiCacheConfig
 from hicache.storage import StorageBackend
 from radix import CacheConfig, RadixCache
+from tests.cache_helpers import bits, random_bits
 from tests.mooncake_helpers import MOONCAKE_META_ENV, mooncake_extra
+from tests.server_helpers import ChildProcess, wait_port
 
 REDIS_ENV = "HPC_REDIS_URL"
 CLUSTER_ENV = "HPC_REDIS_CLUSTER_URLS"
@@ -56,18 +56,6 @@ def fresh_model() -> str:
 
 def t64(*xs: int) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.int64)
-
-
-def random_bits(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """Uniformly random bit patterns (NaN payloads, infinities, -0.0...) as ``dtype``."""
-    width = torch.empty((), dtype=dtype).element_size()
-    int_dtype = {2: torch.int16, 4: torch.int32}[width]
-    lo, hi = -(2 ** (8 * width - 1)), 2 ** (8 * width - 1)
-    return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int64).to(int_dtype).view(dtype)
-
-
-def bits(x: torch.Tensor) -> torch.Tensor:
-    return x.view({2: torch.int16, 4: torch.int32}[x.element_size()])
 
 
 # ======================================================================= caches
@@ -262,7 +250,7 @@ def free_port() -> int:
             return port
 
 
-class RedisServer:
+class RedisServer(ChildProcess):
     """A private ``redis-server`` on a free loopback port, persistence off."""
 
     def __init__(self, tmp: str, *args: str) -> None:
@@ -286,20 +274,7 @@ class RedisServer:
              "--appendonly", "no", "--dir", self.tmp, *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.02)
-        raise RuntimeError("private redis-server did not start")
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(5)
-            self.proc = None
+        wait_port(self.port, 5.0, 0.02, "private redis-server did not start")
 
     @property
     def url(self) -> str:

@@ -30,14 +30,6 @@ from tests.test_storage_common import (
 )
 
 
-@pytest.fixture
-def caches() -> Iterator[list[L3]]:
-    made: list[L3] = []
-    yield made
-    for h in made:
-        h.close()
-
-
 def key_of(n: int, base: int = 1000) -> list[int]:
     return [base + 3 * i for i in range(n)]
 

@@ -9,21 +9,12 @@ in-flight copy on the CPU. A fresh cache over the same store then finds the whol
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 from tests.test_storage_common import L3, drop_everything, fresh_model, make, put_random
-
-
-@pytest.fixture
-def caches() -> Iterator[list[L3]]:
-    made: list[L3] = []
-    yield made
-    for h in made:
-        h.close()
 
 
 def key_of(n: int, base: int = 5000) -> list[int]:

@@ -104,14 +104,6 @@ def master(tmp_path: Any) -> Iterator[MooncakeMaster]:
     m.kill()
 
 
-@pytest.fixture
-def caches() -> Iterator[list[L3]]:
-    made: list[L3] = []
-    yield made
-    for h in made:
-        h.close()
-
-
 def key_of(n: int, base: int = 1000) -> list[int]:
     return [base + 5 * i for i in range(n)]
 

@@ -18,7 +18,6 @@ import dataclasses
 import enum
 import importlib
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -57,14 +56,6 @@ class Color(enum.IntEnum):
 
 class Word(enum.StrEnum):
     HELLO = "hello"
-
-
-@pytest.fixture
-def caches() -> Iterator[list[L3]]:
-    made: list[L3] = []
-    yield made
-    for h in made:
-        h.close()
 
 
 KEY = [900 + i for i in range(16)]

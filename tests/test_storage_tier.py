@@ -8,7 +8,6 @@ namespaces never mix.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -41,14 +40,6 @@ def backend(request: Any, tmp_path: Any) -> tuple[str, str]:
     if request.param == MOONCAKE_ENV:
         return "mooncake", need_mooncake()[0]
     return "redis", need_env(request.param)
-
-
-@pytest.fixture
-def caches() -> Iterator[list[L3]]:
-    made: list[L3] = []
-    yield made
-    for h in made:
-        h.close()
 
 
 def key_of(n: int, base: int = 1000) -> list[int]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -70,14 +69,6 @@ def compute(h: L3, key: list[int], ns: Any) -> None:
     res = c.insert(key, torch.cat([m.device_indices, slots]), ns)
     if len(res.duplicate_indices):
         h.kv.free(res.duplicate_indices)
-
-
-@pytest.fixture
-def caches() -> Iterator[list[L3]]:
-    made: list[L3] = []
-    yield made
-    for h in made:
-        h.close()
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -1,0 +1,91 @@
+"""Set-up shared by the cache tests: random keys, the caller's side of an insert, pool views.
+
+The random tests draw keys over the tokens 1..3 (a small alphabet, so keys share prefixes and
+nodes split, branch and chain), usually by extending a prefix of an earlier key. Every draw
+goes through the caller's ``random.Random``, in a fixed order, so a seed replays a run.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from allocators import MambaStatePool
+
+
+def draw_tokens(rng: random.Random, keys: list[list[int]], *, min_cut: int,
+                grow: tuple[int, int], fresh: tuple[int, int], reuse: float = 0.7) -> list[int]:
+    """A key (appended to ``keys``): with probability ``reuse`` a prefix of an earlier key, at
+    least ``min_cut`` tokens long, plus ``grow`` (inclusive range) new tokens; otherwise
+    ``fresh`` (inclusive range) new tokens."""
+    if keys and rng.random() < reuse:
+        base = rng.choice(keys)
+        key = base[: rng.randint(min_cut, len(base))] + [rng.randint(1, 3) for _ in range(rng.randint(*grow))]
+    else:
+        key = [rng.randint(1, 3) for _ in range(rng.randint(*fresh))]
+    keys.append(key)
+    return key
+
+
+def draw_key(rng: random.Random, keys: list[tuple[list[int], Any]], *, recent: int,
+             grow: tuple[int, int], fresh: tuple[int, int], cap: int, extras: list[Any],
+             switch: float = 0.0) -> tuple[list[int], Any]:
+    """A ``(tokens, extra_key)`` pair (appended to ``keys``), at most ``cap`` tokens.
+
+    With probability 0.8 (when ``keys`` has one) it revisits one of the ``recent`` latest keys:
+    at least half of its tokens, plus ``grow`` (inclusive range) new ones, in the same
+    namespace, moved with probability ``switch`` to ``None`` or ``"lora"`` (a namespace change
+    on a shared prefix). Otherwise ``fresh`` (inclusive range) new tokens in a namespace drawn
+    from ``extras``.
+    """
+    if keys and rng.random() < 0.8:
+        base, extra = rng.choice(keys[-recent:])
+        cut = rng.randint(len(base) // 2, len(base))
+        toks = base[:cut] + [rng.randint(1, 3) for _ in range(rng.randint(*grow))]
+        if switch and rng.random() < switch:
+            extra = rng.choice([None, "lora"])
+    else:
+        toks = [rng.randint(1, 3) for _ in range(rng.randint(*fresh))]
+        extra = rng.choice(extras)
+    toks = toks[:cap]
+    keys.append((toks, extra))
+    return toks, extra
+
+
+def free_leftovers(alloc: Any, res: Any, fresh: torch.Tensor, need: int) -> None:
+    """The caller's side of an insert: free the duplicates (slots the tree already had), the
+    remainder past the last whole page and the part of ``fresh`` past the ``need`` used."""
+    if len(res.duplicate_indices):
+        alloc.free(res.duplicate_indices)
+    tail = torch.cat([res.remainder_indices, fresh[need:]])
+    if len(tail):
+        alloc.free(tail)
+
+
+def free_slots(alloc: Any) -> list[int]:
+    """An allocator's free list as slot ids (pages expanded), front first."""
+    ps = alloc.page_size
+    return [p * ps + i for p in alloc.snapshot().free_ids() for i in range(ps)]
+
+
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Uniformly random bit patterns (NaN payloads, infinities, -0.0...) as ``dtype`` (2 or 4
+    bytes wide), drawn from ``gen``: a copy that goes through any float arithmetic shows."""
+    width = torch.empty((), dtype=dtype).element_size()
+    int_dtype = {2: torch.int16, 4: torch.int32}[width]
+    lo, hi = -(2 ** (8 * width - 1)), 2 ** (8 * width - 1)
+    return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int64).to(int_dtype).view(dtype)
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """``x`` viewed as same-width integers, so ``torch.equal`` compares bit patterns."""
+    width = x.element_size()
+    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width])
+
+
+def tiny_state_pool(states: int) -> MambaStatePool:
+    """A state pool of ``states`` slots, one layer, one-element conv and SSM states (the random
+    tests follow slot ids, not contents)."""
+    return MambaStatePool(states, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,))
