@@ -59,14 +59,18 @@ def compute(h: L3, key: list[int], ns: Any) -> None:
     need = len(key) - m.prefix_len
     if need <= 0:
         return
-    slots = h.kv.alloc(need)
-    if slots is None:
-        c.evict(need)
+    lock = c.inc_lock_ref(m.last_device_node)  # an eviction for room never frees the match
+    try:
         slots = h.kv.alloc(need)
-    if slots is None:
-        return
-    fill(h, slots, key, ns, m.prefix_len)
-    res = c.insert(key, torch.cat([m.device_indices, slots]), ns)
+        if slots is None:
+            c.evict(need)
+            slots = h.kv.alloc(need)
+        if slots is None:
+            return
+        fill(h, slots, key, ns, m.prefix_len)
+        res = c.insert(key, torch.cat([m.device_indices, slots]), ns)
+    finally:
+        c.dec_lock_ref(lock)
     if len(res.duplicate_indices):
         h.kv.free(res.duplicate_indices)
 
@@ -84,7 +88,7 @@ def test_prefetches_and_backups_land_while_the_engine_thread_works(
     caches.append(a)
     for k in keys[::2]:
         compute(a, k, rng.choice(spaces))
-    assert a.cache.flush_storage(10)
+    assert a.cache.flush_storage(60)
     b = make("file", where=where, model=model, size=48, prefetch="best_effort")
     caches.append(b)
     flaky = wrap_flaky(b)
@@ -112,7 +116,7 @@ def test_prefetches_and_backups_land_while_the_engine_thread_works(
             landed_late += 1
         b.cache.sanity_check()
     flaky.gate.set()
-    assert b.cache.flush_storage(10)
+    assert b.cache.flush_storage(60)
     b.cache.sanity_check()
     st = b.cache.stats()
     assert st["l3_prefetch_pages"] > 0 and st["l3_backup_written"] > 0 and landed_late > 0
