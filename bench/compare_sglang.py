@@ -110,8 +110,8 @@ def ours_cmd(workload: str, states: bool, alloc: str, args: argparse.Namespace) 
     cmd = _clocked(sys.executable, "module", "bench.radix_bench", args) + [
         "--workload", workload, "--allocator", alloc, "--page-size", str(args.page_size),
         "--policy", args.policy]
-    if states:
-        cmd.append("--states")
+    if states:  # like for like: SGLang's rules for a node left without a state
+        cmd += ["--states", "--sglang-rules"]
     return cmd + args.extra
 
 
@@ -263,6 +263,13 @@ def hit_rate_check(results: dict, args: argparse.Namespace) -> list[str]:
         ok = ours == theirs and len(ours) == 1
         out.append(f"{w}: ours {sorted(ours)} vs SGLang RadixCache {sorted(theirs)} -> "
                    f"{'EQUAL' if ok else 'DIFFERENT'} (policy {args.policy}, page {args.page_size})")
+        for impl in (i for i in args.impls if is_state_impl(i)):
+            ours = {r["hit_rate"] for a in ALLOCS for r in results.get(("ours", w, (True, a)), [])}
+            theirs = {r["hit_rate"] for r in results.get(("sglang", w, impl), [])}
+            if ours and theirs:
+                ok = ours == theirs and len(ours) == 1
+                out.append(f"{w}: ours KV+state (SGLang's rules) {sorted(ours)} vs SGLang {impl} "
+                           f"{sorted(theirs)} -> {'EQUAL' if ok else 'DIFFERENT'}")
     return out
 
 

@@ -166,7 +166,8 @@ class Setup:
 
 def build(args: argparse.Namespace, reqs: list[list[int]]) -> Setup:
     ps = args.page_size
-    cfg = CacheConfig(page_size=ps, radix_eviction_policy=args.policy)
+    rules = {"stateless_leaf": "keep", "match_recency": "usable"} if args.sglang_rules else {}
+    cfg = CacheConfig(page_size=ps, radix_eviction_policy=args.policy, **rules)
     if args.allocator == "counter":
         kv: Any = CountingKVAllocator(ps)
         states: Any = CountingStatePool() if args.states else None
@@ -367,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--policy", default="lru")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--allocator", choices=["real", "counter"], default="real")
+    ap.add_argument("--sglang-rules", action="store_true",
+                    help="SGLang 0.5.23's tree rules (stateless_leaf='keep', "
+                         "match_recency='usable'): the same tree as its caches, request for request")
     ap.add_argument("--check", action="store_true", help="sanity_check() the cache at the end")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="cProfile the request loop; print the top N functions (tottime) to stderr")
