@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     print(rate_table(results, args))
     checks = hit_rate_check(results, args)
     if checks:
-        print("\n### hit-rate cross-check (KV only)\n")
+        print("\n### hit-rate cross-check (KV only, and KV + state under SGLang's rules)\n")
         for c in checks:
             print("* " + c)
     mem_rows: list[dict] = []
