@@ -24,8 +24,12 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from radix.node import TreeNode
+
+if TYPE_CHECKING:
+    from components.gds_adaptive import AdaptiveGDSStrategy
 
 _EPS = 1e-12
 
@@ -218,7 +222,7 @@ class GDSFStrategy(GDSStrategy):
 
 
 def make_gds_walk(walk: str, d: float, e: float,
-                  is_candidate: Callable[[TreeNode], bool]) -> GDSStrategy:
+                  is_candidate: Callable[[TreeNode], bool]) -> GDSStrategy | AdaptiveGDSStrategy:
     """The GDS-family walk named ``walk`` (one of :data:`GDS_WALKS`)."""
     if walk == "gds":
         return GDSStrategy(d, e, is_candidate)

@@ -106,6 +106,7 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         self.state: StateComponent | None = None
         if state_allocator is not None:
             self.state = self._new_state_component(state_allocator)
+            self._adopt_kv_order()
         self.swa: SWAComponent | None = None
         if config.sliding_window_size is not None:
             if not (hasattr(kv_allocator, "free_swa") and hasattr(kv_allocator, "has_swa")):
@@ -123,6 +124,14 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         walk = self.policy.state_walk
         gds = (self.policy.knobs["d"], self.policy.knobs["e"]) if walk in GDS_WALKS else None
         return StateComponent(allocator, walk, gds, self._state_walk)
+
+    def _adopt_kv_order(self) -> None:
+        """A state walk that orders KV leaves too (its ``kv_leaves``, with the interface of
+        ``radix.ordered.OrderedNodeSet``) replaces the policy's KV key on an empty cache."""
+        walk = self.state.gds if self.state is not None else None
+        leaves = getattr(walk, "kv_leaves", None)
+        if leaves is not None and not self.kv.host_tier:
+            self.kv.leaves = leaves
 
     def _init_tree(self) -> None:
         self.tree = RadixTree(self.page_size, self._on_split)
@@ -929,6 +938,7 @@ class RadixCache(StorageTier, HostTier, RequestHelpers, Diagnostics):
         if self.swa is not None:
             self.swa = SWAComponent(self.swa.allocator, self.swa.window)
         self.kv = KVComponent(self.kv.allocator, self.policy.kv_key, self.kv.host_tier)
+        self._adopt_kv_order()
         self._init_tree()
 
     def _remove_leaf_plain(self, node: TreeNode) -> None:
