@@ -41,8 +41,10 @@ last prefill chunk, the other ``output_length - 1`` take one decode step each; t
 ``ReplayEngine.finish``. Checkpoint positions follow the engine model (every ``chunk_size``
 tokens from ``U``, and the branch point), not the step boundaries of the budget.
 
-Policies: every ``radix.policies`` name, plus ``marconi`` and ``belady``
-(:mod:`bench.sim_policies`, run on the ``gds`` policy with a replay-side state walk).
+Policies: every ``radix.policies`` name, plus the replay baselines ``marconi``, ``seglen``,
+``belady`` and ``belady_state`` (run on the ``gds`` policy with a replay-side state walk;
+``marconi``, ``seglen`` and ``belady`` also order the KV leaves: :mod:`bench.sim_policies`,
+:mod:`bench.sim_utility`, :mod:`bench.sim_offline`).
 Marconi's alpha is tuned as in the paper: alpha 0 until the first state eviction, at request
 ``k``; the first ``W = min(10 (k+1), max(k+1, n/4))`` requests are then replayed once per alpha
 of the grid, the alpha with the highest token hit rate wins (ties: the smaller), and the run
