@@ -7,14 +7,16 @@ rates plus the verdict on the recommended policy (``gds_adaptive``): at every po
 margin over the best of ``lru`` / ``gds`` / ``gdsf`` and its share of the offline reference
 ``belady``, and the worst point of each. ``--from-csv FILE`` re-renders a saved run.
 
-Sources (sizes chosen so that the whole table takes well under an hour on two cores):
+Sources (the default grid takes hours on two shared cores: Mooncake alone, 112 runs, took
+46 minutes; ``--slots`` / ``--kv-tokens`` / ``--concurrency`` / ``--sources`` cut it):
 
 | source | what | size, time |
 |---|---|---|
 | ``mooncake`` | the shipped Mooncake conversation trace | first 2,000 requests, arrivals x 2 |
 | ``gmi`` | LMBench's GMI trace (``--traces-dir``) | all 1,931 requests, arrivals x 0.005 |
 | ``tracelab`` | TraceLab's two agent sessions (``--traces-dir``) | 19 rounds |
-| ``docqa`` ... ``mix`` | :mod:`bench.workloads`, seed 0 | defaults (818 - 1,200 requests) |
+| ``docqa`` ... ``mix`` | :mod:`bench.workloads`, seed 0 | defaults (876 - 1,200 requests) |
+| ``mooncake_b``, ``docqa_s1``, ``agentic_s1`` | held out: Mooncake requests 6,001-8,000, seed 1 | not in the default run |
 
 A source whose file is missing is skipped with a note. Runs go to ``--jobs`` worker processes
 (one source at a time, its trace shared by ``fork``).
