@@ -367,6 +367,13 @@ class KVOrderDuel:
     """
 
     def __init__(self, d: float, e: float, state_depth: Callable[[TreeNode], int]) -> None:
+        self._d = d
+        self._e = e
+        self._state_depth = state_depth
+        self._start()
+
+    def _start(self) -> None:
+        d, e = self._d, self._e
         # each order's watermark history, by access stamp: a leaf is stamped with the
         # watermark in effect at its last access (``node.last_access_time``), whenever the
         # KV component files it (a lock and a release are no use)
@@ -384,10 +391,13 @@ class KVOrderDuel:
         self.switches = 0
         self.members: dict[int, TreeNode] = {}
         self.ghosts = Ghosts(self._dropped)
-        self._state_depth = state_depth
 
     def __len__(self) -> int:
         return len(self.members)
+
+    def clear(self) -> None:
+        """Every leaf is gone (the cache was reset): back to the state of a new order."""
+        self._start()
 
     def __contains__(self, node: TreeNode) -> bool:
         return node.id in self.members

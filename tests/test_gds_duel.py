@@ -210,3 +210,29 @@ def test_kv_order_duel_is_lru_under_random_use() -> None:
         duel.regret = [0.0, 0.0]
         assert duel.leader == 0
         duel.check()
+
+
+def test_kv_order_duel_clear_starts_over() -> None:
+    """A reset cache clears its KV order: no member, no ghost, no charge, ``lru`` leading;
+    a ghost from before the clear never touches the new orders (same ghost ids)."""
+    duel = KVOrderDuel(1.0, 0.0, lambda n: 0)
+    a = chain(300)[0]
+    a.key = list(range(300))  # a leaf under its own root: its ghost hangs on that root
+    b = chain(600)[0]
+    for n, t in ((a, 1), (b, 2)):
+        n.last_access_time = t
+        duel.update(n)
+    assert duel.pop_first() is a and len(duel.ghosts) == 1
+    duel.regret = [5.0, 1.0]
+    duel.clear()
+    assert len(duel) == 0 and b not in duel and not len(duel.ghosts)
+    assert duel.regret == [0.0, 0.0] and duel.leader == 0
+    assert all(not o.stamp and not o.retained for o in duel.orders)
+    c = chain(100)[0]
+    c.last_access_time = 7
+    duel.update(c)
+    duel.orders[1].retain(-1, 1e9)  # a new ghost id that an old ghost also had
+    del a
+    gc.collect()  # a's root goes; the ghost table that watched it went with the clear
+    assert duel.orders[1].retained == {-1: 1e9}
+    assert duel.pop_first() is c and len(duel) == 0
