@@ -166,8 +166,9 @@ class Setup:
 
 def build(args: argparse.Namespace, reqs: list[list[int]]) -> Setup:
     ps = args.page_size
-    rules = {"stateless_leaf": "keep", "match_recency": "usable"} if args.sglang_rules else {}
-    cfg = CacheConfig(page_size=ps, radix_eviction_policy=args.policy, **rules)
+    cfg = CacheConfig(page_size=ps, radix_eviction_policy=args.policy,
+                      stateless_leaf="keep" if args.sglang_rules else "prune",
+                      match_recency="usable" if args.sglang_rules else "matched")
     if args.allocator == "counter":
         kv: Any = CountingKVAllocator(ps)
         states: Any = CountingStatePool() if args.states else None

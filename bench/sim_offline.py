@@ -59,6 +59,8 @@ class OfflineStrategy(_LiveSet):
         self._served = np.zeros(len(index.caps), dtype=bool)
         self._low = 0  # every request before it has been served
         self.kv_leaves: ScanLeafSet | None = None
+        self._memo: dict[int, int] = {}  # node id -> next use (see state_next_use)
+        self._memo_inner: dict[int, bool] = {}
 
     # --------------------------------------------------------------- the trie
     def trie_node(self, node: TreeNode) -> int | None:
@@ -137,7 +139,35 @@ class OfflineStrategy(_LiveSet):
         return NEVER
 
     def state_next_use(self, node: TreeNode) -> int:
-        return self.consumer_next_use(node) if node.children else self.leaf_next_use(node)
+        """What evicting ``node``'s state destroys is next needed by this request (memoised:
+        recomputed once that request was served, or when a state is cached or evicted just
+        below or above the node)."""
+        nid = node.id
+        v = self._memo.get(nid)
+        if v is None or (v < len(self._served) and self._served[v]) \
+                or bool(node.children) != self._memo_inner[nid]:
+            v = self.consumer_next_use(node) if node.children else self.leaf_next_use(node)
+            self._memo[nid] = v
+            self._memo_inner[nid] = bool(node.children)
+        return v
+
+    def _invalidate_around(self, node: TreeNode) -> None:
+        self._memo.pop(node.id, None)
+        n = node.parent
+        while n is not None and n.parent is not None:
+            if n.id in self._live:
+                self._memo.pop(n.id, None)
+                return
+            n = n.parent
+
+    def on_set(self, node: TreeNode) -> None:
+        super().on_set(node)
+        self._invalidate_around(node)
+
+    def on_remove(self, node: TreeNode) -> None:
+        super().on_remove(node)
+        self._invalidate_around(node)
+        self._memo_inner.pop(node.id, None)
 
     # ---------------------------------------------------------------- events
     def before_admit(self, index: int) -> None:
@@ -164,5 +194,5 @@ class OfflineStrategy(_LiveSet):
 
     def kv_pick(self, nodes: Sequence[TreeNode]) -> int:
         """The KV leaf to evict: needed farthest ahead (never first), then least recent."""
-        keys = [(-self.leaf_next_use(n), n.last_access_time) for n in nodes]
+        keys = [(-self.state_next_use(n), n.last_access_time) for n in nodes]
         return min(range(len(nodes)), key=keys.__getitem__)

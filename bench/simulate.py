@@ -1,4 +1,4 @@
-"""Engine simulator CLI: ``python -m bench simulate`` (SPEC 7; :mod:`bench.simulator`).
+"""Engine simulator CLI: ``python -m bench simulate`` (:mod:`bench.simulator`).
 
 Replays a trace through the cache *with time*: requests arrive at their timestamps, a
 scheduler admits them under a prefill token budget and ``--max-running-requests``, prefill
@@ -16,7 +16,9 @@ Examples::
 
 ``--plot FILE`` (needs a sweep) writes the figure and a CSV beside it (``FILE`` with
 ``.csv``); ``--csv FILE`` writes the CSV alone. Runs of a sweep go to ``--jobs`` processes.
-Baselines ``marconi`` and ``belady`` exist only here (:mod:`bench.sim_policies`), as do the
+Baselines ``marconi``, ``seglen`` (:mod:`bench.sim_utility`: both order KV leaves too),
+``belady`` (the offline reference of states and KV leaves, :mod:`bench.sim_offline`) and
+``belady_state`` (the earlier, states-only reference) exist only here, as do the
 experimental walks ``idea:*`` (:mod:`bench.sim_ideas`); ``gdsf`` and ``gds_adaptive`` are
 library policies.
 """
@@ -77,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-requests", type=parse_count, default=None, help="simulate only the first N requests")
     a("--policy", nargs="+", default=["lru", "gds"],
       help="radix policies (lru, gds, gdsf, gds_adaptive, ...) and/or the replay baselines "
-           "marconi, belady and the experimental walks idea:* of bench/sim_ideas.py "
+           "marconi, seglen, belady, belady_state and the experimental walks idea:* of "
+           "bench/sim_ideas.py "
            "(default: lru gds)")
     a("--kv-tokens", type=_positive, default=16_000_000, help="KV pool [tokens] (default 16M)")
     a("--state-slots", type=parse_count, default=512, help="state pool [slots] (default 512)")

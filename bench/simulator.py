@@ -13,7 +13,7 @@ Time model (simulated seconds)::
     TTFT_i         = end of the step holding i's last prefill chunk - arrival_i
     queueing_i     = start of i's first prefill step - arrival_i
 
-``cost(a, b) = d*(b - a) + e*(b*b - a*a)/2e5`` is the GDS cost model of SPEC 2.3 with the same
+``cost(a, b) = d*(b - a) + e*(b*b - a*a)/2e5`` is the GDS cost model of ``components.gds`` with the same
 ``d``, ``e``; its unit is **seconds of the GLM prefill fit** (d = 18.6 us per token, i.e. about
 54K tokens/s, plus the attention term). A chunk from position ``a`` to ``b`` of a request
 whose usable cached prefix is ``U`` starts at ``a >= U``: cache hits shorten prefill exactly
@@ -41,8 +41,10 @@ last prefill chunk, the other ``output_length - 1`` take one decode step each; t
 ``ReplayEngine.finish``. Checkpoint positions follow the engine model (every ``chunk_size``
 tokens from ``U``, and the branch point), not the step boundaries of the budget.
 
-Policies: every ``radix.policies`` name, plus ``marconi`` and ``belady``
-(:mod:`bench.sim_policies`, run on the ``gds`` policy with a replay-side state walk).
+Policies: every ``radix.policies`` name, plus the replay baselines ``marconi``, ``seglen``,
+``belady`` and ``belady_state`` (run on the ``gds`` policy with a replay-side state walk;
+``marconi``, ``seglen`` and ``belady`` also order the KV leaves: :mod:`bench.sim_policies`,
+:mod:`bench.sim_utility`, :mod:`bench.sim_offline`).
 Marconi's alpha is tuned as in the paper: alpha 0 until the first state eviction, at request
 ``k``; the first ``W = min(10 (k+1), max(k+1, n/4))`` requests are then replayed once per alpha
 of the grid, the alpha with the highest token hit rate wins (ties: the smaller), and the run
@@ -107,7 +109,7 @@ class SimConfig:
         decode_ms: one decode step [ms].
         max_prefill_tokens: token budget of one prefill step (``None``: ``chunk_size``).
         arrivals: ``trace`` (timestamps) or ``closed`` (``concurrency`` clients).
-        cost_d, cost_e: prefill cost model [s of the GLM fit] (SPEC 2.3).
+        cost_d, cost_e: prefill cost model [s of the GLM fit] (``components.gds``).
         model: preset whose bytes Marconi's FLOP efficiency uses.
         marconi_alpha: fixed alpha (``None``: tuned on a prefix of the trace).
         marconi_alphas: the tuning grid.

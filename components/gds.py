@@ -1,4 +1,8 @@
-"""GreedyDual-Size eviction of recurrent-state checkpoints (FlashState; SPEC 2.3).
+"""GreedyDual-Size eviction of recurrent-state checkpoints.
+
+GreedyDual-Size is Cao and Irani's cost-aware cache replacement ("Cost-Aware WWW Proxy Caching
+Algorithms", USENIX USITS 1997); applying it to recurrent-state checkpoints, with the cost
+below, follows the FlashState paper.
 
     cost(a, b) = d * (b - a) + e * (b*b - a*a) / 2e5
 

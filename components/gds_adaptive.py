@@ -1,74 +1,81 @@
-"""GreedyDual-Size with learned reuse weights for recurrent-state checkpoints (``gds_adaptive``).
+"""``gds_adaptive``: the recurrent-state walk that picks, online, the GreedyDual order that is
+making the fewest costly mistakes on the workload at hand.
 
-Plain GDS (``components.gds``) ranks a state by ``stamp + cost(a, b)``, the prefill a hit on it
-saves over the nearest shallower state. On conversation traffic that ranks backwards: when a
-conversation continues, the new end state sits a few hundred tokens below the state the turn
-resumed from, so its incremental cost is tiny and GDS evicts it first, while the old state
-(expensive to rebuild from the root) stays, although the next turn will resume from the new
-one. This walk keeps the GDS frame and multiplies the cost by a weight ``w(s)`` that estimates
-how likely ``s`` is to be consumed again, from signals an online cache has::
+Every order here is GreedyDual-Size (:mod:`components.gds`)::
 
-    priority(s) = stamp(s) + w(s) * cost(a, b)
+    priority(s) = stamp(s) + w(s) * cost(a, b)        evict the least; watermark := its priority
 
-Kinds of state, from the tree around ``s`` (``below``: live states whose nearest shallower
-live state is ``s``; ``extended``: a state was cached below ``s`` after ``s`` was; ``hits
-below``: matches that consumed ``s`` while it had states below):
+with ``cost(a, b)`` the prefill that rebuilds ``s`` (at position ``b``) from the nearest
+shallower live state (at ``a``). The orders differ in ``w``:
 
-* ``leaf`` (nothing below): ``w`` = the learned reuse probability of its *seen-share bucket*
-  relative to all leaves, times ``min(1, hit rate of leaves / hit rate of all states)``. The bucket is the share of ``s``'s prefix that other requests had
-  inserted before (the deepest node on its path with ``hit_count >= 2``): under 30 %, 30-90 %,
-  at least 90 %. A continuing conversation's new end state lies under a prefix seen before; a
-  new conversation's lies under fresh tokens. On the Mooncake conversation trace the end state
-  of a request whose prompt was >= 90 % seen is reused within 600 requests 60 % of the time,
-  against 17 % under 30 % seen (whole-trace analysis, ``bench/README.md``, "Beyond GDS").
-* ``chain`` (extended, no hit since it had states below): the turn moved past it. ``w = 0``
-  (evicted first, oldest stamp first) while the learned hit rate of chain states is below that
-  of leaves, else 1 (decided at every store; when it flips, every chain state is
-  re-weighed). Conversations make chains dead weight (Mooncake, learned hit rates relative to
-  the mean: chains 0.002, leaves 0.086); shared system prompts reached once and then extended
-  make them hot (LMBench GMI: chains 0.68, leaves 0.024); the rule follows the workload.
-* ``hub0`` (states below since it was cached, no hit since): ``w = 1`` (plain GDS).
-* ``hub`` (consumed ``k >= 1`` times while it had states below: a shared prefix): ``w = 1 + k``
-  (GreedyDual-Size-Frequency on those hits).
+* ``gds``: ``w = 1`` (FlashState).
+* ``gdsf``: ``w = 1 + hits`` (GreedyDual-Size-Frequency, Cherkasova 1998).
+* ``signals``: a weight from what the tree says about the state (below). Conversations make
+  plain GDS rank backwards (a continued turn's new end state is cheap over the old one, so GDS
+  evicts it and keeps the old one the next turn will not use); this order fixes that.
 
-Learning, all online and without knobs a user must tune:
+No single order is best everywhere (measured, ``bench/README.md``): ``signals`` saves 1.5-2x
+the tokens of ``gds`` on conversation traffic, ``gds`` / ``gdsf`` win by a point or two where
+every question on a document resumes from one fork state. So all three are kept over the same
+live states, each with its own lazy heap and watermark (:class:`components.gds_duel.
+GreedyDualHeap`); the *leader* evicts, the others name the victim they would have evicted
+and exclude it from their own order (a miniature simulation of each order on the real
+pool; Waldspurger et al., "Cache Modeling and Optimization using Miniature Simulations",
+USENIX ATC 2017, simulate whole caches on sampled keys; here the shared tree makes the whole
+pool cheap to shadow, one heap per order). Each order is charged, in prefill tokens, for its
+mistakes:
 
-* *Seen-share buckets*: when a state is cached, remember its node, bucket and ``hit_count``;
-  after ``2 x`` (states cached now) further stores, the outcome is whether another request
-  inserted through the node meanwhile (``hit_count`` rose), whether or not the state itself
-  survived: the estimate is not censored by the walk's own evictions (a state the walk evicts
-  early would otherwise never be seen reused, and its bucket would look useless). Counts decay
-  by ``1 - 1/2048`` per outcome; each bucket has a prior of 16 outcomes at the overall mean.
-* *Hit rates per kind*: hits per state per store event, exposure and hits decayed with a
-  half-life of 4,096 stores, prior 4 exposure units at the overall rate; they decide the
-  chain rule and scale the leaves.
+* the leader, when a later match would have consumed one of its victims (a *ghost*,
+  :class:`components.gds_duel.Ghosts`; a leaf's ghost is found through the match key, since
+  its KV left with it): ``depth(victim) - depth(state consumed instead)``;
+* another order, when a match consumes one of the states it excluded (it would have lost
+  ``depth - a``), or when it agreed with the leader's victim that turns out needed.
 
-Sources: GreedyDual-Size (Cao & Irani, USITS 1997) and GDSF (Cherkasova, HPL-98-69, 1998) for
-the frame and the frequency term; ARC's ghost idea and admission control were measured and
-dropped (``bench/README.md``, issue 12). The constants (bucket edges, horizon, decays, priors)
-were fixed once on the first 4,000 Mooncake requests and one LMBench run at 256 state slots,
-then checked on the full traces at 64-4,096 slots and 16-64 sessions.
+Charges decay with a half-life of :data:`REGRET_HALF_LIFE` stores; the leader changes when
+another order's charge is below the leader's by the factor :data:`SWITCH_MARGIN`. The other
+orders then forget their exclusions (the pool is what the old leader left).
 
-Semantics for the lazy heap: ``w(s)`` is evaluated when ``s`` is cached, consumed, changes
-kind, is requeued, or (chains) when the chain rule flips, and kept until then (a leaf's
-weight does not follow every later change of the bucket estimates); ``true_priority`` uses
-that stored weight, so every entry is a lower bound of it exactly as under GDS (stamps only
-rise, an evicted ancestor only raises ``cost``, a lower weight always comes with a fresh entry).
+The ``signals`` weight, from the tree around ``s`` (``below``: live states whose nearest
+shallower live state is ``s``):
+
+* ``leaf`` (nothing below): the learned reuse probability of its *seen-share bucket* (the
+  share of its prefix other requests had inserted before: under 30 %, 30-90 %, at least
+  90 %) relative to all leaves. Outcomes are read from KV-level reuse (``hit_count`` of the
+  node after ``2 x`` live-states stores), so the walk's own evictions do not censor them.
+* ``chain`` (consumed by a request that then cached a state below it: the conversation
+  moved past it; not consumed since): ``w = 0`` while chains are learned to be hit less often
+  than leaves, else 1.
+* ``spine`` (states below it were cached without it being consumed in between: the chunk
+  checkpoints of one long prompt, a fork state and its own request's end): the same rule as
+  chains, with its own learned rate. The two are apart because a document's chunk
+  checkpoints are what its next question resumes from, while a conversation's old turns are
+  not (measured: one rule for both loses either Mooncake's conversations or document QA).
+* ``hub0`` (born with states below: a fork checkpoint; not consumed since): ``w = 1``.
+* ``hub`` (consumed ``k >= 1`` times while it had states below: a shared prefix): ``w = 1 + k``.
+
+Hit rates per kind are hits per state per store (exposure and hits decayed, half-life
+:data:`RATE_HALF_LIFE` stores, prior :data:`RATE_PRIOR` exposure units at the leaves' rate).
+
+Constants were fixed once on the exploration set named in ``bench/README.md``; none is a knob
+a user sets. Lazy heaps: every entry is a lower bound of its order's true priority (stamps
+only rise, an evicted ancestor only raises ``cost``, a lower weight comes with a fresh entry,
+a new state re-seeds the states directly below it in every order).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from components.gds import GDSStrategy, gds_cost
+from components.gds import gds_cost
+from components.gds_duel import Ghosts, GreedyDualHeap, KVOrderDuel
 
 if TYPE_CHECKING:
     from radix.node import TreeNode
 
-__all__ = ["AdaptiveGDSStrategy", "seen_bucket"]
+__all__ = ["CHAIN", "HUB", "HUB0", "KIND_NAMES", "LEAF", "SPINE", "AdaptiveGDSStrategy", "seen_bucket"]
 
 SEEN_EDGES = (0.3, 0.9)
 """Seen-share bucket edges: ``< 0.3`` -> 0, ``< 0.9`` -> 1, else 2."""
@@ -79,12 +86,18 @@ BUCKET_MEMORY = 2048.0
 BUCKET_PRIOR = 16.0
 """Pseudo-outcomes per bucket at the overall reuse probability."""
 RATE_HALF_LIFE = 4096.0
-"""Stores after which a chain / leaf hit or exposure counts half."""
+"""Stores after which a per-kind hit or exposure counts half."""
 RATE_PRIOR = 4.0
-"""Pseudo-exposure of the chain / leaf hit rates at the overall rate."""
+"""Pseudo-exposure of each kind's hit rate, at the leaves' rate."""
+REGRET_HALF_LIFE = 2048.0
+"""Stores after which an order's charged mistakes count half."""
+SWITCH_MARGIN = 1.5
+"""Another order leads once the leader's charge exceeds its own by this factor."""
 
-LEAF, CHAIN, HUB0, HUB = 0, 1, 2, 3
-KIND_NAMES = ("leaf", "chain", "hub0", "hub")
+LEAF, CHAIN, HUB0, HUB, SPINE = 0, 1, 2, 3, 4
+KINDS = (LEAF, CHAIN, HUB0, HUB, SPINE)
+KIND_NAMES = ("leaf", "chain", "hub0", "hub", "spine")
+ORDERS = ("signals", "gds", "gdsf")
 
 
 def seen_bucket(node: TreeNode) -> int:
@@ -99,100 +112,57 @@ def seen_bucket(node: TreeNode) -> int:
     return 0 if share < SEEN_EDGES[0] else 1 if share < SEEN_EDGES[1] else 2
 
 
-class AdaptiveGDSStrategy(GDSStrategy):
-    """The ``gds_adaptive`` walk (module docstring). Same interface and events as
-    :class:`components.gds.GDSStrategy`; ``d``, ``e`` are the GDS cost coefficients."""
+class AdaptiveGDSStrategy:
+    """The ``gds_adaptive`` walk (module docstring): a :class:`components.state.StateWalk`
+    with the optional ``on_match``. ``d``, ``e``: the GDS cost coefficients."""
 
     def __init__(self, d: float, e: float, is_candidate: Callable[[TreeNode], bool]) -> None:
-        super().__init__(d, e, is_candidate)
-        self.below: dict[int, int] = {}  # live states whose nearest shallower state is this
-        self.extended: dict[int, bool] = {}
+        self.d = float(d)
+        self.e = float(e)
+        self._is_candidate = is_candidate
+        self._live: dict[int, TreeNode] = {}
+        # per-state signals
+        self.below: dict[int, int] = {}
+        self.superseded: dict[int, bool] = {}
+        self.consumed: dict[int, bool] = {}
+        self.born_below: dict[int, bool] = {}
+        self.hits: dict[int, int] = {}
         self.hits_below: dict[int, int] = {}
         self.bucket: dict[int, int] = {}
         self.kind: dict[int, int] = {}
-        self.weight: dict[int, float] = {}  # the weight of the current heap entry
-        # learned: seen-share buckets (decayed outcomes / reuses), chain vs leaf hit rates
+        # learned: seen-share buckets, per-kind hit rates and the chain / spine rules
         self.stores = 0
-        # outcomes due: [store, weak ref to the node, hit_count at store, bucket, hit_count
-        # when its state left (None while it is cached), node id]; weak, so that a node
-        # leaving the tree is freed at once
-        self._pending: deque[list] = deque()
+        self._pending: deque[list] = deque()  # [store, weak ref, hit_count, bucket, left, id]
         self._pending_of: dict[int, list] = {}
         self.outcomes = [0.0, 0.0, 0.0]
         self.reuses = [0.0, 0.0, 0.0]
         self._keep = 1.0 - 1.0 / BUCKET_MEMORY
         self._decay = 0.5 ** (1.0 / RATE_HALF_LIFE)
-        self.count = [0, 0, 0, 0]  # live states per kind
-        self.exposure = [0.0, 0.0, 0.0, 0.0]
-        self.rate_hits = [0.0, 0.0, 0.0, 0.0]
-        self.chain_weight = 1.0  # 0.0 while chains are hit less often than leaves
+        self.count = [0] * len(KINDS)
+        self.exposure = [0.0] * len(KINDS)
+        self.rate_hits = [0.0] * len(KINDS)
+        self.chain_weight = 1.0
+        self.spine_weight = 1.0
+        # the orders, the leader and the charges
+        self.orders = (
+            GreedyDualHeap("signals", self.weight_of, self.cost),
+            GreedyDualHeap("gds", lambda nid: 1.0, self.cost),
+            GreedyDualHeap("gdsf", lambda nid: 1.0 + self.hits[nid], self.cost),
+        )
+        self.leader = 0
+        #: The largest of the orders' watermarks (never decreases; ``RadixCache.watermark``).
+        self.watermark = 0.0
+        self.regret = [0.0] * len(self.orders)
+        self._regret_keep = 0.5 ** (1.0 / REGRET_HALF_LIFE)
+        self.switches = 0
+        self.ghosts = Ghosts(self._ghost_dropped)
+        self._victim: TreeNode | None = None
+        #: The KV-leaf order the cache adopts (``RadixCache`` without a host tier).
+        self.kv_leaves = KVOrderDuel(self.d, self.e, self.resume_depth_without)
 
-    # ---------------------------------------------------------------- weights
-    def kind_of(self, nid: int) -> int:
-        if self.below[nid] == 0:
-            return LEAF
-        if self.hits_below[nid]:
-            return HUB
-        return CHAIN if self.extended[nid] else HUB0
 
-    def overall_rate(self) -> float:
-        """Learned hits per state per store over every kind."""
-        return (sum(self.rate_hits) + 1.0) / (sum(self.exposure) + 1.0)
-
-    def rate(self, k: int) -> float:
-        """Learned hits per state per store of kind ``k``."""
-        return (self.rate_hits[k] + RATE_PRIOR * self.overall_rate()) / (
-            self.exposure[k] + RATE_PRIOR)
-
-    def leaf_scale(self) -> float:
-        """``min(1, rate(leaf) / overall rate)``: leaves weigh less where they are hit less
-        often than states in general (LMBench GMI: only shared prefixes are resumed)."""
-        return min(1.0, self.rate(LEAF) / self.overall_rate())
-
-    def bucket_weight(self, b: int) -> float:
-        """Learned reuse probability of seen-share bucket ``b`` over that of all leaves."""
-        mean = (sum(self.reuses) + 1.0) / (sum(self.outcomes) + 2.0)
-        return (self.reuses[b] + BUCKET_PRIOR * mean) / (self.outcomes[b] + BUCKET_PRIOR) / mean
-
-    def weight_of(self, nid: int) -> float:
-        k = self.kind[nid]
-        if k == LEAF:
-            return self.bucket_weight(self.bucket[nid]) * self.leaf_scale()
-        if k == CHAIN:
-            return self.chain_weight
-        if k == HUB:
-            return 1.0 + self.hits_below[nid]
-        return 1.0
-
-    def true_priority(self, node: TreeNode) -> float:
-        cost = gds_cost(self.nearest_shallower_pos(node), node.depth, self.d, self.e)
-        return node.gds_stamp + self.weight.get(node.id, 1.0) * cost
-
-    def _reweigh(self, node: TreeNode, force: bool = False) -> None:
-        """Evaluate ``node``'s weight now; a fresh entry when it fell (or ``force``)."""
-        nid = node.id
-        old = self.weight.get(nid)
-        w = self.weight_of(nid)
-        self.weight[nid] = w
-        if force or old is None or w < old:
-            self._push(node, self.true_priority(node))
-
-    def _set_kind(self, node: TreeNode) -> None:
-        """Re-derive ``node``'s kind; keep the leaf / chain counts and its weight in step."""
-        nid = node.id
-        old = self.kind.get(nid)
-        new = self.kind_of(nid)
-        if old == new:
-            return
-        if old is not None:
-            self.count[old] -= 1
-        self.count[new] += 1
-        self.kind[nid] = new
-        if old is not None:
-            self._reweigh(node)
-
-    # --------------------------------------------------------------- tree helpers
-    def _nearest_shallower(self, node: TreeNode) -> TreeNode | None:
+    # ----------------------------------------------------------------- costs
+    def nearest_shallower(self, node: TreeNode) -> TreeNode | None:
         n = node.parent
         while n is not None and n.parent is not None:
             if n.state_slot is not None and n.id in self._live:
@@ -200,8 +170,16 @@ class AdaptiveGDSStrategy(GDSStrategy):
             n = n.parent
         return None
 
+    def cost(self, node: TreeNode) -> float:
+        above = self.nearest_shallower(node)
+        return gds_cost(0 if above is None else above.depth, node.depth, self.d, self.e)
+
+    def true_priority(self, node: TreeNode) -> float:
+        """The leading order's priority of ``node``'s state."""
+        return self.orders[self.leader].true_priority(node)
+
     def _direct_below(self, node: TreeNode) -> list[TreeNode]:
-        """Live states whose nearest shallower state is ``node``."""
+        """Live states whose nearest shallower live state is ``node``."""
         out = []
         stack = list(node.children.values())
         while stack:
@@ -212,22 +190,77 @@ class AdaptiveGDSStrategy(GDSStrategy):
                 stack.extend(n.children.values())
         return out
 
-    # ------------------------------------------------------------------ learning
+    # --------------------------------------------------------------- signals
+    def kind_of(self, nid: int) -> int:
+        if self.below[nid] == 0:
+            return LEAF
+        if self.hits_below[nid]:
+            return HUB
+        if self.superseded[nid]:
+            return CHAIN
+        return HUB0 if self.born_below[nid] else SPINE
+
+    def rate(self, k: int) -> float:
+        """Learned hits per state per store of kind ``k`` (prior: the leaves' rate)."""
+        leaf = (self.rate_hits[LEAF] + 1.0) / (self.exposure[LEAF] + 1.0)
+        if k == LEAF:
+            return leaf
+        return (self.rate_hits[k] + RATE_PRIOR * leaf) / (self.exposure[k] + RATE_PRIOR)
+
+    def bucket_weight(self, b: int) -> float:
+        """Learned reuse probability of seen-share bucket ``b`` over that of all leaves."""
+        mean = (sum(self.reuses) + 1.0) / (sum(self.outcomes) + 2.0)
+        return (self.reuses[b] + BUCKET_PRIOR * mean) / (self.outcomes[b] + BUCKET_PRIOR) / mean
+
+    def weight_of(self, nid: int) -> float:
+        """The ``signals`` order's weight of the state on node ``nid``."""
+        k = self.kind[nid]
+        if k == LEAF:
+            return self.bucket_weight(self.bucket[nid])
+        if k == CHAIN:
+            return self.chain_weight
+        if k == SPINE:
+            return self.spine_weight
+        if k == HUB:
+            return 1.0 + self.hits_below[nid]
+        return 1.0
+
+    def _set_kind(self, node: TreeNode) -> None:
+        nid = node.id
+        old = self.kind.get(nid)
+        new = self.kind_of(nid)
+        if old == new:
+            return
+        if old is not None:
+            self.count[old] -= 1
+        self.count[new] += 1
+        self.kind[nid] = new
+        if old is not None:
+            self.orders[0].reweigh(node)
+
+    def _rules(self) -> None:
+        """The chain and spine rules (0 while the kind is hit less often than leaves)."""
+        leaf = self.rate(LEAF)
+        for k, attr in ((CHAIN, "chain_weight"), (SPINE, "spine_weight")):
+            w = 0.0 if self.rate(k) < leaf else 1.0
+            if w != getattr(self, attr):
+                setattr(self, attr, w)
+                order = self.orders[0]
+                for nid, kind in self.kind.items():
+                    if kind == k:
+                        order.reweigh(self._live[nid])
+
     def _tick(self) -> None:
-        """One store: age the rates, then resolve the bucket outcomes that came due."""
+        """One store: age rates and charges, resolve due bucket outcomes, maybe switch."""
         self.stores += 1
         f = self._decay
-        for k in (LEAF, CHAIN, HUB0, HUB):
+        for k in KINDS:
             self.exposure[k] = self.exposure[k] * f + self.count[k]
             self.rate_hits[k] *= f
-        chain_weight = 0.0 if self.rate(CHAIN) < self.rate(LEAF) else 1.0
-        if chain_weight != self.chain_weight:  # the learned rule flipped: every chain follows
-            self.chain_weight = chain_weight
-            for nid, k in self.kind.items():
-                if k == CHAIN:
-                    self._reweigh(self._live[nid])
+        self._rules()
         horizon = HORIZON * max(len(self._live), 1)
         pending = self._pending
+        keep = self._keep
         while pending and self.stores - pending[0][0] >= horizon:
             entry = pending.popleft()
             _, ref, hc0, b, hc_left, nid = entry
@@ -235,24 +268,47 @@ class AdaptiveGDSStrategy(GDSStrategy):
                 del self._pending_of[nid]
             node = ref()
             hc = node.hit_count if node is not None else hc0 if hc_left is None else hc_left
-            keep = self._keep
             for i in range(3):
                 self.outcomes[i] *= keep
                 self.reuses[i] *= keep
             self.outcomes[b] += 1.0
             if hc > hc0:
                 self.reuses[b] += 1.0
+        r = self.regret
+        g = self._regret_keep
+        for i in range(len(r)):
+            r[i] *= g
+        self._maybe_switch()
+
+    # ------------------------------------------------------------ selection
+    def _charge(self, owners: int, tokens: float) -> None:
+        for i in range(len(self.orders)):
+            if owners >> i & 1:
+                self.regret[i] += tokens
+
+    def _maybe_switch(self) -> None:
+        r = self.regret
+        lead = self.leader
+        best = min(range(len(r)), key=lambda i: (r[i], i != lead))
+        if best != lead and r[lead] > SWITCH_MARGIN * r[best]:
+            self.leader = best
+            self.switches += 1
+            for o in self.orders:
+                o.clear_exclusions(self._live)
 
     # ------------------------------------------------------------ state events
     def on_set(self, node: TreeNode) -> None:
         self._tick()
         nid = node.id
-        node.gds_stamp = self.watermark
         self._live[nid] = node
+        self.ghosts.forget(node)
         direct = self._direct_below(node)
-        above = self._nearest_shallower(node)
+        above = self.nearest_shallower(node)
         self.below[nid] = len(direct)
-        self.extended[nid] = False
+        self.superseded[nid] = False
+        self.consumed[nid] = False
+        self.born_below[nid] = bool(direct)
+        self.hits[nid] = 0
         self.hits_below[nid] = 0
         b = seen_bucket(node)
         self.bucket[nid] = b
@@ -260,60 +316,149 @@ class AdaptiveGDSStrategy(GDSStrategy):
         self._pending.append(entry)
         self._pending_of[nid] = entry
         self._set_kind(node)
-        self.weight[nid] = self.weight_of(nid)
-        self._push(node, self.true_priority(node))
-        for n in direct:  # a shorter rebuild distance: fresh entries
-            self._push(n, self.true_priority(n))
+        for o in self.orders:
+            o.add(node)
+            for n in direct:  # a shorter rebuild distance: fresh entries
+                o.reseed(n)
         if above is not None:
-            self.below[above.id] += 1 - len(direct)
-            self.extended[above.id] = True
+            aid = above.id
+            self.below[aid] += 1 - len(direct)
+            if self.consumed[aid]:  # the request that consumed it moved past it
+                self.superseded[aid] = True
+                self.consumed[aid] = False
             self._set_kind(above)
-        if len(self._heap) > 4 * len(self._live) + 1024:
-            self._compact()
+        if len(self.orders[0]) > 4 * len(self._live) + 1024:
+            for o in self.orders:
+                o.compact(self._live)
 
     def on_hit(self, node: TreeNode) -> None:
         nid = node.id
-        node.gds_stamp = self.watermark
         self.rate_hits[self.kind[nid]] += 1.0
+        self.consumed[nid] = True
+        self.hits[nid] += 1
         if self.below[nid]:
             self.hits_below[nid] += 1
             self._set_kind(node)
-        self._reweigh(node)
+        for i, o in enumerate(self.orders):
+            o.touch(node)
+            o.reweigh(node)  # gdsf: one more hit; signals: maybe a new kind
+            if nid in o.excluded:  # it would have evicted what this match consumes
+                self.regret[i] += node.depth - o.fallback_depth(node, self._live)
+                o.readmit(node)
+                self._rebalance(i)
+
+    def on_use(self, node: TreeNode) -> None:
+        for o in self.orders:
+            o.touch(node)
+
+    def resume_depth_without(self, leaf: TreeNode) -> int:
+        """Depth of the state a request would resume from had ``leaf`` and the stateless
+        single-child ancestors pruned with it been evicted (0: none)."""
+        a = leaf.parent
+        while a is not None and a.parent is not None and a.state_slot is None \
+                and len(a.children) == 1:
+            a = a.parent
+        while a is not None and a.parent is not None:
+            if a.id in self._live:
+                return a.depth
+            a = a.parent
+        return 0
+
+    def on_match(self, kv_end: TreeNode | None, consumed: TreeNode | None,
+                 key: Sequence[int], end: int) -> None:
+        """Charge the orders (state and KV) that evicted what this match would have used."""
+        if kv_end is None:
+            return
+        self.kv_leaves.on_match(kv_end, consumed, key, end)
+        if not len(self.ghosts):
+            return
+        g = self.ghosts.match(kv_end, consumed, key, end)
+        if g is not None:
+            gid, depth = g
+            self._charge(self.ghosts.owners(gid), depth - (0 if consumed is None else consumed.depth))
+            self.ghosts.release(gid)
+
+    def _ghost_dropped(self, gid: int) -> None:
+        for o in self.orders:
+            o.retained.pop(gid, None)
+
+    def _rebalance(self, i: int) -> None:
+        """Order ``i`` (not leading) evicts in its simulated pool until it is no larger than
+        the real one."""
+        o = self.orders[i]
+        live, ok = self._live, self._is_candidate
+        while o.balance > 0:
+            c = o.pop(live, ok, virtual=True)
+            if c is None:
+                break
+            if isinstance(c, int):
+                self.ghosts.disown(c, i)
+        self.watermark = max(self.watermark, o.watermark)
 
     def on_remove(self, node: TreeNode) -> None:
         nid = node.id
         if nid not in self._live:
             return
+        lead = self.leader
+        others = [i for i in range(len(self.orders)) if i != lead]
+        if node is self._victim:  # the leader's choice: a ghost, kept by who would keep it
+            self._victim = None
+            owners = 1 << lead
+            keep = {}
+            for i in others:
+                o = self.orders[i]
+                if nid in o.excluded:
+                    owners |= 1 << i
+                else:
+                    keep[i] = o.true_priority(node)
+            self.ghosts.limit = max(256, 2 * len(self._live))
+            gid = self.ghosts.add(node, owners)
+            if gid is not None:
+                for i, prio in keep.items():
+                    self.orders[i].retain(gid, prio)
         entry = self._pending_of.pop(nid, None)
         if entry is not None:  # the node may leave the tree with its state: keep its count
             entry[4] = node.hit_count
         direct = self._direct_below(node)
-        above = self._nearest_shallower(node)
-        super().on_remove(node)
+        above = self.nearest_shallower(node)
+        del self._live[nid]
         self.count[self.kind.pop(nid)] -= 1
-        for d in (self.below, self.extended, self.hits_below, self.bucket, self.weight):
-            d.pop(nid, None)
+        for m in (self.below, self.superseded, self.consumed, self.born_below, self.hits,
+                  self.hits_below, self.bucket):
+            del m[nid]
+        for o in self.orders:
+            o.remove(nid)
         if above is not None:
             self.below[above.id] += len(direct) - 1
             self._set_kind(above)
+        for i in others:
+            self._rebalance(i)
 
     def requeue(self, node: TreeNode) -> None:
         if node.id in self._live:
-            self._reweigh(node, force=True)
+            self._victim = None
+            for o in self.orders:
+                o.reseed(node)
 
-    def _compact(self) -> None:
-        self._heap = []
-        for n in self._live.values():
-            self._push(n, self.true_priority(n))
+    def pop_victim(self) -> TreeNode | None:
+        """The leading order's victim (the others follow in :meth:`on_remove`)."""
+        lead = self.orders[self.leader]
+        victim = lead.pop(self._live, self._is_candidate, virtual=False)
+        self.watermark = max(self.watermark, lead.watermark)
+        self._victim = None if isinstance(victim, int) else victim
+        return self._victim
 
-    # ------------------------------------------------------------------- checks
+    # ------------------------------------------------------------------ checks
     def check(self, state_nodes: list[TreeNode]) -> None:
-        super().check(state_nodes)
         live = {n.id for n in state_nodes}
-        for d in (self.below, self.extended, self.hits_below, self.bucket, self.weight, self.kind):
-            assert set(d) == live, "gds_adaptive per-state maps out of step"
+        assert live == set(self._live), f"gds_adaptive live set differs: {live ^ set(self._live)}"
+        for m in (self.below, self.superseded, self.consumed, self.born_below, self.hits,
+                  self.hits_below, self.bucket, self.kind):
+            assert set(m) == live, "gds_adaptive per-state maps out of step"
         for n in state_nodes:
             assert self.below[n.id] == len(self._direct_below(n)), f"below count wrong for {n}"
             assert self.kind[n.id] == self.kind_of(n.id), f"kind wrong for {n}"
         kinds = list(self.kind.values())
-        assert self.count == [kinds.count(k) for k in (LEAF, CHAIN, HUB0, HUB)], "kind counts wrong"
+        assert self.count == [kinds.count(k) for k in KINDS], "kind counts wrong"
+        for o in self.orders:
+            o.check(state_nodes)

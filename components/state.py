@@ -76,7 +76,7 @@ def check_state_walk_factory(state_walk: object) -> None:
 
 
 #: The GreedyDual-Size family of state walks by name: ``(d, e, is_candidate) -> walk``.
-GDS_WALK_CLASSES: dict[str, Callable[[float, float, Callable[[TreeNode], bool]], GDSStrategy]] = {
+GDS_WALK_CLASSES: dict[str, Callable[[float, float, Callable[[TreeNode], bool]], StateWalk]] = {
     "gds": GDSStrategy,
     "gdsf": GDSFStrategy,
     "gds_adaptive": AdaptiveGDSStrategy,
@@ -85,7 +85,7 @@ assert tuple(GDS_WALK_CLASSES) == GDS_WALKS
 
 
 def make_gds_walk(walk: str, d: float, e: float,
-                  is_candidate: Callable[[TreeNode], bool]) -> GDSStrategy:
+                  is_candidate: Callable[[TreeNode], bool]) -> StateWalk:
     """The GDS-family walk named ``walk`` (one of :data:`components.gds.GDS_WALKS`).
 
     Raises:

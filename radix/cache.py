@@ -181,7 +181,17 @@ class RadixCache:
                                np.empty(0, dtype=np.int64))
         #: ``torch.cat`` of slot tensors; on a device it keeps their host mirrors.
         self._cat = torch.cat if self.device.type == "cpu" else cat_slots
+        self._adopt_kv_order()
         self._init_counters()
+
+    def _adopt_kv_order(self) -> None:
+        """A state walk that orders KV leaves too (its ``kv_leaves``, with the interface of
+        ``components.ordered.OrderedNodeSet``) replaces the policy's KV order, on an empty
+        cache without a host tier (whose demotions keep the policy's order)."""
+        walk = self.state.gds if self.state is not None else None
+        leaves = getattr(walk, "kv_leaves", None)
+        if leaves is not None and self.hicache is None:
+            self.kv.leaves = leaves
 
     def _init_counters(self) -> None:
         self._match = {"match_calls": 0, "match_tokens": 0, "hit_tokens": 0, "kv_hit_tokens": 0}
@@ -600,6 +610,7 @@ class RadixCache:
         if any(n.kv_lock or n.lock_ref or n.swa_lock for n in core.tree.iter_nodes()):
             raise ValueError("reset while requests hold locks or copies are in flight; release them first")
         core.reset()
+        self._adopt_kv_order()  # the state walk was built anew
         self._init_counters()
 
     def take_events(self) -> list[KVEvent]:

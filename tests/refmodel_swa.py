@@ -6,7 +6,8 @@ SWA; it shares no code with the library. One entry per cached page-aligned prefi
 key, a split point, a branch point, the live/tombstone border of an insert, a revival split).
 Every question is answered by scanning the pages.
 
-Rules mirrored (SPEC 1, 2.2, 2.3; the docstrings of components/swa.py and radix/cache.py):
+Rules mirrored (the tree, the sliding-window and state components; the docstrings of
+components/swa.py and radix/cache.py):
 
 * one logical clock, ticking once per match / insert; a walk stamps every page it passes, and
   a walk ending inside a node splits it there (both halves take the new stamp);

@@ -1,5 +1,6 @@
-"""The ``state_walk=`` hook and the GDS variants of issue 12: ``gdsf`` (GDS with the cost x
-(1 + hits)) and ``gds_adaptive`` (GDS with learned reuse weights). Expected eviction orders are
+"""The ``state_walk=`` hook and the GDS variants: ``gdsf`` (GDS with the cost x (1 + hits))
+and ``gds_adaptive`` (the duel of GreedyDual orders; its ``signals`` order's kinds and weights
+here, the duel itself in ``tests/test_gds_duel.py``). Expected eviction orders are
 computed by hand, or by a brute-force reference that re-derives every priority from the tree
 and from hit counts the test keeps itself."""
 
@@ -13,7 +14,15 @@ import torch
 
 from allocators import TokenAllocator
 from components.gds import GDSFStrategy, GDSStrategy, gds_cost
-from components.gds_adaptive import CHAIN, HUB, HUB0, LEAF, AdaptiveGDSStrategy, seen_bucket
+from components.gds_adaptive import (
+    CHAIN,
+    HUB,
+    HUB0,
+    LEAF,
+    SPINE,
+    AdaptiveGDSStrategy,
+    seen_bucket,
+)
 from radix import CacheConfig, EvictResult, RadixCache
 from radix.node import TreeNode
 from tests.cache_helpers import tiny_state_pool
@@ -266,9 +275,11 @@ def test_seen_bucket_by_hand() -> None:
 def test_adaptive_evicts_the_chain_state_a_continued_turn_left_behind() -> None:
     """d = 1, e = 0. Turn 1 caches A at 300; turn 2 resumes from A (a hit) and caches B at
     400 below it; another conversation caches C at 250. GDS: B (100 over A) goes first, then
-    C (250), then A. gds_adaptive: A is a chain state (extended, not hit since; chains so far
-    hit less than leaves): weight 0, priority = its stamp 0: first. Then B's cost is 400 from
-    the root (weight 1: no outcomes yet, every bucket at the prior), so C (250) goes, then B."""
+    C (250), then A. gds_adaptive (its ``signals`` order leads until another order is charged
+    less): A was consumed and then moved past, a chain; chains are not hit more often than
+    leaves (A's hit counted as a leaf's), so their weight is 0 and A's priority is its stamp,
+    0: first. Then B's cost is 400 from the root (a leaf at the prior bucket weight 1), so C
+    (250) goes, then B."""
     P = list(range(1, 401))
     C = list(range(1001, 1251))
     orders = {}
@@ -282,16 +293,14 @@ def test_adaptive_evicts_the_chain_state_a_continued_turn_left_behind() -> None:
             walk = cache.state.gds
             assert isinstance(walk, AdaptiveGDSStrategy)
             assert (walk.kind[a.id], walk.kind[b.id], walk.kind[c.id]) == (CHAIN, LEAF, LEAF)
-            # A was hit while it was a leaf (then two stores aged it by 0.5 ** (2 / 4096))
-            assert walk.rate_hits == pytest.approx([0.5 ** (2 / 4096), 0.0, 0.0, 0.0])
-            # leaves: bucket weight 1 (no outcomes yet) x min(1, leaf rate / overall rate)
-            # (A's hit makes leaves about as hot as states overall: just under 1)
-            assert walk.leaf_scale() == pytest.approx(1.0, abs=1e-3)
-            assert walk.weight[a.id] == 0.0
-            assert walk.weight[b.id] == pytest.approx(1.0, abs=1e-3)
-            assert walk.weight[c.id] == pytest.approx(1.0, abs=1e-3)
+            assert walk.superseded[a.id] and not walk.consumed[a.id]
+            assert walk.chain_weight == 0.0  # the chain rate is below the leaves' after A's hit
+            signals = walk.orders[0]
+            assert walk.leader == 0 and signals.name == "signals"
+            assert signals.w[a.id] == 0.0
+            assert signals.w[b.id] == pytest.approx(1.0) and signals.w[c.id] == pytest.approx(1.0)
             assert walk.true_priority(a) == 0.0
-            assert walk.true_priority(b) == pytest.approx(100.0, abs=0.1)
+            assert walk.true_priority(b) == pytest.approx(100.0)  # 400 - 300 while A lives
         order = []
         for _ in range(3):
             before = set(pool.snapshot().free_ids())
@@ -302,32 +311,40 @@ def test_adaptive_evicts_the_chain_state_a_continued_turn_left_behind() -> None:
     assert orders == {"gds": ["B", "C", "A"], "gds_adaptive": ["A", "C", "B"]}
 
 
-def test_adaptive_hub_weight_counts_hits_below_and_chains_follow_the_learned_rates() -> None:
+def test_adaptive_kinds_spine_chain_fork_and_hub() -> None:
+    """One request's chunk checkpoints (states cached one below the other with no hit in
+    between) make a spine, not a chain; a hit and then a deeper state make a chain; a state
+    cached above existing ones is born a fork (hub0); a hit while states lie below makes a
+    hub of weight 1 + hits below. The spine and chain rules flip with the learned rates."""
     cache, kv, pool = make(policy="gds_adaptive")
-    H = list(range(1, 101))
-    h, sh = put(cache, kv, pool, H)
-    x, _ = put(cache, kv, pool, H + [500] * 20)  # extends H without a hit: a chain
     walk = cache.state.gds
-    assert walk.kind[h.id] == CHAIN and walk.below[h.id] == 1 and walk.extended[h.id]
-    # no hits yet: the chain rate is the prior's, not below the leaves': weight 1
-    assert walk.rate(CHAIN) >= walk.rate(LEAF) and walk.weight[h.id] == 1.0
-    walk.rate_hits[0] += 5.0  # leaves hit more than chains: the rule flips at the next store
+    D = list(range(1, 301))
+    s1, _ = put(cache, kv, pool, D[:100])  # chunk end
+    s2, _ = put(cache, kv, pool, D[:200])  # chunk end, no hit on s1 in between
+    e1, _ = put(cache, kv, pool, D)  # the prompt's end
+    assert walk.kind[s1.id] == SPINE and walk.kind[s2.id] == SPINE and walk.kind[e1.id] == LEAF
+    f, sf = put(cache, kv, pool, D[:250])  # a fork checkpoint above e1
+    assert walk.kind[f.id] == HUB0 and walk.born_below[f.id] and walk.below[f.id] == 1
+    assert walk.orders[0].w[f.id] == 1.0
+    assert cache.match_prefix(D[:260] + [900]).state_slot == sf  # consumed with e1 below
+    assert walk.kind[f.id] == HUB and walk.orders[0].w[f.id] == 2.0
+    assert cache.match_prefix(D + [901]).state_slot == pool_slot(e1)  # e1 consumed ...
+    x, _ = put(cache, kv, pool, D + [901, 902])  # ... and moved past: a chain
+    assert walk.kind[e1.id] == CHAIN and walk.superseded[e1.id]
+    # rules: 0 while the kind is hit less often than leaves (the leaves' rate is the prior)
+    walk.rate_hits[SPINE] += 50.0
     put(cache, kv, pool, [700])
-    assert walk.chain_weight == 0.0 and walk.weight[h.id] == 0.0
-    assert walk.true_priority(h) == h.gds_stamp
-    walk.rate_hits[1] += 50.0  # and back
+    assert walk.spine_weight == 1.0 and walk.orders[0].w[s1.id] == 1.0
+    walk.rate_hits[LEAF] += 500.0
     put(cache, kv, pool, [701])
-    assert walk.chain_weight == 1.0 and walk.weight[h.id] == 1.0
-    for k in (1, 2):
-        assert cache.match_prefix(H + [600, 601]).state_slot == sh  # consumed with x below
-        assert walk.kind[h.id] == HUB and walk.hits_below[h.id] == k
-        assert walk.weight[h.id] == 1.0 + k
-        assert walk.true_priority(h) == h.gds_stamp + (1 + k) * 100
-    # a state cached above existing ones is born with states below: hub0, weight 1
-    g, _ = put(cache, kv, pool, H[:40])
-    assert walk.kind[g.id] == HUB0 and walk.weight[g.id] == 1.0 and walk.below[g.id] == 1
-    assert walk.below[h.id] == 1  # h's own direct state (x) is unchanged
+    assert walk.spine_weight == 0.0 and walk.chain_weight == 0.0
+    assert walk.orders[0].w[s1.id] == 0.0 and walk.orders[0].w[e1.id] == 0.0
     cache.sanity_check()
+
+
+def pool_slot(node: TreeNode) -> int:
+    assert node.state_slot is not None
+    return node.state_slot
 
 
 def test_adaptive_bucket_outcomes_are_resolved_from_kv_reuse() -> None:
@@ -357,18 +374,22 @@ def test_adaptive_bucket_outcomes_are_resolved_from_kv_reuse() -> None:
 
 
 def test_adaptive_matches_a_brute_force_reference_under_random_ops() -> None:
-    """The test keeps its own record of which states were extended and hit while they had
-    states below; kinds derived from it and from the tree equal the walk's, hub weights are
-    1 + hits below, and every victim has the least ``stamp + weight x cost(a, b)``."""
-    extended: dict[int, bool] = {}
+    """The test keeps its own record of which states were consumed, moved past (a state
+    cached below them after a hit), born above others and hit while states lay below; kinds
+    derived from it and from the tree equal the walk's, the signals order's hub weights are
+    1 + hits below, gdsf's 1 + hits, and every victim has the least ``stamp + weight x
+    cost(a, b)`` of the leading order."""
+    consumed: dict[int, bool] = {}
+    superseded: dict[int, bool] = {}
+    born: dict[int, bool] = {}
     hits_below: dict[int, int] = {}
     pops = 0
-    for cache, _kv, pool, _hits, action in _run_random("gds_adaptive", 5, 500):
+    for cache, _kv, pool, hits, action in _run_random("gds_adaptive", 5, 500):
         walk = cache.state.gds
         if action[0] == "states" and state_nodes(cache):
-            nodes = state_nodes(cache)
-            want = {n.state_slot: n.gds_stamp + walk.weight[n.id]
-                    * gds_cost(shallower_pos(n), n.depth, 1.0, 0.5) for n in nodes}
+            lead = walk.orders[walk.leader]
+            want = {n.state_slot: lead.stamp[n.id] + lead.w[n.id]
+                    * gds_cost(shallower_pos(n), n.depth, 1.0, 0.5) for n in state_nodes(cache)}
             before = set(pool.snapshot().free_ids())
             assert cache.evict_states(1).num_states == 1
             got = evicted_slot(pool, before)
@@ -378,38 +399,43 @@ def test_adaptive_matches_a_brute_force_reference_under_random_ops() -> None:
             cache.evict(action[1])
         elif action[0] == "insert" and action[1].state_adopted:
             node = action[1].last_node
-            extended[node.id] = False
+            consumed[node.id] = superseded[node.id] = False
+            born[node.id] = any(True for _ in _states_strictly_below(node))
             hits_below[node.id] = 0
             p = node.parent
             while p is not None and p.state_slot is None:
                 p = p.parent
-            if p is not None and p.parent is not None:
-                extended[p.id] = True
+            if p is not None and p.parent is not None and consumed[p.id]:
+                superseded[p.id], consumed[p.id] = True, False
         elif action[0] == "match" and action[1].state_slot is not None:
             node = action[1].last_device_node
             while node.state_slot != action[1].state_slot:
                 node = node.parent
+            consumed[node.id] = True
             if any(True for _ in _states_strictly_below(node)):
                 hits_below[node.id] += 1
         live = state_nodes(cache)
         ids = {n.id for n in live}
-        for d in (extended, hits_below):
+        for d in (consumed, superseded, born, hits_below):
             for k in list(d):
                 if k not in ids:
                     del d[k]
+        signals, _, gdsf = walk.orders
         for n in live:
             below = any(True for _ in _states_strictly_below(n))
-            kind = (LEAF if not below else HUB if hits_below[n.id]
-                    else CHAIN if extended[n.id] else HUB0)
+            kind = (LEAF if not below else HUB if hits_below[n.id] else CHAIN
+                    if superseded[n.id] else HUB0 if born[n.id] else SPINE)
             assert walk.kind[n.id] == kind, (n, kind)
+            w = signals.w[n.id]
             if kind == HUB:
-                assert walk.weight[n.id] == 1.0 + hits_below[n.id]
+                assert w == 1.0 + hits_below[n.id]
             elif kind == HUB0:
-                assert walk.weight[n.id] == 1.0
-            elif kind == CHAIN:
-                assert walk.weight[n.id] in (0.0, 1.0)
+                assert w == 1.0
+            elif kind in (CHAIN, SPINE):
+                assert w in (0.0, 1.0)
             else:
-                assert walk.weight[n.id] > 0
+                assert w > 0
+            assert gdsf.w[n.id] == 1.0 + hits[n.state_slot]
         cache.sanity_check()
     assert pops > 30
 

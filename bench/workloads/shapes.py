@@ -108,10 +108,10 @@ class DocQAParams:
     shared system prompt of ``system_tokens``.
     """
 
-    docs: int = 48
-    doc_median: int = 16_000
+    docs: int = 64
+    doc_median: int = 32_000
     doc_sigma: float = 0.7
-    doc_max: int = 100_000
+    doc_max: int = 128_000
     questions: float = 10.0
     question_gap_s: float = 12.0
     question_median: int = 80
@@ -161,13 +161,13 @@ class AgenticParams:
     context and runs ``subagent_steps`` (mean) steps of its own.
     """
 
-    sessions: int = 64
+    sessions: int = 80
     toolsets: int = 3
     toolset_median: int = 6_000
     task_median: int = 1_200
     steps: float = 12.0
     call_median: int = 180
-    result_median: int = 900
+    result_median: int = 1_500
     tool_s: float = 8.0
     subagent_p: float = 0.04
     subagent_steps: float = 5.0
