@@ -41,7 +41,35 @@ from .staging import pin_in_place, upload
 __all__ = ["KVBuffers", "KVPool", "KVStorage"]
 
 
-class KVPool:
+class _KVLayout:
+    """What :class:`KVPool` and :class:`KVBuffers` share: ``num_layers`` layers of
+    ``[num_slots, num_heads, head_dim]`` K and V rows of ``dtype``."""
+
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    num_slots: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K plus V for one token slot over all layers."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_heads * self.head_dim * elem
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes held by the K and V tensors, padding rows included."""
+        return self.bytes_per_token * self.num_slots
+
+    def _layer(self, layer: int) -> int:
+        layer = check_int(layer, "layer", minimum=0)
+        if layer >= self.num_layers:
+            raise ValueError(f"layer={layer} is out of range for num_layers={self.num_layers}")
+        return layer
+
+
+class KVPool(_KVLayout):
     """Real K/V storage for ``size`` token slots across ``num_layers`` layers.
 
     Args:
@@ -91,18 +119,6 @@ class KVPool:
         if pin_memory:
             pin_in_place(self.k_all)
             pin_in_place(self.v_all)
-
-    # ------------------------------------------------------------------ sizes
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes of K plus V for one token slot over all layers."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_heads * self.head_dim * elem
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes held by the K and V tensors, padding rows included."""
-        return self.bytes_per_token * self.num_slots
 
     # ------------------------------------------------------------------ access
     def k_buffer(self, layer: int) -> torch.Tensor:
@@ -195,12 +211,6 @@ class KVPool:
         )
 
     # ------------------------------------------------------------------ helpers
-    def _layer(self, layer: int) -> int:
-        layer = check_int(layer, "layer", minimum=0)
-        if layer >= self.num_layers:
-            raise ValueError(f"layer={layer} is out of range for num_layers={self.num_layers}")
-        return layer
-
     def _slots(self, slots: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         return slot_args(slots, name, self.num_slots, self.device)
 
@@ -219,7 +229,7 @@ def slot_args(slots: torch.Tensor, name: str, num_slots: int,
     return idx, upload(idx.numpy(), device)
 
 
-class KVBuffers:
+class KVBuffers(_KVLayout):
     """An engine's own K and V tensors, one pair per layer, behind the pool interface
     (``slots -> tensors``): what the host tier copies when the engine allocated its KV cache
     itself. Nothing is copied here; the tensors stay the engine's.
@@ -268,16 +278,6 @@ class KVBuffers:
         self.k_buffers = list(k_buffers)
         self.v_buffers = list(v_buffers)
 
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes of K plus V for one token slot over all layers."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_heads * self.head_dim * elem
-
-    @property
-    def total_bytes(self) -> int:
-        return self.bytes_per_token * self.num_slots
-
     def k_buffer(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s K tensor (the engine's own)."""
         return self.k_buffers[self._layer(layer)]
@@ -315,12 +315,6 @@ class KVBuffers:
         return (f"KVBuffers(size={self.size}, num_layers={self.num_layers}, "
                 f"num_heads={self.num_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
                 f"device={self.device}, page_size={self.page_size})")
-
-    def _layer(self, layer: int) -> int:
-        layer = check_int(layer, "layer", minimum=0)
-        if layer >= self.num_layers:
-            raise ValueError(f"layer={layer} is out of range for num_layers={self.num_layers}")
-        return layer
 
 
 #: What an allocator's ``pool`` may be: the library's pool or an engine's own buffers.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -35,6 +36,7 @@ __all__ = [
     "positive_float",
     "prog",
     "require_package",
+    "write_json",
 ]
 
 #: Command -> (module whose ``main(argv)`` runs it, what it does). Core tools first.
@@ -133,6 +135,16 @@ def output_path(text: str) -> str:
     if why is not None:
         raise argparse.ArgumentTypeError(why)
     return text
+
+
+def write_json(path: str, obj: Any) -> None:
+    """Write ``obj`` as indented JSON to ``path`` (``"-"``: stdout), ending with a newline."""
+    text = json.dumps(obj, indent=2)
+    if path == "-":
+        print(text)
+    else:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
 
 
 def require_package(parser: argparse.ArgumentParser, module: str, option: str,

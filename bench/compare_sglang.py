@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.cli import prog
+from bench.cli import output_path, prog
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ANCHOR_PYTHON = "/tmp/sglang-anchor/bin/python"
@@ -430,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="per-operation timers on both sides: this thread's CPU time (default; "
                          "robust on a shared machine) or wall time")
     ap.add_argument("--no-memory", dest="memory", action="store_false")
-    ap.add_argument("--json", metavar="FILE", help="write every run's JSON and the tables")
+    ap.add_argument("--json", metavar="FILE", type=output_path, help="write every run's JSON and the tables")
     ap.add_argument("--memory-child", choices=["malloc", "tracemalloc"], help=argparse.SUPPRESS)
     ap.add_argument("extra", nargs="*",
                     help="after --: extra options passed to both benches (e.g. -- --requests 20000)")

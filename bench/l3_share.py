@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.cli import parse_count, prog
+from bench.cli import output_path, parse_count, prog, write_json
 from bench.engine import EngineConfig, ReplayEngine
 from bench.metrics import summarize
 from bench.traces import TraceRequest, load_trace
@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
     p.add_argument("--authenticated", action="store_true",
                    help="seal every L3 page with a MAC under a random deployment secret")
-    p.add_argument("--json", default=None, help="write the rows as JSON here ('-': stdout)")
+    p.add_argument("--json", type=output_path, default=None, help="write the rows as JSON here ('-': stdout)")
     return p
 
 
@@ -186,11 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hit = sum(r["hit_tokens"] for r in sel)
         print(f"{setup}: hit rate over all instances {hit / total:.4f}" if total else setup)
     if args.json:
-        text = json.dumps(rows, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text)
+        write_json(args.json, rows)
     return 0
 
 

@@ -51,7 +51,7 @@ from allocators.lora import (
     linear_module_shapes,
     read_peft_adapter,
 )
-from bench.cli import prog
+from bench.cli import output_path, prog
 
 __all__ = ["main", "measure"]
 
@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 64], help="LoRA ranks")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats, median (default 5)")
-    p.add_argument("--json", default=None, help="also write the rows as JSON to this file")
+    p.add_argument("--json", type=output_path, default=None, help="also write the rows as JSON to this file")
     args = p.parse_args(argv)
     if args.hidden < 64 or args.hidden % 64:
         p.error("--hidden must be a positive multiple of 64")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import resource
 import sys
 import tempfile
@@ -49,7 +48,7 @@ from allocators.lora import (
     write_peft_adapter,
 )
 from bench.bounds import Bounds
-from bench.cli import Progress
+from bench.cli import Progress, write_json
 from bench.engine import EngineConfig, ReplayEngine
 from bench.lora_sched import (
     LoraCounters,
@@ -413,9 +412,5 @@ def run_lora_replays(
                 "decode_step_s": r.lora.decode_step_s,
                 **r.counters.as_dict(),
             }
-        text = json.dumps(payload, indent=2)
-        if json_target == "-":
-            print(text)
-        else:
-            Path(json_target).write_text(text + "\n", encoding="utf-8")
+        write_json(json_target, payload)
     return 0

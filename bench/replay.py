@@ -41,7 +41,7 @@ from typing import Any, TextIO
 import torch
 
 from bench.bounds import compute_bounds
-from bench.cli import Progress, output_path, parse_count, prog, require_package
+from bench.cli import Progress, output_path, parse_count, prog, require_package, write_json
 from bench.cli import positive as _positive
 from bench.engine import EngineConfig, ReplayEngine
 from bench.kv_events import EventConsumer, EventCounter, disagreements
@@ -395,12 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     table_out: TextIO = sys.stderr if args.json == "-" else sys.stdout
     print(render_table(info, runs, bounds, notes_bounds), file=table_out)
     if args.json is not None:
-        payload = json.dumps(to_json_dict(info, runs, bounds, notes_bounds), indent=2)
-        if args.json == "-":
-            print(payload)
-        else:
-            with open(args.json, "w", encoding="utf-8") as f:
-                f.write(payload + "\n")
+        write_json(args.json, to_json_dict(info, runs, bounds, notes_bounds))
     if args.plot is not None:
         sizes = ", ".join(f"{a.replace('_', ' ')} {', '.join(f'{v:,}' for v in vals)}"
                           for a, vals in (("kv_tokens", args.kv_tokens),

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.cli import prog
+from bench.cli import output_path, prog
 from bench.simulator import SimConfig, SimResult
 from bench.sweep import run_all
 from bench.traces import TraceRequest, load_trace
@@ -228,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--traces-dir", default="../shared/traces",
                    help="where the GMI and TraceLab files are (default ../shared/traces)")
     p.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
-    p.add_argument("--csv", default=None, help="write every run here (one row per run)")
+    p.add_argument("--csv", type=output_path, default=None, help="write every run here (one row per run)")
     p.add_argument("--from-csv", default=None, help="render a saved CSV instead of running")
     return p
 

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from bench.sim_policies import NEVER, NextUseIndex, _LiveSet
+from bench.sim_policies import NEVER, NextUseIndex, PrefixTrieLookup, _LiveSet
 from bench.sim_utility import ScanLeafSet
 from radix.node import TreeNode
 
@@ -48,14 +48,14 @@ CONSUMER_SCAN = 64
 """Later users of a prefix checked for a consumer of an internal state."""
 
 
-class OfflineStrategy(_LiveSet):
+class OfflineStrategy(_LiveSet, PrefixTrieLookup):
     """The offline walk (module docstring). ``kv_leaves``: the cache's KV order when it
     follows this walk (set by the simulator for ``belady``)."""
 
     def __init__(self, is_candidate: Callable[[TreeNode], bool], index: NextUseIndex) -> None:
         super().__init__(is_candidate)
         self.uses = index
-        self._trie_of: dict[int, int | None] = {}  # tree node id -> trie node of its prefix
+        self._trie_of = {}  # tree node id -> trie node of its prefix
         self._served = np.zeros(len(index.caps), dtype=bool)
         self._low = 0  # every request before it has been served
         self.kv_leaves: ScanLeafSet | None = None
@@ -63,32 +63,6 @@ class OfflineStrategy(_LiveSet):
         self._memo_inner: dict[int, bool] = {}
 
     # --------------------------------------------------------------- the trie
-    def trie_node(self, node: TreeNode) -> int | None:
-        """The trie node of ``node``'s whole prefix (memoised per tree node: ids are unique
-        and a split keeps the lower node's id and depth)."""
-        memo = self._trie_of
-        chain = []
-        n = node
-        while n.parent is not None and n.id not in memo:
-            chain.append(n)
-            n = n.parent
-        t: int | None = memo[n.id] if n.parent is not None else 0
-        for seg in reversed(chain):
-            t = self._walk(t, seg, seg.depth)
-            memo[seg.id] = t
-        return t
-
-    def _walk(self, t: int | None, seg: TreeNode, end: int) -> int | None:
-        """From trie node ``t`` at ``seg``'s start, follow ``seg``'s blocks starting before
-        position ``end``."""
-        b = self.uses.block
-        start = seg.depth - len(seg.key)
-        k = -(-start // b) * b
-        while t is not None and k < end:
-            t = self.uses.child(t, seg.key[k - start])
-            k += b
-        return t
-
     def _after(self, parent: TreeNode, child: TreeNode) -> int:
         """Next use of the prefix ``parent``'s path + ``child``'s first token."""
         p = parent.depth + 1

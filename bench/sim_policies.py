@@ -56,6 +56,7 @@ __all__ = [
     "BeladyStrategy",
     "MarconiStrategy",
     "NextUseIndex",
+    "PrefixTrieLookup",
     "StateStrategy",
     "minmax",
     "state_walk_factory",
@@ -256,7 +257,41 @@ class NextUseIndex:
         return k < len(users) and users[k] == request and self.caps[request] >= prefix_len
 
 
-class BeladyStrategy(_LiveSet):
+class PrefixTrieLookup:
+    """The trie node of a tree node's prefix in :class:`NextUseIndex` ``uses``, memoised per
+    tree node in ``_trie_of`` (for the offline strategies)."""
+
+    uses: NextUseIndex
+    _trie_of: dict[int, int | None]
+
+    def trie_node(self, node: TreeNode) -> int | None:
+        """The trie node of ``node``'s whole prefix (memoised per tree node: ids are unique
+        and a split keeps the lower node's id and depth)."""
+        memo = self._trie_of
+        chain = []
+        n = node
+        while n.parent is not None and n.id not in memo:
+            chain.append(n)
+            n = n.parent
+        t: int | None = memo[n.id] if n.parent is not None else 0
+        for seg in reversed(chain):
+            t = self._walk(t, seg, seg.depth)
+            memo[seg.id] = t
+        return t
+
+    def _walk(self, t: int | None, seg: TreeNode, end: int) -> int | None:
+        """From trie node ``t`` at ``seg``'s start, follow ``seg``'s blocks starting before
+        position ``end``."""
+        b = self.uses.block
+        start = seg.depth - len(seg.key)
+        k = -(-start // b) * b
+        while t is not None and k < end:
+            t = self.uses.child(t, seg.key[k - start])
+            k += b
+        return t
+
+
+class BeladyStrategy(_LiveSet, PrefixTrieLookup):
     """Offline walk: evict the state needed farthest in the future (module docstring).
 
     A max-heap of ``(next use, set order)``; when the replay advances to request ``i``, the
@@ -271,27 +306,7 @@ class BeladyStrategy(_LiveSet):
         self._seq = 0
         self._next: dict[int, int] = {}  # node id -> next use of its current entry
         self._due: dict[int, list[int]] = {}  # next use -> node ids
-        self._trie_of: dict[int, int | None] = {}  # tree node id -> trie node of its prefix
-
-    def trie_node(self, node: TreeNode) -> int | None:
-        """The trie node of ``node``'s whole prefix (memoised per tree node; ids are unique and
-        a split keeps the lower node's id and depth)."""
-        memo = self._trie_of
-        chain = []
-        n = node
-        while n.parent is not None and n.id not in memo:
-            chain.append(n)
-            n = n.parent
-        t: int | None = memo[n.id] if n.parent is not None else 0
-        b = self.uses.block
-        for seg in reversed(chain):
-            start = seg.depth - len(seg.key)
-            k = -(-start // b) * b
-            while t is not None and k < seg.depth:
-                t = self.uses.child(t, seg.key[k - start])
-                k += b
-            memo[seg.id] = t
-        return t
+        self._trie_of = {}  # tree node id -> trie node of its prefix
 
     def next_use(self, node: TreeNode) -> int:
         t = self.trie_node(node)

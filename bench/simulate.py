@@ -26,7 +26,6 @@ library policies.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -37,7 +36,7 @@ from typing import Any
 import torch
 
 from bench.bounds import Bounds, compute_bounds
-from bench.cli import output_path, parse_count, prog, require_package
+from bench.cli import output_path, parse_count, prog, require_package, write_json
 from bench.cli import positive as _positive
 from bench.cli import positive_float as _positive_float
 from bench.presets import PRESETS, get_preset, split_memory
@@ -302,11 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  f"(swept: {args.sweep.axis})")
         write_sweep_plot(args.plot, results, args.sweep, values, bounds, title)  # type: ignore[arg-type]
     if args.json is not None:
-        text = json.dumps(_json(results, values, bounds, args.sweep), indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n", encoding="utf-8")
+        write_json(args.json, _json(results, values, bounds, args.sweep))
     return 0
 
 

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.cli import parse_count, prog
+from bench.cli import output_path, parse_count, prog
 from hicache.storage import FileStore, MooncakeOptions, RedisStore, StorageBackend
 from hicache.storage.page import KIND_KV, decode, encode, mac_state, tag_digest
 
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--mac", choices=("off", "on", "both"), default="off",
                    help="records checksummed (off), sealed with an HMAC-SHA256 under a random "
                         "deployment secret (on), or both, row after row (default off)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_path, default=None)
     args = p.parse_args(argv)
     rows = []
     macs = {"off": [False], "on": [True], "both": [False, True]}[args.mac]

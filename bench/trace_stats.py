@@ -15,7 +15,6 @@ infinite-cache bounds, computed the way ``../shared/traces/README.md`` describes
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from bench.bounds import compute_bounds
-from bench.cli import prog
+from bench.cli import output_path, prog, write_json
 from bench.traces import (
     TraceFormatError,
     TraceRequest,
@@ -161,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto")
     p.add_argument("--mooncake-block-size", type=int, default=512)
     p.add_argument("--tracelab-block-size", type=int, default=1)
-    p.add_argument("--json", metavar="FILE|-", default=None)
+    p.add_argument("--json", metavar="FILE|-", type=output_path, default=None)
     args = p.parse_args(argv)
     try:
         path = resolve_trace_path(args.trace)
@@ -173,12 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.exit(2, f"error: {e}\n")
     print(render_stats(trace_label(path), fmt, stats), file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json is not None:
-        text = json.dumps({"trace": str(path), "format": fmt, **stats}, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
+        write_json(args.json, {"trace": trace_label(path), "format": fmt, **stats})
     return 0
 
 

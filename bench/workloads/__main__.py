@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 
-from bench.cli import prog
+from bench.cli import output_path, prog, write_json
 from bench.trace_stats import render_stats, trace_stats
 from bench.traces import TraceRequest
 from bench.workloads import WORKLOADS, generate
@@ -52,8 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 description="Generate a workload and print its reuse statistics.")
     p.add_argument("spec", nargs="?", help="NAME or NAME:key=value,... (--list shows them)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", metavar="FILE", default=None, help="write Mooncake-format JSONL")
-    p.add_argument("--json", metavar="FILE|-", default=None, help="statistics as JSON")
+    p.add_argument("--out", metavar="FILE", type=output_path, default=None, help="write Mooncake-format JSONL")
+    p.add_argument("--json", metavar="FILE|-", type=output_path, default=None, help="statistics as JSON")
     p.add_argument("--list", action="store_true", help="list the workloads and parameters")
     args = p.parse_args(argv)
     if args.list:
@@ -73,11 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {len(trace):,} requests to {args.out} (read with --trace {args.out} "
               f"--mooncake-block-size {trace[0].block_size})", file=out)
     if args.json is not None:
-        text = json.dumps({"workload": args.spec, "seed": args.seed, **stats}, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n", encoding="utf-8")
+        write_json(args.json, {"workload": args.spec, "seed": args.seed, **stats})
     return 0
 
 
