@@ -204,6 +204,10 @@ class FreeList:
             bad = int(arr[repeated.argmax()])
             raise ValueError(f"double free: {self._unit} {bad} appears more than once in one call")
 
+    def holds(self, i: int) -> bool:
+        """Whether id ``i`` (a Python int) is in ``1..capacity`` and handed out. O(1)."""
+        return 1 <= i <= self._capacity and not self._is_free[i]
+
     def in_use(self, ids: torch.Tensor) -> np.ndarray:
         """Boolean array: which of ``ids`` are in ``1..capacity`` and currently handed out."""
         arr = ids.numpy()

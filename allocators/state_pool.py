@@ -123,6 +123,13 @@ class MambaStatePool(_FreeListAllocator):
         Validation reads host values only (ints, CPU tensors, host mirrors); on a device the
         copy is enqueued on the current stream without a host synchronisation.
         """
+        if type(src) is int and type(dst) is int:  # the copy-on-write of one request: O(1)
+            if not (self._pages.holds(src) and self._pages.holds(dst)):
+                self._allocated(src, "src")  # raises, naming the bad one
+                self._allocated(dst, "dst")
+            self.conv[:, dst].copy_(self.conv[:, src])
+            self.ssm[:, dst].copy_(self.ssm[:, src])
+            return
         src_idx = self._allocated(src, "src")
         dst_idx = self._allocated(dst, "dst")
         n = src_idx.numel()

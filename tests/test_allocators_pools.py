@@ -144,6 +144,26 @@ def test_copy_on_write_leaves_source_bit_exact() -> None:
         assert torch.equal(conv, saved[layer][0]) and torch.equal(ssm, saved[layer][1])
 
 
+def test_copy_of_int_slots_checks_both_and_writes_nothing_when_refused() -> None:
+    pool = MambaStatePool(4, num_layers=2)
+    a, b = pool.alloc(2).tolist()  # type: ignore[union-attr]
+    pool.conv[:, a] = 7.0
+    pool.ssm[:, a] = -2.0
+    pool.copy(a, b)  # the int fast path: the same result as the tensor path
+    assert torch.equal(pool.conv[:, b], pool.conv[:, a]) and torch.equal(pool.ssm[:, b], pool.ssm[:, a])
+    free = next(s for s in range(1, 5) if s not in (a, b))
+    before = (pool.conv.clone(), pool.ssm.clone())
+    with pytest.raises(ValueError, match=f"src: state slot {free} is not allocated"):
+        pool.copy(free, b)
+    with pytest.raises(ValueError, match=f"dst: state slot {free} is not allocated"):
+        pool.copy(a, free)
+    with pytest.raises(ValueError, match="dst: foreign index: state slot 9"):
+        pool.copy(a, 9)
+    with pytest.raises(TypeError, match="src"):
+        pool.copy(True, b)  # type: ignore[arg-type]
+    assert torch.equal(pool.conv, before[0]) and torch.equal(pool.ssm, before[1])
+
+
 def test_batched_copy_and_alloc_zeroes_state() -> None:
     pool = MambaStatePool(4, num_layers=1, conv_state_shape=(2,), ssm_state_shape=(1,))
     assert pool.alloc(4) is not None
