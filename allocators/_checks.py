@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from typing import SupportsIndex, cast
 
 import torch
 
@@ -27,7 +28,7 @@ def check_int(value: object, name: str, *, minimum: int) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got bool {value!r}")
     try:
-        result = operator.index(value)  # type: ignore[arg-type]
+        result = operator.index(cast("SupportsIndex", value))
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
     if result < minimum:

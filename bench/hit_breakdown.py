@@ -24,9 +24,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from bench import baselines
 from bench.cli import parse_count, prog
 from bench.sim_ideas import live_states_below
-from bench.sim_policies import BASELINE_POLICIES
+from bench.sim_policies import NextUseIndex, StateStrategy
 from bench.simulator import SimConfig, Simulator
 from bench.traces import load_trace, resolve_trace_path
 from components.gds import GDS_WALKS
@@ -52,6 +53,10 @@ class Recorder:
     @property
     def watermark(self) -> float:
         return self.inner.watermark
+
+    @watermark.setter
+    def watermark(self, value: float) -> None:
+        self.inner.watermark = value
 
     def on_set(self, node: TreeNode) -> None:
         self.live.add(node.id)
@@ -92,19 +97,27 @@ class Recorder:
         if hook is not None:
             hook(index)
 
+    def __getattr__(self, name: str) -> Any:
+        """Anything else (a baseline's KV order, Marconi's alpha) is the inner walk's."""
+        return getattr(self.inner, name)
+
 
 class _RecordingSimulator(Simulator):
-    def _state_walk(self, next_use):  # type: ignore[no-untyped-def]
-        make = super()._state_walk(next_use)
+    def _state_walk(self, next_use: NextUseIndex | None
+                    ) -> Callable[[Callable[[Any], bool]], StateStrategy] | None:
+        baseline = super()._state_walk(next_use)
         policy = self.cfg.policy
-        if make is None:
-            if policy not in GDS_WALKS:
-                raise ValueError(f"hit_breakdown needs a GDS-family or baseline walk, got {policy!r}")
-            make = lambda ok: make_gds_walk(policy, GDS_DEFAULT_D, GDS_DEFAULT_E, ok)  # noqa: E731
+        if baseline is None and policy not in GDS_WALKS:
+            raise ValueError(f"hit_breakdown needs a GDS-family or baseline walk, got {policy!r}")
 
-        def factory(ok: Callable[[TreeNode], bool]) -> Recorder:
-            rec = Recorder(make(ok))
-            self._walks.append(rec)  # type: ignore[arg-type]
+        def inner(ok: Callable[[TreeNode], bool]) -> Any:
+            if baseline is not None:
+                return baseline(ok)
+            return make_gds_walk(policy, GDS_DEFAULT_D, GDS_DEFAULT_E, ok)
+
+        def factory(ok: Callable[[TreeNode], bool]) -> StateStrategy:
+            rec = Recorder(inner(ok))
+            self._walks.append(rec)
             return rec
 
         return factory
@@ -131,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     trace = load_trace(resolve_trace_path(args.trace), max_requests=args.max_requests)
     for policy in args.policy:
-        if policy not in BASELINE_POLICIES and policy not in GDS_WALKS:
+        if baselines.get(policy) is None and policy not in GDS_WALKS:
             p.error(f"--policy {policy!r}: a GDS-family policy or a replay baseline")
         cfg = SimConfig.of(policy, kv_tokens=args.kv_tokens, state_slots=args.state_slots,
                            concurrency=args.concurrency, time_scale=args.time_scale)

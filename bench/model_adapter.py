@@ -334,8 +334,8 @@ class PoolBackedCache(DynamicCache):
             layer.conv_kernel_size[0] = conv.shape[-1]
             layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
             layer.has_previous_state[0] = resume
-            layer.device = conv.device  # type: ignore[assignment]  # annotated None upstream
-            layer.dtype = conv.dtype  # type: ignore[assignment]
+            # transformers annotates both as None (set lazily); they are plain attributes
+            vars(layer).update(device=conv.device, dtype=conv.dtype)
 
     def _layer(self, layer_idx: int, kind: type[_Layer]) -> _Layer:
         layer = self.layers[layer_idx]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterator
 
+from bench.baselines import Baseline, register
 from components.gds import gds_cost
 from radix.node import TreeNode
 from radix.policies import GDS_DEFAULT_D, GDS_DEFAULT_E
@@ -467,3 +468,12 @@ IDEAS: dict[str, Callable[[Callable[[TreeNode], bool]], IdeaWalk]] = {
     "idea:ad4_leafscale": lambda ok: AdaptiveWalk4(ok, horizon=2.0, prior=16.0, leaf_scale=True),
     "idea:ad4_skip": lambda ok: AdaptiveWalk4(ok, horizon=2.0, prior=16.0, skip_chains=True),
 }
+
+
+def _idea(name: str) -> Baseline:
+    make = IDEAS[name]
+    return Baseline(name, lambda ctx: make)
+
+
+for _name in IDEAS:
+    register(_idea(_name))

@@ -35,11 +35,13 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from bench.sim_policies import NEVER, NextUseIndex, PrefixTrieLookup, _LiveSet
-from bench.sim_utility import ScanLeafSet
+from bench.baselines import Baseline, BaselineContext, register
+from bench.sim_policies import NEVER, NextUseIndex, PrefixTrieLookup, StateStrategy, _LiveSet
+from bench.sim_utility import ScanLeafSet, install_scan_kv
 from radix.node import TreeNode
 
 __all__ = ["CONSUMER_SCAN", "OfflineStrategy"]
@@ -170,3 +172,17 @@ class OfflineStrategy(_LiveSet, PrefixTrieLookup):
         """The KV leaf to evict: needed farthest ahead (never first), then least recent."""
         keys = [(-self.state_next_use(n), n.last_access_time) for n in nodes]
         return min(range(len(nodes)), key=keys.__getitem__)
+
+
+def _belady(ctx: BaselineContext) -> Callable[[Callable[[TreeNode], bool]], StateStrategy]:
+    index = ctx.next_use()
+    return lambda ok: OfflineStrategy(ok, index)
+
+
+def _belady_kv(cache: Any, walk: Any) -> None:
+    pick = walk.kv_pick
+    owner = getattr(pick, "__self__", walk)  # the OfflineStrategy itself, also under a wrapper
+    owner.kv_leaves = install_scan_kv(cache, pick=pick)
+
+
+register(Baseline("belady", _belady, _belady_kv, offline=True))

@@ -43,15 +43,14 @@ from typing import Protocol
 
 import numpy as np
 
+from bench.baselines import Baseline, BaselineContext, register
 from bench.metrics import COST_D, COST_E
 from bench.presets import ModelPreset
-from bench.sim_ideas import IDEAS
 from bench.traces import TraceRequest
 from components.state import StateWalk
 from radix.node import TreeNode
 
 __all__ = [
-    "BASELINE_POLICIES",
     "NEVER",
     "BeladyStrategy",
     "MarconiStrategy",
@@ -61,10 +60,6 @@ __all__ = [
     "minmax",
     "state_walk_factory",
 ]
-
-BASELINE_POLICIES = ("marconi", "seglen", "belady", "belady_state", *IDEAS)
-"""Policy names the replay runs with a replay-side state walk on top of ``gds`` (the
-baselines, and the experimental walks of :mod:`bench.sim_ideas`, ``idea:...``)."""
 
 NEVER = 1 << 62
 """Next-use index of a prefix no later request needs."""
@@ -356,3 +351,11 @@ class BeladyStrategy(_LiveSet, PrefixTrieLookup):
             self._next.pop(victim.id, None)
             self._count_pop()
         return victim
+
+
+def _belady_state(ctx: BaselineContext) -> Callable[[Callable[[TreeNode], bool]], StateStrategy]:
+    index = ctx.next_use()
+    return lambda ok: BeladyStrategy(ok, index)
+
+
+register(Baseline("belady_state", _belady_state, offline=True))

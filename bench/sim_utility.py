@@ -28,7 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.sim_policies import _LiveSet, minmax
+from bench.baselines import Baseline, BaselineContext, register
+from bench.presets import get_preset
+from bench.sim_policies import MarconiStrategy, StateStrategy, _LiveSet, minmax
 from radix.node import TreeNode
 
 __all__ = ["SEGLEN_WEIGHT", "ScanLeafSet", "SeglenStrategy", "install_scan_kv", "seglen"]
@@ -61,8 +63,14 @@ class ScanLeafSet:
                  pick: Callable[[Sequence[TreeNode]], int] | None = None) -> None:
         if (score is None) == (pick is None):
             raise ValueError("ScanLeafSet needs exactly one of score and pick")
-        self._pick = pick if pick is not None else (
-            lambda nodes: int(np.argmin(score(nodes))))  # type: ignore[misc]
+        if pick is None:
+            assert score is not None
+            by_score = score
+
+            def pick(nodes: Sequence[TreeNode]) -> int:
+                return int(np.argmin(by_score(nodes)))
+
+        self._pick = pick
         self._nodes: dict[int, TreeNode] = {}
 
     def __len__(self) -> int:
@@ -149,3 +157,21 @@ class SeglenStrategy(_LiveSet):
         victim = cands[int(np.argmin(self._score(cands)))] if len(cands) > 1 else cands[0]
         self._count_pop()
         return victim
+
+
+def _marconi(ctx: BaselineContext) -> Callable[[Callable[[TreeNode], bool]], StateStrategy]:
+    preset, alpha = get_preset(ctx.model), ctx.marconi_alpha or 0.0
+    return lambda ok: MarconiStrategy(ok, preset, alpha, ctx.cost_d, ctx.cost_e)
+
+
+def _marconi_kv(cache: Any, walk: Any) -> None:
+    install_scan_kv(cache, utility(lambda n: n.last_access_time, walk.efficiency,
+                                   lambda: walk.alpha))
+
+
+def _seglen_kv(cache: Any, walk: Any) -> None:
+    install_scan_kv(cache, walk.kv_score())
+
+
+register(Baseline("marconi", _marconi, _marconi_kv))
+register(Baseline("seglen", lambda ctx: SeglenStrategy, _seglen_kv))

@@ -35,12 +35,12 @@ from typing import Any
 
 import torch
 
+from bench import baselines
 from bench.bounds import Bounds, compute_bounds
 from bench.cli import output_path, parse_count, prog, require_package, write_json
 from bench.cli import positive as _positive
 from bench.cli import positive_float as _positive_float
 from bench.presets import PRESETS, get_preset, split_memory
-from bench.sim_policies import BASELINE_POLICIES
 from bench.simulator import SimConfig, SimResult
 from bench.sweep import (
     Sweep,
@@ -145,7 +145,7 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[SimConfig, float | None]]:
     if sweep is not None and sweep.axis == "state-fraction" and args.memory_gb is None:
         raise ValueError("--sweep state-fraction needs --memory-gb")
     for policy in args.policy:
-        if policy not in BASELINE_POLICIES:
+        if baselines.get(policy) is None:
             CacheConfig(page_size=args.page_size, radix_eviction_policy=policy)
     values: Sequence[float | None] = sweep.values if sweep else (None,)
     out = []
@@ -299,7 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         title = (f"{name}: {len(trace):,} requests; KV {args.kv_tokens:,} tokens, "
                  f"{args.state_slots:,} state slots, concurrency {args.concurrency} "
                  f"(swept: {args.sweep.axis})")
-        write_sweep_plot(args.plot, results, args.sweep, values, bounds, title)  # type: ignore[arg-type]
+        swept = [v for v in values if v is not None]  # --plot needs --sweep: every run has one
+        write_sweep_plot(args.plot, results, args.sweep, swept, bounds, title)
     if args.json is not None:
         write_json(args.json, _json(results, values, bounds, args.sweep))
     return 0

@@ -63,20 +63,12 @@ from typing import Any, Literal
 
 import numpy as np
 
+from bench import baselines
+from bench.baselines import BaselineContext
 from bench.engine import EngineConfig, EngineCounters, ReplayEngine
 from bench.metrics import COST_D, COST_E, ReplayMetrics, prefill_cost, summarize
 from bench.presets import get_preset
-from bench.sim_ideas import IDEAS
-from bench.sim_offline import OfflineStrategy
-from bench.sim_policies import (
-    BASELINE_POLICIES,
-    BeladyStrategy,
-    MarconiStrategy,
-    NextUseIndex,
-    StateStrategy,
-    state_walk_factory,
-)
-from bench.sim_utility import SeglenStrategy, install_scan_kv, utility
+from bench.sim_policies import MarconiStrategy, NextUseIndex, StateStrategy, state_walk_factory
 from bench.traces import TraceRequest
 
 __all__ = [
@@ -130,7 +122,7 @@ class SimConfig:
     def __post_init__(self) -> None:
         if not self.policy:
             object.__setattr__(self, "policy", self.engine.policy)
-        if self.policy in BASELINE_POLICIES:
+        if baselines.get(self.policy) is not None:
             if self.engine.policy != "gds":
                 raise ValueError(f"policy {self.policy!r} runs on engine.policy 'gds'")
             if not self.engine.state_slots:
@@ -158,7 +150,7 @@ class SimConfig:
         eng_fields = set(EngineConfig.__dataclass_fields__)
         eng = {k: v for k, v in kw.items() if k in eng_fields}
         sim = {k: v for k, v in kw.items() if k not in eng_fields}
-        eng["policy"] = "gds" if policy in BASELINE_POLICIES else policy
+        eng["policy"] = "gds" if baselines.get(policy) is not None else policy
         return cls(EngineConfig(**eng), policy, **sim)
 
     @property
@@ -297,36 +289,30 @@ class Simulator:
         self._blocked: dict[int, int] = {}  # unfinished request -> its session's next one
 
     def _order_kv_leaves(self) -> None:
-        """The baselines that order KV leaves too: ``belady``, ``seglen``, ``marconi``."""
-        walk, cache = self.strategy, self.engine.cache
-        if isinstance(walk, OfflineStrategy) and self.cfg.policy == "belady":
-            walk.kv_leaves = install_scan_kv(cache, pick=walk.kv_pick)
-        elif isinstance(walk, SeglenStrategy):
-            install_scan_kv(cache, walk.kv_score())
-        elif isinstance(walk, MarconiStrategy):
-            m = walk
-            install_scan_kv(cache, utility(lambda n: n.last_access_time, m.efficiency,
-                                           lambda: m.alpha))
+        """A baseline that orders KV leaves too (``belady``, ``seglen``, ``marconi``) installs
+        its order on the cache."""
+        base = baselines.get(self.cfg.policy)
+        if base is not None and base.order_kv is not None and self.strategy is not None:
+            base.order_kv(self.engine.cache, self.strategy)
 
     def _state_walk(self, next_use: NextUseIndex | None
                     ) -> Callable[[Callable[[Any], bool]], StateStrategy] | None:
-        """The ``state_walk=`` factory of a baseline run (``None`` for a library policy)."""
+        """The ``state_walk=`` factory of a baseline run (``None`` for a library policy; the
+        baselines are registered by name in :mod:`bench.baselines`)."""
         cfg = self.cfg
-        if cfg.policy == "marconi":
-            preset = get_preset(cfg.model)
-            alpha = cfg.marconi_alpha or 0.0
-            return state_walk_factory(lambda ok: MarconiStrategy(
-                ok, preset, alpha, cfg.cost_d, cfg.cost_e), self._walks)
-        if cfg.policy == "seglen":
-            return state_walk_factory(SeglenStrategy, self._walks)
-        if cfg.policy in ("belady", "belady_state"):
-            index = next_use or NextUseIndex(self.trace, cfg.engine.page_size)
-            if cfg.policy == "belady":
-                return state_walk_factory(lambda ok: OfflineStrategy(ok, index), self._walks)
-            return state_walk_factory(lambda ok: BeladyStrategy(ok, index), self._walks)
-        if cfg.policy in IDEAS:
-            return state_walk_factory(IDEAS[cfg.policy], self._walks)
-        return None
+        base = baselines.get(cfg.policy)
+        if base is None:
+            return None
+        built: list[NextUseIndex] = [next_use] if next_use is not None else []
+
+        def index() -> NextUseIndex:
+            if not built:
+                built.append(NextUseIndex(self.trace, cfg.engine.page_size))
+            return built[0]
+
+        ctx = BaselineContext(self.trace, cfg.engine.page_size, cfg.model, cfg.cost_d,
+                              cfg.cost_e, cfg.marconi_alpha, index)
+        return state_walk_factory(base.walk(ctx), self._walks)
 
     @property
     def strategy(self) -> StateStrategy | None:
@@ -433,7 +419,8 @@ class Simulator:
         self._waiting.popleft()
         if self.strategy is not None:
             if self._alpha_switch is not None and i == self._alpha_switch[0]:
-                self.strategy.alpha = self._alpha_switch[1]  # type: ignore[attr-defined]
+                assert isinstance(self.strategy, MarconiStrategy)  # only Marconi tunes alpha
+                self.strategy.alpha = self._alpha_switch[1]
             self.strategy.before_admit(i)
         forced = self.engine.counters.forced_finishes
         ok = self.engine.admit(tr, rid=i)

@@ -44,7 +44,8 @@ def build(policy: str, nodes: int, hybrid: bool) -> RadixCache:
         m = cache.match_prefix(key)
         new = kv.alloc(len(toks) - m.prefix_len)
         assert new is not None
-        slot = int(states.alloc(1)[0]) if states is not None else None  # type: ignore[index]
+        got = states.alloc(1) if states is not None else None
+        slot = int(got[0]) if got is not None else None
         res = cache.insert(key, torch.cat([m.device_indices, new]), state_slot=slot,
                            priority=rng.randrange(4))
         kv.free(res.duplicate_indices)

@@ -88,7 +88,8 @@ class Tree:
         if res.prefix_len > m.prefix_len:
             self.kv.free(value[m.prefix_len:res.prefix_len])
         if slot is not None and not res.state_adopted:
-            self.states.free(torch.tensor([slot]))  # type: ignore[union-attr]
+            assert self.states is not None  # a state slot came from it
+            self.states.free(torch.tensor([slot]))
 
     def new_value(self, key: RadixKey, m_len: int, m_idx: torch.Tensor) -> torch.Tensor:
         new = self.kv.alloc(len(key) - m_len)

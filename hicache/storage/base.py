@@ -176,8 +176,10 @@ class StorageBackend(ABC):
     def _delete_raw(self, key: str, record: bytes) -> None:
         """Remove ``key`` if it still holds ``record`` (a corrupt record seen by ``get``)."""
 
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release connections / handles (the backend may be used again: it reopens)."""
+    def close(self) -> None:
+        """Release connections / handles (the backend may be used again: it reopens). The
+        default holds none."""
+        return None
 
     def expect_sections(self, kv: tuple[int, int], state: tuple[int, int]) -> None:
         """Tell the backend the section sizes [bytes] of this client's KV pages and state

@@ -20,6 +20,7 @@ probed once (``INFO cluster``) and used as a cluster when the node has cluster m
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -134,7 +135,9 @@ class RedisStore(StorageBackend):
     def __init__(self, urls: str | Sequence[str], tag: str = "", timeout_s: float = 1.0,
                  prefix: str = "hpc:", cooldown_s: float = 1.0, secret: bytes | None = None) -> None:
         super().__init__(tag, cooldown_s, secret)
-        import redis  # noqa: F401 - fail at construction when the client is missing
+        if importlib.util.find_spec("redis") is None:  # fail at construction, not on a call
+            raise ModuleNotFoundError(
+                "RedisStore needs redis-py: pip install 'hybrid-prefix-cache[storage]'")
 
         self._urls = split_urls(urls)
         self.timeout_s = check_seconds(timeout_s, "timeout_s")
