@@ -80,7 +80,7 @@ def make(backend: str = "file", *, where: str, page_size: int = 1, size: int = 3
          policy: str = "write_through", dtype: torch.dtype = torch.float32,
          max_bytes: int | None = None, timeout_s: float = 0.2, layers: int = 2,
          extra: dict[str, Any] | None = None, head_dim: int = 2,
-         secret: str | bytes | None = None) -> L3:
+         secret: str | bytes | None = None, storage_timeout_s: float = 1.0) -> L3:
     """A cache whose L3 is ``backend`` at ``where`` (a directory, Redis URL(s) or a
     ``mooncake://`` master; ``"mooncake-copying"``: Mooncake without zero-copy transfers)."""
     pool = KVPool(size, layers, 1, head_dim, dtype, "cpu", page_size=page_size)
@@ -100,7 +100,7 @@ def make(backend: str = "file", *, where: str, page_size: int = 1, size: int = 3
     cfg = HiCacheConfig(
         hicache_write_policy=policy, load_back_threshold=1, hicache_storage_prefetch_policy=prefetch,
         hicache_prefetch_timeout_s=timeout_s, hicache_storage_model=model or fresh_model(),
-        hicache_storage_secret=secret, **l3,
+        hicache_storage_secret=secret, hicache_storage_timeout_s=storage_timeout_s, **l3,
     )
     cache = RadixCache(CacheConfig(page_size=page_size), kv_allocator=kv, state_allocator=sp,
                        hicache=cfg)

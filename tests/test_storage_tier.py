@@ -103,8 +103,10 @@ def test_two_engines_share_pages_through_one_store(env: str, page_size: int, cac
     name, url = ("mooncake", need_mooncake()[0]) if env == MOONCAKE_ENV else ("redis", need_env(env))
     model = fresh_model()
     gen = torch.Generator().manual_seed(11)
-    a = make(name, where=url, page_size=page_size, states=4, model=model)
-    b = make(name, where=url, page_size=page_size, states=4, model=model)
+    # B's first match opens its client (a cluster: the slot map too) inside the prefetch's
+    # one deadline; on a loaded machine that alone can pass 1 s, so the deadline is generous.
+    a = make(name, where=url, page_size=page_size, states=4, model=model, storage_timeout_s=10)
+    b = make(name, where=url, page_size=page_size, states=4, model=model, storage_timeout_s=10)
     caches += [a, b]
     key = key_of(24)
     w = put_random(a, key, gen)
