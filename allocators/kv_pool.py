@@ -50,6 +50,7 @@ class _KVLayout:
     head_dim: int
     num_slots: int
     dtype: torch.dtype
+    device: torch.device
 
     @property
     def bytes_per_token(self) -> int:
@@ -67,6 +68,40 @@ class _KVLayout:
         if layer >= self.num_layers:
             raise ValueError(f"layer={layer} is out of range for num_layers={self.num_layers}")
         return layer
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's K and V rows ``slots`` (each storage implements it)."""
+        raise NotImplementedError
+
+    def scatter(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write :meth:`gather`'s ``k``, ``v`` into rows ``slots`` (each storage implements it)."""
+        raise NotImplementedError
+
+    def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy K and V of every layer from ``src_slots[i]`` to ``dst_slots[i]``.
+
+        One gather and one scatter per direction (no per-token or per-layer Python loop).
+        Reads happen before writes, so overlapping ``src``/``dst`` behave as a simultaneous
+        copy.
+
+        Raises:
+            TypeError: not 1-D int64 tensors (dtype).
+            ValueError: not 1-D, lengths differ, a slot out of ``[0, num_slots)``, or a
+                repeated destination slot. Nothing is written.
+        """
+        src_host, src = self._slots(src_slots, "src_slots")
+        dst_host, dst = self._slots(dst_slots, "dst_slots")
+        if src_host.numel() != dst_host.numel():
+            raise ValueError(
+                f"src_slots has {src_host.numel()} slots but dst_slots has {dst_host.numel()}"
+            )
+        if torch.unique(dst_host).numel() != dst_host.numel():
+            raise ValueError("dst_slots repeats a slot; the copy result would be unspecified")
+        k, v = self.gather(src)
+        self.scatter(dst, k, v)
+
+    def _slots(self, slots: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return slot_args(slots, name, self.num_slots, self.device)
 
 
 class KVPool(_KVLayout):
@@ -169,29 +204,6 @@ class KVPool(_KVLayout):
         _, idx = self._slots(slots, "slots")
         return self.k_all[layer, idx], self.v_all[layer, idx]
 
-    def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        """Copy K and V of every layer from ``src_slots[i]`` to ``dst_slots[i]``.
-
-        One gather and one scatter per direction (no per-token or per-layer Python loop).
-        Reads happen before writes, so overlapping ``src``/``dst`` behave as a simultaneous
-        copy.
-
-        Raises:
-            TypeError: not 1-D int64 tensors (dtype).
-            ValueError: not 1-D, lengths differ, a slot out of ``[0, num_slots)``, or a
-                repeated destination slot. Nothing is written.
-        """
-        src_host, src = self._slots(src_slots, "src_slots")
-        dst_host, dst = self._slots(dst_slots, "dst_slots")
-        if src_host.numel() != dst_host.numel():
-            raise ValueError(
-                f"src_slots has {src_host.numel()} slots but dst_slots has {dst_host.numel()}"
-            )
-        if torch.unique(dst_host).numel() != dst_host.numel():
-            raise ValueError("dst_slots repeats a slot; the copy result would be unspecified")
-        k, v = self.gather(src)
-        self.scatter(dst, k, v)
-
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """New tensors ``(k, v)``, each ``[num_layers, len(slots), num_heads, head_dim]``: the
         rows ``slots`` (1-D int64 on ``device``, unchecked) of every layer. One gather each."""
@@ -211,8 +223,6 @@ class KVPool(_KVLayout):
         )
 
     # ------------------------------------------------------------------ helpers
-    def _slots(self, slots: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return slot_args(slots, name, self.num_slots, self.device)
 
 
 def slot_args(slots: torch.Tensor, name: str, num_slots: int,
@@ -297,19 +307,6 @@ class KVBuffers(_KVLayout):
         for layer, (kb, vb) in enumerate(zip(self.k_buffers, self.v_buffers, strict=True)):
             kb.index_copy_(0, slots, k[layer])
             vb.index_copy_(0, slots, v[layer])
-
-    def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        """As :meth:`KVPool.copy_slots`."""
-        src_host, src = slot_args(src_slots, "src_slots", self.num_slots, self.device)
-        dst_host, dst = slot_args(dst_slots, "dst_slots", self.num_slots, self.device)
-        if src_host.numel() != dst_host.numel():
-            raise ValueError(
-                f"src_slots has {src_host.numel()} slots but dst_slots has {dst_host.numel()}"
-            )
-        if torch.unique(dst_host).numel() != dst_host.numel():
-            raise ValueError("dst_slots repeats a slot; the copy result would be unspecified")
-        k, v = self.gather(src)
-        self.scatter(dst, k, v)
 
     def __repr__(self) -> str:
         return (f"KVBuffers(size={self.size}, num_layers={self.num_layers}, "
