@@ -114,3 +114,33 @@ def test_write_back_victim_split_in_flight_settles_its_pending_counts(
     assert pages_in_l3(h) == 16 // page_size
     drop_everything(h)
     assert fresh_cache_finds(where, model, key, page_size, 0, caches) == 16
+
+
+def test_a_prefetch_never_evicts_its_own_anchor_to_make_room(tmp_path: Any,
+                                                            caches: list[L3]) -> None:
+    """Engine B holds a 4-token prefix P on host only, with one host-only child Q (host pool
+    16 tokens, 8 used); A stored P + X (14 more tokens) in L3. B's match of P + X prefetches
+    X, which lands below P: making room evicts Q, which leaves P a childless host-only leaf.
+    P must stay (the leaf goes below it): there is then no room (12 free), and the prefetch
+    is dropped, counted. Evicting P too would attach X under a node gone from the tree."""
+    where, model = str(tmp_path / "l3"), fresh_model()
+    gen = torch.Generator().manual_seed(3)
+    p, x = key_of(4), key_of(14, base=9000)
+    a = make("file", where=where, size=32, model=model)
+    b = make("file", where=where, size=8, model=model)
+    caches += [a, b]
+    put_random(a, p + x, gen)
+    assert a.cache.flush_storage(10)
+    put_random(b, p + key_of(4, base=7000), gen)
+    assert b.cache.flush_storage(10)
+    b.cache.match_prefix(p + key_of(4, base=8000))  # splits P off: P -> Q
+    b.cache.poll_transfers()
+    b.cache.evict(8)  # both demoted to host only
+    assert b.cache.hicache is not None and b.cache.hicache.host_kv.size == 16
+    assert b.cache.host_evictable_size() == 4 and b.cache.stats()["num_nodes"] == 2
+    m = b.cache.match_prefix(p + x)
+    b.cache.sanity_check()  # unpinned: "num_nodes 1 != 0" (X attached under an evicted P)
+    st = b.cache.stats()
+    assert st["num_nodes"] == 1  # P alone: Q went to make room, in vain
+    assert st["l3_prefetch_dropped"] == 14 and st["l3_prefetch_pages"] == 0
+    assert m.prefix_len == 0 and m.host_hit_length == 4

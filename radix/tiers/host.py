@@ -25,6 +25,8 @@ after an insert, on a device eviction). The L3 storage tier, when configured, ha
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
@@ -342,19 +344,37 @@ class HostTier(Component, Tier):
             core.detached(node)
             if parent is root:
                 break
+            kept = parent.id in self._pinned  # a pinned node stays, even left a dead leaf
             if parent.kv_value is None:
                 self.refresh(parent)
-                if not parent.children and core.is_dead_leaf(parent):
+                if not parent.children and not kept and core.is_dead_leaf(parent):
                     node = parent
                     continue
                 break
             core.refresh(parent)
-            if core.is_dead_leaf(parent):  # a device node left a dead leaf: its host copy goes too
+            if not kept and core.is_dead_leaf(parent):  # a device dead leaf: host copy goes too
                 core.remove_leaf(parent)
             break
         freed = before - self.host_tokens
         self.counters["host_evicted_tokens"] += freed
         return freed
+
+    @contextmanager
+    def pinned(self, node: TreeNode) -> Iterator[None]:
+        """Keep ``node`` in the tree while the block runs: host evictions never pick it, nor
+        remove it when they leave it a childless (or dead) leaf. For a caller that makes room
+        under ``node`` and then attaches to it."""
+        if node.id in self._pinned:
+            yield
+            return
+        self._pinned.add(node.id)
+        self.host_leaves.discard(node)
+        try:
+            yield
+        finally:
+            self._pinned.discard(node.id)
+            if node.parent is not None:
+                self.refresh(node)
 
     # ------------------------------------------------------------ load back
     def load_back(self, node: TreeNode) -> int:

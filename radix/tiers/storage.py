@@ -297,12 +297,11 @@ class StorageTier:
         got = hc.alloc_host(tokens, int(with_state))
         if got is not None:
             return got
-        self.host.host_leaves.discard(anchor)
-        try:
+        if anchor is self.core.root:
             self.host.evict_host(tokens)
-        finally:
-            if anchor.parent is not None:
-                self.host.refresh(anchor)
+        else:  # the leaf goes below anchor: making room must leave it in the tree
+            with self.host.pinned(anchor):
+                self.host.evict_host(tokens)
         return hc.alloc_host(tokens, int(with_state))
 
     def _free_host(self, host_slots: torch.Tensor, host_state: int | None) -> None:
