@@ -186,6 +186,10 @@ class FreeList:
         arr = ids.numpy()
         if arr.size == 0:
             return
+        if arr.size == 1:  # one id (a state slot, a page): the same checks as scalars
+            i = int(arr[0])
+            if 1 <= i <= self._capacity and not self._is_free[i]:
+                return
         out_of_range = (arr < 1) | (arr > self._capacity)
         if out_of_range.any():
             bad = int(arr[out_of_range.argmax()])
