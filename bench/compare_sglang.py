@@ -253,23 +253,22 @@ def rate_table(results: dict, args: argparse.Namespace) -> str:
 
 
 def hit_rate_check(results: dict, args: argparse.Namespace) -> list[str]:
-    """KV-only lru: our hit rate must equal SGLang RadixCache's to the fourth decimal."""
+    """Our hit rate must equal SGLang's to the fourth decimal: the KV-only cache against its
+    ``RadixCache``, the KV + state cache (under SGLang's tree rules) against each Mamba cache
+    run."""
+    pairs = [(False, "radix", "ours")] + [
+        (True, impl, "ours KV+state (SGLang's rules)") for impl in args.impls if is_state_impl(impl)]
     out = []
     for w in args.workloads:
-        ours = {r["hit_rate"] for a in ALLOCS for r in results.get(("ours", w, (False, a)), [])}
-        theirs = {r["hit_rate"] for r in results.get(("sglang", w, "radix"), [])}
-        if not theirs:
-            continue
-        ok = ours == theirs and len(ours) == 1
-        out.append(f"{w}: ours {sorted(ours)} vs SGLang RadixCache {sorted(theirs)} -> "
-                   f"{'EQUAL' if ok else 'DIFFERENT'} (policy {args.policy}, page {args.page_size})")
-        for impl in (i for i in args.impls if is_state_impl(i)):
-            ours = {r["hit_rate"] for a in ALLOCS for r in results.get(("ours", w, (True, a)), [])}
+        for states, impl, label in pairs:
+            ours = {r["hit_rate"] for a in ALLOCS for r in results.get(("ours", w, (states, a)), [])}
             theirs = {r["hit_rate"] for r in results.get(("sglang", w, impl), [])}
-            if ours and theirs:
-                ok = ours == theirs and len(ours) == 1
-                out.append(f"{w}: ours KV+state (SGLang's rules) {sorted(ours)} vs SGLang {impl} "
-                           f"{sorted(theirs)} -> {'EQUAL' if ok else 'DIFFERENT'}")
+            if not (ours and theirs):
+                continue
+            ok = ours == theirs and len(ours) == 1
+            out.append(f"{w}: {label} {sorted(ours)} vs SGLang {SHORT.get(impl, impl)} "
+                       f"{sorted(theirs)} -> {'EQUAL' if ok else 'DIFFERENT'} "
+                       f"(policy {args.policy}, page {args.page_size})")
     return out
 
 
