@@ -41,26 +41,26 @@ __all__ = [
 
 #: Command -> (module whose ``main(argv)`` runs it, what it does). Core tools first.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "replay": ("bench.replay", "trace replay in the engine model: hit rates, state misses, "
+    "replay": ("bench.runs.replay", "trace replay in the engine model: hit rates, state misses, "
                                "memory, per policy and pool size (the main job)"),
-    "simulate": ("bench.simulate", "timed engine simulator: TTFT, throughput, hit rates; "
+    "simulate": ("bench.runs.simulate", "timed engine simulator: TTFT, throughput, hit rates; "
                                    "sweeps over one axis (--sweep), CSV and plots"),
-    "robustness": ("bench.robustness", "every policy on every trace and generated workload "
+    "robustness": ("bench.runs.robustness", "every policy on every trace and generated workload "
                                        "across memory sizes: the robustness table"),
     "workloads": ("bench.workloads.__main__", "generate a seeded workload (docqa, agentic, "
                                               "multiturn, sysprompt, mix), print its reuse"),
-    "trace-stats": ("bench.trace_stats", "reuse statistics of a trace file"),
-    "convert": ("bench.tracelab_convert", "convert a TraceLab trace to the Mooncake format"),
-    "compare": ("bench.compare_sglang", "radix operations against SGLang's own caches "
+    "trace-stats": ("bench.traces.stats", "reuse statistics of a trace file"),
+    "convert": ("bench.traces.convert", "convert a TraceLab trace to the Mooncake format"),
+    "compare": ("bench.compare.sglang", "radix operations against SGLang's own caches "
                                         "(needs the anchor environment)"),
-    "radix-ops": ("bench.radix_bench", "per-operation cost of match / insert / evict / locks"),
-    "hit-breakdown": ("bench.hit_breakdown", "where a state policy's hits come from"),
-    "sync-counts": ("bench.sync_counts", "host synchronisations per request on a simulated "
+    "radix-ops": ("bench.compare.radix_ops", "per-operation cost of match / insert / evict / locks"),
+    "hit-breakdown": ("bench.policies.hit_breakdown", "where a state policy's hits come from"),
+    "sync-counts": ("bench.gpu.sync_counts", "host synchronisations per request on a simulated "
                                          "CUDA device"),
-    "storage": ("bench.storage_bench", "L3 backend throughput (file, Redis, Mooncake Store)"),
-    "l3-share": ("bench.l3_share", "hit rates of engines sharing one L3 store"),
-    "lora-load": ("bench.lora_load", "LoRA adapter load cost from PEFT directories"),
-    "model": ("bench.model_driver", "a tiny real hybrid model served through the cache "
+    "storage": ("bench.storage.throughput", "L3 backend throughput (file, Redis, Mooncake Store)"),
+    "l3-share": ("bench.storage.l3_share", "hit rates of engines sharing one L3 store"),
+    "lora-load": ("bench.lora.load", "LoRA adapter load cost from PEFT directories"),
+    "model": ("bench.model.driver", "a tiny real hybrid model served through the cache "
                                     "(bit-exact check)"),
 }
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.engine import EngineConfig, ReplayEngine
-from bench.traces import TraceRequest
+from bench.engine.core import EngineConfig, ReplayEngine
+from bench.traces.loader import TraceRequest
 
 
 def replay(trace: list[TraceRequest], **kw: Any) -> ReplayEngine:

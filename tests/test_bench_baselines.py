@@ -1,4 +1,4 @@
-"""The replay-side policies registered by name (``bench/baselines.py``): the simulator looks
+"""The replay-side policies registered by name (``bench/policies/baselines.py``): the simulator looks
 them up and never imports an experiment itself."""
 
 from __future__ import annotations
@@ -9,18 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from bench import baselines
-from bench.simulator import SimConfig
+from bench.engine.simulator import SimConfig
+from bench.policies import baselines
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_simulator_imports_no_baseline_module_until_a_lookup() -> None:
-    code = ("import sys, bench.simulator as s; "
-            "print(sorted(m for m in sys.modules if m in ('bench.sim_ideas', 'bench.sim_offline',"
-            " 'bench.sim_utility'))); "
+    code = ("import sys, bench.engine.simulator as s; "
+            "print(sorted(m for m in sys.modules if m in ('bench.policies.ideas', 'bench.policies.offline',"
+            " 'bench.policies.utility'))); "
             "s.SimConfig.of('belady', state_slots=8); "
-            "print('bench.sim_ideas' in sys.modules, 'bench.sim_offline' in sys.modules)")
+            "print('bench.policies.ideas' in sys.modules, 'bench.policies.offline' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          check=True).stdout.splitlines()
     assert out == ["[]", "True True"]
@@ -42,6 +42,6 @@ def test_a_baseline_runs_on_the_gds_policy_and_a_library_policy_on_itself() -> N
     assert SimConfig.of("marconi", state_slots=8).engine.policy == "gds"
     assert SimConfig.of("gdsf", state_slots=8).engine.policy == "gdsf"
     with pytest.raises(ValueError, match="runs on engine.policy 'gds'"):
-        from bench.engine import EngineConfig
+        from bench.engine.core import EngineConfig
 
         SimConfig(EngineConfig(policy="lru", state_slots=8), "seglen")

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from bench import cli
-from bench.plot import POLICY_STYLES, policy_style
-from bench.traces import SHIPPED_TRACE, trace_label
+from bench.report.plot import POLICY_STYLES, policy_style
+from bench.traces.loader import SHIPPED_TRACE, trace_label
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,7 +67,7 @@ def test_output_path_checked_before_the_run(tmp_path: Path) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="is a folder"):
         cli.output_path(str(tmp_path))
     # The replay refuses a bad --json path at once (no trace read, no run).
-    from bench.replay import main
+    from bench.runs.replay import main
 
     with pytest.raises(SystemExit) as exc:
         main(["--json", str(tmp_path / "missing" / "x.json")])

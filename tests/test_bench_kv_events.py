@@ -1,4 +1,4 @@
-"""The replay's KV-event check (``bench.replay --kv-events``, ``bench.kv_events``): over the
+"""The replay's KV-event check (``bench.runs.replay --kv-events``, ``bench.engine.kv_events``): over the
 shipped Mooncake trace, under memory pressure, the page set rebuilt from the events alone
 equals the tree's at every check, for KV-only, hybrid, host-tier and paged caches; the
 consumer flags a redundant or orphan event; the CLI runs the modes side by side.
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.engine import EngineConfig
-from bench.kv_events import EventConsumer, EventCounter, disagreements, tree_pages
-from bench.replay import main, replay_one
-from bench.traces import load_trace, resolve_trace_path
+from bench.engine.core import EngineConfig
+from bench.engine.kv_events import EventConsumer, EventCounter, disagreements, tree_pages
+from bench.runs.replay import main, replay_one
+from bench.traces.loader import load_trace, resolve_trace_path
 from components.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
@@ -67,7 +67,7 @@ def test_the_consumer_flags_redundant_and_orphan_events() -> None:
 
 
 def test_a_wrong_page_set_is_a_disagreement(trace: list) -> None:
-    from bench.engine import ReplayEngine
+    from bench.engine.core import ReplayEngine
 
     engine = ReplayEngine(EngineConfig(kv_tokens=300_000, page_size=16, kv_events="on"))
     for i, tr in enumerate(trace[:5]):

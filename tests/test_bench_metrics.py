@@ -1,11 +1,11 @@
-"""Replay metrics (bench/metrics.py): definitions and percentiles checked by hand."""
+"""Replay metrics (bench/engine/metrics.py): definitions and percentiles checked by hand."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from bench.metrics import COST_D, COST_E, Distribution, RequestLog, prefill_cost, summarize
+from bench.engine.metrics import COST_D, COST_E, Distribution, RequestLog, prefill_cost, summarize
 
 
 def test_prefill_cost_by_hand() -> None:

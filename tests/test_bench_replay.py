@@ -1,4 +1,4 @@
-"""The replay's engine model (bench/engine.py) and CLI (bench/replay.py) on the real cache.
+"""The replay's engine model (bench/engine/core.py) and CLI (bench/runs/replay.py) on the real cache.
 
 Narrated scenarios on a 4-token-block trace with exact matched lengths, then ~50 Mooncake
 requests under memory pressure with the cache's ``sanity_check`` after every request.
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from bench.engine import ReplayEngine
-from bench.replay import main, parse_count
-from bench.traces import TraceRequest, load_trace
+from bench.engine.core import ReplayEngine
+from bench.runs.replay import main, parse_count
+from bench.traces.loader import TraceRequest, load_trace
 from tests.replay_helpers import replay as replay_checked
 from tests.replay_helpers import rows
 

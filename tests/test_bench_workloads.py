@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.robustness import ALL_SOURCES, HOLDOUT, SOURCES, Source, verdict
-from bench.traces import TraceRequest, load_trace
+from bench.runs.robustness import ALL_SOURCES, HOLDOUT, SOURCES, Source, verdict
+from bench.traces.loader import TraceRequest, load_trace
 from bench.workloads import generate, parse_spec
 
 

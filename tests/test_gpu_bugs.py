@@ -1,4 +1,4 @@
-"""Regressions of the CUDA path, each a minimal repro in the simulated device (bench/simcuda.py,
+"""Regressions of the CUDA path, each a minimal repro in the simulated device (bench/gpu/simcuda.py,
 strict), each failing before its fix. They use only the API that existed before the fix, so
 they can be run against the old code.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from allocators import KVPool, MambaStatePool, TokenAllocator
-from bench.simcuda import SimCuda
+from bench.gpu.simcuda import SimCuda
 from hicache import HiCacheConfig
 from radix import CacheConfig, RadixCache
 

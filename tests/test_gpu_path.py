@@ -1,4 +1,4 @@
-"""The CUDA path, proven on the CPU with the simulated device (bench/simcuda.py, strict: an
+"""The CUDA path, proven on the CPU with the simulated device (bench/gpu/simcuda.py, strict: an
 unordered copy, a mixed-device operation or a device value read by host code fails the test
 where it happens): HiCache copies bit-exact through the pinned staging ring, ordered by
 events, load-back asynchronous with the current stream waiting for it, an engine's own K/V
@@ -23,7 +23,7 @@ from allocators import (
     cat_slots,
 )
 from allocators.host_mirror import MISSES, mirror_of
-from bench.simcuda import OUTSIDE, SimCuda
+from bench.gpu.simcuda import OUTSIDE, SimCuda
 from hicache import HiCacheConfig
 from radix import CacheConfig, CacheRequest, RadixCache
 

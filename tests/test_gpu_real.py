@@ -1,6 +1,6 @@
 """The GPU path on a real CUDA device (skipped without one; CI never needs one).
 
-The simulated device (``bench/simcuda.py``) proves the same properties on every machine; these
+The simulated device (``bench/gpu/simcuda.py``) proves the same properties on every machine; these
 run them where the hardware decides: ``torch.cuda.set_sync_debug_mode("error")`` makes every
 synchronising call raise, so the replay's engine calls must go through without one, and the
 host tier's round trips must be bit-exact with the real streams, events and pinned memory.
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.engine import EngineConfig, ReplayEngine
-from bench.sync_counts import COMMON, MODELS, conversations
+from bench.engine.core import EngineConfig, ReplayEngine
+from bench.gpu.sync_counts import COMMON, MODELS, conversations
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.engine import EngineConfig
-from bench.replay import _configs, build_parser, main
-from bench.traces import TraceRequest
+from bench.engine.core import EngineConfig
+from bench.runs.replay import _configs, build_parser, main
+from bench.traces.loader import TraceRequest
 from tests.replay_helpers import replay, rows
 
 

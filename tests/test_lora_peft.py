@@ -230,7 +230,7 @@ def test_written_directories_are_read_by_peft_and_back_bit_exact(tmp_path) -> No
 
 # ---------------------------------------------------------------------- the load benchmark
 def test_load_benchmark_rows(tmp_path) -> None:
-    from bench.lora_load import measure
+    from bench.lora.load import measure
 
     rows = measure(hidden=64, layers=1, ranks=[8], repeats=1, workdir=tmp_path)
     assert [(r["rank"], r["targets"], r["modules"]) for r in rows] == [

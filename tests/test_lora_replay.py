@@ -10,17 +10,17 @@ import pytest
 import torch
 
 from allocators.lora import BASE_MODEL
-from bench.engine import EngineConfig, ReplayEngine
-from bench.lora_replay import REPLAY_BASE_MODULES, write_replay_adapters
-from bench.lora_sched import (
+from bench.engine.core import EngineConfig, ReplayEngine
+from bench.lora.replay import REPLAY_BASE_MODULES, write_replay_adapters
+from bench.lora.sched import (
     AdapterSkew,
     LoraReplayConfig,
     LoraScheduler,
     assign_adapters,
     parse_adapter_skew,
 )
-from bench.replay import main
-from bench.traces import TraceRequest
+from bench.runs.replay import main
+from bench.traces.loader import TraceRequest
 
 
 def req(t: float, out: int, first_block: int, n_blocks: int = 2, block: int = 4) -> TraceRequest:

@@ -13,7 +13,7 @@ pytest.importorskip("transformers", reason="model tests need the optional extra:
 
 from transformers import DynamicCache  # noqa: E402
 
-from bench.model_adapter import (  # noqa: E402
+from bench.model.adapter import (  # noqa: E402
     CacheLayout,
     ModelAdapter,
     ModelPools,

@@ -14,8 +14,8 @@ import torch
 
 pytest.importorskip("transformers", reason="model tests need the optional extra: pip install -e .[model]")
 
-from bench.model_adapter import ARCHITECTURES  # noqa: E402
-from bench.model_driver import DriverConfig, ModelDriver  # noqa: E402
+from bench.model.adapter import ARCHITECTURES  # noqa: E402
+from bench.model.driver import DriverConfig, ModelDriver  # noqa: E402
 
 ARCHS = sorted(ARCHITECTURES)
 HYBRID = ["bamba", "falcon_h1", "qwen3_next"]

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers", reason="model tests need the optional extra: pip install -e .[model]")
 
-from bench.model_driver import ModelDriver, tree_prompts  # noqa: E402
+from bench.model.driver import ModelDriver, tree_prompts  # noqa: E402
 from hicache import HiCacheConfig  # noqa: E402
 from radix import MatchResult, RadixKey  # noqa: E402
 from tests.test_model_common import (  # noqa: E402, F401  (one_thread: autouse fixture)

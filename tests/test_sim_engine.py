@@ -1,4 +1,4 @@
-"""The discrete-event engine model (bench/simulator.py) on tiny hand-made traces.
+"""The discrete-event engine model (bench/engine/simulator.py) on tiny hand-made traces.
 
 Cost model in these tests: ``d = 0.1`` s per token and (unless named) ``e = 0``, so a chunk of
 ``n`` tokens takes ``0.1 n`` s; one decode step is 1 s. Block size 4: block ``h`` is tokens
@@ -12,8 +12,8 @@ import math
 import numpy as np
 import pytest
 
-from bench.simulator import SimConfig, Simulator, run_policy
-from bench.traces import TraceRequest
+from bench.engine.simulator import SimConfig, Simulator, run_policy
+from bench.traces.loader import TraceRequest
 
 
 def req(ids: list[int], length: int, out: int, ts: float, block: int = 4) -> TraceRequest:

@@ -1,4 +1,4 @@
-"""Replay-only state walks (bench/sim_policies.py): the offline reference's victim order on
+"""Replay-only state walks (bench/policies/strategies.py): the offline reference's victim order on
 a tiny trace with hand-computed next uses, and the Marconi utility's normalisation."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from allocators import MambaStatePool, TokenAllocator
-from bench.presets import ModelPreset
-from bench.sim_policies import (
+from bench.engine.presets import ModelPreset
+from bench.policies.strategies import (
     NEVER,
     BeladyStrategy,
     MarconiStrategy,
@@ -19,7 +19,7 @@ from bench.sim_policies import (
     minmax,
     state_walk_factory,
 )
-from bench.traces import TraceRequest
+from bench.traces.loader import TraceRequest
 from radix import CacheConfig, RadixCache
 from radix.node import TreeNode
 
@@ -205,11 +205,11 @@ def test_marconi_on_a_cache_evicts_and_checks() -> None:
 
 
 def test_hit_breakdown_counts_every_consumed_state() -> None:
-    """bench.hit_breakdown: the recorder sees every consumed state (its tokens add up to the
+    """bench.policies.hit_breakdown: the recorder sees every consumed state (its tokens add up to the
     depth of the states the matches used) and passes the walk's decisions through."""
-    from bench.hit_breakdown import breakdown
-    from bench.simulator import SimConfig
-    from bench.traces import load_trace
+    from bench.engine.simulator import SimConfig
+    from bench.policies.hit_breakdown import breakdown
+    from bench.traces.loader import load_trace
 
     trace = load_trace(None, max_requests=120)
     for policy in ("gds_adaptive", "belady"):

@@ -1,10 +1,10 @@
-"""Model presets (bench/presets.py): bytes per token and per slot, and the memory split."""
+"""Model presets (bench/engine/presets.py): bytes per token and per slot, and the memory split."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.presets import PRESETS, ModelPreset, get_preset, split_memory
+from bench.engine.presets import PRESETS, ModelPreset, get_preset, split_memory
 
 
 def test_marconi_7b_bytes() -> None:

@@ -1,4 +1,4 @@
-"""Sweep arguments (bench/sweep.py), run planning and the simulator CLI (bench/simulate.py)."""
+"""Sweep arguments (bench/runs/sweep.py), run planning and the simulator CLI (bench/runs/simulate.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.simulate import build_parser, main, plan_runs
-from bench.sweep import Sweep, fmt_value, parse_sweep
+from bench.runs.simulate import build_parser, main, plan_runs
+from bench.runs.sweep import Sweep, fmt_value, parse_sweep
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Trace tools: ``bench.trace_stats`` and the TraceLab -> Mooncake converter."""
+"""Trace tools: ``bench.traces.stats`` and the TraceLab -> Mooncake converter."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.trace_stats import block_reuse, trace_stats
-from bench.trace_stats import main as stats_main
-from bench.tracelab_convert import block_runs, convert, to_mooncake_lines
-from bench.traces import TraceRequest, load_trace
+from bench.traces.convert import block_runs, convert, to_mooncake_lines
+from bench.traces.loader import TraceRequest, load_trace
+from bench.traces.stats import block_reuse, trace_stats
+from bench.traces.stats import main as stats_main
 
 TRACELAB = Path(__file__).resolve().parents[2] / "shared" / "traces" / "tracelab_example_round_trace.jsonl"
 

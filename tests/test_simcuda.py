@@ -1,4 +1,4 @@
-"""The simulated CUDA device (bench/simcuda.py) counts exactly the calls that synchronise the
+"""The simulated CUDA device (bench/gpu/simcuda.py) counts exactly the calls that synchronise the
 host on a real GPU, flags what a real GPU would refuse or get wrong, and leaves the CPU alone
 outside its ``with`` block. Every later GPU-path test relies on these properties."""
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from bench.simcuda import OUTSIDE, DeviceTensor, SimCuda
+from bench.gpu.simcuda import OUTSIDE, DeviceTensor, SimCuda
 
 
 def _syncs(fn: Callable[[torch.Tensor], object], **kw: bool) -> int:

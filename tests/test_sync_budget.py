@@ -1,7 +1,7 @@
 """The host-synchronisation budget of the engine's hot path, on the simulated CUDA device.
 
-The replay's engine (``bench.engine.ReplayEngine`` on ``device="cuda"``) serves a seeded
-multi-turn workload (``bench.sync_counts.conversations``) through four models; every call the
+The replay's engine (``bench.engine.core.ReplayEngine`` on ``device="cuda"``) serves a seeded
+multi-turn workload (``bench.gpu.sync_counts.conversations``) through four models; every call the
 engine makes on the cache and on the pools is charged with the syncs it causes. The budget is
 zero for every one of them: match_prefix, insert (through cache_unfinished_req /
 cache_finished_req), lock and unlock, evict / evict_states / evict_swa, release_swa,
@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 from allocators.host_mirror import MISSES
-from bench.engine import EngineConfig, ReplayEngine
-from bench.simcuda import OUTSIDE
-from bench.sync_counts import COMMON, MODELS, ModelCounts, conversations, run_model
+from bench.engine.core import EngineConfig, ReplayEngine
+from bench.gpu.simcuda import OUTSIDE
+from bench.gpu.sync_counts import COMMON, MODELS, ModelCounts, conversations, run_model
 
 REQUESTS = 100
 #: Syncs allowed per call, per operation (every operation the replay makes): none.

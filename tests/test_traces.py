@@ -1,4 +1,4 @@
-"""Trace loaders (bench/traces.py) and infinite-memory bounds (bench/bounds.py).
+"""Trace loaders (bench/traces/loader.py) and infinite-memory bounds (bench/engine/bounds.py).
 
 Narrated cases on tiny hand-written traces with exact token ids and bounds computed by hand.
 """
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.bounds import compute_bounds
-from bench.traces import (
+from bench.engine.bounds import compute_bounds
+from bench.traces.loader import (
     SHIPPED_TRACE,
     TraceFormatError,
     TraceRequest,

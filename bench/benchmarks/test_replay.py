@@ -3,7 +3,7 @@ engine model, per policy, page size and model kind (pytest-benchmark).
 
     python -m pytest bench/benchmarks/test_replay.py --benchmark-only
 
-The engine (``bench.engine.ReplayEngine``) is built in the setup, outside the timer; the timed
+The engine (``bench.engine.core.ReplayEngine``) is built in the setup, outside the timer; the timed
 part is ``admit`` of every request and the final ``drain``, i.e. every match, lock, chunked
 checkpoint insert, finish insert and eviction of the replay, allocator work included.
 The KV pool is small enough (``KV_TOKENS``) that eviction runs.
@@ -15,8 +15,8 @@ from functools import lru_cache
 
 import pytest
 
-from bench.engine import EngineConfig, ReplayEngine
-from bench.traces import load_trace
+from bench.engine.core import EngineConfig, ReplayEngine
+from bench.traces.loader import load_trace
 
 REQUESTS = 500
 KV_TOKENS = 1_000_000

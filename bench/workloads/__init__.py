@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from bench.traces import TraceRequest
+from bench.traces.loader import TraceRequest
 from bench.workloads.shapes import (
     AgenticParams,
     DocQAParams,

@@ -23,8 +23,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from bench.cli import output_path, prog, write_json
-from bench.trace_stats import render_stats, trace_stats
-from bench.traces import TraceRequest
+from bench.traces.loader import TraceRequest
+from bench.traces.stats import render_stats, trace_stats
 from bench.workloads import WORKLOADS, generate
 
 

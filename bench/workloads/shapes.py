@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bench.traces import TraceRequest
+from bench.traces.loader import TraceRequest
 from bench.workloads.streams import BlockSpace, Stream
 
 __all__ = [

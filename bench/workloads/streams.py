@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bench.traces import TraceRequest, runs_from_blocks
+from bench.traces.loader import TraceRequest, runs_from_blocks
 
 __all__ = ["BlockSpace", "Stream"]
 

@@ -1,0 +1,1 @@
+"""Radix operations against SGLang's own caches on the same seeded workloads."""

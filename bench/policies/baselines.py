@@ -1,0 +1,93 @@
+"""Replay-side policies by name: the baselines (``marconi``, ``seglen``, ``belady``,
+``belady_state``) and the experimental walks (``idea:*``) that the simulator runs as a state
+walk on top of the library's ``gds`` policy.
+
+Each is registered by the module that defines it (:func:`register`); the simulator only looks
+names up here (:func:`get`, :func:`names`), and the defining modules are imported on the first
+lookup (:data:`PROVIDERS`), so the core never imports an experiment. A new baseline is one
+:class:`Baseline` registered from its own module, plus its module name in :data:`PROVIDERS`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bench.policies.strategies import NextUseIndex, StateStrategy
+    from bench.traces.loader import TraceRequest
+
+__all__ = ["PROVIDERS", "Baseline", "BaselineContext", "get", "names", "register"]
+
+#: Modules that register baselines, imported on the first lookup.
+PROVIDERS = ("bench.policies.strategies", "bench.policies.utility", "bench.policies.offline", "bench.policies.ideas")
+
+
+@dataclass(frozen=True)
+class BaselineContext:
+    """What a baseline's walk may read: the trace, the engine's page size, the model preset's
+    name, the prefill cost model and Marconi's fixed alpha (``None``: tuned live), and the
+    offline next-use index (built on the first call, shared by the runs of one sweep)."""
+
+    trace: Sequence[TraceRequest]
+    page_size: int
+    model: str
+    cost_d: float
+    cost_e: float
+    marconi_alpha: float | None
+    next_use: Callable[[], NextUseIndex]
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A replay-side policy.
+
+    Attributes:
+        name: what ``--policy`` calls it.
+        walk: context -> the ``is_candidate -> StateStrategy`` maker of its state walk.
+        order_kv: ``(cache, walk)`` -> installs its KV-leaf order on the cache (after the
+            cache is built), or ``None``: KV leaves keep the ``gds`` policy's LRU.
+        offline: it reads the future (the next-use index): a reference, not a policy.
+    """
+
+    name: str
+    walk: Callable[[BaselineContext], Callable[[Callable[[Any], bool]], StateStrategy]]
+    order_kv: Callable[[Any, Any], None] | None = None
+    offline: bool = False
+
+
+_REGISTRY: dict[str, Baseline] = {}
+_loaded = False
+
+
+def register(baseline: Baseline) -> None:
+    """Add ``baseline`` under its name.
+
+    Raises:
+        ValueError: the name is taken.
+    """
+    if baseline.name in _REGISTRY:
+        raise ValueError(f"baseline {baseline.name!r} is registered twice")
+    _REGISTRY[baseline.name] = baseline
+
+
+def _load() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in PROVIDERS:
+            importlib.import_module(module)
+
+
+def get(name: str) -> Baseline | None:
+    """The baseline called ``name``, or ``None`` (a library policy)."""
+    _load()
+    return _REGISTRY.get(name)
+
+
+def names() -> tuple[str, ...]:
+    """Every registered name, in registration order."""
+    _load()
+    return tuple(_REGISTRY)

@@ -1,0 +1,410 @@
+"""Trace replay CLI: ``python -m bench replay`` / ``hpc-bench replay``.
+
+Replays a request trace through the prefix cache the way an engine would
+(:mod:`bench.engine.core`), once per eviction policy and memory size, and prints the metrics side
+by side (:mod:`bench.report.tables`) with the trace's infinite-memory bounds (:mod:`bench.engine.bounds`).
+
+Examples::
+
+    python -m bench replay                                   # shipped Mooncake trace, lru vs gds
+    python -m bench replay --max-requests 2000 --policy lru gds --kv-tokens 16M --state-slots 512
+    python -m bench replay --trace ../shared/traces/lmbench_gmi_trace.jsonl --kv-tokens 1M --json out.json
+    python -m bench replay --state-slots 128 256 512 --policy lru gds --json -   # a sweep, JSON on stdout
+    python -m bench replay --max-requests 2000 --adapters 32 --adapter-skew zipf:1.1 --max-loras-per-batch 8
+        # LoRA adapters (bench.lora.replay): slot loads, evictions, hit rate; lru vs fifo
+    python -m bench replay --kv-tokens 2M --state-slots 256 --hicache-ratio 0 4
+        # without and with a host (L2) tier of 4x the device pools, side by side
+    python -m bench replay --policy lru --page-size 16 --kv-events off on check
+        # KV events for routers: their cost (off vs on), and the page set a router rebuilds
+        # from them checked against the tree's (0 disagreements expected)
+
+Memory sizes accept ``16000000``, ``16e6``, ``16M`` or ``512K``. Several ``--kv-tokens`` /
+``--state-slots`` values run every combination (a sweep). ``--state-slots 0`` replays a
+KV-only (pure attention) model. Progress goes to stderr (a bar on a terminal, a line every few
+seconds elsewhere; none with ``--no-progress``); the table to stdout (to stderr when ``--json -`` takes stdout).
+Peak RSS is the process's high-water mark so far (``getrusage``), so with several runs it
+never decreases from one column to the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import resource
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import torch
+
+from bench.cli import Progress, output_path, parse_count, prog, require_package, write_json
+from bench.cli import positive as _positive
+from bench.engine.bounds import compute_bounds
+from bench.engine.core import EngineConfig, ReplayEngine
+from bench.engine.kv_events import EventConsumer, EventCounter, disagreements
+from bench.engine.metrics import summarize
+from bench.lora.replay import add_lora_arguments, lora_replay_configs, run_lora_replays
+from bench.report.plot import sweep_axis_of, write_plot
+from bench.report.tables import RunResult, TraceInfo, render_table, to_json_dict
+from bench.traces.loader import (
+    TraceFormatError,
+    TraceRequest,
+    load_trace,
+    resolve_trace_path,
+    sniff_format,
+    trace_label,
+)
+from bench.workloads import add_workload_arguments, workload_requests
+from hicache import WRITE_POLICIES
+from radix import CacheConfig
+from radix.config import SWA_RELEASE_EXTRA_PAGES
+
+__all__ = ["main", "parse_count", "replay_one"]
+
+def _ratio(text: str) -> float:
+    """A host-tier ratio: 0 (off) or a finite number (> 1, checked with the config)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or a finite number > 1: {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog("replay"),
+        description="Replay a request trace through the hybrid prefix cache, one run per policy.",
+    )
+    p.add_argument(
+        "--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)"
+    )
+    p.add_argument(
+        "--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto"
+    )
+    add_workload_arguments(p)
+    p.add_argument(
+        "--torch-threads",
+        type=_positive,
+        default=1,
+        help="torch intra-op threads (default 1: the replay's tensor ops are bookkeeping-sized;"
+        " on a shared 2-core machine two threads made the whole replay 1.9x slower)",
+    )
+    p.add_argument(
+        "--tracelab-block-size",
+        type=_positive,
+        default=1,
+        help="block size recorded for TraceLab rounds [tokens] (default 1: token-exact)",
+    )
+    p.add_argument(
+        "--max-requests", type=parse_count, default=None, help="replay only the first N requests"
+    )
+    p.add_argument(
+        "--policy",
+        nargs="+",
+        default=["lru", "gds"],
+        help="radix eviction policies (default: lru gds)",
+    )
+    p.add_argument(
+        "--kv-tokens",
+        nargs="+",
+        type=_positive,
+        default=[16_000_000],
+        help="KV pool size(s) [tokens] (default 16M)",
+    )
+    p.add_argument(
+        "--state-slots",
+        nargs="+",
+        type=parse_count,
+        default=[512],
+        help="recurrent-state pool size(s) [slots]; 0 = KV-only model (default 512)",
+    )
+    p.add_argument(
+        "--page-size",
+        type=_positive,
+        default=1,
+        help="tokens per KV page (default 1: exact token accounting; any divisor of the "
+        "trace block keeps block boundaries page-aligned)",
+    )
+    p.add_argument(
+        "--chunk-size", type=_positive, default=8192, help="prefill chunk [tokens] (default 8192)"
+    )
+    p.add_argument(
+        "--concurrency", type=_positive, default=32, help="requests in flight (default 32)"
+    )
+    p.add_argument(
+        "--end-checkpoint",
+        choices=("block", "exact"),
+        default="block",
+        help="state of a finished prompt at its last full trace block (default) or its last token",
+    )
+    p.add_argument(
+        "--json", metavar="FILE|-", type=output_path, default=None,
+        help="also write results as JSON ('-': stdout)"
+    )
+    p.add_argument(
+        "--plot",
+        metavar="FILE",
+        type=output_path,
+        default=None,
+        help="hit rate and state-miss vs memory, one line per policy (needs a sweep and matplotlib)",
+    )
+    p.add_argument(
+        "--policy-config",
+        metavar="NAME=JSON",
+        action="append",
+        default=[],
+        help="knobs of one policy, e.g. tlru='{\"threshold\": 8192}' (repeatable); tlru "
+        f"defaults to {DEFAULT_POLICY_CONFIG['tlru']} here",
+    )
+    p.add_argument(
+        "--sliding-window",
+        type=parse_count,
+        default=0,
+        help="SWA window [tokens] of a model with sliding-window layers (default 0: none)",
+    )
+    p.add_argument(
+        "--swa-tokens",
+        type=parse_count,
+        default=None,
+        help="SWA pool size [tokens] with --sliding-window (default: kv-tokens / 4)",
+    )
+    p.add_argument(
+        "--swa-release-extra-pages",
+        type=int,
+        default=SWA_RELEASE_EXTRA_PAGES,
+        help="pages a request keeps live past the window when it releases out-of-window SWA KV "
+        f"(default {SWA_RELEASE_EXTRA_PAGES}; 0 keeps exactly max(window, page))",
+    )
+    p.add_argument(
+        "--hicache-ratio",
+        nargs="+",
+        type=_ratio,
+        default=[0.0],
+        help="host (L2) KV and state pools of R x the device pools (R > 1); 0 = no host tier "
+        "(default); several values run side by side, e.g. 0 4",
+    )
+    p.add_argument(
+        "--hicache-write-policy",
+        choices=WRITE_POLICIES,
+        default="write_through",
+        help="when a node is copied to host (default write_through)",
+    )
+    p.add_argument(
+        "--kv-events",
+        nargs="+",
+        choices=("off", "on", "check"),
+        default=["off"],
+        help="KV events (BlockStored / BlockRemoved for routers): off (default); on = the "
+        "cache records them and the replay takes them after every request; check = also "
+        "rebuild the page set from them and compare it with the tree's; several values run "
+        "side by side (off on: the events' cost)",
+    )
+    p.add_argument(
+        "--kv-events-check-every",
+        type=parse_count,
+        default=1000,
+        help="with --kv-events check: compare the rebuilt page set with the tree's every N "
+        "requests, and at the end (default 1000; 0 = at the end only)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_lora_arguments(p)
+    return p
+
+
+#: Knobs the replay passes when the command line gives none (tlru has no library default).
+DEFAULT_POLICY_CONFIG: dict[str, dict[str, Any]] = {"tlru": {"threshold": 8192}}
+
+
+def _policy_configs(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+    out = {k: dict(v) for k, v in DEFAULT_POLICY_CONFIG.items()}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--policy-config needs NAME=JSON, got {item!r}")
+        try:
+            knobs = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--policy-config {name}: invalid JSON ({exc})") from None
+        if not isinstance(knobs, dict):
+            raise ValueError(f"--policy-config {name}: expected a JSON object, got {text!r}")
+        out[name] = knobs
+    return out
+
+
+def peak_rss_mib() -> float:
+    """The process's peak resident set size so far [MiB] (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def replay_one(
+    trace: Sequence[TraceRequest], config: EngineConfig, progress: bool | None = None,
+    check_every: int = 1000,
+) -> RunResult:
+    """Replay ``trace`` through a fresh cache built from ``config``; check the cache after.
+
+    ``progress``: ``False`` none, else on stderr (:class:`bench.cli.Progress`).
+    With ``config.kv_events`` the events are taken after every request; ``"check"`` also
+    rebuilds the page set from them (``bench.engine.kv_events``) and compares it with the tree's
+    every ``check_every`` requests (0: at the end only) and at the end.
+
+    Raises:
+        AssertionError (from ``sanity_check``) if the cache broke an invariant, or a lock
+        survived the replay.
+    """
+    engine = ReplayEngine(config)
+    desc = f"{config.policy} kv={config.kv_tokens:,} slots={config.state_slots:,}"
+    if config.hicache_ratio:
+        desc += f" host={config.hicache_ratio:g}x"
+    events = config.kv_events
+    consumer = EventConsumer() if events == "check" else None
+    counter = EventCounter()
+    checks = bad = 0
+    cache = engine.cache
+    start = time.perf_counter()
+    cpu0 = time.process_time()
+    with Progress(len(trace), desc, "req", progress) as bar:
+        for i, tr in enumerate(trace):
+            engine.admit(tr, rid=i)
+            if events != "off":
+                got = cache.take_events()
+                counter.apply(got)
+                if consumer is not None:
+                    consumer.apply(got)
+                    if check_every and (i + 1) % check_every == 0:
+                        bad += disagreements(consumer, cache)
+                        checks += 1
+            bar.update()
+        engine.drain()
+    wall = time.perf_counter() - start
+    cpu = time.process_time() - cpu0
+    report: dict[str, Any] | None = None
+    if events != "off":
+        got = cache.take_events()
+        counter.apply(got)
+        report = counter.summary()
+        if consumer is not None:
+            consumer.apply(got)
+            bad += disagreements(consumer, cache)
+            checks += 1
+            report = {**consumer.summary(), "checks": checks, "disagreements": bad}
+    engine.cache.sanity_check()
+    if engine.cache.protected_size():
+        raise AssertionError(
+            f"{engine.cache.protected_size()} KV tokens still locked after the replay"
+        )
+    return RunResult(
+        config=config,
+        metrics=summarize(engine.log),
+        counters=engine.counters,
+        wall_s=wall,
+        peak_rss_mib=peak_rss_mib(),
+        cache_stats=engine.cache.stats(),
+        cpu_s=cpu,
+        kv_events=report,
+    )
+
+
+def _configs(args: argparse.Namespace) -> list[EngineConfig]:
+    """Every (kv size, state slots, policy, host ratio) combination, validated before any run
+    starts."""
+    knobs = _policy_configs(args.policy_config)
+    out = []
+    for kv, slots, policy, host_ratio, events in itertools.product(
+        args.kv_tokens, args.state_slots, args.policy, args.hicache_ratio, args.kv_events
+    ):
+        # fails on a bad name or knob before anything runs
+        CacheConfig(page_size=args.page_size, radix_eviction_policy=policy,
+                    radix_eviction_policy_config=knobs.get(policy))
+        swa_tokens = 0
+        if args.sliding_window:
+            swa_tokens = args.swa_tokens if args.swa_tokens is not None else kv // 4
+        out.append(
+            EngineConfig(
+                policy=policy,
+                policy_config=knobs.get(policy),
+                kv_tokens=kv,
+                state_slots=slots,
+                page_size=args.page_size,
+                chunk_size=args.chunk_size,
+                concurrency=args.concurrency,
+                end_checkpoint=args.end_checkpoint,
+                sliding_window=args.sliding_window,
+                swa_release_extra_pages=args.swa_release_extra_pages,
+                swa_tokens=swa_tokens,
+                hicache_ratio=host_ratio,
+                hicache_write_policy=args.hicache_write_policy,
+                kv_events=events,
+            )
+        )
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; returns the exit status (0 ok, 2 bad arguments or trace)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.plot is not None:
+        require_package(parser, "matplotlib", "--plot", "plot")
+    torch.set_num_threads(args.torch_threads)
+    try:
+        configs = _configs(args)
+        loras = lora_replay_configs(args)  # None unless --adapters N
+        source: str
+        if args.workload is not None:
+            trace = workload_requests(args.workload, args.workload_seed, args.max_requests,
+                                      args.trace)
+            source, fmt = f"workload {args.workload} (seed {args.workload_seed})", "generated"
+        else:
+            path = resolve_trace_path(args.trace)
+            fmt = sniff_format(path) if args.trace_format == "auto" else args.trace_format
+            trace = load_trace(
+                path,
+                fmt=fmt,
+                max_requests=args.max_requests,
+                tracelab_block_size=args.tracelab_block_size,
+            )
+            source = trace_label(path)
+    except (FileNotFoundError, TraceFormatError, ValueError, TypeError) as e:
+        parser.exit(2, f"error: {e}\n")
+    if not trace:
+        parser.exit(2, f"error: no requests in {source}\n")
+    if args.plot is not None:
+        try:
+            sweep_axis_of(configs)
+        except ValueError as e:
+            parser.exit(2, f"error: {e}\n")
+    info = TraceInfo(
+        source, fmt, len(trace), sum(r.input_length for r in trace), trace[0].block_size
+    )
+    bounds = compute_bounds(trace, exclude_last_token=True, page_size=args.page_size)
+    notes_bounds = compute_bounds(trace)
+    progress = False if args.no_progress else None
+    if loras is not None:
+        return run_lora_replays(
+            trace, configs, loras, info, bounds, notes_bounds, args.json, progress
+        )
+    runs = []
+    for config in configs:
+        gc.collect()
+        runs.append(replay_one(trace, config, progress, args.kv_events_check_every))
+    table_out: TextIO = sys.stderr if args.json == "-" else sys.stdout
+    print(render_table(info, runs, bounds, notes_bounds), file=table_out)
+    if args.json is not None:
+        write_json(args.json, to_json_dict(info, runs, bounds, notes_bounds))
+    if args.plot is not None:
+        sizes = ", ".join(f"{a.replace('_', ' ')} {', '.join(f'{v:,}' for v in vals)}"
+                          for a, vals in (("kv_tokens", args.kv_tokens),
+                                          ("state_slots", args.state_slots)))
+        write_plot(args.plot, runs, bounds,
+                   f"{info.path}: {info.requests:,} requests; {sizes}; "
+                   f"concurrency {args.concurrency}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""The robustness table: every policy on every trace and generated workload, one command.
+
+``python -m bench robustness`` runs the simulator (:mod:`bench.engine.simulator`, trace arrivals) for
+every source x state slots (64 / 256 / 1,024 / 4,096) x KV tokens (4M / 16M) x concurrency
+(16 / 64) x policy, writes one CSV row per run, and prints per source a table of token hit
+rates plus the verdict on the recommended policy (``gds_adaptive``): at every point its
+margin over the best of ``lru`` / ``gds`` / ``gdsf`` and its share of the offline reference
+``belady``, and the worst point of each. ``--from-csv FILE`` re-renders a saved run.
+
+Sources (the default grid takes hours on two shared cores: Mooncake alone, 112 runs, took
+46 minutes; ``--slots`` / ``--kv-tokens`` / ``--concurrency`` / ``--sources`` cut it):
+
+| source | what | size, time |
+|---|---|---|
+| ``mooncake`` | the shipped Mooncake conversation trace | first 2,000 requests, arrivals x 2 |
+| ``gmi`` | LMBench's GMI trace (``--traces-dir``) | all 1,931 requests, arrivals x 0.005 |
+| ``tracelab`` | TraceLab's two agent sessions (``--traces-dir``) | 19 rounds |
+| ``docqa`` ... ``mix`` | :mod:`bench.workloads`, seed 0 | defaults (876 - 1,200 requests) |
+| ``mooncake_b``, ``docqa_s1``, ``agentic_s1`` | held out: Mooncake requests 6,001-8,000, seed 1 | not in the default run |
+
+A source whose file is missing is skipped with a note. Runs go to ``--jobs`` worker processes
+(one source at a time, its trace shared by ``fork``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from bench.cli import output_path, prog
+from bench.engine.simulator import SimConfig, SimResult
+from bench.runs.sweep import run_all
+from bench.traces.loader import TraceRequest, load_trace
+from bench.workloads import generate
+
+__all__ = ["ALL_SOURCES", "HOLDOUT", "POLICIES", "SOURCES", "Source", "main", "verdict"]
+
+POLICIES = ("lru", "gds", "gdsf", "gds_adaptive", "seglen", "marconi", "belady")
+BASELINES = ("lru", "gds", "gdsf")
+"""The online policies the recommended one must not fall behind (by more than 0.5 points)."""
+RECOMMENDED = "gds_adaptive"
+SLOTS = (64, 256, 1024, 4096)
+KV = (4_000_000, 16_000_000)
+CONCURRENCY = (16, 64)
+MARGIN = 0.005
+"""Token hit rate the recommended policy may lose to the best baseline at a point."""
+SHARE = 0.90
+"""Share of the offline reference the recommended policy must reach at every point."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """One row group of the table: a trace file (relative to ``--traces-dir`` unless it is
+    the shipped one) or a generated workload spec, with its size and time scale."""
+
+    name: str
+    trace: str | None = None
+    workload: str | None = None
+    max_requests: int | None = None
+    time_scale: float = 1.0
+    seed: int = 0
+    skip: int = 0
+    """Requests dropped from the start of the trace (the rest is re-timed from 0)."""
+
+    def load(self, traces_dir: Path) -> list[TraceRequest] | None:
+        """The requests, or ``None`` when the trace file is missing."""
+        if self.workload is not None:
+            return generate(self.workload, seed=self.seed)[: self.max_requests]
+        path = None if self.trace is None else traces_dir / self.trace
+        if path is not None and not path.is_file():
+            return None
+        cut = None if self.max_requests is None else self.skip + self.max_requests
+        reqs = load_trace(path, max_requests=cut)[self.skip:]
+        if self.skip and reqs:
+            t0 = reqs[0].timestamp_s
+            reqs = [replace(r, timestamp_s=r.timestamp_s - t0) for r in reqs]
+        return reqs
+
+
+SOURCES: dict[str, Source] = {s.name: s for s in (
+    Source("mooncake", None, None, 2000, 2.0),
+    Source("gmi", "lmbench_gmi_trace.jsonl", None, None, 0.005),
+    Source("tracelab", "tracelab_example_round_trace.jsonl"),
+    Source("docqa", workload="docqa"),
+    Source("agentic", workload="agentic"),
+    Source("multiturn", workload="multiturn"),
+    Source("sysprompt", workload="sysprompt"),
+    Source("mix", workload="mix"),
+)}
+HOLDOUT: dict[str, Source] = {s.name: s for s in (
+    Source("mooncake_b", None, None, 2000, 2.0, skip=6000),
+    Source("docqa_s1", workload="docqa", seed=1),
+    Source("agentic_s1", workload="agentic", seed=1),
+)}
+"""More data no constant was fixed on: a later slice of Mooncake, other seeds."""
+ALL_SOURCES = {**SOURCES, **HOLDOUT}
+
+FIELDS = ("source", "state_slots", "kv_tokens", "concurrency", "policy", "token_hit_rate",
+          "kv_hit_rate", "state_miss_mean", "prefill_cost_mean", "ttft_p90", "wall_s")
+
+Row = dict[str, Any]
+
+
+def _row(src: str, r: SimResult) -> Row:
+    e = r.config.engine
+    return {"source": src, "state_slots": e.state_slots, "kv_tokens": e.kv_tokens,
+            "concurrency": e.concurrency, "policy": r.label,
+            "token_hit_rate": round(r.metrics.token_hit_rate, 6),
+            "kv_hit_rate": round(r.metrics.kv_hit_rate, 6),
+            "state_miss_mean": round(r.metrics.state_miss_tokens.mean, 1),
+            "prefill_cost_mean": round(r.metrics.prefill_cost.mean, 6),
+            "ttft_p90": round(r.timing.ttft_p90, 4), "wall_s": round(r.wall_s, 2)}
+
+
+def run_source(src: Source, trace: Sequence[TraceRequest], policies: Sequence[str],
+               points: Sequence[tuple[int, int, int]], jobs: int) -> list[Row]:
+    """Every (point, policy) of one source; rows in grid order."""
+    configs = [SimConfig.of(p, state_slots=s, kv_tokens=k, concurrency=c,
+                            time_scale=src.time_scale)
+               for (s, k, c), p in itertools.product(points, policies)]
+    return [_row(src.name, r) for r in run_all(trace, configs, jobs, progress=False)]
+
+
+Point = tuple[str, int, int, int]
+
+
+def _by_point(rows: Sequence[Row]) -> dict[Point, dict[str, float]]:
+    out: dict[Point, dict[str, float]] = {}
+    for r in rows:
+        key = (r["source"], int(r["state_slots"]), int(r["kv_tokens"]), int(r["concurrency"]))
+        out.setdefault(key, {})[r["policy"]] = float(r["token_hit_rate"])
+    return out
+
+
+def verdict(rows: Sequence[Row], policy: str = RECOMMENDED) -> dict[str, Any]:
+    """``policy`` against the best baseline and the offline reference at every point.
+
+    Returns the number of points checked, those failing either bar (margin below
+    ``-MARGIN``, share below ``SHARE``), and the worst point of each measure (``None`` when
+    no point has the policies needed).
+    """
+    pts = _by_point(rows)
+    margins = []
+    shares = []
+    for key, hits in pts.items():
+        if policy not in hits:
+            continue
+        base = [hits[b] for b in BASELINES if b in hits]
+        if base:
+            best = max(base)
+            margins.append((hits[policy] - best, key, hits[policy], best))
+        ref = hits.get("belady")
+        if ref:
+            shares.append((hits[policy] / ref, key, hits[policy], ref))
+    return {
+        "points": len(margins),
+        "margin_failures": sorted(m for m in margins if m[0] < -MARGIN),
+        "share_failures": sorted(s for s in shares if s[0] < SHARE),
+        "worst_margin": min(margins) if margins else None,
+        "worst_share": min(shares) if shares else None,
+    }
+
+
+def _fmt_point(key: Point) -> str:
+    src, s, k, c = key
+    return f"{src} {s:,} slots, {k // 1_000_000}M KV, conc {c}"
+
+
+def render(rows: Sequence[Row], policies: Sequence[str]) -> str:
+    """Markdown: one table per source (token hit rate per policy), then the verdict."""
+    pts = _by_point(rows)
+    out = []
+    for src in dict.fromkeys(k[0] for k in pts):
+        shown = [p for p in policies if any(p in v for k, v in pts.items() if k[0] == src)]
+        out.append(f"\n**{src}** (token hit rate)\n")
+        out.append("| slots | KV | conc | " + " | ".join(shown) + " | adaptive - best | / belady |")
+        out.append("|---:|---:|---:|" + "---:|" * (len(shown) + 2))
+        for key in sorted(k for k in pts if k[0] == src):
+            hits = pts[key]
+            cells = [f"{hits[p]:.4f}" if p in hits else "" for p in shown]
+            base = [hits[b] for b in BASELINES if b in hits]
+            diff = f"{hits[RECOMMENDED] - max(base):+.4f}" if base and RECOMMENDED in hits else ""
+            ref = hits.get("belady")
+            share = f"{hits[RECOMMENDED] / ref:.3f}" if ref and RECOMMENDED in hits else ""
+            out.append(f"| {key[1]:,} | {key[2] // 1_000_000}M | {key[3]} | "
+                       + " | ".join(cells) + f" | {diff} | {share} |")
+    v = verdict(rows)
+    out.append("")
+    if v["worst_margin"] is not None:
+        m = v["worst_margin"]
+        out.append(f"worst margin of {RECOMMENDED} over the best of {'/'.join(BASELINES)}: "
+                   f"{m[0]:+.4f} at {_fmt_point(m[1])} ({m[2]:.4f} vs {m[3]:.4f}); "
+                   f"{len(v['margin_failures'])} of {v['points']} points below -{MARGIN}")
+    if v["worst_share"] is not None:
+        s = v["worst_share"]
+        out.append(f"worst share of the offline reference: {s[0]:.3f} at {_fmt_point(s[1])} "
+                   f"({s[2]:.4f} vs {s[3]:.4f}); {len(v['share_failures'])} points below {SHARE}")
+    return "\n".join(out)
+
+
+def _read_csv(path: str) -> list[Row]:
+    with open(path, encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def _write_csv(path: str, rows: Sequence[Row]) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog("robustness"), description=__doc__.split("\n")[0])
+    p.add_argument("--sources", nargs="+", default=list(SOURCES), choices=list(ALL_SOURCES),
+                   help=f"default: {' '.join(SOURCES)}; more hold-out data: {' '.join(HOLDOUT)}")
+    p.add_argument("--policies", nargs="+", default=list(POLICIES))
+    p.add_argument("--slots", nargs="+", type=int, default=list(SLOTS))
+    p.add_argument("--kv-tokens", nargs="+", type=int, default=list(KV))
+    p.add_argument("--concurrency", nargs="+", type=int, default=list(CONCURRENCY))
+    p.add_argument("--traces-dir", default="../shared/traces",
+                   help="where the GMI and TraceLab files are (default ../shared/traces)")
+    p.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--csv", type=output_path, default=None, help="write every run here (one row per run)")
+    p.add_argument("--from-csv", default=None, help="render a saved CSV instead of running")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.from_csv:
+        print(render(_read_csv(args.from_csv), args.policies))
+        return 0
+    points = list(itertools.product(args.slots, args.kv_tokens, args.concurrency))
+    rows: list[Row] = []
+    for name in args.sources:
+        src = ALL_SOURCES[name]
+        trace = src.load(Path(args.traces_dir))
+        if trace is None:
+            print(f"{name}: {src.trace} not found in {args.traces_dir}; skipped", file=sys.stderr)
+            continue
+        start = time.perf_counter()
+        rows.extend(run_source(src, trace, args.policies, points, args.jobs))
+        print(f"{name}: {len(trace):,} requests, {len(points) * len(args.policies)} runs, "
+              f"{time.perf_counter() - start:.0f} s", file=sys.stderr)
+        if args.csv:
+            _write_csv(args.csv, rows)
+    print(render(rows, args.policies))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,310 @@
+"""Engine simulator CLI: ``python -m bench simulate`` (:mod:`bench.engine.simulator`).
+
+Replays a trace through the cache *with time*: requests arrive at their timestamps, a
+scheduler admits them under a prefill token budget and ``--max-running-requests``, prefill
+takes ``cost(a, b)`` seconds per chunk, decode ``--decode-ms`` per token, and requests queue
+when memory is short. Prints TTFT (p50 / p90 / p99), queueing delay and output tokens per
+minute per GPU beside the cache metrics, one row per run, with the infinite-memory bounds.
+
+Examples::
+
+    python -m bench simulate --max-requests 2000 --policy lru gds marconi belady
+    python -m bench simulate --model qwen3-next-80b --memory-gb 40 --state-fraction 0.2
+    python -m bench simulate --policy lru joint_lru gds marconi belady \\
+        --sweep state-slots=64,128,256,512,1024,2048 --plot bench/results/slots.png
+    python -m bench simulate --sweep concurrency=16,24,32,40,64 --arrivals closed --plot c.png
+
+``--plot FILE`` (needs a sweep) writes the figure and a CSV beside it (``FILE`` with
+``.csv``); ``--csv FILE`` writes the CSV alone. Runs of a sweep go to ``--jobs`` processes.
+Baselines ``marconi``, ``seglen`` (:mod:`bench.policies.utility`: both order KV leaves too),
+``belady`` (the offline reference of states and KV leaves, :mod:`bench.policies.offline`) and
+``belady_state`` (the earlier, states-only reference) exist only here, as do the
+experimental walks ``idea:*`` (:mod:`bench.policies.ideas`); ``gdsf`` and ``gds_adaptive`` are
+library policies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.cli import output_path, parse_count, prog, require_package, write_json
+from bench.cli import positive as _positive
+from bench.cli import positive_float as _positive_float
+from bench.engine.bounds import Bounds, compute_bounds
+from bench.engine.presets import PRESETS, get_preset, split_memory
+from bench.engine.simulator import SimConfig, SimResult
+from bench.policies import baselines
+from bench.runs.sweep import (
+    Sweep,
+    csv_row,
+    fmt_value,
+    parse_sweep,
+    run_all,
+    write_csv,
+    write_sweep_plot,
+)
+from bench.traces.loader import (
+    TraceFormatError,
+    load_trace,
+    resolve_trace_path,
+    sniff_format,
+    trace_label,
+)
+from bench.workloads import add_workload_arguments, workload_requests
+from radix import CacheConfig
+
+__all__ = ["build_parser", "main", "plan_runs", "render_rows"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog("simulate"),
+                                description="Simulate an engine serving a trace over the hybrid prefix cache.")
+    a = p.add_argument
+    a("--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)")
+    add_workload_arguments(p)
+    a("--torch-threads", type=int, default=1,
+      help="torch intra-op threads (default 1, as bench.runs.replay: bookkeeping-sized tensor ops)")
+    a("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto")
+    a("--mooncake-block-size", type=_positive, default=512,
+      help="tokens per hash id of a Mooncake-format file (default 512)")
+    a("--max-requests", type=parse_count, default=None, help="simulate only the first N requests")
+    a("--policy", nargs="+", default=["lru", "gds"],
+      help="radix policies (lru, gds, gdsf, gds_adaptive, ...) and/or the replay baselines "
+           "marconi, seglen, belady, belady_state and the experimental walks idea:* of "
+           "bench/policies/ideas.py "
+           "(default: lru gds)")
+    a("--kv-tokens", type=_positive, default=16_000_000, help="KV pool [tokens] (default 16M)")
+    a("--state-slots", type=parse_count, default=512, help="state pool [slots] (default 512)")
+    a("--model", choices=sorted(PRESETS), default=None,
+      help="model preset: with --memory-gb, sizes both pools from bytes (Marconi's bytes too)")
+    a("--memory-gb", type=_positive_float, default=None, help="cache memory [GB = 1e9 bytes]")
+    a("--state-fraction", type=float, default=0.2, help="share of --memory-gb for states (default 0.2)")
+    a("--page-size", type=_positive, default=1)
+    a("--chunk-size", type=_positive, default=8192, help="prefill chunk / checkpoint stride [tokens]")
+    a("--max-prefill-tokens", type=_positive, default=None,
+      help="token budget of one prefill step (default: --chunk-size)")
+    a("--max-running-requests", "--concurrency", dest="concurrency", type=_positive, default=32,
+      help="requests running at most (and clients with --arrivals closed) (default 32)")
+    a("--end-checkpoint", choices=("block", "exact"), default="block")
+    a("--arrivals", choices=("trace", "closed"), default="trace",
+      help="trace timestamps (default) or a closed loop of --concurrency clients")
+    a("--time-scale", type=_positive_float, default=1.0,
+      help="arrival time = timestamp x this (2 halves the request rate) (default 1)")
+    a("--decode-ms", type=float, default=20.0, help="one decode step [ms] (default 20)")
+    a("--marconi-alpha", type=float, default=None, help="fix Marconi's alpha (default: tuned)")
+    a("--sweep", type=parse_sweep, default=None, metavar="AXIS=V1,V2,...",
+      help="kv-tokens / state-slots / concurrency / memory-gb / state-fraction")
+    a("--jobs", type=_positive, default=os.cpu_count() or 1, help="parallel runs (default: CPUs)")
+    a("--plot", metavar="FILE", type=output_path, default=None, help="figure of a sweep (+ FILE.csv beside it)")
+    a("--csv", metavar="FILE", type=output_path, default=None, help="one row per run")
+    a("--json", metavar="FILE|-", type=output_path, default=None, help="everything as JSON ('-': stdout)")
+    a("--markdown", action="store_true", help="print the table as Markdown")
+    a("--no-progress", action="store_true")
+    return p
+
+
+def _base_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(
+        kv_tokens=args.kv_tokens, state_slots=args.state_slots, page_size=args.page_size,
+        chunk_size=args.chunk_size, concurrency=args.concurrency,
+        end_checkpoint=args.end_checkpoint, time_scale=args.time_scale, decode_ms=args.decode_ms,
+        max_prefill_tokens=args.max_prefill_tokens, arrivals=args.arrivals,
+        marconi_alpha=args.marconi_alpha,
+    )
+    if args.model is not None:
+        kw["model"] = args.model
+    return kw
+
+
+def _apply_memory(kw: dict[str, Any], args: argparse.Namespace, memory_gb: float | None,
+                  fraction: float) -> None:
+    if memory_gb is None:
+        return
+    split = split_memory(get_preset(args.model), memory_gb, fraction, args.page_size)
+    kw["kv_tokens"], kw["state_slots"] = split.kv_tokens, split.state_slots
+
+
+def plan_runs(args: argparse.Namespace) -> list[tuple[SimConfig, float | None]]:
+    """Every (config, swept value) to run, validated before anything runs.
+
+    Raises:
+        ValueError: a bad policy name or knob, memory options without ``--model``, a
+            memory sweep without ``--model``, a baseline policy without state slots.
+    """
+    sweep: Sweep | None = args.sweep
+    if (args.memory_gb is not None or (sweep and sweep.needs_model)) and args.model is None:
+        raise ValueError("--memory-gb and memory sweeps need --model PRESET")
+    if sweep is not None and sweep.axis == "state-fraction" and args.memory_gb is None:
+        raise ValueError("--sweep state-fraction needs --memory-gb")
+    for policy in args.policy:
+        if baselines.get(policy) is None:
+            CacheConfig(page_size=args.page_size, radix_eviction_policy=policy)
+    values: Sequence[float | None] = sweep.values if sweep else (None,)
+    out = []
+    for value in values:
+        kw = _base_kwargs(args)
+        memory, fraction = args.memory_gb, args.state_fraction
+        if sweep is not None and value is not None:
+            if sweep.axis == "memory-gb":
+                memory = value
+            elif sweep.axis == "state-fraction":
+                fraction = value
+            else:
+                kw[sweep.field] = value
+        _apply_memory(kw, args, memory, fraction)
+        for policy in args.policy:
+            out.append((SimConfig.of(policy, **kw), value))
+    return out
+
+
+# ------------------------------------------------------------------------ report
+_COLUMNS = (
+    "value", "policy", "KV tokens", "slots", "conc", "hit", "KV hit", "state-miss/req",
+    "prefill s/req", "TTFT p50", "p90", "p99", "queue mean", "out tok/min/GPU",
+    "evicted states", "alpha",
+)
+
+
+def _row(r: SimResult, value: float | None) -> list[str]:
+    m, t, e = r.metrics, r.timing, r.config.engine
+    return [
+        "" if value is None else fmt_value(value), r.label, f"{e.kv_tokens:,}", f"{e.state_slots:,}",
+        str(e.concurrency), f"{m.token_hit_rate:.4f}", f"{m.kv_hit_rate:.4f}",
+        f"{m.state_miss_tokens.mean:,.1f}", f"{m.prefill_cost.mean:.4f}",
+        f"{t.ttft_p50:.2f}", f"{t.ttft_p90:.2f}",
+        f"{t.ttft_p99:.2f}", f"{t.queue_mean:.2f}", f"{t.output_tokens_per_min_per_gpu:,.0f}",
+        f"{r.counters.evicted_states:,}", "" if r.tuning is None else f"{r.tuning.alpha:g}",
+    ]
+
+
+def render_rows(results: Sequence[SimResult], values: Sequence[float | None],
+                markdown: bool = False) -> str:
+    """One row per run: cache metrics, TTFT [s], queueing [s], throughput."""
+    header = list(_COLUMNS)
+    rows = [_row(r, v) for r, v in zip(results, values, strict=True)]
+    if values and values[0] is None:  # no sweep: drop the value column
+        header, rows = header[1:], [row[1:] for row in rows]
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |",
+                 "|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|"]
+        return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in rows)])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True))
+                     for line in [header, *rows])
+
+
+def beats_reference(results: Sequence[SimResult], values: Sequence[float | None]) -> list[str]:
+    """Where a policy does better than the offline reference at the same swept value: a
+    higher token hit rate, a lower mean prefill cost [s] or a lower p90 TTFT [s]."""
+    ref = {v: r for r, v in zip(results, values, strict=True) if r.label == "belady"}
+    out = []
+    for r, v in zip(results, values, strict=True):
+        b = ref.get(v)
+        if b is None or r is b:
+            continue
+        won = []
+        if r.metrics.token_hit_rate > b.metrics.token_hit_rate:
+            won.append(f"hit {r.metrics.token_hit_rate:.4f} > {b.metrics.token_hit_rate:.4f}")
+        if r.metrics.prefill_cost.mean < b.metrics.prefill_cost.mean:
+            won.append(f"prefill {r.metrics.prefill_cost.mean:.4f} < "
+                       f"{b.metrics.prefill_cost.mean:.4f} s/req")
+        if r.timing.ttft_p90 < b.timing.ttft_p90:
+            won.append(f"p90 TTFT {r.timing.ttft_p90:.4g} < {b.timing.ttft_p90:.4g} s")
+        if won:
+            where = "" if v is None else f" at {fmt_value(v)}"
+            out.append(f"{r.label}{where}: " + ", ".join(won))
+    return out
+
+
+def _header(args: argparse.Namespace, path: Path | str, n: int, bounds: Bounds) -> str:
+    model = ""
+    if args.model:
+        p = get_preset(args.model)
+        model = (f", model {p.name} ({p.kv_bytes_per_token:,} B/token, "
+                 f"{p.state_bytes_per_slot:,} B/slot)")
+    return "\n".join([
+        f"trace: {trace_label(path) if isinstance(path, Path) else path} ({n:,} requests), arrivals {args.arrivals}, time scale {args.time_scale:g}"
+        f", decode {args.decode_ms:g} ms/token, prefill budget "
+        f"{args.max_prefill_tokens or args.chunk_size:,} tokens/step{model}",
+        f"infinite-memory bounds (match prompt[:-1]): every block {bounds.every_block_hit_rate:.4f}, "
+        f"sparse checkpoints {bounds.sparse_hit_rate:.4f}",
+    ])
+
+
+def _json(results: Sequence[SimResult], values: Sequence[float | None], bounds: Bounds,
+          sweep: Sweep | None) -> dict[str, Any]:
+    runs = []
+    for r, v in zip(results, values, strict=True):
+        runs.append({**csv_row(r, sweep, v), "metrics": r.metrics.as_dict(),
+                     "timing": asdict(r.timing), "counters": asdict(r.counters),
+                     "tuning": None if r.tuning is None else asdict(r.tuning)})
+    return {"bounds": bounds.as_dict(), "sweep": None if sweep is None else sweep.axis,
+            "runs": runs}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; 0 ok, 2 bad arguments or trace."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.plot is not None:
+        require_package(parser, "matplotlib", "--plot", "plot")
+    if args.torch_threads < 1:
+        parser.exit(2, f"error: --torch-threads must be >= 1, got {args.torch_threads}\n")
+    torch.set_num_threads(args.torch_threads)
+    try:
+        if args.plot is not None and args.sweep is None:
+            raise ValueError("--plot needs --sweep AXIS=V1,V2,...")
+        plan = plan_runs(args)
+        path: Path | str
+        if args.workload is not None:
+            trace = workload_requests(args.workload, args.workload_seed, args.max_requests,
+                                      args.trace)
+            path = f"workload {args.workload} (seed {args.workload_seed})"
+        else:
+            path = resolve_trace_path(args.trace)
+            fmt = sniff_format(path) if args.trace_format == "auto" else args.trace_format
+            trace = load_trace(path, fmt=fmt, max_requests=args.max_requests,
+                               mooncake_block_size=args.mooncake_block_size)
+    except (FileNotFoundError, TraceFormatError, ValueError, TypeError) as e:
+        parser.exit(2, f"error: {e}\n")
+    if not trace:
+        parser.exit(2, f"error: no requests in {path}\n")
+    bounds = compute_bounds(trace, exclude_last_token=True, page_size=args.page_size)
+    configs = [c for c, _ in plan]
+    values = [v for _, v in plan]
+    results = run_all(trace, configs, args.jobs, False if args.no_progress else None)
+    out = sys.stderr if args.json == "-" else sys.stdout
+    print(_header(args, path, len(trace), bounds), file=out)
+    print(render_rows(results, values, args.markdown), file=out)
+    beaten = beats_reference(results, values)
+    if any(r.label == "belady" for r in results):
+        print("better than the offline reference (belady): " + ("nowhere" if not beaten else ""),
+              file=out)
+        for line in beaten:
+            print(f"  {line}", file=out)
+    rows = [csv_row(r, args.sweep, v) for r, v in zip(results, values, strict=True)]
+    if args.csv:
+        write_csv(args.csv, rows)
+    if args.plot:
+        write_csv(Path(args.plot).with_suffix(".csv"), rows)
+        name = trace_label(path) if isinstance(path, Path) else path
+        title = (f"{name}: {len(trace):,} requests; KV {args.kv_tokens:,} tokens, "
+                 f"{args.state_slots:,} state slots, concurrency {args.concurrency} "
+                 f"(swept: {args.sweep.axis})")
+        swept = [v for v in values if v is not None]  # --plot needs --sweep: every run has one
+        write_sweep_plot(args.plot, results, args.sweep, swept, bounds, title)
+    if args.json is not None:
+        write_json(args.json, _json(results, values, bounds, args.sweep))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

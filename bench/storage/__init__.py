@@ -1,0 +1,1 @@
+"""L3 storage benchmarks: backend throughput and engines sharing one store."""
