@@ -23,10 +23,12 @@ import sys
 import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
     "COMMANDS",
+    "Command",
+    "command_parser",
     "Progress",
     "check_output_path",
     "main",
@@ -39,29 +41,50 @@ __all__ = [
     "write_json",
 ]
 
-#: Command -> (module whose ``main(argv)`` runs it, what it does). Core tools first.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "replay": ("bench.runs.replay", "trace replay in the engine model: hit rates, state misses, "
-                               "memory, per policy and pool size (the main job)"),
-    "simulate": ("bench.runs.simulate", "timed engine simulator: TTFT, throughput, hit rates; "
-                                   "sweeps over one axis (--sweep), CSV and plots"),
-    "robustness": ("bench.runs.robustness", "every policy on every trace and generated workload "
-                                       "across memory sizes: the robustness table"),
-    "workloads": ("bench.workloads.__main__", "generate a seeded workload (docqa, agentic, "
-                                              "multiturn, sysprompt, mix), print its reuse"),
-    "trace-stats": ("bench.traces.stats", "reuse statistics of a trace file"),
-    "convert": ("bench.traces.convert", "convert a TraceLab trace to the Mooncake format"),
-    "compare": ("bench.compare.sglang", "radix operations against SGLang's own caches "
-                                        "(needs the anchor environment)"),
-    "radix-ops": ("bench.compare.radix_ops", "per-operation cost of match / insert / evict / locks"),
-    "hit-breakdown": ("bench.policies.hit_breakdown", "where a state policy's hits come from"),
-    "sync-counts": ("bench.gpu.sync_counts", "host synchronisations per request on a simulated "
-                                         "CUDA device"),
-    "storage": ("bench.storage.throughput", "L3 backend throughput (file, Redis, Mooncake Store)"),
-    "l3-share": ("bench.storage.l3_share", "hit rates of engines sharing one L3 store"),
-    "lora-load": ("bench.lora.load", "LoRA adapter load cost from PEFT directories"),
-    "model": ("bench.model.driver", "a tiny real hybrid model served through the cache "
-                                    "(bit-exact check)"),
+class Command(NamedTuple):
+    """One command of :data:`COMMANDS`."""
+
+    module: str
+    """The module whose ``main(argv)`` runs it (and returns the exit code)."""
+    summary: str
+    """What it does, one line (``python -m bench``)."""
+    parser: str
+    """``module:function`` building its ``argparse`` parser without importing torch:
+    ``COMMAND --help`` builds only that (a test checks every command)."""
+
+
+def _command(module: str, summary: str, parser: str = "build_parser") -> Command:
+    return Command(module, summary, parser if ":" in parser else f"{module}:{parser}")
+
+
+#: Command -> how it runs, what it does, where its parser is. Core tools first.
+COMMANDS: dict[str, Command] = {
+    "replay": _command("bench.runs.replay", "trace replay in the engine model: hit rates, "
+                       "state misses, memory, per policy and pool size (the main job)"),
+    "simulate": _command("bench.runs.simulate", "timed engine simulator: TTFT, throughput, "
+                         "hit rates; sweeps over one axis (--sweep), CSV and plots"),
+    "robustness": _command("bench.runs.robustness", "every policy on every trace and generated "
+                           "workload across memory sizes: the robustness table"),
+    "workloads": _command("bench.workloads.__main__", "generate a seeded workload (docqa, "
+                          "agentic, multiturn, sysprompt, mix), print its reuse"),
+    "trace-stats": _command("bench.traces.stats", "reuse statistics of a trace file"),
+    "convert": _command("bench.traces.convert", "convert a TraceLab trace to the Mooncake format"),
+    "compare": _command("bench.compare.sglang", "radix operations against SGLang's own caches "
+                        "(needs the anchor environment)"),
+    "radix-ops": _command("bench.compare.radix_ops", "per-operation cost of match / insert / "
+                          "evict / locks", "bench.compare.options:radix_ops_parser"),
+    "hit-breakdown": _command("bench.policies.hit_breakdown", "where a state policy's hits come "
+                              "from", "bench.policies.options:hit_breakdown_parser"),
+    "sync-counts": _command("bench.gpu.sync_counts", "host synchronisations per request on a "
+                            "simulated CUDA device", "bench.gpu.options:sync_counts_parser"),
+    "storage": _command("bench.storage.throughput", "L3 backend throughput (file, Redis, "
+                        "Mooncake Store)", "bench.storage.options:storage_parser"),
+    "l3-share": _command("bench.storage.l3_share", "hit rates of engines sharing one L3 store",
+                         "bench.storage.options:l3_share_parser"),
+    "lora-load": _command("bench.lora.load", "LoRA adapter load cost from PEFT directories",
+                          "bench.lora.options:lora_load_parser"),
+    "model": _command("bench.model.driver", "a tiny real hybrid model served through the cache "
+                      "(bit-exact check)", "bench.model.options:model_parser"),
 }
 
 #: Seconds between two progress lines when stderr is not a terminal.
@@ -219,9 +242,16 @@ def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: python -m bench COMMAND [ARGS...]   (or: hpc-bench COMMAND [ARGS...])",
              "", "commands:"]
-    lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
+    lines += [f"  {name:<{width}}  {cmd.summary}" for name, cmd in COMMANDS.items()]
     lines += ["", "python -m bench COMMAND --help shows the options of one command."]
     return "\n".join(lines)
+
+
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """Command ``name``'s parser, importing only the module that builds it (no torch)."""
+    module, _, function = COMMANDS[name].parser.partition(":")
+    parser: argparse.ArgumentParser = getattr(importlib.import_module(module), function)()
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -234,6 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"python -m bench: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
+    cmd = COMMANDS[name]
+    if "-h" in rest or "--help" in rest:  # the parser alone: no torch, no run
+        command_parser(name).parse_args(rest)
+    module = importlib.import_module(cmd.module)
     code = module.main(rest)
     return int(code or 0)

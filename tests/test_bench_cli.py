@@ -39,12 +39,57 @@ def test_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) ->
 @pytest.mark.parametrize("name", sorted(cli.COMMANDS))
 def test_each_command_shows_its_usage_under_its_name(
         name: str, capsys: pytest.CaptureFixture[str]) -> None:
-    module = importlib.import_module(cli.COMMANDS[name][0])
+    module = importlib.import_module(cli.COMMANDS[name].module)
     assert callable(module.main)
     with pytest.raises(SystemExit) as exc:
         cli.main([name, "--help"])
     assert exc.value.code == 0
     assert capsys.readouterr().out.startswith(f"usage: python -m bench {name} ")
+
+
+def test_every_commands_help_imports_no_torch() -> None:
+    """``COMMAND --help`` builds the parser alone: in a fresh interpreter, building every
+    command's parser leaves torch (and the library's packages) unimported."""
+    code = ("import sys; from bench import cli\n"
+            "for name in cli.COMMANDS: cli.command_parser(name).format_help()\n"
+            "heavy = sorted(m for m in ('torch', 'radix', 'hicache', 'allocators') "
+            "if m in sys.modules)\n"
+            "print(','.join(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == ""
+
+
+def test_parser_choices_are_the_librarys() -> None:
+    """The torch-free parsers spell some library constants out; they must not drift."""
+    from bench.gpu.options import MODEL_NAMES
+    from bench.gpu.sync_counts import MODELS
+    from bench.model.options import ARCHITECTURE_NAMES
+    from bench.model.options import WRITE_POLICIES as MODEL_WRITE_POLICIES
+    from bench.runs import replay
+    from hicache import WRITE_POLICIES
+    from radix.config import SWA_RELEASE_EXTRA_PAGES
+
+    assert replay.WRITE_POLICIES == WRITE_POLICIES == MODEL_WRITE_POLICIES
+    assert replay.SWA_RELEASE_EXTRA_PAGES == SWA_RELEASE_EXTRA_PAGES
+    assert replay.build_parser().parse_args([]).swa_release_extra_pages == SWA_RELEASE_EXTRA_PAGES
+    assert tuple(MODELS) == MODEL_NAMES
+    pytest.importorskip("transformers", reason="the model command needs the model extra")
+    from bench.model.adapter import ARCHITECTURES
+
+    assert sorted(ARCHITECTURES) == list(ARCHITECTURE_NAMES)
+
+
+def test_help_is_the_parser_the_command_runs_with(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help`` through the registry prints what the command's own parser prints."""
+    from bench.compare import radix_ops
+
+    with pytest.raises(SystemExit):
+        cli.main(["radix-ops", "--help"])
+    via_cli = capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        radix_ops.main(["--help"])
+    assert capsys.readouterr().out == via_cli
 
 
 def test_count_types() -> None:

@@ -50,10 +50,10 @@ from typing import Any
 import torch
 
 from allocators import MambaStatePool, PagedAllocator, TokenAllocator
-from bench.cli import prog
+from bench.compare.options import radix_ops_parser
 from radix import CacheConfig, RadixCache, RadixKey
 
-__all__ = ["build_parser", "make_workload", "run", "main"]
+__all__ = ["make_workload", "run", "main"]
 
 
 # ----------------------------------------------------------------- workload
@@ -343,43 +343,8 @@ def run(args: argparse.Namespace, keep: dict[str, Any] | None = None) -> dict[st
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog=prog("radix-ops"),
-        description="Our RadixCache on the SGLang anchor's seeded workloads (one JSON line).",
-    )
-    ap.add_argument("--workload", choices=["sysprompt", "multiturn"], default="sysprompt")
-    ap.add_argument("--states", action="store_true",
-                    help="KV + recurrent state (the anchor's unified-mamba-* impls)")
-    ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--req-len", type=int, default=2000)
-    ap.add_argument("--sys-len", type=int, default=1024)
-    ap.add_argument("--prompts", type=int, default=50)
-    ap.add_argument("--new-conv-prob", type=float, default=0.2)
-    ap.add_argument("--turn-len", type=int, default=200)
-    ap.add_argument("--max-len", type=int, default=8000)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--capacity", type=int, default=200_000)
-    ap.add_argument("--mamba-capacity", type=int, default=64)
-    ap.add_argument("--no-mamba-branch-checkpoint", dest="mamba_branch_checkpoint",
-                    action="store_false")
-    ap.add_argument("--mamba-chunk", type=int, default=64,
-                    help="grid the branch checkpoint is aligned down to (anchor default 64)")
-    ap.add_argument("--page-size", type=int, default=1)
-    ap.add_argument("--policy", default="lru")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--allocator", choices=["real", "counter"], default="real")
-    ap.add_argument("--sglang-rules", action="store_true",
-                    help="SGLang 0.5.23's tree rules (stateless_leaf='keep', "
-                         "match_recency='usable'): the same tree as its caches, request for request")
-    ap.add_argument("--check", action="store_true", help="sanity_check() the cache at the end")
-    ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="cProfile the request loop; print the top N functions (tottime) to stderr")
-    return ap
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = radix_ops_parser().parse_args(argv)
     torch.set_num_threads(1)
     print(json.dumps(run(args)))
     return 0

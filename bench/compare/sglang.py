@@ -336,11 +336,12 @@ def ours_memory_child(method: str, argv: list[str]) -> None:
     import tracemalloc
 
     from bench.compare import radix_ops as radix_bench
+    from bench.compare.options import radix_ops_parser
 
     ns: dict[str, Any] = {}
     exec(_MALLINFO, ns)
     malloc_used = ns["malloc_used"]
-    args = radix_bench.build_parser().parse_args(argv)
+    args = radix_ops_parser().parse_args(argv)
     keep: dict[str, Any] = {}
     if method == "tracemalloc":
         tracemalloc.start()

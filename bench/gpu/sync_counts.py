@@ -21,15 +21,14 @@ the budget on the same runs.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bench.cli import prog
 from bench.engine.core import EngineConfig, ReplayEngine
+from bench.gpu.options import sync_counts_parser
 from bench.gpu.simcuda import SimCuda
 from bench.traces.loader import TraceRequest, load_trace, runs_from_blocks
 
@@ -143,15 +142,7 @@ def table(results: Sequence[ModelCounts]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=prog("sync-counts"), description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=int, default=160, help="requests per model (160)")
-    p.add_argument("--trace", default=None,
-                   help="replay this trace file's first --requests instead of the seeded "
-                        "conversations (e.g. bench/traces/...jsonl)")
-    p.add_argument("--page-size", type=int, default=1, help="tokens per KV page (1)")
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    args = p.parse_args(argv)
+    args = sync_counts_parser().parse_args(argv)
     trace = (conversations(args.requests) if args.trace is None
              else load_trace(args.trace, max_requests=args.requests))
     results = [run_model(m, trace, strict=False, page_size=args.page_size) for m in args.models]

@@ -27,7 +27,6 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -51,7 +50,7 @@ from allocators.lora import (
     linear_module_shapes,
     read_peft_adapter,
 )
-from bench.cli import output_path, prog
+from bench.lora.options import lora_load_parser
 
 __all__ = ["main", "measure"]
 
@@ -174,12 +173,7 @@ def render(rows: Sequence[dict[str, Any]], hidden: int, layers: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=prog("lora-load"), description=__doc__.split("\n")[0])
-    p.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
-    p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
-    p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 64], help="LoRA ranks")
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats, median (default 5)")
-    p.add_argument("--json", type=output_path, default=None, help="also write the rows as JSON to this file")
+    p = lora_load_parser()
     args = p.parse_args(argv)
     if args.hidden < 64 or args.hidden % 64:
         p.error("--hidden must be a positive multiple of 64")

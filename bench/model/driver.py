@@ -37,7 +37,6 @@ another request's tombstone), and HiCache at page size 1 (``cache_*_req`` free s
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
 from collections import deque
@@ -46,7 +45,6 @@ from dataclasses import dataclass, field
 import torch
 
 from allocators import MambaStatePool
-from bench.cli import prog
 from bench.model.adapter import (
     ARCHITECTURES,
     CacheLayout,
@@ -54,7 +52,8 @@ from bench.model.adapter import (
     ModelPools,
     build_tiny_model,
 )
-from hicache import WRITE_POLICIES, HiCacheConfig
+from bench.model.options import model_parser
+from hicache import HiCacheConfig
 from radix import CacheConfig, CacheRequest, MatchResult, RadixCache, RadixKey
 
 __all__ = [
@@ -387,15 +386,7 @@ def tree_prompts(n: int, *, vocab: int, seed: int = 0, roots: int = 3,
 def main(argv: list[str] | None = None) -> None:
     """Print one row per (architecture, page size): requests, reused tokens, evictions, the
     largest logit difference, seconds; a row that fails says why."""
-    ap = argparse.ArgumentParser(prog=prog("model"), description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--arch", nargs="+", default=sorted(ARCHITECTURES))
-    ap.add_argument("--page-size", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--concurrency", type=int, default=2)
-    ap.add_argument("--hicache", choices=WRITE_POLICIES, default=None,
-                    help="add the host tier with this write policy (hybrid models only)")
-    args = ap.parse_args(argv)
+    args = model_parser().parse_args(argv)
     torch.set_num_threads(1)
     hc = HiCacheConfig(hicache_ratio=4.0, hicache_write_policy=args.hicache) if args.hicache else None
     print(f"{'arch':<12} {'page':>4} {'reqs':>4} {'reused':>6} {'evicted':>7} {'ev.states':>9} "

@@ -18,16 +18,15 @@ base rate: a new conversation's first end state that came back. Example::
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.cli import parse_count, prog
 from bench.engine.simulator import SimConfig, Simulator
 from bench.policies import baselines
 from bench.policies.ideas import live_states_below
+from bench.policies.options import hit_breakdown_parser
 from bench.policies.strategies import NextUseIndex, StateStrategy
 from bench.traces.loader import load_trace, resolve_trace_path
 from components.gds import GDS_WALKS
@@ -133,14 +132,7 @@ def breakdown(trace: Sequence[Any], config: SimConfig) -> tuple[float, Recorder]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=prog("hit-breakdown"), description=__doc__.split("\n")[0])
-    p.add_argument("--trace", default=None)
-    p.add_argument("--max-requests", type=parse_count, default=None)
-    p.add_argument("--policy", nargs="+", default=["belady", "gds_adaptive"])
-    p.add_argument("--kv-tokens", type=parse_count, default=16_000_000)
-    p.add_argument("--state-slots", type=parse_count, default=256)
-    p.add_argument("--concurrency", type=parse_count, default=32)
-    p.add_argument("--time-scale", type=float, default=2.0)
+    p = hit_breakdown_parser()
     args = p.parse_args(argv)
     trace = load_trace(resolve_trace_path(args.trace), max_requests=args.max_requests)
     for policy in args.policy:

@@ -36,31 +36,29 @@ import resource
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, TextIO
-
-import torch
+from typing import TYPE_CHECKING, Any, TextIO
 
 from bench.cli import Progress, output_path, parse_count, prog, require_package, write_json
 from bench.cli import positive as _positive
-from bench.engine.bounds import compute_bounds
-from bench.engine.core import EngineConfig, ReplayEngine
-from bench.engine.kv_events import EventConsumer, EventCounter, disagreements
-from bench.engine.metrics import summarize
-from bench.lora.replay import add_lora_arguments, lora_replay_configs, run_lora_replays
-from bench.report.plot import sweep_axis_of, write_plot
-from bench.report.tables import RunResult, TraceInfo, render_table, to_json_dict
+from bench.lora.options import add_lora_arguments
 from bench.traces.loader import (
     TraceFormatError,
-    TraceRequest,
-    load_trace,
     resolve_trace_path,
     sniff_format,
     trace_label,
 )
 from bench.workloads import add_workload_arguments, workload_requests
-from hicache import WRITE_POLICIES
-from radix import CacheConfig
-from radix.config import SWA_RELEASE_EXTRA_PAGES
+
+if TYPE_CHECKING:
+    from bench.engine.core import EngineConfig
+    from bench.report.tables import RunResult
+    from bench.traces.loader import TraceRequest
+
+# The parser imports no torch (``--help`` stays fast): the engine, the cache and the reports
+# are imported where they run. ``tests/test_bench_cli.py`` checks these two against the
+# library's ``hicache.WRITE_POLICIES`` and ``radix.config.SWA_RELEASE_EXTRA_PAGES``.
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+SWA_RELEASE_EXTRA_PAGES = 0
 
 __all__ = ["main", "parse_count", "replay_one"]
 
@@ -256,6 +254,11 @@ def replay_one(
         AssertionError (from ``sanity_check``) if the cache broke an invariant, or a lock
         survived the replay.
     """
+    from bench.engine.core import ReplayEngine
+    from bench.engine.kv_events import EventConsumer, EventCounter, disagreements
+    from bench.engine.metrics import summarize
+    from bench.report.tables import RunResult
+
     engine = ReplayEngine(config)
     desc = f"{config.policy} kv={config.kv_tokens:,} slots={config.state_slots:,}"
     if config.hicache_ratio:
@@ -312,6 +315,9 @@ def replay_one(
 def _configs(args: argparse.Namespace) -> list[EngineConfig]:
     """Every (kv size, state slots, policy, host ratio) combination, validated before any run
     starts."""
+    from bench.engine.core import EngineConfig
+    from radix import CacheConfig
+
     knobs = _policy_configs(args.policy_config)
     out = []
     for kv, slots, policy, host_ratio, events in itertools.product(
@@ -350,6 +356,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.plot is not None:
         require_package(parser, "matplotlib", "--plot", "plot")
+    import torch
+
+    from bench.engine.bounds import compute_bounds
+    from bench.lora.replay import lora_replay_configs, run_lora_replays
+    from bench.report.plot import sweep_axis_of, write_plot
+    from bench.report.tables import TraceInfo, render_table, to_json_dict
+    from bench.traces.loader import load_trace
+
     torch.set_num_threads(args.torch_threads)
     try:
         configs = _configs(args)

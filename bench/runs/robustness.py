@@ -32,13 +32,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.cli import output_path, prog
-from bench.engine.simulator import SimConfig, SimResult
 from bench.runs.sweep import run_all
-from bench.traces.loader import TraceRequest, load_trace
+from bench.traces.loader import load_trace
 from bench.workloads import generate
+
+if TYPE_CHECKING:  # the parser imports no torch (``--help``); the runs import it
+    from bench.engine.simulator import SimResult
+    from bench.traces.loader import TraceRequest
 
 __all__ = ["ALL_SOURCES", "HOLDOUT", "POLICIES", "SOURCES", "Source", "main", "verdict"]
 
@@ -122,6 +125,8 @@ def _row(src: str, r: SimResult) -> Row:
 def run_source(src: Source, trace: Sequence[TraceRequest], policies: Sequence[str],
                points: Sequence[tuple[int, int, int]], jobs: int) -> list[Row]:
     """Every (point, policy) of one source; rows in grid order."""
+    from bench.engine.simulator import SimConfig
+
     configs = [SimConfig.of(p, state_slots=s, kv_tokens=k, concurrency=c,
                             time_scale=src.time_scale)
                for (s, k, c), p in itertools.product(points, policies)]

@@ -31,16 +31,13 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from bench.cli import output_path, parse_count, prog, require_package, write_json
 from bench.cli import positive as _positive
 from bench.cli import positive_float as _positive_float
 from bench.engine.bounds import Bounds, compute_bounds
 from bench.engine.presets import PRESETS, get_preset, split_memory
-from bench.engine.simulator import SimConfig, SimResult
 from bench.policies import baselines
 from bench.runs.sweep import (
     Sweep,
@@ -59,7 +56,9 @@ from bench.traces.loader import (
     trace_label,
 )
 from bench.workloads import add_workload_arguments, workload_requests
-from radix import CacheConfig
+
+if TYPE_CHECKING:
+    from bench.engine.simulator import SimConfig, SimResult
 
 __all__ = ["build_parser", "main", "plan_runs", "render_rows"]
 
@@ -139,6 +138,9 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[SimConfig, float | None]]:
         ValueError: a bad policy name or knob, memory options without ``--model``, a
             memory sweep without ``--model``, a baseline policy without state slots.
     """
+    from bench.engine.simulator import SimConfig
+    from radix import CacheConfig
+
     sweep: Sweep | None = args.sweep
     if (args.memory_gb is not None or (sweep and sweep.needs_model)) and args.model is None:
         raise ValueError("--memory-gb and memory sweeps need --model PRESET")
@@ -258,6 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         require_package(parser, "matplotlib", "--plot", "plot")
     if args.torch_threads < 1:
         parser.exit(2, f"error: --torch-threads must be >= 1, got {args.torch_threads}\n")
+    import torch
+
     torch.set_num_threads(args.torch_threads)
     try:
         if args.plot is not None and args.sweep is None:

@@ -15,18 +15,19 @@ trace and the offline next-use index are shared, not pickled) and come back in a
 from __future__ import annotations
 
 import csv
+import importlib
 import multiprocessing as mp
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.cli import Progress
 from bench.engine.bounds import Bounds
-from bench.engine.simulator import SimConfig, SimResult, run_policy
-from bench.policies.strategies import NextUseIndex
-from bench.report.plot import legend_below, policy_style, pyplot
-from bench.traces.loader import TraceRequest
+
+if TYPE_CHECKING:  # the axis parsing imports no torch (``--help``); runs import it
+    from bench.engine.simulator import SimConfig, SimResult
+    from bench.traces.loader import TraceRequest
 
 __all__ = [
     "AXES",
@@ -129,6 +130,8 @@ def _init_worker() -> None:
 
 
 def _worker(cfg: SimConfig) -> SimResult:
+    from bench.engine.simulator import run_policy
+
     return run_policy(_SHARED["trace"], cfg, next_use=_SHARED.get("next_use"))
 
 
@@ -138,6 +141,9 @@ def run_all(trace: Sequence[TraceRequest], configs: Sequence[SimConfig], jobs: i
 
     The offline next-use index is built once when any config runs ``belady``.
     """
+    from bench.policies.strategies import NextUseIndex
+
+    importlib.import_module("bench.engine.simulator")  # loaded once, before the workers fork
     if any(c.policy in ("belady", "belady_state") for c in configs):
         _SHARED["next_use"] = NextUseIndex(trace, configs[0].engine.page_size)
     else:
@@ -221,6 +227,8 @@ def write_sweep_plot(path: str | Path, results: Sequence[SimResult], sweep: Swee
     ``values[i]`` is the swept value of ``results[i]``. Raises ``RuntimeError`` without
     matplotlib (the project's ``plot`` extra).
     """
+    from bench.report.plot import legend_below, policy_style, pyplot
+
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     panels = (

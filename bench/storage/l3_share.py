@@ -25,7 +25,6 @@ each instance's client lends ``--mooncake-segment`` bytes to the store; the meta
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -38,13 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.cli import output_path, parse_count, prog, write_json
+from bench.cli import write_json
 from bench.engine.core import EngineConfig, ReplayEngine
 from bench.engine.metrics import summarize
+from bench.storage.options import l3_share_parser
 from bench.traces.loader import TraceRequest, load_trace
 from hicache import HiCacheConfig
-
-SETUPS = ("none", "private", "shared")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,19 +66,6 @@ class L3EngineConfig(EngineConfig):
                                    hicache_storage_model=self.l3_model,
                                    hicache_storage_prefetch_policy="wait_complete",
                                    hicache_storage_secret=self.l3_secret, **where)
-
-
-def parse_l3(text: str) -> tuple[str, str]:
-    """``file:DIR``, ``redis://...`` / ``rediss://...`` or ``mooncake://host:port`` ->
-    (backend, where)."""
-    if text.startswith("file:"):
-        return "file", text[5:]
-    if text.startswith(("redis://", "rediss://")):
-        return "redis", text
-    if text.startswith("mooncake://"):
-        return "mooncake", text
-    raise argparse.ArgumentTypeError(
-        f"--l3 must be file:DIR, redis://host:port or mooncake://host:port, got {text!r}")
 
 
 def mooncake_extra_config(segment: int) -> str:
@@ -141,29 +126,8 @@ def run_setup(setup: str, trace: list[TraceRequest], base: EngineConfig, n: int,
     return rows
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog("l3-share"), description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)")
-    p.add_argument("--max-requests", type=int, default=1000)
-    p.add_argument("--instances", type=int, default=2)
-    p.add_argument("--l3", type=parse_l3, default=("file", "/tmp/hpc-l3-share"),
-                   help="file:DIR, redis://host:port or mooncake://host:port (default "
-                        "file:/tmp/hpc-l3-share)")
-    p.add_argument("--mooncake-segment", type=parse_count, default=parse_count("64M"),
-                   help="bytes each instance lends Mooncake Store (0: none; default 64M)")
-    p.add_argument("--kv-tokens", type=parse_count, default=parse_count("1M"))
-    p.add_argument("--state-slots", type=int, default=64)
-    p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--hicache-ratio", type=float, default=2.0)
-    p.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
-    p.add_argument("--authenticated", action="store_true",
-                   help="seal every L3 page with a MAC under a random deployment secret")
-    p.add_argument("--json", type=output_path, default=None, help="write the rows as JSON here ('-': stdout)")
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = l3_share_parser().parse_args(argv)
     if args.instances < 1:
         print("error: --instances must be >= 1", file=sys.stderr)
         return 2

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.cli import output_path, parse_count, prog
+from bench.storage.options import storage_parser
 from hicache.storage import FileStore, MooncakeOptions, RedisStore, StorageBackend
 from hicache.storage.page import KIND_KV, decode, encode, mac_state, tag_digest
 
@@ -130,20 +130,7 @@ def bench_backend(name: str, store: StorageBackend, args: argparse.Namespace,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=prog("storage"), description=__doc__.split("\n\n")[0])
-    p.add_argument("--page-bytes", type=parse_count, default=parse_count("256K"))
-    p.add_argument("--pages", type=int, default=256)
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
-    p.add_argument("--redis-url", default=None)
-    p.add_argument("--cluster-urls", default=None)
-    p.add_argument("--mooncake-url", default=None, help="mooncake://host:port of a master")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="runs per row; the best rates and the least CPU time are reported")
-    p.add_argument("--mac", choices=("off", "on", "both"), default="off",
-                   help="records checksummed (off), sealed with an HMAC-SHA256 under a random "
-                        "deployment secret (on), or both, row after row (default off)")
-    p.add_argument("--json", type=output_path, default=None)
-    args = p.parse_args(argv)
+    args = storage_parser().parse_args(argv)
     rows = []
     macs = {"off": [False], "on": [True], "both": [False, True]}[args.mac]
     codec = {m: secrets.token_bytes(32) if m else None for m in macs}

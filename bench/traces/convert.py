@@ -83,12 +83,17 @@ def convert(src: str | Path, dst: str | Path, block_size: int = 512) -> int:
     return len(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog("convert"),
                                 description="TraceLab round trace -> Mooncake-style JSONL")
     p.add_argument("src", help="TraceLab round_trace.jsonl")
     p.add_argument("dst", help="output JSONL")
     p.add_argument("--block-size", type=int, default=512, help="tokens per hash id (default 512)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         n = convert(args.src, args.dst, args.block_size)

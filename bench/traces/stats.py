@@ -154,13 +154,18 @@ def render_stats(path: str, fmt: str, s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog("trace-stats"), description=__doc__.split("\n")[0])
     p.add_argument("trace", nargs="?", default=None, help="JSONL trace (default: the shipped one)")
     p.add_argument("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto")
     p.add_argument("--mooncake-block-size", type=int, default=512)
     p.add_argument("--tracelab-block-size", type=int, default=1)
     p.add_argument("--json", metavar="FILE|-", type=output_path, default=None)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         path = resolve_trace_path(args.trace)

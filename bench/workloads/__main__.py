@@ -47,7 +47,7 @@ def _listing() -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog("workloads"),
                                 description="Generate a workload and print its reuse statistics.")
     p.add_argument("spec", nargs="?", help="NAME or NAME:key=value,... (--list shows them)")
@@ -55,6 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", metavar="FILE", type=output_path, default=None, help="write Mooncake-format JSONL")
     p.add_argument("--json", metavar="FILE|-", type=output_path, default=None, help="statistics as JSON")
     p.add_argument("--list", action="store_true", help="list the workloads and parameters")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.list:
         print(_listing())

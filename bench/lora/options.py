@@ -1,0 +1,71 @@
+"""The LoRA options of ``python -m bench replay`` (all inert unless ``--adapters`` > 0) and
+the parser of ``python -m bench lora-load``.
+
+Parsers only, without torch: ``python -m bench COMMAND --help`` builds them alone
+(:data:`bench.cli.COMMANDS`); the commands' modules import the library where they run."""
+
+from __future__ import annotations
+
+import argparse
+
+from bench.cli import output_path, prog
+
+__all__ = ["add_lora_arguments", "lora_load_parser"]
+
+
+def add_lora_arguments(p: argparse.ArgumentParser) -> None:
+    """The LoRA options of ``bench.runs.replay`` (all inert unless ``--adapters`` > 0)."""
+    g = p.add_argument_group("LoRA adapters (on with --adapters)")
+    g.add_argument(
+        "--adapters",
+        nargs="+",
+        default=None,
+        metavar="N|DIR",
+        help="N generated adapters, or PEFT adapter directories as PATH, NAME=PATH or JSON "
+        '{"lora_name", "lora_path"} (default: off)',
+    )
+    g.add_argument(
+        "--adapter-skew",
+        default="zipf:1.1",
+        help="adapter popularity: zipf:S or uniform (default zipf:1.1)",
+    )
+    g.add_argument("--max-loras-per-batch", type=int, default=8, help="adapter slots (default 8)")
+    g.add_argument(
+        "--max-loaded-loras",
+        type=int,
+        default=None,
+        help="adapters in host memory (default: all); fewer means re-reading adapter directories",
+    )
+    g.add_argument(
+        "--lora-eviction-policy",
+        nargs="+",
+        default=["lru", "fifo"],
+        help="slot eviction policies, side by side (default: lru fifo)",
+    )
+    g.add_argument(
+        "--lora-drain-wait-threshold",
+        type=float,
+        default=0.0,
+        help="seconds a request may wait for a non-resident adapter before one running "
+        "adapter drains (default 0: off)",
+    )
+    g.add_argument(
+        "--base-fraction",
+        type=float,
+        default=0.0,
+        help="share of sessions on the base model (default 0)",
+    )
+    g.add_argument(
+        "--decode-step-ms", type=float, default=20.0, help="simulated decode step (default 20 ms)"
+    )
+    g.add_argument("--lora-seed", type=int, default=0, help="adapter assignment and weights seed")
+
+
+def lora_load_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog("lora-load"), description="Load time and bytes of real PEFT adapters.")
+    p.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 64], help="LoRA ranks")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats, median (default 5)")
+    p.add_argument("--json", type=output_path, default=None, help="also write the rows as JSON to this file")
+    return p
