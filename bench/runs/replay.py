@@ -51,6 +51,7 @@ from bench.workloads import add_workload_arguments, workload_requests
 
 if TYPE_CHECKING:
     from bench.engine.core import EngineConfig
+    from bench.engine.floor import FloorResult
     from bench.report.tables import RunResult
     from bench.traces.loader import TraceRequest
 
@@ -209,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --kv-events check: compare the rebuilt page set with the tree's every N "
         "requests, and at the end (default 1000; 0 = at the end only)",
     )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also replay each pool size through the minimal block-level engine "
+        "(bench/engine/floor.py) and print every run's CPU time as a multiple of it",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_lora_arguments(p)
     return p
@@ -350,6 +357,35 @@ def _configs(args: argparse.Namespace) -> list[EngineConfig]:
     return out
 
 
+def floor_runs(trace: Sequence[TraceRequest], runs: Sequence[RunResult], chunk_size: int,
+               concurrency: int) -> list[tuple[tuple[int, int], FloorResult]]:
+    """One floor replay (:func:`bench.engine.floor.floor_replay`) per distinct pool size
+    (KV tokens, state slots) of ``runs``, in their order."""
+    from bench.engine.floor import floor_replay
+
+    sizes = dict.fromkeys((r.config.kv_tokens, r.config.state_slots) for r in runs)
+    return [((kv, s), floor_replay(trace, kv, s, chunk_size, concurrency)) for kv, s in sizes]
+
+
+def render_floor(runs: Sequence[RunResult],
+                 floors: Sequence[tuple[tuple[int, int], FloorResult]]) -> str:
+    """The replay's distance to its floor: each run's CPU time over the floor's at its pool
+    size, with both token hit rates (close when both served the same requests alike)."""
+    by_size = dict(floors)
+    lines = ["", "speed floor (bench/engine/floor.py: the same engine over a minimal block-level "
+             "cache, LRU; CPU time, time.process_time):"]
+    for (kv, s), f in floors:
+        lines.append(f"  kv={kv:,} slots={s:,}: floor {f.cpu_s:.2f} s CPU, token hit "
+                     f"{f.token_hit_rate:.4f}")
+    for r in runs:
+        f = by_size[r.config.kv_tokens, r.config.state_slots]
+        lines.append(f"  {r.config.policy:>12} kv={r.config.kv_tokens:,} "
+                     f"slots={r.config.state_slots:,}: {r.cpu_s:.2f} s CPU = "
+                     f"{r.cpu_s / f.cpu_s:.2f}x the floor (token hit "
+                     f"{r.metrics.token_hit_rate:.4f})")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit status (0 ok, 2 bad arguments or trace)."""
     parser = build_parser()
@@ -408,8 +444,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs.append(replay_one(trace, config, progress, args.kv_events_check_every))
     table_out: TextIO = sys.stderr if args.json == "-" else sys.stdout
     print(render_table(info, runs, bounds, notes_bounds), file=table_out)
+    floors = floor_runs(trace, runs, args.chunk_size, args.concurrency) if args.floor else []
+    if floors:
+        print(render_floor(runs, floors), file=table_out)
     if args.json is not None:
-        write_json(args.json, to_json_dict(info, runs, bounds, notes_bounds))
+        out = to_json_dict(info, runs, bounds, notes_bounds)
+        if floors:
+            out["floor"] = [{"kv_tokens": kv, "state_slots": s, "cpu_s": f.cpu_s,
+                             "token_hit_rate": f.token_hit_rate} for (kv, s), f in floors]
+        write_json(args.json, out)
     if args.plot is not None:
         sizes = ", ".join(f"{a.replace('_', ' ')} {', '.join(f'{v:,}' for v in vals)}"
                           for a, vals in (("kv_tokens", args.kv_tokens),
