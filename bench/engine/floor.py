@@ -8,7 +8,8 @@ on a shortfall) over the least a correct prefix cache must do:
 
 * nodes are single trace blocks, filed under their parent by the block's token bytes (the
   hash and compare of a dict lookup is the memcmp of a radix walk);
-* a node keeps its own copy of the block's KV slot indices (the tail copy of an insert);
+* the new blocks of an insert share one copy of their KV slot indices (the tail copy),
+  each node a view of its block;
 * KV slots come from a numpy free stack, state slots from a list;
 * eviction is LRU: KV leaves by last access (a lazily invalidated heap), states by last use
   (an ordered dict); a leaf that loses its state leaves with its KV (the cache's default
@@ -191,11 +192,14 @@ class FloorEngine:
         pos = len(path) * b
         dup: list[np.ndarray] = []
         new_path = list(path)
+        fresh: np.ndarray | None = None  # one copy of the new blocks' slots, viewed per node
         while pos < upto:
             seg = tokens[pos:pos + b].tobytes()
-            child = node.children.get(seg)
+            child = node.children.get(seg) if fresh is None else None
             if child is None:  # a leaf parent's heap entry goes stale (it has a child now)
-                child = _Node(node, seg, pos + b, slots[pos:pos + b].copy())
+                if fresh is None:
+                    fresh, base = slots[pos:upto].copy(), pos
+                child = _Node(node, seg, pos + b, fresh[pos - base:pos - base + b])
                 node.children[seg] = child
             else:
                 dup.append(slots[pos:pos + b].copy())
