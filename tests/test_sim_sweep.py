@@ -131,3 +131,14 @@ def test_cli_plot_needs_a_sweep(tmp_path: Path) -> None:
 def test_fmt_value() -> None:
     assert [fmt_value(v) for v in (16_000_000, 512_000, 2048, 0.25, 40.0)] == [
         "16M", "512K", "2,048", "0.25", "40"]
+
+
+def test_a_sweeps_caption_names_the_swept_values_not_the_default() -> None:
+    from bench.runs.simulate import sizes_caption
+
+    args = build_parser().parse_args(["--sweep", "state-slots=64,256", "--kv-tokens", "4M"])
+    assert sizes_caption(args) == ("KV 4,000,000 tokens, state-slots 64, 256 (swept), "
+                                   "concurrency 32")
+    args = build_parser().parse_args(["--sweep", "memory-gb=10,20", "--model", "qwen3-next-80b"])
+    assert sizes_caption(args) == ("model qwen3-next-80b, memory-gb 10, 20 (swept), "
+                                   "state fraction 0.2, concurrency 32")

@@ -252,6 +252,25 @@ def _json(results: Sequence[SimResult], values: Sequence[float | None], bounds: 
             "runs": runs}
 
 
+def sizes_caption(args: argparse.Namespace) -> str:
+    """The pool sizes of a sweep's figure: the swept axis by its values, the others by theirs."""
+    sweep: Sweep = args.sweep
+    fixed: dict[str, str]
+    if args.model is not None:  # both pools sized from bytes
+        fixed = {"model": f"model {args.model}", "memory-gb": f"{args.memory_gb} GB",
+                 "state-fraction": f"state fraction {args.state_fraction:g}",
+                 "concurrency": f"concurrency {args.concurrency}"}
+    else:
+        fixed = {"kv-tokens": f"KV {args.kv_tokens:,} tokens",
+                 "state-slots": f"{args.state_slots:,} state slots",
+                 "concurrency": f"concurrency {args.concurrency}"}
+    swept = f"{sweep.axis} {', '.join(fmt_value(v) for v in sweep.values)} (swept)"
+    if sweep.axis in fixed:
+        fixed[sweep.axis] = swept
+        return ", ".join(fixed.values())
+    return ", ".join(fixed.values()) + f"; {swept}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; 0 ok, 2 bad arguments or trace."""
     parser = build_parser()
@@ -300,9 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         write_csv(Path(args.plot).with_suffix(".csv"), rows)
         name = trace_label(path) if isinstance(path, Path) else path
-        title = (f"{name}: {len(trace):,} requests; KV {args.kv_tokens:,} tokens, "
-                 f"{args.state_slots:,} state slots, concurrency {args.concurrency} "
-                 f"(swept: {args.sweep.axis})")
+        title = f"{name}: {len(trace):,} requests; " + sizes_caption(args)
         swept = [v for v in values if v is not None]  # --plot needs --sweep: every run has one
         write_sweep_plot(args.plot, results, args.sweep, swept, bounds, title)
     if args.json is not None:
