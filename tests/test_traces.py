@@ -252,3 +252,13 @@ def test_decreasing_timestamps_name_the_line(tmp_path: Path) -> None:
     neg = [{"timestamp": "-1", "output_length": 1, "hash_ids": [1]}]
     with pytest.raises(TraceFormatError, match=r"n\.jsonl:1: 'timestamp'"):
         load_trace(write_jsonl(tmp_path / "n.jsonl", neg))
+
+
+@pytest.mark.parametrize("bad", ["true", "-1", "1.5", '"7"', "null"])
+def test_a_hash_id_that_is_not_a_non_negative_int_names_itself(tmp_path: Path, bad: str) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 1030, "output_length": 1, '
+                    f'"hash_ids": [4, {bad}, 6]}}\n')
+    with pytest.raises(TraceFormatError,
+                       match=r"t\.jsonl:1: 'hash_ids' must hold non-negative integers, got "):
+        load_trace(path)

@@ -202,16 +202,15 @@ def _hash_ids(obj: dict[str, Any], where: str, block_size: int) -> list[int]:
     if not isinstance(ids, list) or not ids:
         raise TraceFormatError(f"{where}: 'hash_ids' must be a non-empty list")
     top = (INT64_MAX - block_size) // block_size
-    for h in ids:
-        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
-            raise TraceFormatError(
-                f"{where}: 'hash_ids' must hold non-negative integers, got {h!r}"
-            )
-        if h > top:
-            raise TraceFormatError(
-                f"{where}: hash_id {h} is too large: its token ids (h*{block_size}+1 .. "
-                f"h*{block_size}+{block_size}) leave int64; at most {top}"
-            )
+    # checked at C speed (types as a set, then min / max): a line holds thousands of ids
+    if set(map(type, ids)) != {int} or min(ids) < 0:
+        bad = next(h for h in ids if type(h) is not int or h < 0)
+        raise TraceFormatError(f"{where}: 'hash_ids' must hold non-negative integers, got {bad!r}")
+    if max(ids) > top:
+        raise TraceFormatError(
+            f"{where}: hash_id {max(ids)} is too large: its token ids (h*{block_size}+1 .. "
+            f"h*{block_size}+{block_size}) leave int64; at most {top}"
+        )
     return ids
 
 
