@@ -252,24 +252,43 @@ def rate_table(results: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+#: What both sides report and must agree on, run for run: the hit rate, the tree's final size
+#: and every eviction and checkpoint count (``mamba_*`` on the KV + state runs only).
+SAME_WORK = ("hit_rate", "final_nodes", "evict_calls", "evicted_tokens", "mamba_evict_calls",
+             "mamba_states_evicted", "mamba_branch_checkpoint_inserts")
+
+
 def hit_rate_check(results: dict, args: argparse.Namespace) -> list[str]:
-    """Our hit rate must equal SGLang's to the fourth decimal: the KV-only cache against its
-    ``RadixCache``, the KV + state cache (under SGLang's tree rules) against each Mamba cache
-    run."""
+    """Both sides must do the same work: our KV-only cache against SGLang's ``RadixCache``,
+    our KV + state cache (under SGLang's tree rules) against each Mamba cache run, on every
+    field of :data:`SAME_WORK` both report (the hit rate to the fourth decimal). One line per
+    pair, ending in ``EQUAL`` or ``DIFFERENT``."""
     pairs = [(False, "radix", "ours")] + [
         (True, impl, "ours KV+state (SGLang's rules)") for impl in args.impls if is_state_impl(impl)]
     out = []
     for w in args.workloads:
         for states, impl, label in pairs:
-            ours = {r["hit_rate"] for a in ALLOCS for r in results.get(("ours", w, (states, a)), [])}
-            theirs = {r["hit_rate"] for r in results.get(("sglang", w, impl), [])}
+            ours = [r for a in ALLOCS for r in results.get(("ours", w, (states, a)), [])]
+            theirs = results.get(("sglang", w, impl), [])
             if not (ours and theirs):
                 continue
-            ok = ours == theirs and len(ours) == 1
-            out.append(f"{w}: {label} {sorted(ours)} vs SGLang {SHORT.get(impl, impl)} "
-                       f"{sorted(theirs)} -> {'EQUAL' if ok else 'DIFFERENT'} "
-                       f"(policy {args.policy}, page {args.page_size})")
+            cells, ok = [], True
+            for f in SAME_WORK:
+                a = {r[f] for r in ours if f in r}
+                b = {r[f] for r in theirs if f in r}
+                if not (a and b):
+                    continue
+                same = a == b and len(a) == 1
+                ok &= same
+                cells.append(f"{f} {_values(a)} {'=' if same else '!='} {_values(b)}")
+            out.append(f"{w}: {label} vs SGLang {SHORT.get(impl, impl)}: " + ", ".join(cells)
+                       + f" -> {'EQUAL' if ok else 'DIFFERENT'} (policy {args.policy}, page "
+                       f"{args.page_size})")
     return out
+
+
+def _values(vals: set[Any]) -> str:
+    return "/".join(str(v) for v in sorted(vals))
 
 
 # ------------------------------------------------------------------ memory
@@ -463,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     print(rate_table(results, args))
     checks = hit_rate_check(results, args)
     if checks:
-        print("\n### hit-rate cross-check (KV only, and KV + state under SGLang's rules)\n")
+        print("\n### same work on both sides (KV only, and KV + state under SGLang's rules)\n")
         for c in checks:
             print("* " + c)
     mem_rows: list[dict] = []
