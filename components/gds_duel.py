@@ -65,6 +65,9 @@ class GreedyDualHeap:
         self.watermark = 0.0
         self._heap: list[tuple[float, int, int, int]] = []  # (priority, seq, version, id)
         self._seq = 0
+        #: Node id -> the seq of its current entry. Versions are the heap's own sequence
+        #: numbers, unique over the heap's life: an entry left from a state's earlier stay on
+        #: the same node can never pass for the current one.
         self._ver: dict[int, int] = {}
         self.stamp: dict[int, float] = {}
         self.w: dict[int, float] = {}
@@ -85,10 +88,9 @@ class GreedyDualHeap:
 
     def _push(self, node: TreeNode) -> None:
         nid = node.id
-        ver = self._ver.get(nid, 0) + 1
-        self._ver[nid] = ver
         self._seq += 1
-        heapq.heappush(self._heap, (self.true_priority(node), self._seq, ver, nid))
+        self._ver[nid] = self._seq
+        heapq.heappush(self._heap, (self.true_priority(node), self._seq, self._seq, nid))
 
     # ------------------------------------------------------------------ events
     def add(self, node: TreeNode, stamp: float | None = None) -> None:
@@ -194,7 +196,7 @@ class GreedyDualHeap:
         if victim is not None and not isinstance(victim, int):
             if virtual:
                 self.excluded[victim.id] = None
-            self._ver[victim.id] = self._ver.get(victim.id, 0) + 1  # out of this order
+            self._ver.pop(victim.id, None)  # out of this order: every entry of it is stale
         return victim
 
     def __len__(self) -> int:

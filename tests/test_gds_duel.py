@@ -236,3 +236,34 @@ def test_kv_order_duel_clear_starts_over() -> None:
     gc.collect()  # a's root goes; the ghost table that watched it went with the clear
     assert duel.orders[1].retained == {-1: 1e9}
     assert duel.pop_first() is c and len(duel) == 0
+
+
+def test_entries_of_an_earlier_stay_never_pass_for_current() -> None:
+    """A state cached on a node, evicted and cached there again: the heap entries of its first
+    stay are stale for good. X at depth 50 is added while A (depth 10) above it is not live
+    (entry 50), then A is cached and X re-seeded (entry 40 = 50 - 10); X leaves and comes back
+    (entry 40 again, stamp 0). The entry at 50 is above X's true priority 40; were it taken
+    for X's current entry (versions counted per stay restart at 1), the order's invariant
+    check would fail, as it did in a replay where a node's state came back."""
+    (a,) = chain(10)
+    (x,) = chain(50, parent=a)
+    live: dict[int, TreeNode] = {x.id: x}
+    h = heap_over(live)
+    h.add(x)
+    assert h.true_priority(x) == 50.0
+    live[a.id] = a
+    h.add(a)
+    h.reseed(x)
+    assert h.true_priority(x) == 40.0
+    h.remove(x.id)
+    del live[x.id]
+    live[x.id] = x
+    h.add(x)
+    h.check([a, x])
+    v = h.pop(live, lambda n: True, virtual=False)
+    assert v is a and h.watermark == 10.0
+    h.remove(a.id)
+    del live[a.id]
+    assert h.true_priority(x) == 50.0  # rebuilt from the root now
+    v = h.pop(live, lambda n: True, virtual=False)
+    assert v is x and h.watermark == 50.0
