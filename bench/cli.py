@@ -73,6 +73,8 @@ COMMANDS: dict[str, Command] = {
                         "(needs the anchor environment)"),
     "radix-ops": _command("bench.compare.radix_ops", "per-operation cost of match / insert / "
                           "evict / locks", "bench.compare.options:radix_ops_parser"),
+    "state-budget": _command("bench.policies.budget", "slot-time budget model: what the "
+                             "prompt-end states can save, offline and by an online rule"),
     "hit-breakdown": _command("bench.policies.hit_breakdown", "where a state policy's hits come "
                               "from", "bench.policies.options:hit_breakdown_parser"),
     "sync-counts": _command("bench.gpu.sync_counts", "host synchronisations per request on a "
