@@ -100,3 +100,23 @@ def test_verdict_by_hand() -> None:
     assert [m[1][1] for m in v["margin_failures"]] == [64]
     assert v["worst_share"][0] == pytest.approx(0.75)
     assert [s[1][1] for s in v["share_failures"]] == [64]
+
+
+def test_the_reduced_grid_is_the_committed_tables_grid() -> None:
+    """``--grid reduced`` plans exactly the points of ``bench/results/robustness_reduced.csv``
+    (the table in bench/README.md), so one command reproduces it."""
+    import csv
+    from pathlib import Path
+
+    from bench.runs.robustness import build_parser, plan
+
+    committed = Path(__file__).resolve().parents[1] / "bench/results/robustness_reduced.csv"
+    with committed.open(encoding="utf-8") as f:
+        want = {(r["source"], int(r["state_slots"]), int(r["kv_tokens"]), int(r["concurrency"]))
+                for r in csv.DictReader(f)}
+    planned = plan(build_parser().parse_args(["--grid", "reduced", "--slots", "7"]))
+    got = {(name, *point) for name, points in planned for point in points}
+    assert got == want and len(want) == 34
+    full = plan(build_parser().parse_args(["--sources", "mix", "--slots", "64", "256",
+                                           "--kv-tokens", "4000000", "--concurrency", "16"]))
+    assert full == [("mix", [(64, 4_000_000, 16), (256, 4_000_000, 16)])]

@@ -105,6 +105,26 @@ HOLDOUT: dict[str, Source] = {s.name: s for s in (
 """More data no constant was fixed on: a later slice of Mooncake, other seeds."""
 ALL_SOURCES = {**SOURCES, **HOLDOUT}
 
+REDUCED_SOURCES = ("mooncake", "gmi", "tracelab", "docqa", "agentic", "multiturn", "sysprompt",
+                   "mix", "docqa_s1", "agentic_s1")
+REDUCED_KV_BOUND = ("mooncake", "docqa", "agentic", "mix")
+"""``--grid reduced``: what two shared cores measure in about two hours. Every source at 64 /
+256 / 1,024 slots, 16M KV tokens, concurrency 16; the KV-bound point 1,024 slots / 4M KV on
+the sources where KV can bind."""
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, list[tuple[int, int, int]]]]:
+    """(source, points) in run order: ``--grid full`` every source of ``--sources`` at every
+    (slots, KV tokens, concurrency) of the options; ``--grid reduced`` the fixed reduced grid
+    (:data:`REDUCED_SOURCES`, :data:`REDUCED_KV_BOUND`), whatever the options say."""
+    if args.grid == "full":
+        points = list(itertools.product(args.slots, args.kv_tokens, args.concurrency))
+        return [(name, points) for name in args.sources]
+    base = [(s, 16_000_000, 16) for s in (64, 256, 1024)]
+    return [(name, base + ([(1024, 4_000_000, 16)] if name in REDUCED_KV_BOUND else []))
+            for name in REDUCED_SOURCES]
+
+
 FIELDS = ("source", "state_slots", "kv_tokens", "concurrency", "policy", "token_hit_rate",
           "kv_hit_rate", "state_miss_mean", "prefill_cost_mean", "ttft_p90", "wall_s")
 
@@ -232,6 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", nargs="+", type=int, default=list(CONCURRENCY))
     p.add_argument("--traces-dir", default="../shared/traces",
                    help="where the GMI and TraceLab files are (default ../shared/traces)")
+    p.add_argument("--grid", choices=("full", "reduced"), default="full",
+                   help="full: every --sources x --slots x --kv-tokens x --concurrency (default); "
+                        "reduced: the fixed grid of bench/README.md's robustness table, in one "
+                        "command (ignores those four options)")
     p.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--csv", type=output_path, default=None, help="write every run here (one row per run)")
     p.add_argument("--from-csv", default=None, help="render a saved CSV instead of running")
@@ -243,9 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.from_csv:
         print(render(_read_csv(args.from_csv), args.policies))
         return 0
-    points = list(itertools.product(args.slots, args.kv_tokens, args.concurrency))
     rows: list[Row] = []
-    for name in args.sources:
+    for name, points in plan(args):
         src = ALL_SOURCES[name]
         trace = src.load(Path(args.traces_dir))
         if trace is None:
