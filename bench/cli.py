@@ -31,6 +31,7 @@ __all__ = [
     "command_parser",
     "Progress",
     "check_output_path",
+    "figure_path",
     "main",
     "output_path",
     "parse_count",
@@ -162,6 +163,24 @@ def output_path(text: str) -> str:
     return text
 
 
+#: What matplotlib's ``savefig`` writes, by file suffix (its Agg, PDF, PS, SVG and PGF
+#: backends), spelled out so that checking a ``--plot`` path imports no matplotlib.
+FIGURE_FORMATS = frozenset({"png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif",
+                            "tiff", "webp", "pgf", "raw", "rgba"})
+
+
+def figure_path(text: str) -> str:
+    """Argument type of a figure file: an :func:`output_path` whose suffix names a format
+    matplotlib writes (:data:`FIGURE_FORMATS`), so ``--plot out.txt`` fails before the run."""
+    path = output_path(text)
+    suffix = os.path.splitext(path)[1].lower().lstrip(".")
+    if path == "-" or suffix not in FIGURE_FORMATS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the file name must end in a figure format "
+            f"({', '.join(sorted(FIGURE_FORMATS))})")
+    return path
+
+
 def write_json(path: str, obj: Any) -> None:
     """Write ``obj`` as indented JSON to ``path`` (``"-"``: stdout), ending with a newline."""
     text = json.dumps(obj, indent=2)
@@ -220,8 +239,9 @@ class Progress:
     def _line(self, now: float) -> None:
         elapsed = now - self._start
         rate = self.n / elapsed if elapsed > 0 else 0.0
-        print(f"{self.desc}: {self.n:,}/{self.total:,} {self.unit} ({rate:,.0f} {self.unit}/s, "
-              f"{elapsed:.0f} s)", file=sys.stderr, flush=True)
+        speed = f"{rate:,.0f} {self.unit}/s" if rate >= 1 else f"{elapsed / max(self.n, 1):,.1f} s/{self.unit}"
+        print(f"{self.desc}: {self.n:,}/{self.total:,} {self.unit} ({speed}, {elapsed:.0f} s)",
+              file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -272,3 +292,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     module = importlib.import_module(cmd.module)
     code = module.main(rest)
     return int(code or 0)
+
+
+def console_main() -> int:
+    """The console script (``hpc-bench``) and ``python -m bench``: :func:`main`, quiet when
+    the reader of stdout goes away (``hpc-bench --help | head -3``)."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # stdout's reader closed it: point stdout at /dev/null so the interpreter's final
+        # flush does not raise again, and exit as a pipe writer killed by SIGPIPE would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    return code

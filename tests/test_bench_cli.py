@@ -149,3 +149,50 @@ def test_reports_name_traces_by_their_repository_path(tmp_path: Path) -> None:
     outside = tmp_path / "t.jsonl"
     outside.write_text("")
     assert trace_label(outside) == "t.jsonl"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["replay", "--plot", "out.txt"], "must end in a figure format"),
+    (["simulate", "--sweep", "state-slots=64,x"], "--sweep state-slots: not a number: 'x'"),
+    (["simulate", "--sweep", "nosuch=1"], "AXIS one of"),
+    (["robustness", "--kv-tokens", "-1"], "not a whole non-negative count"),
+    (["robustness", "--jobs", "0"], "must be >= 1"),
+    (["replay", "--max-requests", "0"], "--max-requests: must be >= 1"),
+])
+def test_bad_options_fail_when_read(argv: list[str], says: str,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["robustness", "--policies", "nosuch"], "--policies: radix_eviction_policy='nosuch' is unknown"),
+    (["robustness", "--from-csv", "/nonexistent.csv"], "--from-csv: no such file"),
+    (["robustness", "--sources", "gmi", "--traces-dir", "/nonexistent", "--policies", "lru"],
+     "no source could be loaded"),
+    (["replay", "--trace", "/"], "is a folder, not a trace file"),
+    (["replay", "--policy-config", "nosuch={}"], "--policy-config names ['nosuch'], not in --policy"),
+])
+def test_bad_runs_are_refused_before_they_start(argv: list[str], says: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and f"python -m bench {argv[0]}: error: " in err
+
+
+def test_a_replay_that_serves_nothing_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["replay", "--max-requests", "5", "--kv-tokens", "10", "--policy", "lru",
+                     "--no-progress"]) == 0
+    assert "lru kv=10: every request was skipped" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_ends_the_tool_quietly() -> None:
+    """``python -m bench | head -1``: no BrokenPipeError traceback."""
+    proc = subprocess.run(f"{sys.executable} -m bench | head -1", shell=True, cwd=REPO,
+                          capture_output=True, text=True, check=True)
+    assert proc.stdout.startswith("usage: python -m bench COMMAND")
+    assert "Traceback" not in proc.stderr

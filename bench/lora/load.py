@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--hidden must be a positive multiple of 64")
     missing = [name for name in ("peft", "transformers") if importlib.util.find_spec(name) is None]
     if missing:
-        p.exit(2, f"error: {missing} not installed (pip install -e '.[lora,model]')\n")
+        p.exit(2, f"{p.prog}: error: {missing} not installed (pip install -e '.[lora,model]')\n")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="hpc-lora-load-") as tmp:

@@ -91,3 +91,19 @@ def names() -> tuple[str, ...]:
     """Every registered name, in registration order."""
     _load()
     return tuple(_REGISTRY)
+
+
+def check(name: str, page_size: int = 1) -> None:
+    """Refuse ``name`` unless it is a replay baseline or a radix policy, before any run.
+
+    Raises:
+        ValueError: the cache's message (which lists the radix policies) plus the baselines.
+    """
+    if get(name) is not None:
+        return
+    from radix import CacheConfig
+
+    try:
+        CacheConfig(page_size=page_size, radix_eviction_policy=name)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; or a replay baseline: {', '.join(names())}") from None

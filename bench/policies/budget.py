@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--cacheable must be >= 1")
     trace = ALL_SOURCES[args.source].load(Path(args.traces_dir))
     if not trace:
-        parser.exit(2, f"error: no requests for {args.source} (trace file missing?)\n")
+        parser.exit(2, f"{parser.prog}: error: no requests for {args.source} (trace file missing?)\n")
     states = end_states(trace)
     reused = sum(s.distance < math.inf for s in states)
     print(f"{args.source}: {len(trace):,} requests, {len(states):,} end states, {reused:,} "

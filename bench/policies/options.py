@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench.cli import parse_count, prog
+from bench.cli import parse_count, positive, prog
 
 __all__ = ["hit_breakdown_parser"]
 
@@ -15,7 +15,7 @@ __all__ = ["hit_breakdown_parser"]
 def hit_breakdown_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog("hit-breakdown"), description="Where a state walk's hits come from.")
     p.add_argument("--trace", default=None)
-    p.add_argument("--max-requests", type=parse_count, default=None)
+    p.add_argument("--max-requests", type=positive, default=None)
     p.add_argument("--policy", nargs="+", default=["belady", "gds_adaptive"])
     p.add_argument("--kv-tokens", type=parse_count, default=16_000_000)
     p.add_argument("--state-slots", type=parse_count, default=256)

@@ -38,7 +38,15 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
-from bench.cli import Progress, output_path, parse_count, prog, require_package, write_json
+from bench.cli import (
+    Progress,
+    figure_path,
+    output_path,
+    parse_count,
+    prog,
+    require_package,
+    write_json,
+)
 from bench.cli import positive as _positive
 from bench.lora.options import add_lora_arguments
 from bench.traces.loader import (
@@ -83,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)"
     )
     p.add_argument(
-        "--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto"
+        "--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto",
+        help="the trace file's format (default auto: read off its first line)",
     )
     add_workload_arguments(p)
     p.add_argument(
@@ -94,13 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
         " on a shared 2-core machine two threads made the whole replay 1.9x slower)",
     )
     p.add_argument(
+        "--mooncake-block-size",
+        type=_positive,
+        default=512,
+        help="tokens per hash id of a Mooncake-format file (default 512)",
+    )
+    p.add_argument(
         "--tracelab-block-size",
         type=_positive,
         default=1,
         help="block size recorded for TraceLab rounds [tokens] (default 1: token-exact)",
     )
     p.add_argument(
-        "--max-requests", type=parse_count, default=None, help="replay only the first N requests"
+        "--max-requests", type=_positive, default=None, help="replay only the first N requests"
     )
     p.add_argument(
         "--policy",
@@ -148,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--plot",
         metavar="FILE",
-        type=output_path,
+        type=figure_path,
         default=None,
         help="hit rate and state-miss vs memory, one line per policy (needs a sweep and matplotlib)",
     )
@@ -392,6 +407,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.plot is not None:
         require_package(parser, "matplotlib", "--plot", "plot")
+    try:  # what can be checked without torch, first
+        path = None if args.workload is not None else resolve_trace_path(args.trace)
+        unused = set(_policy_configs(args.policy_config)) - set(args.policy) - set(
+            DEFAULT_POLICY_CONFIG)
+        if unused:
+            raise ValueError(f"--policy-config names {sorted(unused)}, not in --policy "
+                             f"{' '.join(args.policy)}")
+    except (FileNotFoundError, ValueError) as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     import torch
 
     from bench.engine.bounds import compute_bounds
@@ -410,24 +434,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       args.trace)
             source, fmt = f"workload {args.workload} (seed {args.workload_seed})", "generated"
         else:
-            path = resolve_trace_path(args.trace)
+            assert path is not None
             fmt = sniff_format(path) if args.trace_format == "auto" else args.trace_format
             trace = load_trace(
                 path,
                 fmt=fmt,
                 max_requests=args.max_requests,
+                mooncake_block_size=args.mooncake_block_size,
                 tracelab_block_size=args.tracelab_block_size,
             )
             source = trace_label(path)
     except (FileNotFoundError, TraceFormatError, ValueError, TypeError) as e:
-        parser.exit(2, f"error: {e}\n")
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     if not trace:
-        parser.exit(2, f"error: no requests in {source}\n")
+        parser.exit(2, f"{parser.prog}: error: no requests in {source}\n")
+    block = trace[0].block_size
+    if block % args.page_size:
+        print(f"{parser.prog}: warning: --page-size {args.page_size} does not divide the "
+              f"trace's block size ({block} tokens): shared blocks end inside a page, and "
+              "pages a block shares only in part are not cached", file=sys.stderr)
     if args.plot is not None:
         try:
             sweep_axis_of(configs)
         except ValueError as e:
-            parser.exit(2, f"error: {e}\n")
+            parser.exit(2, f"{parser.prog}: error: {e}\n")
     info = TraceInfo(
         source, fmt, len(trace), sum(r.input_length for r in trace), trace[0].block_size
     )
@@ -442,6 +472,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for config in configs:
         gc.collect()
         runs.append(replay_one(trace, config, progress, args.kv_events_check_every))
+    for r in runs:
+        if r.metrics.skipped_requests and not r.metrics.requests:
+            print(f"{parser.prog}: warning: {r.config.policy} kv={r.config.kv_tokens:,}: every "
+                  "request was skipped (the pools cannot hold one request and its output)",
+                  file=sys.stderr)
     table_out: TextIO = sys.stderr if args.json == "-" else sys.stdout
     print(render_table(info, runs, bounds, notes_bounds), file=table_out)
     floors = floor_runs(trace, runs, args.chunk_size, args.concurrency) if args.floor else []

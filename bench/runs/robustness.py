@@ -34,7 +34,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.cli import output_path, prog
+from bench.cli import output_path, positive, prog
+from bench.policies import baselines
 from bench.runs.sweep import run_all
 from bench.traces.loader import load_trace
 from bench.workloads import generate
@@ -246,27 +247,40 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog("robustness"), description=__doc__.split("\n")[0])
     p.add_argument("--sources", nargs="+", default=list(SOURCES), choices=list(ALL_SOURCES),
                    help=f"default: {' '.join(SOURCES)}; more hold-out data: {' '.join(HOLDOUT)}")
-    p.add_argument("--policies", nargs="+", default=list(POLICIES))
-    p.add_argument("--slots", nargs="+", type=int, default=list(SLOTS))
-    p.add_argument("--kv-tokens", nargs="+", type=int, default=list(KV))
-    p.add_argument("--concurrency", nargs="+", type=int, default=list(CONCURRENCY))
+    p.add_argument("--policies", nargs="+", default=list(POLICIES),
+                   help="radix policies and replay baselines to run (default: "
+                        f"{' '.join(POLICIES)})")
+    p.add_argument("--slots", nargs="+", type=positive, default=list(SLOTS),
+                   help=f"state slots (default: {' '.join(map(str, SLOTS))})")
+    p.add_argument("--kv-tokens", nargs="+", type=positive, default=list(KV),
+                   help="KV pool sizes [tokens], e.g. 16M (default: 4M 16M)")
+    p.add_argument("--concurrency", nargs="+", type=positive, default=list(CONCURRENCY),
+                   help=f"requests in flight (default: {' '.join(map(str, CONCURRENCY))})")
     p.add_argument("--traces-dir", default="../shared/traces",
                    help="where the GMI and TraceLab files are (default ../shared/traces)")
     p.add_argument("--grid", choices=("full", "reduced"), default="full",
                    help="full: every --sources x --slots x --kv-tokens x --concurrency (default); "
                         "reduced: the fixed grid of bench/README.md's robustness table, in one "
                         "command (ignores those four options)")
-    p.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--jobs", type=positive, default=2, help="worker processes (default 2)")
     p.add_argument("--csv", type=output_path, default=None, help="write every run here (one row per run)")
     p.add_argument("--from-csv", default=None, help="render a saved CSV instead of running")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.from_csv:
+        if not Path(args.from_csv).is_file():
+            parser.exit(2, f"{parser.prog}: error: --from-csv: no such file: {args.from_csv!r}\n")
         print(render(_read_csv(args.from_csv), args.policies))
         return 0
+    try:
+        for name in args.policies:
+            baselines.check(name)
+    except ValueError as exc:
+        parser.exit(2, f"{parser.prog}: error: --policies: {exc}\n")
     rows: list[Row] = []
     for name, points in plan(args):
         src = ALL_SOURCES[name]
@@ -280,6 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{time.perf_counter() - start:.0f} s", file=sys.stderr)
         if args.csv:
             _write_csv(args.csv, rows)
+    if not rows:
+        parser.exit(2, f"{parser.prog}: error: no source could be loaded (see above)\n")
     print(render(rows, args.policies))
     return 0
 

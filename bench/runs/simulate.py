@@ -33,7 +33,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.cli import output_path, parse_count, prog, require_package, write_json
+from bench.cli import figure_path, output_path, parse_count, prog, require_package, write_json
 from bench.cli import positive as _positive
 from bench.cli import positive_float as _positive_float
 from bench.engine.bounds import Bounds, compute_bounds
@@ -43,8 +43,8 @@ from bench.runs.sweep import (
     Sweep,
     csv_row,
     fmt_value,
-    parse_sweep,
     run_all,
+    sweep_arg,
     write_csv,
     write_sweep_plot,
 )
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto")
     a("--mooncake-block-size", type=_positive, default=512,
       help="tokens per hash id of a Mooncake-format file (default 512)")
-    a("--max-requests", type=parse_count, default=None, help="simulate only the first N requests")
+    a("--max-requests", type=_positive, default=None, help="simulate only the first N requests")
     a("--policy", nargs="+", default=["lru", "gds"],
       help="radix policies (lru, gds, gdsf, gds_adaptive, ...) and/or the replay baselines "
            "marconi, seglen, belady, belady_state and the experimental walks idea:* of "
@@ -99,10 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
       help="arrival time = timestamp x this (2 halves the request rate) (default 1)")
     a("--decode-ms", type=float, default=20.0, help="one decode step [ms] (default 20)")
     a("--marconi-alpha", type=float, default=None, help="fix Marconi's alpha (default: tuned)")
-    a("--sweep", type=parse_sweep, default=None, metavar="AXIS=V1,V2,...",
+    a("--sweep", type=sweep_arg, default=None, metavar="AXIS=V1,V2,...",
       help="kv-tokens / state-slots / concurrency / memory-gb / state-fraction")
     a("--jobs", type=_positive, default=os.cpu_count() or 1, help="parallel runs (default: CPUs)")
-    a("--plot", metavar="FILE", type=output_path, default=None, help="figure of a sweep (+ FILE.csv beside it)")
+    a("--plot", metavar="FILE", type=figure_path, default=None,
+      help="figure of a sweep, and its rows as CSV beside it (FILE with the suffix .csv)")
     a("--csv", metavar="FILE", type=output_path, default=None, help="one row per run")
     a("--json", metavar="FILE|-", type=output_path, default=None, help="everything as JSON ('-': stdout)")
     a("--markdown", action="store_true", help="print the table as Markdown")
@@ -139,7 +140,6 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[SimConfig, float | None]]:
             memory sweep without ``--model``, a baseline policy without state slots.
     """
     from bench.engine.simulator import SimConfig
-    from radix import CacheConfig
 
     sweep: Sweep | None = args.sweep
     if (args.memory_gb is not None or (sweep and sweep.needs_model)) and args.model is None:
@@ -147,8 +147,7 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[SimConfig, float | None]]:
     if sweep is not None and sweep.axis == "state-fraction" and args.memory_gb is None:
         raise ValueError("--sweep state-fraction needs --memory-gb")
     for policy in args.policy:
-        if baselines.get(policy) is None:
-            CacheConfig(page_size=args.page_size, radix_eviction_policy=policy)
+        baselines.check(policy, args.page_size)
     values: Sequence[float | None] = sweep.values if sweep else (None,)
     out = []
     for value in values:
@@ -278,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot is not None:
         require_package(parser, "matplotlib", "--plot", "plot")
     if args.torch_threads < 1:
-        parser.exit(2, f"error: --torch-threads must be >= 1, got {args.torch_threads}\n")
+        parser.exit(2, f"{parser.prog}: error: --torch-threads must be >= 1, got {args.torch_threads}\n")
     import torch
 
     torch.set_num_threads(args.torch_threads)
@@ -297,9 +296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             trace = load_trace(path, fmt=fmt, max_requests=args.max_requests,
                                mooncake_block_size=args.mooncake_block_size)
     except (FileNotFoundError, TraceFormatError, ValueError, TypeError) as e:
-        parser.exit(2, f"error: {e}\n")
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     if not trace:
-        parser.exit(2, f"error: no requests in {path}\n")
+        parser.exit(2, f"{parser.prog}: error: no requests in {path}\n")
     bounds = compute_bounds(trace, exclude_last_token=True, page_size=args.page_size)
     configs = [c for c, _ in plan]
     values = [v for _, v in plan]

@@ -14,6 +14,7 @@ trace and the offline next-use index are shared, not pickled) and come back in a
 
 from __future__ import annotations
 
+import argparse
 import csv
 import importlib
 import multiprocessing as mp
@@ -103,6 +104,14 @@ def parse_sweep(text: str) -> Sweep:
     if axis in _INT_AXES:
         values = tuple(int(v) for v in values)
     return Sweep(axis, values)
+
+
+def sweep_arg(text: str) -> Sweep:
+    """:func:`parse_sweep` as an ``argparse`` type: its message, not argparse's generic one."""
+    try:
+        return parse_sweep(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def fmt_value(v: float) -> str:

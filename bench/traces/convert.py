@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         n = convert(args.src, args.dst, args.block_size)
     except (FileNotFoundError, TraceFormatError, ValueError) as e:
-        p.exit(2, f"error: {e}\n")
+        p.exit(2, f"{p.prog}: error: {e}\n")
     extra = "" if args.block_size == 512 else f" --mooncake-block-size {args.block_size}"
     print(f"wrote {n} requests to {args.dst} (read it with --trace-format mooncake{extra})")
     return 0

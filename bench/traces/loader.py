@@ -361,6 +361,8 @@ class _TraceLabBuilder:
 def resolve_trace_path(path: str | Path | None) -> Path:
     """``path`` if given, else the shipped Mooncake trace; raises FileNotFoundError if absent."""
     resolved = SHIPPED_TRACE if path is None else Path(path)
+    if resolved.is_dir():
+        raise FileNotFoundError(f"--trace {resolved} is a folder, not a trace file")
     if not resolved.is_file():
         raise FileNotFoundError(f"trace file not found: {resolved}")
     return resolved

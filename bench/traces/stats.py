@@ -174,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            tracelab_block_size=args.tracelab_block_size)
         stats = trace_stats(trace)
     except (FileNotFoundError, TraceFormatError, ValueError) as e:
-        p.exit(2, f"error: {e}\n")
+        p.exit(2, f"{p.prog}: error: {e}\n")
     print(render_stats(trace_label(path), fmt, stats), file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json is not None:
         write_json(args.json, {"trace": trace_label(path), "format": fmt, **stats})

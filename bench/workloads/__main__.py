@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         trace = generate(args.spec, seed=args.seed)
         stats = trace_stats(trace)
     except ValueError as e:
-        p.exit(2, f"error: {e}\n")
+        p.exit(2, f"{p.prog}: error: {e}\n")
     out = sys.stderr if args.json == "-" else sys.stdout
     print(render_stats(f"workload {args.spec} (seed {args.seed})", "generated", stats), file=out)
     if args.out:
