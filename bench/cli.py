@@ -86,8 +86,8 @@ COMMANDS: dict[str, Command] = {
                          "bench.storage.options:l3_share_parser"),
     "lora-load": _command("bench.lora.load", "LoRA adapter load cost from PEFT directories",
                           "bench.lora.options:lora_load_parser"),
-    "model": _command("bench.model.driver", "a tiny real hybrid model served through the cache "
-                      "(bit-exact check)", "bench.model.options:model_parser"),
+    "model": _command("bench.model.driver", "a tiny real hybrid model served through the cache, "
+                      "every request checked against the uncached model", "bench.model.options:model_parser"),
 }
 
 #: Seconds between two progress lines when stderr is not a terminal.

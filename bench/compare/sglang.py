@@ -435,16 +435,19 @@ def memory_table(args: argparse.Namespace, with_anchor: bool) -> tuple[str, list
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog("compare"),
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3,
+                    help="paired repetitions; ratios are medians over them (default 3)")
     ap.add_argument("--workloads", nargs="+", choices=["sysprompt", "multiturn"],
-                    default=["sysprompt", "multiturn"])
-    ap.add_argument("--impls", nargs="+", choices=ALL_IMPLS, default=DEFAULT_IMPLS)
+                    default=["sysprompt", "multiturn"],
+                    help="the anchor's seeded workloads (default: both)")
+    ap.add_argument("--impls", nargs="+", choices=ALL_IMPLS, default=DEFAULT_IMPLS,
+                    help=f"SGLang caches to compare with (default: {' '.join(DEFAULT_IMPLS)})")
     ap.add_argument("--memory-impls", nargs="+", choices=ALL_IMPLS,
                     default=["radix", "unified-python", "unified-rust", "unified-mamba-rust"])
     ap.add_argument("--anchor-python", default=DEFAULT_ANCHOR_PYTHON)
     ap.add_argument("--anchor-script", default=str(DEFAULT_ANCHOR_SCRIPT))
-    ap.add_argument("--page-size", type=int, default=1)
-    ap.add_argument("--policy", default="lru")
+    ap.add_argument("--page-size", type=int, default=1, help="tokens per KV page (default 1)")
+    ap.add_argument("--policy", default="lru", help="eviction policy on both sides (default lru)")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                     help="per-operation timers on both sides: this thread's CPU time (default; "
                          "robust on a shared machine) or wall time")

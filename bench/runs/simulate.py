@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_arguments(p)
     a("--torch-threads", type=int, default=1,
       help="torch intra-op threads (default 1, as bench.runs.replay: bookkeeping-sized tensor ops)")
-    a("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto")
+    a("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto",
+      help="the trace file's format (default auto: read off its first line)")
     a("--mooncake-block-size", type=_positive, default=512,
       help="tokens per hash id of a Mooncake-format file (default 512)")
     a("--max-requests", type=_positive, default=None, help="simulate only the first N requests")
@@ -86,13 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
       help="model preset: with --memory-gb, sizes both pools from bytes (Marconi's bytes too)")
     a("--memory-gb", type=_positive_float, default=None, help="cache memory [GB = 1e9 bytes]")
     a("--state-fraction", type=float, default=0.2, help="share of --memory-gb for states (default 0.2)")
-    a("--page-size", type=_positive, default=1)
-    a("--chunk-size", type=_positive, default=8192, help="prefill chunk / checkpoint stride [tokens]")
+    a("--page-size", type=_positive, default=1, help="tokens per KV page (default 1)")
+    a("--chunk-size", type=_positive, default=8192,
+      help="prefill chunk / checkpoint stride [tokens] (default 8192)")
     a("--max-prefill-tokens", type=_positive, default=None,
       help="token budget of one prefill step (default: --chunk-size)")
     a("--max-running-requests", "--concurrency", dest="concurrency", type=_positive, default=32,
       help="requests running at most (and clients with --arrivals closed) (default 32)")
-    a("--end-checkpoint", choices=("block", "exact"), default="block")
+    a("--end-checkpoint", choices=("block", "exact"), default="block",
+      help="state of a finished prompt at its last full trace block (default) or its last token")
     a("--arrivals", choices=("trace", "closed"), default="trace",
       help="trace timestamps (default) or a closed loop of --concurrency clients")
     a("--time-scale", type=_positive_float, default=1.0,
@@ -107,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--csv", metavar="FILE", type=output_path, default=None, help="one row per run")
     a("--json", metavar="FILE|-", type=output_path, default=None, help="everything as JSON ('-': stdout)")
     a("--markdown", action="store_true", help="print the table as Markdown")
-    a("--no-progress", action="store_true")
+    a("--no-progress", action="store_true", help="no progress bar or lines")
     return p
 
 
