@@ -56,8 +56,8 @@ def check_lock(core: CacheCore, lock: Any, name: str) -> tuple[TreeNode, dict[st
         )
     if node.lock_ref <= 0:
         raise ValueError(
-            f"{name}: node {node.id} holds no lock of its own (pass the node inc_lock_ref "
-            "was given)"
+            f"{name}: node {node.id} holds no lock of its own: released already, or not the "
+            "node inc_lock_ref was given"
         )
     for component, check in core.unlock_checks:
         err = check(node, parts.get(component))

@@ -224,3 +224,13 @@ def test_unhashable_extra_key_is_refused_by_name() -> None:
     with pytest.raises(TypeError, match="extra_key"):
         env.cache.insert(NEW, env.fresh, extra_key=["lora"], state_slot=env.slot)
     assert fingerprint(env) == before
+
+
+def test_a_second_release_says_it_was_released_already() -> None:
+    env = build()
+    env.cache.dec_lock_ref(env.locked)  # the one lock build() took
+    before = fingerprint(env)
+    with pytest.raises(ValueError, match=r"lock: node \d+ holds no lock of its own: "
+                                         r"released already"):
+        env.cache.dec_lock_ref(env.locked)
+    assert fingerprint(env) == before
