@@ -96,13 +96,31 @@ claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     int8_t *held = (int8_t *)hb.buf;
     const uint8_t *free_ = (const uint8_t *)fb.buf;
     Py_ssize_t held_len = hb.len, free_len = fb.len;
+    if (ps == 1) { /* one slot per id: no page checks, no divisions (the common case) */
+        int64_t lim = high;
+        if (lim > held_len)
+            lim = held_len;
+        if (lim > free_len)
+            lim = free_len;
+        for (i = 0; i < n; i++) {
+            int64_t id = src[i];
+            if (id < low || id >= lim || free_[id] || held[id] != 0) {
+                bad = i;
+                break;
+            }
+            held[id] = 1;
+        }
+        if (bad < 0 && dst != NULL && n > 0)
+            memcpy(dst, src, (size_t)n * sizeof(int64_t));
+        goto marked;
+    }
     for (i = 0; i < n; i += ps) {
         int64_t first = src[i];
-        if (first < low || first >= high || first % ps != 0) {
+        if (first < low || first >= high || first - first / ps * ps != 0) {
             bad = i;
             break;
         }
-        int64_t id = first / ps;
+        int64_t id = first / ps; /* (first % ps was checked: one division per page) */
         if (id >= held_len || id >= free_len || free_[id] || held[id] != 0) {
             bad = i;
             break;
@@ -122,6 +140,7 @@ claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 dst[i + j] = first + j;
         }
     }
+marked:
     if (bad >= 0) { /* every page before `bad` passed, so this call marked it */
         for (i = 0; i < bad; i += ps)
             held[src[i] / ps] = 0;
@@ -135,7 +154,62 @@ done:
     return PyLong_FromSsize_t(bad);
 }
 
+/* unmark(src, n, page_size, held) -> None
+ *
+ * Clear the held marks of the n slots at address src (held[slot / page_size] = 0 for the
+ * first slot of each page): a node's slots leave the tree. The caller passes a node's own,
+ * contiguous int64 slots (claimed, so every id lies inside held); ids are still checked
+ * against held's length (ValueError, nothing cleared, when one falls outside).
+ */
+static PyObject *
+unmark(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "unmark() takes 4 arguments");
+        return NULL;
+    }
+    const int64_t *src = (const int64_t *)PyLong_AsVoidPtr(args[0]);
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    long long ps = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (n < 0 || ps < 1 || n % ps != 0 || (n > 0 && src == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "unmark(): bad length, page size or source");
+        return NULL;
+    }
+    Py_buffer hb;
+    if (PyObject_GetBuffer(args[3], &hb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (hb.itemsize != 1) {
+        PyBuffer_Release(&hb);
+        PyErr_SetString(PyExc_TypeError, "unmark(): held must be int8");
+        return NULL;
+    }
+    int8_t *held = (int8_t *)hb.buf;
+    Py_ssize_t i;
+    for (i = 0; i < n; i += ps) { /* check every id first: nothing changes on a bad one */
+        int64_t id = ps == 1 ? src[i] : src[i] / ps;
+        if (id < 0 || id >= hb.len) {
+            PyBuffer_Release(&hb);
+            PyErr_SetString(PyExc_ValueError, "unmark(): a slot outside the held marks");
+            return NULL;
+        }
+    }
+    if (ps == 1) {
+        for (i = 0; i < n; i++)
+            held[src[i]] = 0;
+    }
+    else {
+        for (i = 0; i < n; i += ps)
+            held[src[i] / ps] = 0;
+    }
+    PyBuffer_Release(&hb);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"unmark", (PyCFunction)(void (*)(void))unmark, METH_FASTCALL,
+     "unmark(src, n, page_size, held) -> None: clear the held marks of n slots"},
     {"claim", (PyCFunction)(void (*)(void))claim, METH_FASTCALL,
      "claim(src, n, copy, page_size, low, high, held, free) -> the copy (or -1), or the first "
      "bad position"},

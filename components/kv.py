@@ -34,8 +34,10 @@ from components.ordered import OrderedNodeSet
 
 try:  # the insert's slot claim in C (components/_claim.c), built by ``pip install``
     from components._claim import claim as _claim_c
+    from components._claim import unmark as _unmark_c
 except ImportError:  # pragma: no cover - no compiler at install time: the numpy path
     _claim_c = None
+    _unmark_c = None
 
 if TYPE_CHECKING:
     from allocators import SlotAllocator
@@ -283,8 +285,12 @@ class KVComponent(Component):
         raise AssertionError("claim refused slots it cannot explain")  # pragma: no cover
 
     def _unmark(self, value: torch.Tensor) -> None:
+        """Clear the held marks of a node's slots ``value`` (they leave the tree)."""
         held = self._held
         if held is None:
+            return
+        if _unmark_c is not None and value.is_cpu and value.is_contiguous():
+            _unmark_c(value.data_ptr(), value.shape[0], self.page_size, held)
             return
         arr = value.numpy() if value.is_cpu else host_ids(value, "value")
         held[arr if self.page_size == 1 else arr[:: self.page_size] // self.page_size] = 0
@@ -309,8 +315,13 @@ class KVComponent(Component):
         value = lower.kv_value
         if value is None:  # a host-only node (HiCache)
             return
-        upper.kv_value = value[:split_len]
-        lower.kv_value = value[split_len:]
+        if value.is_cpu:  # each half its own storage: a view would keep the other's alive
+            arr = value.numpy()
+            upper.kv_value = torch.frombuffer(bytearray(arr[:split_len]), dtype=torch.int64)
+            lower.kv_value = torch.frombuffer(bytearray(arr[split_len:]), dtype=torch.int64)
+        else:  # (views keep the host mirror; a device node's storage is the pool's index copy)
+            upper.kv_value = value[:split_len]
+            lower.kv_value = value[split_len:]
         if lower in self.leaves:  # its key may depend on its start (tlru)
             self.leaves.update(lower)
 

@@ -53,7 +53,7 @@ from radix.node import TreeNode
 from radix.results import CacheRequest, EvictResult, InsertResult, LockRef, MatchResult
 from radix.tiers.host import HostTier
 from radix.tiers.storage import StorageTier
-from radix.tree import resolve_key
+from radix.tree import RadixKey, resolve_key
 
 if TYPE_CHECKING:
     from allocators import MambaStatePool, SlotAllocator
@@ -244,6 +244,7 @@ class RadixCache:
         Raises:
             TypeError / ValueError: bad token ids. Complexity: O(matched nodes + key length).
         """
+        trusted = type(key) is RadixKey
         key, extra_key = resolve_key(key, extra_key)
         host = self._host
         if host is not None:
@@ -252,7 +253,7 @@ class RadixCache:
         ps = self.page_size
         end = len(key) - len(key) % ps
         tree = core.tree
-        walk = tree.walk(key, end, extra_key)
+        walk = tree.walk(key, end, extra_key, trusted)
         full_path = walk.path
         core.clock += 1
         now = core.clock
@@ -368,6 +369,7 @@ class RadixCache:
         adopted slots' checks, marks and copy in one pass, ``components/_claim.c``) plus
         O(matched nodes) in Python.
         """
+        trusted = type(key) is RadixKey
         key, extra_key = resolve_key(key, extra_key)
         if isinstance(state_slot, torch.Tensor):
             state_slot = host_int(state_slot, "state_slot")
@@ -384,7 +386,7 @@ class RadixCache:
                 raise TypeError(
                     f"rid must be hashable (an int, a str, an object), got {type(rid).__name__}"
                 ) from None
-        return insert_key(self, key, value, extra_key, state_slot, priority, rid)
+        return insert_key(self, key, value, extra_key, state_slot, priority, rid, trusted)
 
     def release_rid(self, rid: object) -> None:
         """Forget ``rid``'s hit-count depth (the request finished)."""

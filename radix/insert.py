@@ -47,13 +47,15 @@ def own_copy(value: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 
 def insert_key(cache: RadixCache, key: Tokens, value: torch.Tensor, extra_key: Any,
-               state_slot: int | None, priority: int, rid: object) -> InsertResult:
-    """Insert a checked key (see ``RadixCache.insert`` for the contract)."""
+               state_slot: int | None, priority: int, rid: object,
+               trusted: bool = False) -> InsertResult:
+    """Insert a checked key (see ``RadixCache.insert`` for the contract); ``trusted``: the
+    key is a ``RadixKey``'s token array (its walk may be the one its match remembered)."""
     core = cache.core
     ps = core.page_size
     end = len(key) - len(key) % ps
     tree = core.tree
-    walk = tree.walk(key, end, extra_key)
+    walk = tree.walk(key, end, extra_key, trusted)
     plan = InsertPlan(key, value, extra_key, state_slot, walk, end)
     for p in core.planners:
         p(plan)

@@ -222,6 +222,11 @@ class RadixTree:
         self._next_id = 0
         self.root = self.new_node(0)
         self.num_nodes = 0  # excluding the root
+        #: Bumped by every change of the structure (split, leaf added or removed, reset): a
+        #: walk recorded at one version is the walk of the same key at that version.
+        self.version = getattr(self, "version", 0) + 1
+        #: The last walk of a trusted key: (tokens, end, typed namespace, version, walk).
+        self._memo: tuple[Tokens, int, Any, int, Walk] | None = None
 
     def new_node(self, clock: int) -> TreeNode:
         node = TreeNode(self._next_id, clock, self.uid)
@@ -241,9 +246,29 @@ class RadixTree:
         pk = key[pos] if self.page_size == 1 else key[pos : pos + self.page_size].tobytes()
         return pk if parent is not self.root else (namespace_key(extra_key), pk)
 
-    def walk(self, key: Tokens, end: int, extra_key: Any) -> Walk:
-        """Match ``key[:end]`` (``end`` a page multiple) against the tree; mutates nothing."""
-        ns = namespace_key(extra_key)
+    def walk(self, key: Tokens, end: int, extra_key: Any, trusted: bool = False) -> Walk:
+        """Match ``key[:end]`` (``end`` a page multiple) against the tree; mutates nothing.
+
+        ``trusted``: ``key`` is the token array of a :class:`RadixKey`, never changed after
+        it was built. The last trusted walk is remembered, and a walk of the same array
+        object, ``end`` and namespace while the tree's structure is unchanged
+        (:attr:`version`) returns it again without walking: an engine's ``match_prefix``
+        and ``insert`` of one request walk the same key over the same tree. A remembered
+        walk is shared: its ``path`` list may be extended only together with a change of
+        the structure (the split where a walk ended inside a node), which retires it.
+        """
+        ns = None if extra_key is None else namespace_key(extra_key)
+        if trusted:
+            m = self._memo
+            if m is not None and m[0] is key and m[3] == self.version and m[1] == end \
+                    and m[2] == ns:
+                return m[4]
+            w = self._walk(key, end, ns)
+            self._memo = (key, end, ns, self.version, w)
+            return w
+        return self._walk(key, end, ns)
+
+    def _walk(self, key: Tokens, end: int, ns: Any) -> Walk:
         node = self.root
         pos = 0
         path: list[TreeNode] = []
@@ -298,6 +323,7 @@ class RadixTree:
         node.parent = upper
         upper.children[self.page_key(node.key, 0)] = node
         self.num_nodes += 1
+        self.version += 1
         self._split_hook(upper, node, split_len)
         return upper
 
@@ -311,6 +337,7 @@ class RadixTree:
         leaf.parent = parent
         parent.children[self.child_key(parent, seg, 0, extra_key)] = leaf
         self.num_nodes += 1
+        self.version += 1
         return leaf
 
     def remove_leaf(self, node: TreeNode) -> TreeNode:
@@ -322,6 +349,7 @@ class RadixTree:
         node.depth = -1
         node.owner = 0
         self.num_nodes -= 1
+        self.version += 1
         return parent
 
     def is_attached(self, node: TreeNode) -> bool:

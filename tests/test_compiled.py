@@ -126,6 +126,48 @@ def test_claim_refuses_bad_arguments() -> None:
     assert own is not None and own.tolist() == mine[::2].tolist()
 
 
+@needs_claim_c
+@pytest.mark.parametrize("ps", [1, 4])
+def test_c_unmark_clears_exactly_the_node_slots(ps: int) -> None:
+    # three claims; releasing the middle one (C) leaves the other two marked, as the numpy
+    # release of the same slots does on a twin component
+    kv_c, _, mine = _component(ps)
+    kv_np, _, _ = _component(ps)
+    parts = [mine[: 2 * ps], mine[2 * ps : 5 * ps], mine[5 * ps : 6 * ps]]
+    for kv in (kv_c, kv_np):
+        for part in parts:
+            kv.claim(part)
+    kv_c._unmark(parts[1])
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(kv_mod, "_unmark_c", None)
+        kv_np._unmark(parts[1])
+    held, held_np = kv_c._held, kv_np._held
+    assert held is not None and held_np is not None
+    assert (held == held_np).all()
+
+    def ids(t: torch.Tensor) -> np.ndarray:
+        return (t[::ps] // ps).numpy()
+
+    assert (held[ids(parts[1])] == 0).all()
+    assert (held[ids(parts[0])] == 1).all() and (held[ids(parts[2])] == 1).all()
+    assert held[0] == -1 and held[-1] == -1  # the sentinels stay
+
+
+@needs_claim_c
+def test_c_unmark_refuses_an_id_outside_the_marks() -> None:
+    from components._claim import unmark
+
+    kv, _, mine = _component(1)
+    kv.claim(mine[:3])
+    held = kv._held
+    assert held is not None
+    before = held.copy()
+    bad = torch.tensor([int(mine[0]), SIZE + 10], dtype=torch.int64)
+    with pytest.raises(ValueError, match="outside the held marks"):
+        unmark(bad.data_ptr(), 2, 1, held)
+    assert (held == before).all()  # nothing cleared
+
+
 @needs_match_c
 @settings(max_examples=500, deadline=None)
 @given(
