@@ -24,7 +24,8 @@
  *   copy       true: return the slots' copy, a new bytearray of 8 * n bytes
  *   page_size  slots per page (n is a multiple of it when held is given)
  *   low, high  the pool's slot range [low, high)
- *   held       None, or a writable int8 buffer: held[id] == 0 while no node holds id
+ *   held       None, or a writable uint8 buffer of bits: bit id (byte id >> 3, bit id & 7)
+ *              is 0 while no node holds id
  *   free       None, or a uint8/bool buffer: free[id] != 0 while id is free in the allocator
  *              (given with held; id = slot / page_size)
  *
@@ -32,7 +33,7 @@
  * consecutive slots from a multiple of page_size, and each id is in both buffers, not free,
  * not held, and not repeated (a repeat finds the mark this call just set).
  *
- * Returns, on success, the copy (or -1 without copy), every id marked (held[id] = 1).
+ * Returns, on success, the copy (or -1 without copy), every id marked (its bit set).
  * Otherwise the marks this call set are cleared and the position of the first page that
  * fails is returned (the caller explains it with its numpy reference).
  */
@@ -90,12 +91,12 @@ claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyBuffer_Release(&hb);
         PyBuffer_Release(&fb);
         Py_XDECREF(copy);
-        PyErr_SetString(PyExc_TypeError, "claim(): held must be int8, free must be bool");
+        PyErr_SetString(PyExc_TypeError, "claim(): held must be uint8 bits, free must be bool");
         return NULL;
     }
-    int8_t *held = (int8_t *)hb.buf;
+    uint8_t *held = (uint8_t *)hb.buf;
     const uint8_t *free_ = (const uint8_t *)fb.buf;
-    Py_ssize_t held_len = hb.len, free_len = fb.len;
+    Py_ssize_t held_len = hb.len * 8, free_len = fb.len; /* ids each buffer covers */
     if (ps == 1) { /* one slot per id: no page checks, no divisions (the common case) */
         int64_t lim = high;
         if (lim > held_len)
@@ -104,11 +105,11 @@ claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             lim = free_len;
         for (i = 0; i < n; i++) {
             int64_t id = src[i];
-            if (id < low || id >= lim || free_[id] || held[id] != 0) {
+            if (id < low || id >= lim || free_[id] || (held[id >> 3] >> (id & 7)) & 1) {
                 bad = i;
                 break;
             }
-            held[id] = 1;
+            held[id >> 3] |= (uint8_t)(1u << (id & 7));
         }
         if (bad < 0 && dst != NULL && n > 0)
             memcpy(dst, src, (size_t)n * sizeof(int64_t));
@@ -121,7 +122,7 @@ claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             break;
         }
         int64_t id = first / ps; /* (first % ps was checked: one division per page) */
-        if (id >= held_len || id >= free_len || free_[id] || held[id] != 0) {
+        if (id >= held_len || id >= free_len || free_[id] || (held[id >> 3] >> (id & 7)) & 1) {
             bad = i;
             break;
         }
@@ -134,7 +135,7 @@ claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             bad = i;
             break;
         }
-        held[id] = 1;
+        held[id >> 3] |= (uint8_t)(1u << (id & 7));
         if (dst != NULL) {
             for (j = 0; j < ps; j++)
                 dst[i + j] = first + j;
@@ -142,8 +143,10 @@ claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
 marked:
     if (bad >= 0) { /* every page before `bad` passed, so this call marked it */
-        for (i = 0; i < bad; i += ps)
-            held[src[i] / ps] = 0;
+        for (i = 0; i < bad; i += ps) {
+            int64_t id = src[i] / ps;
+            held[id >> 3] &= (uint8_t)~(1u << (id & 7));
+        }
     }
     PyBuffer_Release(&hb);
     PyBuffer_Release(&fb);
@@ -156,7 +159,7 @@ done:
 
 /* unmark(src, n, page_size, held) -> None
  *
- * Clear the held marks of the n slots at address src (held[slot / page_size] = 0 for the
+ * Clear the held marks of the n slots at address src (the bit of id slot / page_size, for the
  * first slot of each page): a node's slots leave the tree. The caller passes a node's own,
  * contiguous int64 slots (claimed, so every id lies inside held); ids are still checked
  * against held's length (ValueError, nothing cleared, when one falls outside).
@@ -182,26 +185,23 @@ unmark(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     if (hb.itemsize != 1) {
         PyBuffer_Release(&hb);
-        PyErr_SetString(PyExc_TypeError, "unmark(): held must be int8");
+        PyErr_SetString(PyExc_TypeError, "unmark(): held must be uint8 bits");
         return NULL;
     }
-    int8_t *held = (int8_t *)hb.buf;
+    uint8_t *held = (uint8_t *)hb.buf;
+    Py_ssize_t held_ids = hb.len * 8;
     Py_ssize_t i;
     for (i = 0; i < n; i += ps) { /* check every id first: nothing changes on a bad one */
         int64_t id = ps == 1 ? src[i] : src[i] / ps;
-        if (id < 0 || id >= hb.len) {
+        if (id < 0 || id >= held_ids) {
             PyBuffer_Release(&hb);
             PyErr_SetString(PyExc_ValueError, "unmark(): a slot outside the held marks");
             return NULL;
         }
     }
-    if (ps == 1) {
-        for (i = 0; i < n; i++)
-            held[src[i]] = 0;
-    }
-    else {
-        for (i = 0; i < n; i += ps)
-            held[src[i] / ps] = 0;
+    for (i = 0; i < n; i += ps) {
+        int64_t id = ps == 1 ? src[i] : src[i] / ps;
+        held[id >> 3] &= (uint8_t)~(1u << (id & 7));
     }
     PyBuffer_Release(&hb);
     Py_RETURN_NONE;

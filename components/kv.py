@@ -4,14 +4,15 @@ Eviction candidates are unlocked leaves, ordered by the radix eviction policy's 
 (``radix.policies``) in one exact ordered set.
 
 Ownership: the component marks every id (slot, or page when paged) its nodes hold in
-``_held``, so :meth:`KVComponent.claim` can refuse, in one C pass (or a few vectorised
-gathers), slots the tree is about to adopt that are free in the allocator, already held by a
-node, or repeated::
+``_held``, one bit per id, so :meth:`KVComponent.claim` can refuse, in one C pass (or a few
+vectorised gathers), slots the tree is about to adopt that are free in the allocator, already
+held by a node, or repeated::
 
-    _held[id] == 0      not the tree's (free, or a caller's)
-    _held[id] == 1      held by a node
-    _held[0], _held[-1] == -1: the padding id and one past the last id (``take(mode="clip")``
-                        lands every out-of-range id on one of them)
+    bit id of _held (byte id >> 3, bit id & 7) == 0    not the tree's (free, or a caller's)
+                                               == 1    held by a node
+
+(1 bit per id of the pool: 1/8 byte per cached token when the pool is full; :meth:`held_mask`
+unpacks it.)
 
 On a GPU the nodes' slot tensors live on the device, and this bookkeeping still runs on the
 host: every slot tensor the tree keeps or is handed by the library has a host mirror
@@ -82,16 +83,15 @@ class KVComponent(Component):
         #: The allocator's live free mask over ids (``None``: an allocator without one; then
         #: :meth:`claim` checks only the range).
         self._free_mask: np.ndarray | None = getattr(allocator, "free_mask", None)
+        #: Ids ``1 .. _num_ids`` (0 is the padding id, never handed out).
+        self._num_ids = len(self._free_mask) - 1 if self._free_mask is not None else 0
         self._held: np.ndarray | None = None
         if self._free_mask is not None:
-            held = np.zeros(len(self._free_mask) + 1, dtype=np.int8)  # 1 byte per id
-            held[0] = held[-1] = -1
-            self._held = held
+            self._held = np.zeros((self._num_ids + 8) // 8, dtype=np.uint8)  # 1 bit per id
         self._stamps: np.ndarray | None = None  # :meth:`_repeats` scratch (numpy path only)
         self._pos = np.arange(1, 1025, dtype=np.int32)
         #: One past the pool's last slot (the pool holds slots ``[page_size, _slot_end)``).
         self._slot_end: int = allocator.size + self.page_size
-        self._zeros = bytes(1024)  # what the marks of k unheld ids read as (k <= len)
         #: 0, 1, .., page_size - 1, repeated (page structure checks); grown on demand
         self._page_offsets = np.tile(np.arange(self.page_size, dtype=np.int64), 64)
 
@@ -181,27 +181,35 @@ class KVComponent(Component):
 
     def _claim_numpy(self, slots: np.ndarray, copy: bool) -> torch.Tensor | None:
         """:meth:`claim` in numpy (the fallback without the C extension, and its reference):
-        with held marks, two gathers (the marks, where out-of-range ids land on a sentinel; the
-        allocator's free mask), the repeat check (:meth:`_repeats`) and a scatter; without,
-        the range check."""
+        with held marks, the range check, two gathers (the marks' bits, the allocator's free
+        mask), the repeat check (:meth:`_repeats`) and a scatter of the bits; without, the
+        range check."""
         held, free = self._held, self._free_mask
         own = slots.copy() if copy else slots
         if held is None or free is None:
             self.check_range(own)
             return torch.from_numpy(own) if copy else None
         ids = own if self.page_size == 1 else self._page_ids(own)
-        k = len(ids)
-        if len(self._zeros) < k:
-            self._zeros = bytes(2 * k)
-        # (bytes comparisons: one memcmp, cheaper than a numpy reduction on short arrays)
-        if k and (
-            held.take(ids, mode="clip").tobytes() != self._zeros[:k]
-            or 1 in free.take(ids, mode="clip").tobytes()
-            or self._repeats(ids)
-        ):
-            self._refuse(own, ids)
-        held[ids] = 1
+        if len(ids):
+            lo, hi = int(ids.min()), int(ids.max())
+            if (lo < 1 or hi > self._num_ids or own.min() < self.page_size
+                    or own.max() >= self._slot_end or self._bits(ids).any()
+                    or free.take(ids).any() or self._repeats(ids)):
+                self._refuse(own, ids)
+            np.bitwise_or.at(held, ids >> 3, np.left_shift(1, ids & 7).astype(np.uint8))
         return torch.from_numpy(own) if copy else None
+
+    def _bits(self, ids: np.ndarray) -> np.ndarray:
+        """The held bits (0 or 1, uint8) of in-range ``ids``."""
+        assert self._held is not None
+        return (self._held[ids >> 3] >> (ids & 7).astype(np.uint8)) & 1
+
+    def held_mask(self) -> np.ndarray | None:
+        """A new bool array, one entry per id ``0 .. num ids``: whether a node holds it
+        (``None`` for an allocator without a free mask, whose claims keep no marks)."""
+        if self._held is None:
+            return None
+        return np.unpackbits(self._held, bitorder="little")[: self._num_ids + 1].astype(bool)
 
     def _repeats(self, ids: np.ndarray) -> bool:
         """Whether an id appears twice in ``ids`` (all in range), in O(len): scatter positions
@@ -211,7 +219,7 @@ class KVComponent(Component):
         k = len(ids)
         if self._stamps is None:
             assert self._held is not None  # only the held-mark path checks repeats
-            self._stamps = np.zeros(len(self._held), dtype=np.int32)
+            self._stamps = np.zeros(self._num_ids + 1, dtype=np.int32)
         if k > len(self._pos):
             self._pos = np.arange(1, 2 * k + 1, dtype=np.int32)
         pos = self._pos[:k]
@@ -268,7 +276,7 @@ class KVComponent(Component):
                     f"value holds {unit} {pid} (slot {slots[i * ps]}), which is free in the KV "
                     "allocator: the tree adopts only slots the caller got from alloc"
                 )
-            if held[pid] > 0:
+            if held[pid >> 3] >> (pid & 7) & 1:
                 raise ValueError(
                     f"value holds {unit} {pid} (slot {slots[i * ps]}) for new tokens, but a node "
                     "of the tree already holds it (pass the tree's slots only for the cached "
@@ -293,7 +301,8 @@ class KVComponent(Component):
             _unmark_c(value.data_ptr(), value.shape[0], self.page_size, held)
             return
         arr = value.numpy() if value.is_cpu else host_ids(value, "value")
-        held[arr if self.page_size == 1 else arr[:: self.page_size] // self.page_size] = 0
+        ids = arr if self.page_size == 1 else arr[:: self.page_size] // self.page_size
+        np.bitwise_and.at(held, ids >> 3, ~np.left_shift(1, ids & 7).astype(np.uint8))
 
     # ------------------------------------------------------------------ values
     def attach(self, node: TreeNode, value: torch.Tensor) -> None:
@@ -457,16 +466,19 @@ class KVComponent(Component):
         held = self._held
         if held is not None:
             ps = self.page_size
-            want = np.zeros(held.shape[0], dtype=np.bool_)
+            want = np.zeros(self._num_ids + 1, dtype=np.bool_)
             for n in nodes:
                 if n.kv_value is not None:
                     arr = n.kv_value.cpu().numpy()
                     want[arr if ps == 1 else arr[::ps] // ps] = True
-            marked = held[1:-1] > 0
-            assert held[0] == -1 and held[-1] == -1, "held-mark sentinels overwritten"
-            assert bool((marked == want[1:-1]).all()), (
+            marked = self.held_mask()
+            assert marked is not None
+            assert not marked[0], "the padding id is marked held"
+            pad = np.unpackbits(held, bitorder="little")[self._num_ids + 1:]
+            assert not pad.any(), "a held bit set past the last id"
+            assert bool((marked == want).all()), (
                 f"held marks differ from the nodes' slots at ids "
-                f"{(np.flatnonzero(marked != want[1:-1]) + 1)[:16].tolist()}"
+                f"{np.flatnonzero(marked != want)[:16].tolist()}"
             )
         assert ev == self._evictable, f"kv evictable {self._evictable} != recomputed {ev}"
         assert pr == self._protected, f"kv protected {self._protected} != recomputed {pr}"
