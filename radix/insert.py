@@ -22,7 +22,7 @@ to whole pages::
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,6 +35,11 @@ if TYPE_CHECKING:
     from radix.cache import RadixCache
     from radix.node import TreeNode
     from radix.tree import Tokens
+
+
+#: A named tuple from a tuple of all its fields, in C (its generated ``__new__`` is a Python
+#: call).
+_new_tuple = tuple.__new__
 
 
 def own_copy(value: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -101,8 +106,8 @@ def insert_key(cache: RadixCache, key: Tokens, value: torch.Tensor, extra_key: A
     after = cache._after_insert
     if after is not None:
         after(path, last)
-    return InsertResult(prefix_len, plan.insert_end, last, adopted, revived, value,
-                        cast("list[torch.Tensor]", tree_prefix))
+    return _new_tuple(InsertResult, (prefix_len, plan.insert_end, last, adopted, revived, value,
+                                     tree_prefix))
 
 
 class RidDepths:

@@ -204,6 +204,11 @@ class Walk(NamedTuple):
     matched_len: int
 
 
+#: Builds a named tuple from a tuple of all its fields, in C (the generated ``__new__`` is a
+#: Python call): ``_new_tuple(Walk, (path, partial, partial_len, matched_len))``.
+_new_tuple = tuple.__new__
+
+
 class RadixTree:
     """Nodes over page-aligned token keys, namespaced by ``extra_key`` at the root."""
 
@@ -263,37 +268,32 @@ class RadixTree:
             if m is not None and m[0] is key and m[3] == self.version and m[1] == end \
                     and m[2] == ns:
                 return m[4]
-            w = self._walk(key, end, ns)
-            self._memo = (key, end, ns, self.version, w)
-            return w
-        return self._walk(key, end, ns)
-
-    def _walk(self, key: Tokens, end: int, ns: Any) -> Walk:
-        node = self.root
-        pos = 0
-        path: list[TreeNode] = []
-        children = node.children
         ps = self.page_size
-        while pos < end:
-            if node is self.root:
-                ck: Any = (ns, key[pos] if ps == 1 else key[pos : pos + ps].tobytes())
-            else:
-                ck = key[pos] if ps == 1 else key[pos : pos + ps].tobytes()
-            child = children.get(ck)
-            if child is None:
-                break
-            seg = child.key
-            seg_len = len(seg)
-            n = common_prefix_len(seg, key, pos, seg_len if pos + seg_len <= end else end - pos)
-            if n == seg_len:
+        path: list[TreeNode] = []
+        pos = 0
+        w: Walk | None = None
+        if end > 0:  # the root files its children under (namespace, first page)
+            child = self.root.children.get((ns, key[0] if ps == 1 else key[0:ps].tobytes()))
+            while child is not None:
+                seg = child.key
+                seg_len = len(seg)
+                n = common_prefix_len(seg, key, pos,
+                                      seg_len if pos + seg_len <= end else end - pos)
+                if n != seg_len:
+                    n -= n % ps  # >= one page: the child's first page matched its index key
+                    w = _new_tuple(Walk, (path, child, n, pos + n))
+                    break
                 path.append(child)
                 pos += seg_len
-                node = child
-                children = child.children
-                continue
-            n -= n % ps  # >= one page: the child's first page matched its index key
-            return Walk(path, child, n, pos + n)
-        return Walk(path, None, 0, pos)
+                if pos >= end:
+                    break
+                child = child.children.get(key[pos] if ps == 1
+                                           else key[pos : pos + ps].tobytes())
+        if w is None:
+            w = _new_tuple(Walk, (path, None, 0, pos))
+        if trusted:
+            self._memo = (key, end, ns, self.version, w)
+        return w
 
     def split(self, node: TreeNode, split_len: int) -> TreeNode:
         """Split ``node`` after ``split_len`` tokens; return the new upper node.

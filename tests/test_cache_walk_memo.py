@@ -39,16 +39,15 @@ def insert(cache: RadixCache, kv: TokenAllocator, key: RadixKey | list[int]) -> 
 
 @pytest.fixture
 def walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the tree walks actually done (remembered ones excluded)."""
+    """Counts the node segments the walks compare (a remembered walk compares none)."""
     count = [0]
-    real = tree_mod.RadixTree._walk
+    real = tree_mod.common_prefix_len
 
-    def counted(self: tree_mod.RadixTree, key: tree_mod.Tokens, end: int, ns: object
-                ) -> tree_mod.Walk:
+    def counted(seg: tree_mod.Tokens, key: tree_mod.Tokens, pos: int, limit: int) -> int:
         count[0] += 1
-        return real(self, key, end, ns)
+        return real(seg, key, pos, limit)
 
-    monkeypatch.setattr(tree_mod.RadixTree, "_walk", counted)
+    monkeypatch.setattr(tree_mod, "common_prefix_len", counted)
     return count
 
 
@@ -59,13 +58,14 @@ def test_match_then_insert_of_one_radix_key_walks_once(walks: list[int]) -> None
     walks[0] = 0
     m = cache.match_prefix(key)
     assert m.prefix_len == 4
+    assert walks[0] == 1  # one node compared
     assert insert(cache, kv, key) == (4, 6)  # the match's walk: 4 tokens cached
-    assert walks[0] == 1
-    # a plain list is validated and walked on every call
+    assert walks[0] == 1  # none compared again
+    # a plain list is validated and walked on every call: [1..4] then [5, 6], twice
     walks[0] = 0
     cache.match_prefix([1, 2, 3, 4, 5, 6, 7])
     assert insert(cache, kv, [1, 2, 3, 4, 5, 6, 7]) == (6, 7)
-    assert walks[0] == 2
+    assert walks[0] == 4
     # the namespace is part of the walk: the same tokens under another extra_key miss
     nskey = RadixKey([1, 2, 3, 4, 5, 6], extra_key="lora-a")
     cache.match_prefix(nskey)
@@ -81,7 +81,7 @@ def test_a_split_between_match_and_insert_retires_the_remembered_walk(walks: lis
     assert insert(cache, kv, [1, 2, 3, 9]) == (3, 4)
     walks[0] = 0
     assert insert(cache, kv, key) == (6, 8)  # walked again over [1,2,3] -> [4,5,6]
-    assert walks[0] == 1
+    assert walks[0] == 2
     path = cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).last_device_node.path_to_root()
     assert [list(n.key) for n in reversed(path)] == [[1, 2, 3], [4, 5, 6], [7, 8]]
 
