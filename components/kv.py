@@ -269,16 +269,18 @@ class KVComponent(Component):
         held = self._held
         free = self._free_mask
         assert held is not None and free is not None
-        unit = "slot" if ps == 1 else "page"
+        def what(i: int, pid: int) -> str:  # "slot 7", or "page 3 (slot 12)"
+            return f"slot {pid}" if ps == 1 else f"page {pid} (slot {slots[i * ps]})"
+
         for i, pid in enumerate(ids.tolist()):
             if free[pid]:
                 raise ValueError(
-                    f"value holds {unit} {pid} (slot {slots[i * ps]}), which is free in the KV "
+                    f"value holds {what(i, pid)}, which is free in the KV "
                     "allocator: the tree adopts only slots the caller got from alloc"
                 )
             if held[pid >> 3] >> (pid & 7) & 1:
                 raise ValueError(
-                    f"value holds {unit} {pid} (slot {slots[i * ps]}) for new tokens, but a node "
+                    f"value holds {what(i, pid)} for new tokens, but a node "
                     "of the tree already holds it (pass the tree's slots only for the cached "
                     "prefix)"
                 )
@@ -286,7 +288,7 @@ class KVComponent(Component):
         for i, pid in enumerate(ids.tolist()):
             if pid in seen:
                 raise ValueError(
-                    f"value repeats {unit} {pid} (slot {slots[i * ps]}) at positions "
+                    f"value repeats {what(i, pid)} at positions "
                     f"{seen[pid] * ps} and {i * ps}: two tokens cannot share a KV slot"
                 )
             seen[pid] = i

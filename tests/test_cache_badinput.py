@@ -234,3 +234,15 @@ def test_a_second_release_says_it_was_released_already() -> None:
                                          r"released already"):
         env.cache.dec_lock_ref(env.locked)
     assert fingerprint(env) == before
+
+
+def test_a_refused_slot_is_named_once_and_a_page_by_its_first_slot() -> None:
+    kv = TokenAllocator(32)
+    cache = RadixCache(kv_allocator=kv)
+    with pytest.raises(ValueError, match=r"^value holds slot 30, which is free"):
+        cache.insert([7, 8], t64(30, 31))
+    paged = PagedAllocator(64, 4)
+    cache = RadixCache(CacheConfig(page_size=4), kv_allocator=paged)
+    with pytest.raises(ValueError, match=r"^value holds page 10 \(slot 40\), which is free"):
+        cache.insert([0, 1, 2, 3], torch.arange(40, 44))
+    assert cache.total_size() == 0
