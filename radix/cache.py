@@ -53,16 +53,12 @@ from radix.node import TreeNode
 from radix.results import CacheRequest, EvictResult, InsertResult, LockRef, MatchResult
 from radix.tiers.host import HostTier
 from radix.tiers.storage import StorageTier
-from radix.tree import RadixKey, resolve_key
+from radix.tree import RadixKey, new_tuple, resolve_key
 
 if TYPE_CHECKING:
     from allocators import MambaStatePool, SlotAllocator
     from allocators.swa import SWAAllocator
     from hicache.storage import StorageController
-
-#: A named tuple from a tuple of all its fields, in C (its generated ``__new__`` is a Python
-#: call; the hot paths build every field anyway).
-_new_tuple = tuple.__new__
 
 #: Request ids whose hit-count depth is remembered (``insert(rid=...)``), most recent kept.
 MAX_TRACKED_RIDS = 65536
@@ -327,8 +323,8 @@ class RadixCache:
             for field, m in zip(core.miss_fields, misses, strict=True):
                 if field == "swa_miss_tokens":
                     swa_miss = m
-        return _new_tuple(MatchResult, (indices, prefix_len, kv_hit, last, state_slot, branching,
-                                        last_host, host_hit, swa_miss))
+        return new_tuple(MatchResult, (indices, prefix_len, kv_hit, last, state_slot, branching,
+                                       last_host, host_hit, swa_miss))
 
     # ============================================================== inserting
     def insert(

@@ -30,16 +30,12 @@ import torch
 from allocators.host_mirror import slot_copy
 from components.base import InsertPlan
 from radix.results import InsertResult
+from radix.tree import new_tuple
 
 if TYPE_CHECKING:
     from radix.cache import RadixCache
     from radix.node import TreeNode
     from radix.tree import Tokens
-
-
-#: A named tuple from a tuple of all its fields, in C (its generated ``__new__`` is a Python
-#: call).
-_new_tuple = tuple.__new__
 
 
 def own_copy(value: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -106,8 +102,8 @@ def insert_key(cache: RadixCache, key: Tokens, value: torch.Tensor, extra_key: A
     after = cache._after_insert
     if after is not None:
         after(path, last)
-    return _new_tuple(InsertResult, (prefix_len, plan.insert_end, last, adopted, revived, value,
-                                     tree_prefix))
+    return new_tuple(InsertResult, (prefix_len, plan.insert_end, last, adopted, revived, value,
+                                    tree_prefix))
 
 
 class RidDepths:

@@ -205,8 +205,9 @@ class Walk(NamedTuple):
 
 
 #: Builds a named tuple from a tuple of all its fields, in C (the generated ``__new__`` is a
-#: Python call): ``_new_tuple(Walk, (path, partial, partial_len, matched_len))``.
-_new_tuple = tuple.__new__
+#: Python call): ``new_tuple(Walk, (path, partial, partial_len, matched_len))``. The hot
+#: paths build their results (``Walk``, ``MatchResult``, ``InsertResult``) with it.
+new_tuple = tuple.__new__
 
 
 class RadixTree:
@@ -281,7 +282,7 @@ class RadixTree:
                                       seg_len if pos + seg_len <= end else end - pos)
                 if n != seg_len:
                     n -= n % ps  # >= one page: the child's first page matched its index key
-                    w = _new_tuple(Walk, (path, child, n, pos + n))
+                    w = new_tuple(Walk, (path, child, n, pos + n))
                     break
                 path.append(child)
                 pos += seg_len
@@ -290,7 +291,7 @@ class RadixTree:
                 child = child.children.get(key[pos] if ps == 1
                                            else key[pos : pos + ps].tobytes())
         if w is None:
-            w = _new_tuple(Walk, (path, None, 0, pos))
+            w = new_tuple(Walk, (path, None, 0, pos))
         if trusted:
             self._memo = (key, end, ns, self.version, w)
         return w
