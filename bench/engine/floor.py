@@ -39,18 +39,18 @@ __all__ = ["FloorEngine", "FloorResult", "floor_replay"]
 
 
 class _Node:
-    __slots__ = ("parent", "children", "key", "depth", "slots", "lock", "last", "state", "alive")
+    """One trace block in the tree; ``parent`` is ``None`` for the root and once removed."""
 
-    def __init__(self, parent: _Node | None, key: bytes, depth: int, slots: np.ndarray) -> None:
+    __slots__ = ("parent", "children", "key", "slots", "lock", "last", "state")
+
+    def __init__(self, parent: _Node | None, key: bytes, slots: np.ndarray) -> None:
         self.parent = parent
         self.children: dict[bytes, _Node] = {}
         self.key = key
-        self.depth = depth
         self.slots = slots
         self.lock = 0
         self.last = 0
         self.state = -1
-        self.alive = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +87,7 @@ class FloorEngine:
         self.free_kv = np.arange(kv_tokens, dtype=np.int64)
         self.top = kv_tokens
         self.free_states = list(range(state_slots))
-        self.root = _Node(None, b"", 0, np.empty(0, dtype=np.int64))
+        self.root = _Node(None, b"", np.empty(0, dtype=np.int64))
         self.root.lock = 1  # never evicted
         self.clock = 0
         self.leaves: list[tuple[int, int, _Node]] = []  # (last access, tie, node), lazy
@@ -120,6 +120,11 @@ class FloorEngine:
         self._tie += 1
         heapq.heappush(self.leaves, (node.last, self._tie, node))
 
+    def _requeue(self, path: list[_Node]) -> None:
+        """The end of ``path``, when an unlocked leaf, re-enters the leaf heap."""
+        if path and not path[-1].children and not path[-1].lock:
+            self._push_leaf(path[-1])
+
     def _remove(self, node: _Node) -> None:
         """Drop an unlocked leaf (its KV, its state) and the stateless leaves it leaves."""
         freed = []
@@ -127,7 +132,7 @@ class FloorEngine:
             parent = node.parent
             assert parent is not None
             del parent.children[node.key]
-            node.alive = False
+            node.parent = None
             freed.append(node.slots)
             if node.state >= 0:
                 self.free_states.append(node.state)
@@ -143,7 +148,8 @@ class FloorEngine:
         heap = self.leaves
         while heap:
             last, _, node = heapq.heappop(heap)
-            if node.alive and not node.children and not node.lock and node.last == last:
+            if node.parent is not None and not node.children and not node.lock \
+                    and node.last == last:
                 self._remove(node)
                 return True
         return False
@@ -179,8 +185,7 @@ class FloorEngine:
         now = self.clock
         for node in path:
             node.last = now
-        if path and not path[-1].children and not path[-1].lock:
-            self._push_leaf(path[-1])
+        self._requeue(path)
 
     def _insert(self, path: list[_Node], tokens: array, slots: np.ndarray, upto: int,
                 state: int) -> tuple[list[_Node], np.ndarray]:
@@ -199,7 +204,7 @@ class FloorEngine:
             if child is None:  # a leaf parent's heap entry goes stale (it has a child now)
                 if fresh is None:
                     fresh, base = slots[pos:upto].copy(), pos
-                child = _Node(node, seg, pos + b, fresh[pos - base:pos - base + b])
+                child = _Node(node, seg, fresh[pos - base:pos - base + b])
                 node.children[seg] = child
             else:
                 dup.append(slots[pos:pos + b].copy())
@@ -292,8 +297,7 @@ class FloorEngine:
     def _skip(self, path: list[_Node]) -> None:
         for node in path:
             node.lock -= 1
-        if path and not path[-1].children and not path[-1].lock:
-            self._push_leaf(path[-1])
+        self._requeue(path)
         self.skipped += 1
 
     def drain(self) -> None:
