@@ -241,8 +241,17 @@ def build_parser() -> argparse.ArgumentParser:
 DEFAULT_POLICY_CONFIG: dict[str, dict[str, Any]] = {"tlru": {"threshold": 8192}}
 
 
-def _policy_configs(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+def _policy_configs(items: Sequence[str], policies: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``--policy-config NAME=JSON`` items over :data:`DEFAULT_POLICY_CONFIG`.
+
+    Raises:
+        ValueError: an item that is not ``NAME=JSON`` with a JSON object, or that names a
+            policy neither in ``policies`` (``--policy``) nor among the defaults.
+    """
     out = {k: dict(v) for k, v in DEFAULT_POLICY_CONFIG.items()}
+    unused = sorted({item.partition("=")[0] for item in items} - set(policies) - set(out))
+    if unused:
+        raise ValueError(f"--policy-config names {unused}, not in --policy {' '.join(policies)}")
     for item in items:
         name, sep, text = item.partition("=")
         if not sep:
@@ -335,13 +344,15 @@ def replay_one(
     )
 
 
-def _configs(args: argparse.Namespace) -> list[EngineConfig]:
+def _configs(args: argparse.Namespace,
+             knobs: dict[str, dict[str, Any]] | None = None) -> list[EngineConfig]:
     """Every (kv size, state slots, policy, host ratio) combination, validated before any run
-    starts."""
+    starts; ``knobs``: the parsed ``--policy-config`` (parsed here when not given)."""
     from bench.engine.core import EngineConfig
     from radix import CacheConfig
 
-    knobs = _policy_configs(args.policy_config)
+    if knobs is None:
+        knobs = _policy_configs(args.policy_config, args.policy)
     out = []
     for kv, slots, policy, host_ratio, events in itertools.product(
         args.kv_tokens, args.state_slots, args.policy, args.hicache_ratio, args.kv_events
@@ -373,35 +384,33 @@ def _configs(args: argparse.Namespace) -> list[EngineConfig]:
     return out
 
 
+#: Floor runs by pool size: (KV tokens, state slots) -> the fastest run so far.
+Floors = dict[tuple[int, int], "FloorResult"]
+
+
 def floor_runs(trace: Sequence[TraceRequest], configs: Sequence[EngineConfig], chunk_size: int,
-               concurrency: int) -> list[tuple[tuple[int, int], FloorResult]]:
-    """One floor replay (:func:`bench.engine.floor.floor_replay`) per distinct pool size
-    (KV tokens, state slots) of ``configs``, in their order."""
+               concurrency: int, best: Floors | None = None) -> Floors:
+    """One floor replay (:func:`bench.engine.floor.floor_replay`) per distinct pool size of
+    ``configs``, in their order; where ``best`` has a faster run of a size, that one."""
     from bench.engine.floor import floor_replay
 
-    sizes = dict.fromkeys((c.kv_tokens, c.state_slots) for c in configs)
-    return [((kv, s), floor_replay(trace, kv, s, chunk_size, concurrency)) for kv, s in sizes]
+    out: Floors = {}
+    for size in dict.fromkeys((c.kv_tokens, c.state_slots) for c in configs):
+        f = floor_replay(trace, *size, chunk_size, concurrency)
+        out[size] = f if best is None or f.cpu_s < best[size].cpu_s else best[size]
+    return out
 
 
-def _fastest(a: list[tuple[tuple[int, int], FloorResult]],
-             b: list[tuple[tuple[int, int], FloorResult]]
-             ) -> list[tuple[tuple[int, int], FloorResult]]:
-    """Per pool size, the floor run of ``a`` or ``b`` with the least CPU time."""
-    return [min(x, y, key=lambda f: f[1].cpu_s) for x, y in zip(a, b, strict=True)]
-
-
-def render_floor(runs: Sequence[RunResult],
-                 floors: Sequence[tuple[tuple[int, int], FloorResult]]) -> str:
+def render_floor(runs: Sequence[RunResult], floors: Floors) -> str:
     """The replay's distance to its floor: each run's CPU time over the floor's at its pool
     size, with both token hit rates (close when both served the same requests alike)."""
-    by_size = dict(floors)
     lines = ["", "speed floor (bench/engine/floor.py: the same engine over a minimal block-level "
              "cache, LRU; CPU time, time.process_time):"]
-    for (kv, s), f in floors:
+    for (kv, s), f in floors.items():
         lines.append(f"  kv={kv:,} slots={s:,}: floor {f.cpu_s:.2f} s CPU, token hit "
                      f"{f.token_hit_rate:.4f}")
     for r in runs:
-        f = by_size[r.config.kv_tokens, r.config.state_slots]
+        f = floors[r.config.kv_tokens, r.config.state_slots]
         lines.append(f"  {r.config.policy:>12} kv={r.config.kv_tokens:,} "
                      f"slots={r.config.state_slots:,}: {r.cpu_s:.2f} s CPU = "
                      f"{r.cpu_s / f.cpu_s:.2f}x the floor (token hit "
@@ -417,11 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         require_package(parser, "matplotlib", "--plot", "plot")
     try:  # what can be checked without torch, first
         path = None if args.workload is not None else resolve_trace_path(args.trace)
-        unused = set(_policy_configs(args.policy_config)) - set(args.policy) - set(
-            DEFAULT_POLICY_CONFIG)
-        if unused:
-            raise ValueError(f"--policy-config names {sorted(unused)}, not in --policy "
-                             f"{' '.join(args.policy)}")
+        knobs = _policy_configs(args.policy_config, args.policy)
     except (FileNotFoundError, ValueError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     import torch
@@ -434,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(args.torch_threads)
     try:
-        configs = _configs(args)
+        configs = _configs(args, knobs)
         loras = lora_replay_configs(args)  # None unless --adapters N
         source: str
         if args.workload is not None:
@@ -480,16 +485,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     # cyclic GC over what else is alive: 4.6-7.6 s for one run here), so it runs twice before
     # the replays (the first also warms the heap they run on) and once after, the fastest
     # counted: the ratio must not gain from a slow floor
-    floors: list[tuple[tuple[int, int], FloorResult]] = []
+    floors: Floors = {}
     if args.floor:
-        floors = _fastest(floor_runs(trace, configs, args.chunk_size, args.concurrency),
-                          floor_runs(trace, configs, args.chunk_size, args.concurrency))
+        floors = floor_runs(trace, configs, args.chunk_size, args.concurrency)
+        floors = floor_runs(trace, configs, args.chunk_size, args.concurrency, floors)
     runs = []
     for config in configs:
         gc.collect()
         runs.append(replay_one(trace, config, progress, args.kv_events_check_every))
     if floors:
-        floors = _fastest(floors, floor_runs(trace, configs, args.chunk_size, args.concurrency))
+        floors = floor_runs(trace, configs, args.chunk_size, args.concurrency, floors)
     for r in runs:
         if r.metrics.skipped_requests and not r.metrics.requests:
             print(f"{parser.prog}: warning: {r.config.policy} kv={r.config.kv_tokens:,}: every "
@@ -503,7 +508,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = to_json_dict(info, runs, bounds, notes_bounds)
         if floors:
             out["floor"] = [{"kv_tokens": kv, "state_slots": s, "cpu_s": f.cpu_s,
-                             "token_hit_rate": f.token_hit_rate} for (kv, s), f in floors]
+                             "token_hit_rate": f.token_hit_rate} for (kv, s), f in floors.items()]
         write_json(args.json, out)
     if args.plot is not None:
         sizes = ", ".join(f"{a.replace('_', ' ')} {', '.join(f'{v:,}' for v in vals)}"
