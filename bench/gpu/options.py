@@ -16,7 +16,13 @@ MODEL_NAMES = ("kv", "hybrid", "swa", "hicache")
 
 
 def sync_counts_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog("sync-counts"), description="Host synchronisations per request and per operation of the replay's engine on a simulated CUDA device.")
+    p = argparse.ArgumentParser(
+        prog=prog("sync-counts"),
+        description=(
+            "Host synchronisations per request and per operation of the replay's "
+            "engine on a simulated CUDA device."
+        ),
+    )
     p.add_argument("--requests", type=int, default=160, help="requests per model (160)")
     p.add_argument("--trace", default=None,
                    help="replay this trace file's first --requests instead of the seeded "

@@ -62,7 +62,12 @@ def add_lora_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def lora_load_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog("lora-load"), description="Load time and bytes of real PEFT adapters.")
+    p = argparse.ArgumentParser(
+        prog=prog("lora-load"),
+        description=(
+            "Load time and bytes of real PEFT adapters."
+        ),
+    )
     p.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 64], help="LoRA ranks")

@@ -18,7 +18,13 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 def model_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog("model"), description="Multi-request driver: a real hybrid model served through our cache, every request checked.")
+    ap = argparse.ArgumentParser(
+        prog=prog("model"),
+        description=(
+            "Multi-request driver: a real hybrid model served through our cache, "
+            "every request checked."
+        ),
+    )
     ap.add_argument("--arch", nargs="+", default=list(ARCHITECTURE_NAMES))
     ap.add_argument("--page-size", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--prompts", type=int, default=32)

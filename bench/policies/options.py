@@ -13,7 +13,12 @@ __all__ = ["hit_breakdown_parser"]
 
 
 def hit_breakdown_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog("hit-breakdown"), description="Where a state walk's hits come from.")
+    p = argparse.ArgumentParser(
+        prog=prog("hit-breakdown"),
+        description=(
+            "Where a state walk's hits come from."
+        ),
+    )
     p.add_argument("--trace", default=None)
     p.add_argument("--max-requests", type=positive, default=None)
     p.add_argument("--policy", nargs="+", default=["belady", "gds_adaptive"])

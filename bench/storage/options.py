@@ -11,8 +11,6 @@ from bench.cli import output_path, parse_count, prog
 
 __all__ = ["SETUPS", "l3_share_parser", "parse_l3", "storage_parser"]
 
-STORAGE_DESCRIPTION = 'Page throughput of the L3 backends: pages/s and MiB/s, written and read, batched or not.'
-L3_SHARE_DESCRIPTION = 'Engine instances sharing one HiCache L3: hit rate with and without sharing.'
 SETUPS = ("none", "private", "shared")
 """The ``l3-share`` setups: no L3, one store per instance, one store shared."""
 
@@ -31,7 +29,13 @@ def parse_l3(text: str) -> tuple[str, str]:
 
 
 def storage_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog("storage"), description=STORAGE_DESCRIPTION)
+    p = argparse.ArgumentParser(
+        prog=prog("storage"),
+        description=(
+            "Page throughput of the L3 backends: pages/s and MiB/s, written and read, "
+            "batched or not."
+        ),
+    )
     p.add_argument("--page-bytes", type=parse_count, default=parse_count("256K"))
     p.add_argument("--pages", type=int, default=256)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
@@ -48,7 +52,13 @@ def storage_parser() -> argparse.ArgumentParser:
 
 
 def l3_share_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog("l3-share"), description=L3_SHARE_DESCRIPTION)
+    p = argparse.ArgumentParser(
+        prog=prog("l3-share"),
+        description=(
+            "Engine instances sharing one HiCache L3: hit rate with and without "
+            "sharing."
+        ),
+    )
     p.add_argument("--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)")
     p.add_argument("--max-requests", type=int, default=1000)
     p.add_argument("--instances", type=int, default=2)
