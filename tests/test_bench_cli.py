@@ -152,22 +152,14 @@ def test_reports_name_traces_by_their_repository_path(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("argv, says", [
+    # refused when the command line is read (argparse)
     (["replay", "--plot", "out.txt"], "must end in a figure format"),
     (["simulate", "--sweep", "state-slots=64,x"], "--sweep state-slots: not a number: 'x'"),
     (["simulate", "--sweep", "nosuch=1"], "AXIS one of"),
     (["robustness", "--kv-tokens", "-1"], "not a whole non-negative count"),
     (["robustness", "--jobs", "0"], "must be >= 1"),
     (["replay", "--max-requests", "0"], "--max-requests: must be >= 1"),
-])
-def test_bad_options_fail_when_read(argv: list[str], says: str,
-                                    capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
-        cli.main(argv)
-    assert exc.value.code == 2
-    assert says in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("argv, says", [
+    # refused by the command before its run starts
     (["robustness", "--policies", "nosuch"], "--policies: radix_eviction_policy='nosuch' is unknown"),
     (["robustness", "--from-csv", "/nonexistent.csv"], "--from-csv: no such file"),
     (["robustness", "--sources", "gmi", "--traces-dir", "/nonexistent", "--policies", "lru"],
@@ -175,8 +167,8 @@ def test_bad_options_fail_when_read(argv: list[str], says: str,
     (["replay", "--trace", "/"], "is a folder, not a trace file"),
     (["replay", "--policy-config", "nosuch={}"], "--policy-config names ['nosuch'], not in --policy"),
 ])
-def test_bad_runs_are_refused_before_they_start(argv: list[str], says: str,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_is_refused_before_a_run_starts(argv: list[str], says: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)
     assert exc.value.code == 2
