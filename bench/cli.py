@@ -42,6 +42,7 @@ __all__ = [
     "write_json",
 ]
 
+
 class Command(NamedTuple):
     """One command of :data:`COMMANDS`."""
 
