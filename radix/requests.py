@@ -90,9 +90,15 @@ def _check_req(cache: RadixCache, req: Any, upto: Any) -> int:
 
 
 def _free_state(cache: RadixCache, slot: int | torch.Tensor | None, adopted: bool) -> None:
-    if slot is not None and not adopted and cache.state is not None:
-        cache.state.allocator.free(slot.reshape(-1) if isinstance(slot, torch.Tensor)
-                                   else torch.tensor([slot], dtype=torch.int64))
+    if slot is None or adopted or cache.state is None:
+        return
+    allocator = cache.state.allocator
+    if isinstance(slot, torch.Tensor):
+        allocator.free(slot.reshape(-1))
+    elif type(slot) is int and hasattr(allocator, "free_slot"):  # a state pool: no tensor
+        allocator.free_slot(slot)
+    else:
+        allocator.free(torch.tensor([slot], dtype=torch.int64))
 
 
 def _insert_req(cache: RadixCache, req: CacheRequest, state_slot: int | torch.Tensor | None, upto: int,
