@@ -9,6 +9,7 @@ Order rule (what callers may rely on)::
     free list = [f_0, f_1, ..., f_{num_free-1}]     (front first; a ring buffer)
 
     take(k)     removes and returns f_0 .. f_{k-1}, in order          (front)
+    take_one()  take(1) as an int; release_one(i): release of one int  (no tensors)
     release(x)  appends x, in the order given                         (back: FIFO reuse)
     restore(x)  prepends x, in the order given                        (front: exact undo)
 
@@ -158,6 +159,37 @@ class FreeList:
         self._head = (self._head - arr.size) % self._capacity
         self._write(self._head, arr)
         self._mark_free(arr)
+
+    def take_one(self) -> int | None:
+        """``take(1)`` as a Python ``int`` (no tensor, no array): the front id, or ``None``
+        when none is free. O(1)."""
+        if not self._num_free:
+            return None
+        i = int(self._ring[self._head])
+        self._head = (self._head + 1) % self._capacity
+        self._is_free[i] = False
+        self._num_free -= 1
+        self._num_used += 1
+        return i
+
+    def release_one(self, i: int) -> None:
+        """``release`` of the single id ``i`` (a Python ``int``): appended to the back, with
+        the same checks and messages as :meth:`release`, as scalar comparisons. O(1).
+
+        Raises:
+            ValueError: ``foreign index`` or ``double free``; nothing changes then.
+        """
+        if not 1 <= i <= self._capacity:
+            raise ValueError(
+                f"foreign index: {self._unit} {i} is not in 1..{self._capacity}"
+                f" (0 is the padding {self._unit} and is never allocated)"
+            )
+        if self._is_free[i]:
+            raise ValueError(f"double free: {self._unit} {i} is already free")
+        self._ring[(self._head + self._num_free) % self._capacity] = i
+        self._is_free[i] = True
+        self._num_free += 1
+        self._num_used -= 1
 
     def _mark_free(self, arr: np.ndarray) -> None:
         self._is_free[arr] = True

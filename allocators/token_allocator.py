@@ -103,7 +103,12 @@ class _FreeListAllocator(SlotAllocator):
 
     def free_owned(self, indices: torch.Tensor | int) -> None:
         """Free slots the caller provably holds, skipping the foreign / double-free checks
-        (the radix cache frees its own nodes' slots this way). Same order as :meth:`free`."""
+        (the radix cache frees its own nodes' slots this way). Same order as :meth:`free`.
+        One ``int`` id (a state slot) keeps the two checks: as scalar compares they cost
+        less than the array they would spare."""
+        if type(indices) is int and self._page_size == 1:  # one state slot: no array
+            self._pages.release_one(indices)
+            return
         if isinstance(indices, int):
             arr = np.array([indices], dtype=np.int64)
         else:

@@ -18,11 +18,12 @@ import torch
 from allocators.host_mirror import register
 from allocators.staging import upload
 from radix.checks import check_count, check_lock, check_node
+from radix.node import TreeNode
 from radix.results import CacheRequest, InsertResult, LockRef
+from radix.tree import RadixKey
 
 if TYPE_CHECKING:
     from radix.cache import RadixCache
-    from radix.node import TreeNode
 
 
 def _path_indices(cache: RadixCache, node: TreeNode) -> torch.Tensor:
@@ -34,6 +35,29 @@ def _path_indices(cache: RadixCache, node: TreeNode) -> torch.Tensor:
 
 
 def _check_req(cache: RadixCache, req: Any, upto: Any) -> int:
+    """:func:`_check_full` with the common case first: a :class:`CacheRequest` with a
+    :class:`RadixKey` key, fields of the exact types, and the lock the node's own on a cache
+    whose locks carry no data. That case makes the same checks as scalar compares; anything
+    else (including every failure) goes through :func:`_check_full`, which raises."""
+    if type(req) is CacheRequest and (upto is None or type(upto) is int):
+        idx, node, cached = req.kv_indices, req.last_node, req.cached_len
+        if type(idx) is torch.Tensor and type(node) is TreeNode and type(cached) is int \
+                and type(req.key) is RadixKey:
+            n = len(idx)
+            end = n if upto is None else upto
+            core = cache.core
+            if 0 <= end <= n <= len(req.key) and node.owner == core.tree.uid \
+                    and 0 <= cached <= min(n, node.depth):
+                if node.parent is None:
+                    return end
+                lock = req.lock
+                if node.kv_value is not None and (lock is None or lock is node) \
+                        and node.lock_ref > 0 and not core.lock_data and not core.unlock_checks:
+                    return end
+    return _check_full(cache, req, upto)
+
+
+def _check_full(cache: RadixCache, req: Any, upto: Any) -> int:
     """Validate a request record before anything changes; returns ``upto``.
 
     Checks the types of ``req``, ``req.key`` and ``req.kv_indices``, ``upto <=
@@ -90,9 +114,15 @@ def _check_req(cache: RadixCache, req: Any, upto: Any) -> int:
 
 
 def _free_state(cache: RadixCache, slot: int | torch.Tensor | None, adopted: bool) -> None:
-    if slot is not None and not adopted and cache.state is not None:
-        cache.state.allocator.free(slot.reshape(-1) if isinstance(slot, torch.Tensor)
-                                   else torch.tensor([slot], dtype=torch.int64))
+    if slot is None or adopted or cache.state is None:
+        return
+    allocator = cache.state.allocator
+    if isinstance(slot, torch.Tensor):
+        allocator.free(slot.reshape(-1))
+    elif type(slot) is int and hasattr(allocator, "free_slot"):  # a state pool: no tensor
+        allocator.free_slot(slot)
+    else:
+        allocator.free(torch.tensor([slot], dtype=torch.int64))
 
 
 def _insert_req(cache: RadixCache, req: CacheRequest, state_slot: int | torch.Tensor | None, upto: int,

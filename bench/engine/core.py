@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -283,8 +284,10 @@ class ReplayEngine:
         kv = self._alloc_kv(prompt_alloc + out_alloc)
         if kv is None:
             if pool is not None and slot is not None:
-                pool.free(slot if isinstance(slot, torch.Tensor)
-                          else torch.tensor([slot], dtype=torch.int64))
+                if isinstance(slot, torch.Tensor):
+                    pool.free(slot)
+                else:
+                    pool.free_slot(slot)
             return self._skip(lock)
         own = kv[full_len - usable :]
         req = CacheRequest(
@@ -395,13 +398,14 @@ class ReplayEngine:
         there never reads it on the host)."""
         pool = self.state_pool
         assert pool is not None
+        take = pool.alloc_slot if self._on_cpu else partial(pool.alloc, 1)
         while True:
-            t = pool.alloc(1)
+            t = take()
             if t is not None:
-                return int(t[0]) if self._on_cpu else t
+                return t
             self._count(self.cache.evict_states(1))
-            t = pool.alloc(1)
+            t = take()
             if t is not None:
-                return int(t[0]) if self._on_cpu else t
+                return t
             if not finish_running or not self._finish_oldest():
                 return None

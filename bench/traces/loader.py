@@ -118,14 +118,14 @@ class TraceRequest:
         """The prompt's token ids as ``array('q')`` (what the cache keys hold), built on each
         access with numpy: about 1 ns/token, against ~60 ns/token for :attr:`tokens` plus the
         list's validation and conversion in ``RadixKey``."""
-        out = array("q")
+        out = array("q")  # ``frombytes`` reads the numpy buffer as bytes: one copy, not two
         if len(self.runs) == 1:
             first, length = self.runs[0]
-            out.frombytes(np.arange(first, first + length, dtype=np.int64).tobytes())
+            out.frombytes(np.arange(first, first + length, dtype=np.int64).data.cast("B"))
         elif self.runs:
             out.frombytes(np.concatenate(
                 [np.arange(first, first + length, dtype=np.int64) for first, length in self.runs]
-            ).tobytes())
+            ).data.cast("B"))
         return out
 
 
