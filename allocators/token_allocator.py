@@ -103,7 +103,14 @@ class _FreeListAllocator(SlotAllocator):
 
     def free_owned(self, indices: torch.Tensor | int) -> None:
         """Free slots the caller provably holds, skipping the foreign / double-free checks
-        (the radix cache frees its own nodes' slots this way). Same order as :meth:`free`."""
+        (the radix cache frees its own nodes' slots this way). Same order as :meth:`free`.
+
+        A CPU tensor's memory is read in one C pass (``FreeList.release_owned_at``); a device
+        tensor's host mirror, an int or a tensor of another layout go through numpy."""
+        if type(indices) is torch.Tensor and indices.is_cpu and indices.dtype is torch.int64 \
+                and indices.is_contiguous() and indices.dim() == 1 and self._pages.release_owned_at(
+                    indices.data_ptr(), indices.shape[0], self._page_size):
+            return
         if isinstance(indices, int):
             arr = np.array([indices], dtype=np.int64)
         else:
