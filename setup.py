@@ -1,7 +1,8 @@
-"""The two optional C loops; everything else about the package is in pyproject.toml.
+"""The three optional C loops; everything else about the package is in pyproject.toml.
 
 ``components/_claim.c``: the insert's slot claim (checks, held marks and the node's copy in one
-pass). ``radix/_match.c``: the walk's key comparison (one memcmp). Both are ``optional``:
+pass). ``radix/_match.c``: the walk's key comparison (one memcmp). ``allocators/_release.c``:
+the cache's free of a node's slots (ring and free-mask writes in one pass). All are ``optional``:
 without a compiler the install still succeeds and the numpy / pure-Python code they are tested
 against (``tests/test_compiled.py``) runs instead, with the same results, slower.
 """
@@ -13,6 +14,8 @@ setup(
         Extension("components._claim", ["components/_claim.c"], optional=True,
                   extra_compile_args=["-O2"]),
         Extension("radix._match", ["radix/_match.c"], optional=True,
+                  extra_compile_args=["-O2"]),
+        Extension("allocators._release", ["allocators/_release.c"], optional=True,
                   extra_compile_args=["-O2"]),
     ]
 )

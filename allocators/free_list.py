@@ -29,6 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+try:  # the cache's free of its own slots in C (allocators/_release.c), built by ``pip install``
+    from allocators._release import release as _release_c
+except ImportError:  # pragma: no cover - no compiler at install time: the numpy path
+    _release_c = None
+
 
 @dataclass(frozen=True)
 class AllocatorSnapshot:
@@ -146,6 +151,27 @@ class FreeList:
             return
         self._write((self._head + self._num_free) % self._capacity, arr)
         self._mark_free(arr)
+
+    def release_owned_at(self, src: int, n: int, page_size: int) -> bool:
+        """:meth:`release_owned` of the ids of ``n`` int64 slots at address ``src`` (a CPU,
+        contiguous tensor's ``data_ptr()``, kept alive by the caller): the id of each page
+        of ``page_size`` slots is its first slot // ``page_size``, as the allocators' pages.
+        One C pass writes the ring and the mask (``allocators/_release.c``).
+
+        Returns ``False``, changing nothing, when the C extension is not built (the caller
+        then frees through :meth:`release_owned`).
+
+        Raises:
+            ValueError: an id outside ``1..capacity`` (nothing changes): the memory is not
+                what the caller said.
+        """
+        if _release_c is None:
+            return False
+        k = _release_c(src, n, page_size, self._ring,
+                       (self._head + self._num_free) % self._capacity, self._is_free)
+        self._num_free += k
+        self._num_used -= k
+        return True
 
     def restore(self, ids: torch.Tensor) -> None:
         """Undo a ``take``: prepend ``ids`` (in the given order) to the front of the free list.

@@ -105,9 +105,15 @@ class _FreeListAllocator(SlotAllocator):
         """Free slots the caller provably holds, skipping the foreign / double-free checks
         (the radix cache frees its own nodes' slots this way). Same order as :meth:`free`.
         One ``int`` id (a state slot) keeps the two checks: as scalar compares they cost
-        less than the array they would spare."""
+        less than the array they would spare. A CPU tensor's memory is read in one C pass
+        (``FreeList.release_owned_at``); a device tensor's host mirror, or a tensor of
+        another layout, goes through numpy."""
         if type(indices) is int and self._page_size == 1:  # one state slot: no array
             self._pages.release_one(indices)
+            return
+        if type(indices) is torch.Tensor and indices.is_cpu and indices.dtype is torch.int64 \
+                and indices.is_contiguous() and indices.dim() == 1 and self._pages.release_owned_at(
+                    indices.data_ptr(), indices.shape[0], self._page_size):
             return
         if isinstance(indices, int):
             arr = np.array([indices], dtype=np.int64)

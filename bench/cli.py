@@ -75,6 +75,8 @@ COMMANDS: dict[str, Command] = {
                         "(needs the anchor environment)"),
     "radix-ops": _command("bench.compare.radix_ops", "per-operation cost of match / insert / "
                           "evict / locks", "bench.compare.options:radix_ops_parser"),
+    "evict-scaling": _command("bench.compare.evict_scaling", "per-node evict cost against tree "
+                              "size (10k to 1M nodes)", "bench.compare.options:evict_scaling_parser"),
     "state-budget": _command("bench.policies.budget", "slot-time budget model: what the "
                              "prompt-end states can save, offline and by an online rule"),
     "hit-breakdown": _command("bench.policies.hit_breakdown", "where a state policy's hits come "

@@ -191,8 +191,27 @@ unmark(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     uint8_t *held = (uint8_t *)hb.buf;
     Py_ssize_t held_ids = hb.len * 8;
     Py_ssize_t i;
+    if (ps == 1) { /* token slots: branch-free range check, then the clears */
+        int64_t lo = INT64_MAX, hi = INT64_MIN;
+        for (i = 0; i < n; i++) {
+            int64_t id = src[i];
+            lo = id < lo ? id : lo;
+            hi = id > hi ? id : hi;
+        }
+        if (n > 0 && (lo < 0 || hi >= held_ids)) {
+            PyBuffer_Release(&hb);
+            PyErr_SetString(PyExc_ValueError, "unmark(): a slot outside the held marks");
+            return NULL;
+        }
+        for (i = 0; i < n; i++) {
+            int64_t id = src[i];
+            held[id >> 3] &= (uint8_t)~(1u << (id & 7));
+        }
+        PyBuffer_Release(&hb);
+        Py_RETURN_NONE;
+    }
     for (i = 0; i < n; i += ps) { /* check every id first: nothing changes on a bad one */
-        int64_t id = ps == 1 ? src[i] : src[i] / ps;
+        int64_t id = src[i] / ps;
         if (id < 0 || id >= held_ids) {
             PyBuffer_Release(&hb);
             PyErr_SetString(PyExc_ValueError, "unmark(): a slot outside the held marks");
@@ -200,7 +219,7 @@ unmark(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     for (i = 0; i < n; i += ps) {
-        int64_t id = ps == 1 ? src[i] : src[i] / ps;
+        int64_t id = src[i] / ps;
         held[id >> 3] &= (uint8_t)~(1u << (id & 7));
     }
     PyBuffer_Release(&hb);

@@ -43,6 +43,7 @@ except ImportError:  # pragma: no cover - no compiler at install time: the numpy
 if TYPE_CHECKING:
     from allocators import SlotAllocator
     from radix.node import TreeNode
+    from radix.tree import RadixTree
 
 #: A radix eviction policy's key (``radix.policies``): smaller is evicted first.
 KeyFn = Callable[["TreeNode"], tuple[Any, ...]]
@@ -88,6 +89,9 @@ class KVComponent(Component):
         self._held: np.ndarray | None = None
         if self._free_mask is not None:
             self._held = np.zeros((self._num_ids + 8) // 8, dtype=np.uint8)  # 1 bit per id
+        #: Node values are CPU tensors and there are held marks to clear: :meth:`on_remove`
+        #: calls the C unmark itself for a contiguous value.
+        self._unmark_fast = self._cpu and self._held is not None and _unmark_c is not None
         self._stamps: np.ndarray | None = None  # :meth:`_repeats` scratch (numpy path only)
         self._pos = np.arange(1, 1025, dtype=np.int32)
         #: One past the pool's last slot (the pool holds slots ``[page_size, _slot_end)``).
@@ -347,10 +351,56 @@ class KVComponent(Component):
         n = value.shape[0]
         self._evictable -= n
         self.evicted += n
-        self._unmark(value)
+        if self._unmark_fast and value.is_contiguous():  # (:meth:`_unmark` inline: once per node)
+            _unmark_c(value.data_ptr(), n, self.page_size, self._held)
+        else:
+            self._unmark(value)
         self._free(value)
         node.kv_value = None
         return n
+
+    def evict_leaves(self, target: int, tree: RadixTree) -> int:
+        """Evict whole unlocked leaves in policy order until ``target`` tokens are freed, when
+        this component is the tree's only one and nothing else watches a removal (no host
+        tier, no per-node data, no removal or refresh hooks but this component's; the caller,
+        ``radix.core.CacheCore.evict``, checks that). Returns the tokens freed.
+
+        The same result, node for node, as the general walk (pop a victim, ``on_remove``,
+        detach it, re-file its parent), with the per-node steps inline: one ordered-set pop,
+        the C unmark of its held marks, the allocator's ``free_owned``, the detach, and the
+        parent filed as a candidate when it became an unlocked leaf. The counters are
+        updated for every node freed, also if a free raises.
+
+        Complexity: O(log n) per freed node (the ordered set).
+        """
+        leaves = self.leaves
+        pop, update, free = leaves.pop_first, leaves.update, self._free
+        detach, root = tree.remove_leaf, tree.root
+        held, ps = self._held, self.page_size
+        fast = self._unmark_fast
+        freed = 0
+        try:
+            while freed < target:
+                node = pop()
+                if node is None:
+                    break
+                value = node.kv_value
+                assert value is not None and node.kv_lock == 0, node
+                n = value.shape[0]
+                if fast and value.is_contiguous():
+                    _unmark_c(value.data_ptr(), n, ps, held)
+                else:
+                    self._unmark(value)
+                free(value)
+                node.kv_value = None
+                freed += n
+                parent = detach(node)
+                if parent is not root and not parent.children and not parent.kv_lock:
+                    update(parent)  # (as refresh: it is now an unlocked leaf)
+        finally:
+            self._evictable -= freed
+            self.evicted += freed
+        return freed
 
     def is_candidate(self, node: TreeNode) -> bool:
         """An unlocked device leaf."""

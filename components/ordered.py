@@ -83,13 +83,14 @@ class OrderedNodeSet:
 
     def pop_first(self) -> TreeNode | None:
         """Remove and return the node with the smallest key, or ``None`` when empty."""
-        top = self._top()
-        if top is None:
-            return None
-        heappop(self._heap)
-        nid = top[1]
-        del self._entries[nid]
-        return self._nodes.pop(nid)
+        heap, entries = self._heap, self._entries
+        while heap:  # (:meth:`_top` inline: pop, and drop a stale entry)
+            top = heappop(heap)
+            nid = top[1]
+            if entries.get(nid) == top:
+                del entries[nid]
+                return self._nodes.pop(nid)
+        return None
 
     def _rebuild(self) -> None:
         heap = list(self._entries.values())

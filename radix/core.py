@@ -15,6 +15,11 @@ Eviction, for one component ``C`` and a target in ``C``'s units::
         node = C.pop_victim()                      # C's order (LRU, GDS, ...)
         node has children and C.evict_internal?  -> C frees its value only (state, SWA)
         else                                     -> the leaf leaves (or is demoted to host)
+
+When the KV component is the only component and nothing else takes a removal or a re-file
+(no host tier, no per-node data: the plain KV cache), the same walk runs inline in the
+component (``KVComponent.evict_leaves``): the same victims in the same order, fewer calls per
+freed node.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ class CacheCore:
         #: Frees a device leaf on eviction: removes it (``remove_leaf``) or, with a host tier,
         #: demotes it; adds the units freed to its accumulator (``freed_counts``).
         self.free_leaf: Callable[[TreeNode, list[int]], None] = self.remove_leaf
+        self._remove_leaf = self.free_leaf  # (what :meth:`evict` compares ``free_leaf`` with)
         #: Units whose freeing is in flight (write-back copies), per ``EVICT_FIELDS``.
         self.pending = [0] * len(EVICT_FIELDS)
         self._build_hooks()
@@ -112,6 +118,18 @@ class CacheCore:
                      c.requeue if type(c).requeue is not Component.requeue else None)
             for c in comps if c.evict_field in EVICT_FIELDS
         }
+        #: The KV component when it is the only component and nothing but it watches a
+        #: removal or a re-file: its eviction runs inline (``KVComponent.evict_leaves``) as long
+        #: as ``free_leaf`` is :meth:`remove_leaf` (no host tier).
+        kv = comps[0] if len(comps) == 1 else None
+        inline: Callable[[int, RadixTree], int] | None = getattr(kv, "evict_leaves", None)
+        self._kv_only: Component | None = None
+        self._evict_inline = None
+        if (kv is not None and inline is not None and not per_node and not self.detach_hooks
+                and not self.dead_rules and self.device_removers == ((0, kv.on_remove),)
+                and self.refreshers == (kv.refresh,)
+                and self._evict_plans.get(kv.name) == (0, None, None)):
+            self._kv_only, self._evict_inline = kv, inline
         self.lock_data = any(c.lock_data for c in comps)
         self.revives = any(c.revives for c in everything)
         self.checkpoints = any(c.checkpoints for c in comps)
@@ -283,6 +301,9 @@ class CacheCore:
         a victim with children loses only ``comp``'s value when ``comp`` evicts internal
         nodes, else the victim leaves whole (``free_leaf``). Copies in flight that will free
         ``comp``'s units count towards ``target`` but not in the result."""
+        inline = self._evict_inline
+        if inline is not None and comp is self._kv_only and self.free_leaf is self._remove_leaf:
+            return EvictResult(inline(target, self.tree))
         plan = self._evict_plans.get(comp.name)
         if plan is None:
             raise ValueError(f"component {comp.name!r} of this cache has no eviction walk")

@@ -1,4 +1,4 @@
-"""The options of ``python -m bench radix-ops``.
+"""The options of ``python -m bench radix-ops`` and ``python -m bench evict-scaling``.
 
 Parsers only, without torch: ``python -m bench COMMAND --help`` builds them alone
 (:data:`bench.cli.COMMANDS`); the commands' modules import the library where they run."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 
-from bench.cli import prog
+from bench.cli import positive, prog
 
-__all__ = ["radix_ops_parser"]
+__all__ = ["evict_scaling_parser", "radix_ops_parser"]
 
 
 def radix_ops_parser() -> argparse.ArgumentParser:
@@ -58,4 +58,24 @@ def radix_ops_parser() -> argparse.ArgumentParser:
     ap.add_argument("--check", action="store_true", help="sanity_check() the cache at the end")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="cProfile the request loop; print the top N functions (tottime) to stderr")
+    return ap
+
+
+def evict_scaling_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=prog("evict-scaling"),
+        description="Per-node cost of evict() against tree size (KV only, real allocator, "
+                    "CPU clock): one JSON line per size.",
+    )
+    ap.add_argument("--nodes", type=positive, nargs="+", default=[10_000, 100_000, 1_000_000],
+                    help="leaves of each tree (default 10,000 100,000 1,000,000)")
+    ap.add_argument("--leaf-len", type=positive, default=8,
+                    help="tokens per leaf (default 8)")
+    ap.add_argument("--tokens-per-call", type=positive, default=64,
+                    help="tokens each evict() call asks for (default 64: 8 leaves)")
+    ap.add_argument("--calls", type=positive, default=100,
+                    help="evict() calls per timed block (default 100)")
+    ap.add_argument("--blocks", type=positive, default=5,
+                    help="timed blocks per tree; the median block is reported (default 5)")
+    ap.add_argument("--policy", default="lru", help="eviction policy (default lru)")
     return ap

@@ -1,0 +1,130 @@
+/* allocators._release: the cache's free of a node's slots in one C pass.
+ *
+ * When the radix cache evicts a node it hands the node's own slots back to the allocator
+ * (``free_owned``: no misuse checks, the cache holds them). In numpy that is a tensor -> array
+ * conversion, a ring-buffer slice write and a fancy-index write of the free mask: three
+ * dispatches of about a microsecond each, more than the work on ~1,000 slots. This module
+ * does the ring write and the mask write in one loop over the node's raw int64 memory.
+ *
+ * The Python side (allocators/free_list.py) passes a pointer it took from a CPU, contiguous
+ * int64 tensor, with its length; the ring and the mask are numpy arrays passed as buffers,
+ * so every id is checked against their lengths here before anything is written. The numpy
+ * path of FreeList.release_owned is the reference this must agree with
+ * (tests/test_compiled.py runs both on the same inputs).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* release(src, n, page_size, ring, start, free) -> int
+ *
+ *   src        address of n int64 slots (n a multiple of page_size)
+ *   page_size  slots per page: the id of a page is its first slot / page_size
+ *   ring       writable int64 buffer of capacity entries (the free list's ring)
+ *   start      ring position of the first id written (0 <= start < capacity); writes wrap
+ *   free       writable bool / uint8 buffer of capacity + 1 entries: free[id] = 1 for each id
+ *
+ * Every id must lie in 1 .. capacity (ValueError otherwise, nothing written). Writes the
+ * n / page_size ids, in order, at ring[start], ring[start + 1], ... (mod capacity) and marks
+ * them free. Returns the number of ids written. Repeats and ids already free are not checked
+ * (the caller holds the slots: the free list's check() finds misuse).
+ */
+static PyObject *
+release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "release() takes 6 arguments");
+        return NULL;
+    }
+    const int64_t *src = (const int64_t *)PyLong_AsVoidPtr(args[0]);
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    long long ps = PyLong_AsLongLong(args[2]);
+    Py_ssize_t start = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (n < 0 || ps < 1 || n % ps != 0 || (n > 0 && src == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "release(): bad length, page size or source");
+        return NULL;
+    }
+    Py_buffer rb, fb;
+    if (PyObject_GetBuffer(args[3], &rb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[5], &fb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&rb);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t cap = rb.len / 8;
+    if (rb.itemsize != 8 || fb.itemsize != 1 || fb.len != cap + 1) {
+        PyErr_SetString(PyExc_TypeError,
+                        "release(): ring must be int64 and free one byte per id 0 .. capacity");
+        goto done;
+    }
+    Py_ssize_t k = n / ps;
+    if (k > cap || start < 0 || (cap > 0 && start >= cap) || (cap == 0 && k > 0)) {
+        PyErr_SetString(PyExc_ValueError, "release(): more ids than the ring holds, or bad start");
+        goto done;
+    }
+    int64_t *ring = (int64_t *)rb.buf;
+    uint8_t *mask = (uint8_t *)fb.buf;
+    Py_ssize_t i;
+    if (ps == 1) { /* token slots: the ids are the slots (branch-free loops, one memcpy) */
+        int64_t lo = INT64_MAX, hi = INT64_MIN;
+        for (i = 0; i < n; i++) { /* check every id first: nothing changes on a bad one */
+            int64_t id = src[i];
+            lo = id < lo ? id : lo;
+            hi = id > hi ? id : hi;
+        }
+        if (n > 0 && (lo < 1 || hi > cap)) {
+            PyErr_Format(PyExc_ValueError, "release(): id %lld is not in 1..%zd",
+                         (long long)(lo < 1 ? lo : hi), cap);
+            goto done;
+        }
+        Py_ssize_t first = cap - start < n ? cap - start : n; /* up to the ring's end */
+        memcpy(ring + start, src, (size_t)first * sizeof(int64_t));
+        memcpy(ring, src + first, (size_t)(n - first) * sizeof(int64_t));
+        for (i = 0; i < n; i++)
+            mask[src[i]] = 1;
+    } else {
+        for (i = 0; i < n; i += ps) { /* check every id first: nothing changes on a bad one */
+            int64_t id = src[i] / ps;
+            if (id < 1 || id > cap) {
+                PyErr_Format(PyExc_ValueError, "release(): id %lld is not in 1..%zd",
+                             (long long)id, cap);
+                goto done;
+            }
+        }
+        Py_ssize_t pos = start;
+        for (i = 0; i < n; i += ps) {
+            int64_t id = src[i] / ps;
+            ring[pos] = id;
+            if (++pos == cap)
+                pos = 0;
+            mask[id] = 1;
+        }
+    }
+    result = PyLong_FromSsize_t(k);
+done:
+    PyBuffer_Release(&fb);
+    PyBuffer_Release(&rb);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL,
+     "release(src, n, page_size, ring, start, free) -> ids written: append a node's ids to a "
+     "free ring and mark them free"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_release", "The cache's free of a node's slots in one C pass.", -1,
+    methods,
+};
+
+PyMODINIT_FUNC
+PyInit__release(void)
+{
+    return PyModule_Create(&module);
+}
