@@ -1,4 +1,5 @@
-/* allocators._release: the cache's free of a node's slots in one C pass.
+/* allocators._release: frees of slots in one C pass (the cache's own frees, and the checked
+ * public free of ids a caller hands back).
  *
  * When the radix cache evicts a node it hands the node's own slots back to the allocator
  * (``free_owned``: no misuse checks, the cache holds them). In numpy that is a tensor -> array
@@ -29,6 +30,15 @@
  * n / page_size ids, in order, at ring[start], ring[start + 1], ... (mod capacity) and marks
  * them free. Returns the number of ids written. Repeats and ids already free are not checked
  * (the caller holds the slots: the free list's check() finds misuse).
+ *
+ * checked(src, n, ring, start, free) -> int
+ *
+ * The public free of ids a caller hands back (page size 1: ids as given): every id must lie
+ * in 1 .. capacity, be in use (free[id] == 0) and appear once. The mask is set id by id, so a
+ * repeat is seen as "already free"; on the first bad id the marks made so far are undone and
+ * -1 is returned with nothing changed (the caller then names the error: FreeList's numpy
+ * check is the reference for the messages). Else the ids are written to the ring as above
+ * and n is returned.
  */
 static PyObject *
 release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -111,7 +121,69 @@ done:
     return result;
 }
 
+static PyObject *
+checked(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "checked() takes 5 arguments");
+        return NULL;
+    }
+    const int64_t *src = (const int64_t *)PyLong_AsVoidPtr(args[0]);
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t start = PyLong_AsSsize_t(args[3]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (n < 0 || (n > 0 && src == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "checked(): bad length or source");
+        return NULL;
+    }
+    Py_buffer rb, fb;
+    if (PyObject_GetBuffer(args[2], &rb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[4], &fb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&rb);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t cap = rb.len / 8;
+    if (rb.itemsize != 8 || fb.itemsize != 1 || fb.len != cap + 1) {
+        PyErr_SetString(PyExc_TypeError,
+                        "checked(): ring must be int64 and free one byte per id 0 .. capacity");
+        goto done;
+    }
+    if (n > cap || start < 0 || (cap > 0 && start >= cap) || (cap == 0 && n > 0)) {
+        PyErr_SetString(PyExc_ValueError, "checked(): more ids than the ring holds, or bad start");
+        goto done;
+    }
+    int64_t *ring = (int64_t *)rb.buf;
+    uint8_t *mask = (uint8_t *)fb.buf;
+    Py_ssize_t i;
+    for (i = 0; i < n; i++) {
+        int64_t id = src[i];
+        if (id < 1 || id > cap || mask[id])
+            break;
+        mask[id] = 1;
+    }
+    if (i < n) { /* a bad id: undo the marks made so far, change nothing */
+        while (i-- > 0)
+            mask[src[i]] = 0;
+        result = PyLong_FromLong(-1);
+        goto done;
+    }
+    Py_ssize_t first = cap - start < n ? cap - start : n; /* up to the ring's end */
+    memcpy(ring + start, src, (size_t)first * sizeof(int64_t));
+    memcpy(ring, src + first, (size_t)(n - first) * sizeof(int64_t));
+    result = PyLong_FromSsize_t(n);
+done:
+    PyBuffer_Release(&fb);
+    PyBuffer_Release(&rb);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"checked", (PyCFunction)(void (*)(void))checked, METH_FASTCALL,
+     "checked(src, n, ring, start, free) -> ids written, or -1 (nothing changed) when an id is "
+     "out of range, already free or repeated: the public free in one pass"},
     {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL,
      "release(src, n, page_size, ring, start, free) -> ids written: append a node's ids to a "
      "free ring and mark them free"},

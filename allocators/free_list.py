@@ -29,9 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-try:  # the cache's free of its own slots in C (allocators/_release.c), built by ``pip install``
+try:  # frees in one C pass (allocators/_release.c), built by ``pip install``
+    from allocators._release import checked as _checked_c
     from allocators._release import release as _release_c
 except ImportError:  # pragma: no cover - no compiler at install time: the numpy path
+    _checked_c = None
     _release_c = None
 
 
@@ -136,8 +138,20 @@ class FreeList:
             ValueError: ``foreign index`` (outside ``1..capacity``) or ``double free``
                 (already free, or repeated within ``ids``). Nothing changes on error.
         """
-        if ids.numel() == 0:
+        n = ids.numel()
+        if n == 0:
             return
+        if _checked_c is not None and ids.dtype is torch.int64 and ids.is_contiguous() \
+                and ids.is_cpu:
+            # One C pass: checks, marks and the ring write (-1: a bad id, nothing changed).
+            k = _checked_c(ids.data_ptr(), n, self._ring,
+                           (self._head + self._num_free) % self._capacity, self._is_free)
+            if k == n:
+                self._num_free += n
+                self._num_used -= n
+                return
+            self.validate_release(ids)  # names the bad id (the C pass only refuses it)
+            raise AssertionError(f"the C release refused ids the numpy check accepts: {ids}")
         arr = ids.numpy()
         self.validate_release(ids)
         self._write((self._head + self._num_free) % self._capacity, arr)

@@ -110,3 +110,84 @@ def test_free_owned_without_the_c_pass_keeps_the_order(monkeypatch: pytest.Monke
     a.free_owned(torch.tensor([3, 1])[::1])
     assert a.snapshot().free_ids() == [4, 2, 3, 1]
     a.check()
+
+
+needs_checked_c = pytest.mark.skipif(free_list_mod._checked_c is None,
+                                     reason="C release not built")
+
+
+@needs_checked_c
+def test_checked_free_by_hand_and_its_refusals_change_nothing() -> None:
+    # the public free through the C pass: the same FIFO order as free_owned, and each misuse
+    # refused with the numpy check's message, the allocator exactly as before
+    a = TokenAllocator(6)
+    got = a.alloc(5)
+    assert got is not None and got.tolist() == [1, 2, 3, 4, 5]  # free list [6]
+    a.free(torch.tensor([4, 2]))                                 # free list [6, 4, 2]
+    assert a.snapshot().free_ids() == [6, 4, 2]
+    before = a.snapshot()
+    cases = [
+        ([1, 7], r"foreign index: slot 7 is not in 1\.\.6"),
+        ([0], r"foreign index: slot 0"),
+        ([3, 2], r"double free: slot 2 is already free"),
+        ([3, 5, 3], r"double free: slot 3 appears more than once"),
+        ([1, 6], r"double free: slot 6 is already free"),
+    ]
+    for bad, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            a.free(torch.tensor(bad, dtype=torch.int64))
+        assert a.snapshot() == before  # marks undone, nothing written
+    a.free(torch.tensor([5, 1, 3]))
+    assert a.snapshot().free_ids() == [6, 4, 2, 5, 1, 3]
+    a.check()
+
+
+@needs_checked_c
+@pytest.mark.parametrize("ps", [1, 4])
+@pytest.mark.parametrize("seed", range(4))
+def test_checked_free_agrees_with_numpy(ps: int, seed: int) -> None:
+    # twin allocators, one freeing through the C pass and one through numpy, get the same
+    # frees, including bad ones (a repeat, an id already free, one outside the pool), and
+    # end every step in the same state with the same error
+    rng = random.Random(seed)
+    size = 30 * ps
+    c, ref = _make(ps, size), _make(ps, size)
+    held: list[torch.Tensor] = []
+    freed: list[int] = []
+    for _ in range(200):
+        if held and rng.random() < 0.5:
+            orig = held.pop(rng.randrange(len(held)))
+            node = orig
+            r = rng.random()
+            if r < 0.1 and freed:  # slip in a page already free
+                node = torch.cat([node, torch.arange(freed[-1] * ps, (freed[-1] + 1) * ps)])
+            elif r < 0.2:
+                node = torch.cat([node, node[:ps]])  # a repeated page
+            elif r < 0.25:
+                node = torch.cat([node, torch.arange((size // ps + 1) * ps,
+                                                     (size // ps + 2) * ps)])  # outside
+            errs = []
+            for alloc, patch in ((c, False), (ref, True)):
+                with pytest.MonkeyPatch.context() as m:
+                    if patch:
+                        m.setattr(free_list_mod, "_checked_c", None)
+                    try:
+                        alloc.free(node.clone())
+                        errs.append("")
+                    except ValueError as e:
+                        errs.append(str(e))
+            assert errs[0] == errs[1]
+            if errs[0]:
+                held.append(orig)  # refused: nothing freed, the slots are still held
+            else:
+                freed.extend(int(s) // ps for s in node[::ps])
+        elif c.available_size() >= ps:
+            k = rng.randint(1, max(1, c.available_size() // ps // 3)) * ps
+            got_c, got_ref = c.alloc(k), ref.alloc(k)
+            assert got_c is not None and got_ref is not None
+            assert got_c.tolist() == got_ref.tolist()
+            held.append(got_c)
+            freed = [p for p in freed if p not in set(int(s) // ps for s in got_c[::ps])]
+        assert c.snapshot() == ref.snapshot()
+    c.check()
+    ref.check()
