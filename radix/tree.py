@@ -349,7 +349,10 @@ class RadixTree:
         leaf.depth = parent.depth + len(seg)
         leaf.extra_key = extra_key
         leaf.parent = parent
-        parent.children[self.child_key(parent, seg, 0, extra_key)] = leaf
+        pk = seg[0] if self.page_size == 1 else seg[: self.page_size].tobytes()  # (child_key)
+        if parent is self.root:
+            pk = (namespace_key(extra_key), pk)
+        parent.children[pk] = leaf
         self.num_nodes += 1
         self.version += 1
         return leaf

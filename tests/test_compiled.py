@@ -97,6 +97,44 @@ def test_c_claim_agrees_with_numpy(ps: int, data: st.DataObject) -> None:
         assert copy_c == slots
 
 
+RUN_POOL = 256
+
+
+@needs_claim_c
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_c_claim_of_runs_agrees_with_numpy(data: st.DataObject) -> None:
+    # Long runs of consecutive slots (checked and marked as ranges in C) at any offset and
+    # length, some crossing a slot the tree holds, a free slot or the pool's end, some
+    # repeating an earlier run: the same answer, marks and copy as the numpy claim.
+    def make() -> tuple[KVComponent, list[int]]:
+        alloc = TokenAllocator(RUN_POOL)
+        kv = KVComponent(alloc, lambda n: (n.id,))
+        out = alloc.alloc(RUN_POOL - 16)  # slots RUN_POOL - 15 .. RUN_POOL stay free
+        assert out is not None
+        held = out[100:103]  # three slots inside the handed-out range: the tree's
+        kv.claim(held)
+        return kv, held.tolist()
+
+    kv_c, held = make()
+    kv_np, _ = make()
+    slots: list[int] = []
+    for _ in range(data.draw(st.integers(1, 4), label="runs")):
+        first = data.draw(st.integers(-2, RUN_POOL + 2), label="first")
+        length = data.draw(st.integers(1, 80), label="length")
+        slots += range(first, first + length)
+    value = torch.tensor(slots, dtype=torch.int64)
+    err_c, held_c, copy_c = _run(kv_c, value, True)
+    err_np, held_np, copy_np = _run(kv_np, value, False)
+    assert err_c == err_np
+    assert held_c is not None and held_np is not None and (held_c == held_np).all()
+    assert copy_c == copy_np
+    fits = all(1 <= s <= RUN_POOL - 16 for s in slots) and not set(slots) & set(held)
+    assert (err_c is None) == (fits and len(set(slots)) == len(slots))
+    if err_c is None:
+        assert copy_c == slots
+
+
 @needs_claim_c
 def test_refusal_leaves_no_mark_and_copy_is_independent() -> None:
     kv, tree, mine = _component(1)
