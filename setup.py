@@ -1,9 +1,10 @@
 """The two optional C loops; everything else about the package is in pyproject.toml.
 
 ``components/_claim.c``: the insert's slot claim (checks, held marks and the node's copy in one
-pass). ``radix/_match.c``: the walk's key comparison (one memcmp). Both are ``optional``:
-without a compiler the install still succeeds and the numpy / pure-Python code they are tested
-against (``tests/test_compiled.py``) runs instead, with the same results, slower.
+pass). ``radix/_match.c``: the walk's loop (one memcmp and one child lookup per node). Both
+are ``optional``: without a compiler the install still succeeds and the numpy / pure-Python
+code they are tested against (``tests/test_compiled.py``) runs instead, with the same
+results, slower.
 """
 
 from setuptools import Extension, setup

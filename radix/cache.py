@@ -376,9 +376,9 @@ class RadixCache:
                 ``state_slot`` that is free in the pool or held by the tree; an unhashable
                 ``rid``; a missing state. Nothing changed then.
 
-        Complexity: O(key length) in C (the walk's key comparison, ``radix/_match.c``; the
-        adopted slots' checks, marks and copy in one pass, ``components/_claim.c``) plus
-        O(matched nodes) in Python.
+        Complexity: O(key length) in C (the walk, ``radix/_match.c``; the adopted slots'
+        checks, marks and copy in one pass, ``components/_claim.c``) plus O(matched nodes) in
+        Python.
         """
         trusted = type(key) is RadixKey
         if trusted and extra_key is None:  # (resolve_key's answer, without the call)

@@ -1,12 +1,15 @@
 """The two C hot loops against the Python code they replace (and fall back to).
 
-The slot claim (components/_claim.c) and the numpy claim: both run on the same component state and the same candidate slots (drawn from the allocator's
-handed-out slots, the tree's own slots, free slots, out-of-range ids, repeats and pages out of
-order); they must agree on whether the claim is refused, with which message, on the marks left
+The slot claim (components/_claim.c) and the numpy claim: both run on the same component
+state and the same candidate slots (drawn from the allocator's handed-out slots, the tree's own
+slots, free slots, out-of-range ids, repeats and pages out of order, and long runs of
+consecutive slots, which the C pass checks and marks as ranges); they must agree on whether the claim is refused, with which message, on the marks left
 behind and on the copy returned. A few hand-built cases pin the expected answer itself.
 
 The walk's key comparison (radix/_match.c) and the Python binary search: the same length for
-every segment, key, position and limit, checked against a token-by-token count.
+every segment, key, position and limit, checked against a token-by-token count. The walk's
+loop (radix/_match.c walk_from) and its Python reference: the same path, partial node and
+lengths over drawn trees, the matched length checked against a count by hand.
 """
 
 from __future__ import annotations
