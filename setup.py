@@ -1,10 +1,11 @@
 """The three optional C loops; everything else about the package is in pyproject.toml.
 
 ``components/_claim.c``: the insert's slot claim (checks, held marks and the node's copy in one
-pass). ``radix/_match.c``: the walk's key comparison (one memcmp). ``allocators/_release.c``:
-the cache's free of a node's slots (ring and free-mask writes in one pass). All are ``optional``:
-without a compiler the install still succeeds and the numpy / pure-Python code they are tested
-against (``tests/test_compiled.py``) runs instead, with the same results, slower.
+pass). ``radix/_match.c``: the walk's loop (one memcmp and one child lookup per node).
+``allocators/_release.c``: frees of slots (checks, ring and free-mask writes in one pass). All
+are ``optional``: without a compiler the install still succeeds and the numpy / pure-Python
+code they are tested against (``tests/test_compiled.py``, ``tests/test_allocators_release.py``)
+runs instead, with the same results, slower.
 """
 
 from setuptools import Extension, setup

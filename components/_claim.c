@@ -18,6 +18,57 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Runs of at least RUN_MIN consecutive ids are checked and marked as ranges: the free mask
+ * and the held bits are read a word at a time. A run is strictly increasing, so it repeats
+ * no id of its own; a repeat of an id marked before (by an earlier run or slot) finds its
+ * bit. */
+#define RUN_MIN 16
+
+/* Whether any of the len bytes at p is nonzero. */
+static int
+any_byte(const uint8_t *p, int64_t len)
+{
+    uint64_t acc = 0;
+    int64_t k = 0;
+    for (; k + 8 <= len; k += 8) {
+        uint64_t w;
+        memcpy(&w, p + k, 8);
+        acc |= w;
+    }
+    for (; k < len; k++)
+        acc |= p[k];
+    return acc != 0;
+}
+
+/* Whether any bit of ids [a, b) is set in the bit array h. */
+static int
+any_bit(const uint8_t *h, int64_t a, int64_t b)
+{
+    for (; a < b && (a & 7); a++)
+        if ((h[a >> 3] >> (a & 7)) & 1)
+            return 1;
+    while (b > a && (b & 7)) {
+        b--;
+        if ((h[b >> 3] >> (b & 7)) & 1)
+            return 1;
+    }
+    return b > a && any_byte(h + (a >> 3), (b - a) >> 3);
+}
+
+/* Set the bits of ids [a, b) in the bit array h. */
+static void
+set_bits(uint8_t *h, int64_t a, int64_t b)
+{
+    for (; a < b && (a & 7); a++)
+        h[a >> 3] |= (uint8_t)(1u << (a & 7));
+    while (b > a && (b & 7)) {
+        b--;
+        h[b >> 3] |= (uint8_t)(1u << (b & 7));
+    }
+    if (b > a)
+        memset(h + (a >> 3), 0xFF, (size_t)((b - a) >> 3));
+}
+
 /* claim(src, n, copy, page_size, low, high, held, free) -> bytearray | int
  *
  *   src        address of n int64 slots
@@ -103,13 +154,29 @@ claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             lim = held_len;
         if (lim > free_len)
             lim = free_len;
-        for (i = 0; i < n; i++) {
-            int64_t id = src[i];
-            if (id < low || id >= lim || free_[id] || (held[id >> 3] >> (id & 7)) & 1) {
-                bad = i;
-                break;
+        for (i = 0; i < n;) {
+            /* the run of consecutive ids from src[i] (what an allocator mostly hands out) */
+            int64_t first = src[i];
+            Py_ssize_t j = i + 1;
+            while (j < n && (uint64_t)src[j] == (uint64_t)first + (uint64_t)(j - i))
+                j++;
+            int64_t len = (int64_t)(j - i);
+            if (len >= RUN_MIN && first >= low && first < lim && len <= lim - first
+                && !any_byte(free_ + first, len) && !any_bit(held, first, first + len)) {
+                set_bits(held, first, first + len); /* the whole run at once */
+                i = j;
+                continue;
             }
-            held[id >> 3] |= (uint8_t)(1u << (id & 7));
+            for (; i < j; i++) { /* slot by slot: a short run, or one that fails */
+                int64_t id = src[i];
+                if (id < low || id >= lim || free_[id] || (held[id >> 3] >> (id & 7)) & 1) {
+                    bad = i;
+                    break;
+                }
+                held[id >> 3] |= (uint8_t)(1u << (id & 7));
+            }
+            if (bad >= 0)
+                break;
         }
         if (bad < 0 && dst != NULL && n > 0)
             memcpy(dst, src, (size_t)n * sizeof(int64_t));

@@ -316,7 +316,7 @@ class KVComponent(Component):
         ``value`` itself: pass a tensor of its own (a copy, not a view of the caller's whole
         tensor: 8 bytes per cached token, not the request's length)."""
         node.kv_value = value
-        self._evictable += value.shape[0]
+        self._evictable += len(node.key)  # (one slot per token: cheaper than the tensor's size)
 
     def replace(self, node: TreeNode, value: torch.Tensor) -> None:
         """``node`` (unlocked) takes claimed ``value`` instead of its slots, which are freed."""
@@ -411,10 +411,13 @@ class KVComponent(Component):
         return not any(c.kv_value is not None for c in node.children.values())
 
     def refresh(self, node: TreeNode) -> None:
-        if self.is_candidate(node):
-            self.leaves.update(node)
-        else:
+        # (is_candidate inlined: called on every node a match, insert or unlock re-files)
+        if node.kv_lock or node.kv_value is None or node.parent is None or (
+                node.children and (not self.host_tier or any(
+                    c.kv_value is not None for c in node.children.values()))):
             self.leaves.discard(node)
+        else:
+            self.leaves.update(node)
 
     def pop_victim(self) -> TreeNode | None:
         """The unlocked device leaf first in policy order (removed from the order)."""

@@ -31,6 +31,7 @@ threads wraps the cache in ``radix.locked.LockedCache`` (one lock around every c
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -59,6 +60,9 @@ if TYPE_CHECKING:
     from allocators import MambaStatePool, SlotAllocator
     from allocators.swa import SWAAllocator
     from hicache.storage import StorageController
+
+#: A node's KV slots (``node.kv_value``), read in C.
+_KV_VALUE = attrgetter("kv_value")
 
 #: Request ids whose hit-count depth is remembered (``insert(rid=...)``), most recent kept.
 MAX_TRACKED_RIDS = 65536
@@ -179,8 +183,10 @@ class RadixCache:
         self._stamp_usable = config.match_recency == "usable"
         self._empty = register(torch.empty(0, dtype=torch.int64, device=self.device),
                                np.empty(0, dtype=np.int64))
+        #: The KV slots live on the CPU (an insert's checked ``value`` is then a CPU tensor).
+        self._on_cpu = self.device.type == "cpu"
         #: ``torch.cat`` of slot tensors; on a device it keeps their host mirrors.
-        self._cat = torch.cat if self.device.type == "cpu" else cat_slots
+        self._cat = torch.cat if self._on_cpu else cat_slots
         self._adopt_kv_order()
         self._init_counters()
 
@@ -245,7 +251,10 @@ class RadixCache:
             TypeError / ValueError: bad token ids. Complexity: O(matched nodes + key length).
         """
         trusted = type(key) is RadixKey
-        key, extra_key = resolve_key(key, extra_key)
+        if trusted and extra_key is None:  # (resolve_key's answer, without the call)
+            key, extra_key = key.token_ids, key.extra_key
+        else:
+            key, extra_key = resolve_key(key, extra_key)
         host = self._host
         if host is not None:
             host.before_match(key, extra_key)
@@ -300,7 +309,9 @@ class RadixCache:
                 indices = last.kv_value
                 assert indices is not None  # a usable (device) node holds KV slots
             else:
-                indices = self._cat(cast("list[torch.Tensor]", [n.kv_value for n in path[:usable]]))
+                # (one C pass over the nodes: no comprehension frame, no slice when whole)
+                indices = self._cat(list(map(_KV_VALUE, path if usable == len(path)
+                                             else path[:usable])))
             state_slot = last.state_slot
         else:
             last = tree.root
@@ -365,12 +376,15 @@ class RadixCache:
                 ``state_slot`` that is free in the pool or held by the tree; an unhashable
                 ``rid``; a missing state. Nothing changed then.
 
-        Complexity: O(key length) in C (the walk's key comparison, ``radix/_match.c``; the
-        adopted slots' checks, marks and copy in one pass, ``components/_claim.c``) plus
-        O(matched nodes) in Python.
+        Complexity: O(key length) in C (the walk, ``radix/_match.c``; the adopted slots'
+        checks, marks and copy in one pass, ``components/_claim.c``) plus O(matched nodes) in
+        Python.
         """
         trusted = type(key) is RadixKey
-        key, extra_key = resolve_key(key, extra_key)
+        if trusted and extra_key is None:  # (resolve_key's answer, without the call)
+            key, extra_key = key.token_ids, key.extra_key
+        else:
+            key, extra_key = resolve_key(key, extra_key)
         if isinstance(state_slot, torch.Tensor):
             state_slot = host_int(state_slot, "state_slot")
         for check in self.core.insert_checks:

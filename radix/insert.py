@@ -54,7 +54,9 @@ def insert_key(cache: RadixCache, key: Tokens, value: torch.Tensor, extra_key: A
     key is a ``RadixKey``'s token array (its walk may be the one its match remembered)."""
     core = cache.core
     ps = core.page_size
-    end = len(key) - len(key) % ps
+    end = len(key)
+    if ps != 1:
+        end -= end % ps
     tree = core.tree
     walk = tree.walk(key, end, extra_key, trusted)
     plan = InsertPlan(key, value, extra_key, state_slot, walk, end)
@@ -86,9 +88,13 @@ def insert_key(cache: RadixCache, key: Tokens, value: torch.Tensor, extra_key: A
     last = path[-1] if path else tree.root
     prefix_len = plan.prefix_len
     if prefix_len < plan.insert_end:
-        if not plan.cuts:  # the common case: one new leaf
+        if not plan.cuts:  # the common case: one new leaf (stamped at creation: _touch inlined)
             last = _new_leaf(cache, plan, last, prefix_len, plan.insert_end, own, now)
-            _touch(last, now, priority, counted, end)
+            if last.depth > counted:
+                last.hit_count = 1
+            if priority > 0:
+                last.priority = priority
+            last.history_len = end
         else:
             for n in _new_leaves(cache, plan, last, now):
                 _touch(n, now, priority, counted, end)
@@ -153,7 +159,7 @@ def _claim(cache: RadixCache, plan: InsertPlan) -> torch.Tensor | None:
     if not plan.revive:  # the common case: only the new tail is adopted
         if lo >= hi:
             return None
-        if value.is_cpu:
+        if cache._on_cpu:  # (checked: the value is on the allocator's device)
             return kv.claim_trusted(value, lo, hi, not plan.cuts)
         return kv.claim_device(value, lo, hi, not plan.cuts)
     ranges = sorted((t, e) for e, (t, _) in plan.revive.items())

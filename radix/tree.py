@@ -190,6 +190,34 @@ except ImportError:  # pragma: no cover - no compiler at install time
     common_prefix_len = _common_prefix_len_py
 
 
+def _walk_from_py(child: TreeNode | None, key: Tokens, end: int,
+                  ps: int) -> tuple[list[TreeNode], TreeNode | None, int, int]:
+    """The walk of ``key[:end]`` from ``child``, the root's child filed under the key's first
+    page: ``(path, partial, partial_len, matched_len)`` as in :class:`Walk`. The reference for
+    (and the fallback of) ``radix._match.walk_from``, which runs this loop in C."""
+    path: list[TreeNode] = []
+    pos = 0
+    while child is not None:
+        seg = child.key
+        seg_len = len(seg)
+        n = common_prefix_len(seg, key, pos, seg_len if pos + seg_len <= end else end - pos)
+        if n != seg_len:
+            n -= n % ps  # >= one page: the child's first page matched its index key
+            return path, child, n, pos + n
+        path.append(child)
+        pos += seg_len
+        if pos >= end:
+            break
+        child = child.children.get(key[pos] if ps == 1 else key[pos : pos + ps].tobytes())
+    return path, None, 0, pos
+
+
+try:  # the walk's loop in C (radix/_match.c)
+    from radix._match import walk_from
+except ImportError:  # pragma: no cover - no compiler at install time
+    walk_from = _walk_from_py
+
+
 class Walk(NamedTuple):
     """A read-only walk of a key (a tuple: built twice per request, so no dataclass).
 
@@ -270,28 +298,13 @@ class RadixTree:
                     and m[2] == ns:
                 return m[4]
         ps = self.page_size
-        path: list[TreeNode] = []
-        pos = 0
-        w: Walk | None = None
+        child = None
         if end > 0:  # the root files its children under (namespace, first page)
             child = self.root.children.get((ns, key[0] if ps == 1 else key[0:ps].tobytes()))
-            while child is not None:
-                seg = child.key
-                seg_len = len(seg)
-                n = common_prefix_len(seg, key, pos,
-                                      seg_len if pos + seg_len <= end else end - pos)
-                if n != seg_len:
-                    n -= n % ps  # >= one page: the child's first page matched its index key
-                    w = new_tuple(Walk, (path, child, n, pos + n))
-                    break
-                path.append(child)
-                pos += seg_len
-                if pos >= end:
-                    break
-                child = child.children.get(key[pos] if ps == 1
-                                           else key[pos : pos + ps].tobytes())
-        if w is None:
-            w = new_tuple(Walk, (path, None, 0, pos))
+        if child is None:
+            w = new_tuple(Walk, ([], None, 0, 0))
+        else:
+            w = new_tuple(Walk, walk_from(child, key, end, ps))
         if trusted:
             self._memo = (key, end, ns, self.version, w)
         return w
@@ -336,7 +349,10 @@ class RadixTree:
         leaf.depth = parent.depth + len(seg)
         leaf.extra_key = extra_key
         leaf.parent = parent
-        parent.children[self.child_key(parent, seg, 0, extra_key)] = leaf
+        pk = seg[0] if self.page_size == 1 else seg[: self.page_size].tobytes()  # (child_key)
+        if parent is self.root:
+            pk = (namespace_key(extra_key), pk)
+        parent.children[pk] = leaf
         self.num_nodes += 1
         self.version += 1
         return leaf

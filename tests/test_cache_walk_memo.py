@@ -39,7 +39,8 @@ def insert(cache: RadixCache, kv: TokenAllocator, key: RadixKey | list[int]) -> 
 
 @pytest.fixture
 def walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the node segments the walks compare (a remembered walk compares none)."""
+    """Counts the node segments the walks compare (a remembered walk compares none): the
+    walk runs its Python loop (the C loop's reference) over a counting comparison."""
     count = [0]
     real = tree_mod.common_prefix_len
 
@@ -48,6 +49,7 @@ def walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return real(seg, key, pos, limit)
 
     monkeypatch.setattr(tree_mod, "common_prefix_len", counted)
+    monkeypatch.setattr(tree_mod, "walk_from", tree_mod._walk_from_py)
     return count
 
 

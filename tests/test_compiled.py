@@ -1,12 +1,15 @@
 """The two C hot loops against the Python code they replace (and fall back to).
 
-The slot claim (components/_claim.c) and the numpy claim: both run on the same component state and the same candidate slots (drawn from the allocator's
-handed-out slots, the tree's own slots, free slots, out-of-range ids, repeats and pages out of
-order); they must agree on whether the claim is refused, with which message, on the marks left
+The slot claim (components/_claim.c) and the numpy claim: both run on the same component
+state and the same candidate slots (drawn from the allocator's handed-out slots, the tree's own
+slots, free slots, out-of-range ids, repeats and pages out of order, and long runs of
+consecutive slots, which the C pass checks and marks as ranges); they must agree on whether the claim is refused, with which message, on the marks left
 behind and on the copy returned. A few hand-built cases pin the expected answer itself.
 
 The walk's key comparison (radix/_match.c) and the Python binary search: the same length for
-every segment, key, position and limit, checked against a token-by-token count.
+every segment, key, position and limit, checked against a token-by-token count. The walk's
+loop (radix/_match.c walk_from) and its Python reference: the same path, partial node and
+lengths over drawn trees, the matched length checked against a count by hand.
 """
 
 from __future__ import annotations
@@ -93,6 +96,44 @@ def test_c_claim_agrees_with_numpy(ps: int, data: st.DataObject) -> None:
     assert err_c == err_np
     assert held_c is not None and held_np is not None and (held_c == held_np).all()
     assert copy_c == copy_np
+    if err_c is None:
+        assert copy_c == slots
+
+
+RUN_POOL = 256
+
+
+@needs_claim_c
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_c_claim_of_runs_agrees_with_numpy(data: st.DataObject) -> None:
+    # Long runs of consecutive slots (checked and marked as ranges in C) at any offset and
+    # length, some crossing a slot the tree holds, a free slot or the pool's end, some
+    # repeating an earlier run: the same answer, marks and copy as the numpy claim.
+    def make() -> tuple[KVComponent, list[int]]:
+        alloc = TokenAllocator(RUN_POOL)
+        kv = KVComponent(alloc, lambda n: (n.id,))
+        out = alloc.alloc(RUN_POOL - 16)  # slots RUN_POOL - 15 .. RUN_POOL stay free
+        assert out is not None
+        held = out[100:103]  # three slots inside the handed-out range: the tree's
+        kv.claim(held)
+        return kv, held.tolist()
+
+    kv_c, held = make()
+    kv_np, _ = make()
+    slots: list[int] = []
+    for _ in range(data.draw(st.integers(1, 4), label="runs")):
+        first = data.draw(st.integers(-2, RUN_POOL + 2), label="first")
+        length = data.draw(st.integers(1, 80), label="length")
+        slots += range(first, first + length)
+    value = torch.tensor(slots, dtype=torch.int64)
+    err_c, held_c, copy_c = _run(kv_c, value, True)
+    err_np, held_np, copy_np = _run(kv_np, value, False)
+    assert err_c == err_np
+    assert held_c is not None and held_np is not None and (held_c == held_np).all()
+    assert copy_c == copy_np
+    fits = all(1 <= s <= RUN_POOL - 16 for s in slots) and not set(slots) & set(held)
+    assert (err_c is None) == (fits and len(set(slots)) == len(slots))
     if err_c is None:
         assert copy_c == slots
 
@@ -199,3 +240,77 @@ def test_c_common_prefix_len_refuses_out_of_range() -> None:
         tree_mod.common_prefix_len(a, b, 0, 4)  # seg[:4] is past the segment's end
     with pytest.raises(TypeError, match="int64"):
         tree_mod.common_prefix_len(array("i", [1]), b, 0, 1)
+
+
+needs_walk_c = pytest.mark.skipif(
+    tree_mod.walk_from is tree_mod._walk_from_py, reason="C walk not built"
+)
+
+
+def _tree_of(keys: list[list[int]], ps: int) -> tree_mod.RadixTree:
+    """A tree holding ``keys`` (each cut to whole pages), built with the tree's own add_leaf
+    and split, without any component: a reference insert over :meth:`RadixTree.walk`."""
+    tree = tree_mod.RadixTree(ps, lambda upper, lower, n: None)
+    for k in keys:
+        key = array("q", k)
+        end = len(key) - len(key) % ps
+        w = tree.walk(key, end, None)
+        last = w.path[-1] if w.path else tree.root
+        if w.partial is not None:
+            last = tree.split(w.partial, w.partial_len)
+        if w.matched_len < end:
+            tree.add_leaf(last, key[w.matched_len:end], None, 0)
+    return tree
+
+
+def _matched_by_hand(keys: list[list[int]], key: list[int], ps: int) -> int:
+    """Longest whole-page prefix of ``key`` that some cached key (cut to whole pages) shares."""
+    best = 0
+    for k in keys:
+        k = k[: len(k) - len(k) % ps]
+        n = 0
+        while n < min(len(k), len(key)) and k[n] == key[n]:
+            n += 1
+        best = max(best, n - n % ps)
+    return best
+
+
+@needs_walk_c
+@settings(max_examples=60, deadline=None)
+@given(ps=st.sampled_from([1, 2, 4]), data=st.data())
+def test_c_walk_agrees_with_python_and_by_hand(ps: int, data: st.DataObject) -> None:
+    tokens = st.lists(st.integers(0, 3), min_size=0, max_size=24)
+    keys = data.draw(st.lists(tokens, min_size=1, max_size=8), label="cached")
+    tree = _tree_of(keys, ps)
+    probe = data.draw(st.one_of(st.sampled_from(keys), tokens), label="probe")
+    key = array("q", probe)
+    end = len(key) - len(key) % ps
+    root_child = tree.root.children.get((None, key[0] if ps == 1 else key[0:ps].tobytes())) \
+        if end else None
+    got = tree_mod.walk_from(root_child, key, end, ps)
+    assert got == tree_mod._walk_from_py(root_child, key, end, ps)
+    path, partial, partial_len, matched = got
+    assert matched == _matched_by_hand(keys, probe, ps)
+    assert matched == (path[-1].depth if path else 0) + partial_len
+    assert [n.parent for n in path] == [tree.root, *path][: len(path)]
+    if partial is not None:
+        assert 0 < partial_len < len(partial.key) and partial_len % ps == 0
+
+
+@needs_walk_c
+def test_c_walk_refuses_bad_arguments() -> None:
+    tree = _tree_of([[1, 2, 3, 4]], 2)
+    child = tree.root.children[(None, array("q", [1, 2]).tobytes())]
+    key = array("q", [1, 2, 3, 4])
+    assert tree_mod.walk_from(child, key, 4, 2) == ([child], None, 0, 4)
+    assert tree_mod.walk_from(None, key, 4, 2) == ([], None, 0, 0)
+    with pytest.raises(ValueError, match="page-multiple end inside the key"):
+        tree_mod.walk_from(child, key, 6, 2)  # past the key's end
+    with pytest.raises(ValueError, match="page-multiple end inside the key"):
+        tree_mod.walk_from(child, key, 3, 2)  # not a page multiple
+    with pytest.raises(ValueError, match="int64 key"):
+        tree_mod.walk_from(child, array("i", [1, 2, 3, 4]), 4, 2)
+    with pytest.raises(TypeError, match="int64 buffer"):
+        tree_mod.walk_from(type("N", (), {"key": array("i", [1, 2])})(), key, 4, 2)
+    with pytest.raises(AttributeError):
+        tree_mod.walk_from(object(), key, 4, 2)
