@@ -32,29 +32,40 @@ mistakes:
   ``depth - a``), or when it agreed with the leader's victim that turns out needed.
 
 Charges decay with a half-life of :data:`REGRET_HALF_LIFE` stores; the leader changes when
-another order's charge is below the leader's by the factor :data:`SWITCH_MARGIN`. The other
-orders then forget their exclusions (the pool is what the old leader left).
+another order's charge is below the leader's by the factor :data:`SWITCH_MARGIN` *and* by
+more than the mean matched key length (one mistake on an average request is no evidence that
+an order is worse: on a small pool the first such charge decided the lead by chance). The
+other orders then forget their exclusions (the pool is what the old leader left).
 
 The ``signals`` weight, from the tree around ``s`` (``below``: live states whose nearest
 shallower live state is ``s``):
 
 * ``leaf`` (nothing below): the learned reuse probability of its *seen-share bucket* (the
   share of its prefix other requests had inserted before: under 30 %, 30-90 %, at least
-  90 %) relative to all leaves. Outcomes are read from KV-level reuse (``hit_count`` of the
-  node after ``2 x`` live-states stores), so the walk's own evictions do not censor them.
+  90 %) relative to all leaves, times ``1 + hits`` (the state's own hits since it was
+  cached, GDSF's frequency: a leaf consumed without being extended, such as a shared
+  prompt's end state, is worth more each time). Outcomes are read from KV-level reuse
+  (``hit_count`` of the node after ``2 x`` live-states stores), so the walk's own evictions
+  do not censor them.
 * ``chain`` (consumed by a request that then cached a state below it: the conversation
   moved past it; not consumed since): ``w = 0`` while chains are learned to be hit less often
   than leaves, else 1.
 * ``spine`` (states below it were cached without it being consumed in between: the chunk
-  checkpoints of one long prompt, a fork state and its own request's end): the same rule as
-  chains, with its own learned rate. The two are apart because a document's chunk
-  checkpoints are what its next question resumes from, while a conversation's old turns are
-  not (measured: one rule for both loses either Mooncake's conversations or document QA).
+  checkpoints of one long prompt, a fork state and its own request's end): its learned hit
+  rate relative to the leaves', capped at 1 (``w = min(1, rate(spine) / rate(leaf))``, the
+  relative reuse a leaf's bucket weight is too). The two are apart because a document's
+  chunk checkpoints are what its next questions resume from, while a conversation's old
+  turns are not (measured: one rule for both loses either Mooncake's conversations or
+  document QA); and spines are graded, not cut to 0, because the rate of spines is censored
+  by their own evictions (a spine at weight 0 is gone before it can be hit), so a 0 / 1 rule
+  locked document QA into evicting the states its next questions need.
 * ``hub0`` (born with states below: a fork checkpoint; not consumed since): ``w = 1``.
 * ``hub`` (consumed ``k >= 1`` times while it had states below: a shared prefix): ``w = 1 + k``.
 
 Hit rates per kind are hits per state per store (exposure and hits decayed, half-life
-:data:`RATE_HALF_LIFE` stores, prior :data:`RATE_PRIOR` exposure units at the leaves' rate).
+:data:`RATE_HALF_LIFE` stores; prior: :data:`RATE_PRIOR` stores of the whole live pool's
+exposure at the leaves' rate, so a kind is believed as hot as leaves until it has been
+watched for as long as a pool's worth of states would take to show it).
 
 Constants were fixed once on the exploration set named in ``bench/README.md``; none is a knob
 a user sets. Lazy heaps: every entry is a lower bound of its order's true priority (stamps
@@ -88,11 +99,13 @@ BUCKET_PRIOR = 16.0
 RATE_HALF_LIFE = 4096.0
 """Stores after which a per-kind hit or exposure counts half."""
 RATE_PRIOR = 4.0
-"""Pseudo-exposure of each kind's hit rate, at the leaves' rate."""
+"""Pseudo-exposure of each kind's hit rate at the leaves' rate, in stores of the live pool
+(``RATE_PRIOR x live states`` state-stores)."""
 REGRET_HALF_LIFE = 2048.0
 """Stores after which an order's charged mistakes count half."""
 SWITCH_MARGIN = 1.5
-"""Another order leads once the leader's charge exceeds its own by this factor."""
+"""Another order leads once the leader's charge exceeds its own by this factor (and by more
+than the mean matched key length)."""
 
 LEAF, CHAIN, HUB0, HUB, SPINE = 0, 1, 2, 3, 4
 KINDS = (LEAF, CHAIN, HUB0, HUB, SPINE)
@@ -155,6 +168,8 @@ class AdaptiveGDSStrategy:
         self.regret = [0.0] * len(self.orders)
         self._regret_keep = 0.5 ** (1.0 / REGRET_HALF_LIFE)
         self.switches = 0
+        self.matches = 0
+        self.matched_tokens = 0
         self.ghosts = Ghosts(self._ghost_dropped)
         self._victim: TreeNode | None = None
         #: The KV-leaf order the cache adopts (``RadixCache`` without a host tier).
@@ -205,7 +220,8 @@ class AdaptiveGDSStrategy:
         leaf = (self.rate_hits[LEAF] + 1.0) / (self.exposure[LEAF] + 1.0)
         if k == LEAF:
             return leaf
-        return (self.rate_hits[k] + RATE_PRIOR * leaf) / (self.exposure[k] + RATE_PRIOR)
+        prior = RATE_PRIOR * max(len(self._live), 1)
+        return (self.rate_hits[k] + prior * leaf) / (self.exposure[k] + prior)
 
     def bucket_weight(self, b: int) -> float:
         """Learned reuse probability of seen-share bucket ``b`` over that of all leaves."""
@@ -216,7 +232,7 @@ class AdaptiveGDSStrategy:
         """The ``signals`` order's weight of the state on node ``nid``."""
         k = self.kind[nid]
         if k == LEAF:
-            return self.bucket_weight(self.bucket[nid])
+            return self.bucket_weight(self.bucket[nid]) * (1.0 + self.hits[nid])
         if k == CHAIN:
             return self.chain_weight
         if k == SPINE:
@@ -239,10 +255,12 @@ class AdaptiveGDSStrategy:
             self.orders[0].reweigh(node)
 
     def _rules(self) -> None:
-        """The chain and spine rules (0 while the kind is hit less often than leaves)."""
+        """The chain rule (0 while chains are hit less often than leaves, else 1) and the
+        spine weight (``min(1, rate(spine) / rate(leaf))``)."""
         leaf = self.rate(LEAF)
         for k, attr in ((CHAIN, "chain_weight"), (SPINE, "spine_weight")):
-            w = 0.0 if self.rate(k) < leaf else 1.0
+            rel = self.rate(k) / leaf
+            w = min(1.0, rel) if k == SPINE else 0.0 if rel < 1.0 else 1.0
             if w != getattr(self, attr):
                 setattr(self, attr, w)
                 order = self.orders[0]
@@ -290,7 +308,9 @@ class AdaptiveGDSStrategy:
         r = self.regret
         lead = self.leader
         best = min(range(len(r)), key=lambda i: (r[i], i != lead))
-        if best != lead and r[lead] > SWITCH_MARGIN * r[best]:
+        if best == lead or r[lead] <= SWITCH_MARGIN * r[best]:
+            return
+        if r[lead] - r[best] > self.matched_tokens / max(self.matches, 1):
             self.leader = best
             self.switches += 1
             for o in self.orders:
@@ -367,6 +387,8 @@ class AdaptiveGDSStrategy:
     def on_match(self, kv_end: TreeNode | None, consumed: TreeNode | None,
                  key: Sequence[int], end: int) -> None:
         """Charge the orders (state and KV) that evicted what this match would have used."""
+        self.matches += 1
+        self.matched_tokens += end
         if kv_end is None:
             return
         self.kv_leaves.on_match(kv_end, consumed, key, end)

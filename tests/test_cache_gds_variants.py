@@ -331,14 +331,46 @@ def test_adaptive_kinds_spine_chain_fork_and_hub() -> None:
     assert cache.match_prefix(D + [901]).state_slot == pool_slot(e1)  # e1 consumed ...
     x, _ = put(cache, kv, pool, D + [901, 902])  # ... and moved past: a chain
     assert walk.kind[e1.id] == CHAIN and walk.superseded[e1.id]
-    # rules: 0 while the kind is hit less often than leaves (the leaves' rate is the prior)
+    # rules: chains 0 while hit less often than leaves, else 1; spines their rate over the
+    # leaves', capped at 1. Prior: 4 stores of the live pool (6 states) at the leaves' rate.
     walk.rate_hits[SPINE] += 50.0
     put(cache, kv, pool, [700])
     assert walk.spine_weight == 1.0 and walk.orders[0].w[s1.id] == 1.0
-    walk.rate_hits[LEAF] += 500.0
-    put(cache, kv, pool, [701])
-    assert walk.spine_weight == 0.0 and walk.chain_weight == 0.0
-    assert walk.orders[0].w[s1.id] == 0.0 and walk.orders[0].w[e1.id] == 0.0
+    assert len(state_nodes(cache)) == 6
+    walk.rate_hits[LEAF], walk.exposure[LEAF] = 9.0, 99.0  # leaves: 10 / 100 = 0.1
+    walk.rate_hits[SPINE], walk.exposure[SPINE] = 2.6, 76.0  # (2.6 + 24 x 0.1) / 100 = 0.05
+    walk.rate_hits[CHAIN], walk.exposure[CHAIN] = 8.0, 76.0  # (8 + 2.4) / 100 = 0.104
+    walk._rules()
+    assert walk.spine_weight == pytest.approx(0.5) and walk.chain_weight == 1.0
+    assert walk.orders[0].w[s1.id] == pytest.approx(0.5) and walk.orders[0].w[e1.id] == 1.0
+    walk.rate_hits[CHAIN] = 6.0  # (6 + 2.4) / 100 = 0.084, below the leaves' 0.1
+    walk.rate_hits[SPINE] = 0.6  # (0.6 + 2.4) / 100 = 0.03: weight 0.3
+    walk._rules()
+    assert walk.chain_weight == 0.0 and walk.orders[0].w[e1.id] == 0.0
+    assert walk.spine_weight == pytest.approx(0.3) and walk.orders[0].w[s2.id] == pytest.approx(0.3)
+    walk.rate_hits[SPINE] = 20.0  # hit more often than leaves: capped at 1
+    walk._rules()
+    assert walk.spine_weight == 1.0
+    cache.sanity_check()
+
+
+def test_adaptive_leaf_weight_counts_its_own_hits() -> None:
+    """A leaf consumed and not extended (a shared prompt's end state asked again) gains
+    GDSF's frequency in the signals order: weight = bucket weight x (1 + hits). With no
+    bucket outcome resolved yet, the bucket weight is its prior, exactly 1: weights 1, 2, 3."""
+    cache, kv, pool = make(policy="gds_adaptive")
+    walk = cache.state.gds
+    assert isinstance(walk, AdaptiveGDSStrategy)
+    P = list(range(1, 201))
+    leaf, slot = put(cache, kv, pool, P)
+    put(cache, kv, pool, list(range(1001, 1101)))
+    assert walk.bucket_weight(walk.bucket[leaf.id]) == 1.0
+    assert walk.orders[0].w[leaf.id] == 1.0
+    for k in (1, 2):
+        assert cache.match_prefix(P + [9000 + k]).state_slot == slot
+        assert walk.kind[leaf.id] == LEAF and walk.hits[leaf.id] == k
+        assert walk.orders[0].w[leaf.id] == 1.0 + k
+        assert walk.orders[2].w[leaf.id] == 1.0 + k  # gdsf agrees on a leaf at the prior
     cache.sanity_check()
 
 

@@ -130,11 +130,13 @@ def test_ghost_of_a_removed_anchor_is_dropped() -> None:
 
 def test_the_lead_moves_to_the_order_charged_less() -> None:
     """d = 1, e = 0, four state slots. One prompt's chunk checkpoints at 100, 200, 300 and
-    its end at 320: spines with weight 0 once leaves are hot. The signals order evicts the
-    spine at 100 (weight 0, first in), gds would evict the end state (20 over 300, excluded
-    in its own pool). A request then forks at 150: it would have consumed the spine at 100
-    (100 tokens, charged to signals); nobody needed gds's choice. At the next store gds leads
-    and every order is back on the real pool."""
+    its end at 320: spines, nearly weightless once they have been watched for long without a
+    hit. The signals order evicts the spine at 100 (weight ~0, first in), gds would evict the
+    end state (20 over 300, excluded in its own pool). A request then forks at 150: it would
+    have consumed the spine at 100 (100 tokens, charged to signals); nobody needed gds's
+    choice. One such mistake is no evidence while the mean matched key is longer (151): the
+    lead stays. After three one-token lookups the mean is (151 + 3) / 4 = 38.5 and at the next
+    store gds leads, every order back on the real pool."""
     cache, kv, pool = make(policy="gds_adaptive", states=4)
     walk = cache.state.gds
     assert isinstance(walk, AdaptiveGDSStrategy)
@@ -142,10 +144,10 @@ def test_the_lead_moves_to_the_order_charged_less() -> None:
     s100, _ = put(cache, kv, pool, D[:100])
     s200, _ = put(cache, kv, pool, D[:200])
     s300, _ = put(cache, kv, pool, D[:300])
-    walk.rate_hits[LEAF] += 100.0  # leaves hot: the spine rule flips at the next store
+    walk.exposure[SPINE] += 5000.0  # watched for long, never hit: weight ~ 16 / 5000
     e, _ = put(cache, kv, pool, D)
     assert [walk.kind[n.id] for n in (s100, s200, s300, e)] == [SPINE, SPINE, SPINE, LEAF]
-    assert walk.spine_weight == 0.0
+    assert 0.0 < walk.spine_weight < 0.005
     assert cache.evict_states(1).num_states == 1
     assert s100.state_slot is None  # the leader's (signals) victim
     gds = walk.orders[1]
@@ -154,6 +156,12 @@ def test_the_lead_moves_to_the_order_charged_less() -> None:
     m = cache.match_prefix(D[:150] + [999])
     assert m.prefix_len == 0  # nothing usable above 150 now
     assert walk.regret == [pytest.approx(100.0), 0.0, 0.0]
+    assert (walk.matches, walk.matched_tokens) == (1, 151)
+    walk._maybe_switch()
+    assert walk.leader == 0 and walk.switches == 0  # 100 tokens: less than one mean match
+    for t in (7001, 7002, 7003):
+        assert cache.match_prefix([t]).prefix_len == 0
+    assert (walk.matches, walk.matched_tokens) == (4, 154)
     put(cache, kv, pool, [5000])  # a store: the lead moves
     assert walk.leader == 1 and walk.switches == 1
     assert all(not o.excluded and not o.retained for o in walk.orders)
