@@ -40,6 +40,42 @@
  * check is the reference for the messages). Else the ids are written to the ring as above
  * and n is returned.
  */
+/* The free list's ring (int64, capacity entries) and free mask (one byte per id 0 .. capacity)
+ * as writable buffers, checked for k ids written from ring position start. Returns the
+ * capacity, or -1 with an exception set and no buffer held. */
+static Py_ssize_t
+open_free_list(const char *fn, PyObject *ring, PyObject *free, Py_ssize_t k, Py_ssize_t start,
+               Py_buffer *rb, Py_buffer *fb)
+{
+    if (PyObject_GetBuffer(ring, rb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if (PyObject_GetBuffer(free, fb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(rb);
+        return -1;
+    }
+    Py_ssize_t cap = rb->len / 8;
+    if (rb->itemsize != 8 || fb->itemsize != 1 || fb->len != cap + 1) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s(): ring must be int64 and free one byte per id 0 .. capacity", fn);
+    } else if (k > cap || start < 0 || (cap > 0 && start >= cap) || (cap == 0 && k > 0)) {
+        PyErr_Format(PyExc_ValueError, "%s(): more ids than the ring holds, or bad start", fn);
+    } else {
+        return cap;
+    }
+    PyBuffer_Release(fb);
+    PyBuffer_Release(rb);
+    return -1;
+}
+
+/* Write the n ids at src to the ring from position start, wrapping (one or two memcpy). */
+static void
+write_ring(int64_t *ring, Py_ssize_t cap, Py_ssize_t start, const int64_t *src, Py_ssize_t n)
+{
+    Py_ssize_t first = cap - start < n ? cap - start : n; /* up to the ring's end */
+    memcpy(ring + start, src, (size_t)first * sizeof(int64_t));
+    memcpy(ring, src + first, (size_t)(n - first) * sizeof(int64_t));
+}
+
 static PyObject *
 release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -58,24 +94,11 @@ release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_buffer rb, fb;
-    if (PyObject_GetBuffer(args[3], &rb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        return NULL;
-    if (PyObject_GetBuffer(args[5], &fb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(&rb);
-        return NULL;
-    }
-    PyObject *result = NULL;
-    Py_ssize_t cap = rb.len / 8;
-    if (rb.itemsize != 8 || fb.itemsize != 1 || fb.len != cap + 1) {
-        PyErr_SetString(PyExc_TypeError,
-                        "release(): ring must be int64 and free one byte per id 0 .. capacity");
-        goto done;
-    }
     Py_ssize_t k = n / ps;
-    if (k > cap || start < 0 || (cap > 0 && start >= cap) || (cap == 0 && k > 0)) {
-        PyErr_SetString(PyExc_ValueError, "release(): more ids than the ring holds, or bad start");
-        goto done;
-    }
+    Py_ssize_t cap = open_free_list("release", args[3], args[5], k, start, &rb, &fb);
+    if (cap < 0)
+        return NULL;
+    PyObject *result = NULL;
     int64_t *ring = (int64_t *)rb.buf;
     uint8_t *mask = (uint8_t *)fb.buf;
     Py_ssize_t i;
@@ -91,9 +114,7 @@ release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                          (long long)(lo < 1 ? lo : hi), cap);
             goto done;
         }
-        Py_ssize_t first = cap - start < n ? cap - start : n; /* up to the ring's end */
-        memcpy(ring + start, src, (size_t)first * sizeof(int64_t));
-        memcpy(ring, src + first, (size_t)(n - first) * sizeof(int64_t));
+        write_ring(ring, cap, start, src, n);
         for (i = 0; i < n; i++)
             mask[src[i]] = 1;
     } else {
@@ -138,23 +159,10 @@ checked(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_buffer rb, fb;
-    if (PyObject_GetBuffer(args[2], &rb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+    Py_ssize_t cap = open_free_list("checked", args[2], args[4], n, start, &rb, &fb);
+    if (cap < 0)
         return NULL;
-    if (PyObject_GetBuffer(args[4], &fb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(&rb);
-        return NULL;
-    }
     PyObject *result = NULL;
-    Py_ssize_t cap = rb.len / 8;
-    if (rb.itemsize != 8 || fb.itemsize != 1 || fb.len != cap + 1) {
-        PyErr_SetString(PyExc_TypeError,
-                        "checked(): ring must be int64 and free one byte per id 0 .. capacity");
-        goto done;
-    }
-    if (n > cap || start < 0 || (cap > 0 && start >= cap) || (cap == 0 && n > 0)) {
-        PyErr_SetString(PyExc_ValueError, "checked(): more ids than the ring holds, or bad start");
-        goto done;
-    }
     int64_t *ring = (int64_t *)rb.buf;
     uint8_t *mask = (uint8_t *)fb.buf;
     Py_ssize_t i;
@@ -170,9 +178,7 @@ checked(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         result = PyLong_FromLong(-1);
         goto done;
     }
-    Py_ssize_t first = cap - start < n ? cap - start : n; /* up to the ring's end */
-    memcpy(ring + start, src, (size_t)first * sizeof(int64_t));
-    memcpy(ring, src + first, (size_t)(n - first) * sizeof(int64_t));
+    write_ring(ring, cap, start, src, n);
     result = PyLong_FromSsize_t(n);
 done:
     PyBuffer_Release(&fb);
