@@ -39,6 +39,18 @@
  * -1 is returned with nothing changed (the caller then names the error: FreeList's numpy
  * check is the reference for the messages). Else the ids are written to the ring as above
  * and n is returned.
+ *
+ * release_held(src, n, page_size, held, ring, start, free) -> int
+ *
+ * The radix cache's free of one node's slots as it leaves the tree: the KV component's held
+ * marks (held: writable uint8 buffer, one bit per id, bit id & 7 of byte id >> 3) are cleared
+ * and the ids appended to the ring and marked free, all in one loop over the node's memory
+ * (ids as in release(): the first slot of each page / page_size). Every id must lie in
+ * 1 .. capacity and inside held, be held (its bit set) and in use (free[id] == 0); a repeat is
+ * seen as "not held". On the first id that is not, the clears and marks made so far are undone
+ * and -1 is returned with nothing changed (the ring entries past the free list's end are not
+ * part of its state): the caller then takes the general path (unmark, free_owned), whose
+ * behaviour on such slots is the reference. Else returns the number of ids written.
  */
 /* The free list's ring (int64, capacity entries) and free mask (one byte per id 0 .. capacity)
  * as writable buffers, checked for k ids written from ring position start. Returns the
@@ -186,6 +198,121 @@ done:
     return result;
 }
 
+static PyObject *
+release_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "release_held() takes 7 arguments");
+        return NULL;
+    }
+    const int64_t *src = (const int64_t *)PyLong_AsVoidPtr(args[0]);
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    long long ps = PyLong_AsLongLong(args[2]);
+    Py_ssize_t start = PyLong_AsSsize_t(args[5]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (n < 0 || ps < 1 || n % ps != 0 || (n > 0 && src == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "release_held(): bad length, page size or source");
+        return NULL;
+    }
+    Py_buffer hb, rb, fb;
+    if (PyObject_GetBuffer(args[3], &hb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (hb.itemsize != 1) {
+        PyBuffer_Release(&hb);
+        PyErr_SetString(PyExc_TypeError, "release_held(): held must be uint8 bits");
+        return NULL;
+    }
+    Py_ssize_t k = n / ps;
+    Py_ssize_t cap = open_free_list("release_held", args[4], args[6], k, start, &rb, &fb);
+    if (cap < 0) {
+        PyBuffer_Release(&hb);
+        return NULL;
+    }
+    uint8_t *held = (uint8_t *)hb.buf;
+    int64_t *ring = (int64_t *)rb.buf;
+    uint8_t *mask = (uint8_t *)fb.buf;
+    /* the highest id both the free list and the held marks cover */
+    int64_t top = (int64_t)cap < (int64_t)hb.len * 8 - 1 ? (int64_t)cap : (int64_t)hb.len * 8 - 1;
+    PyObject *result = NULL;
+    Py_ssize_t i, pos;
+    if (ps == 1) { /* token slots: the ids are the slots (branch-free loops, one memcpy) */
+        if (n == 0) {
+            result = PyLong_FromLong(0);
+            goto done;
+        }
+        unsigned bad = 0;
+        for (i = 0; i < n; i++) { /* every id in range, held and in use (read only; an id out
+                                   * of range reads id 0's entries instead, and is refused) */
+            int64_t id = src[i];
+            unsigned out = (unsigned)(id < 1) | (unsigned)(id > top);
+            id = out ? 0 : id;
+            bad |= out | (~(unsigned)held[id >> 3] >> (id & 7) & 1u) | mask[id];
+        }
+        if (bad)
+            goto refuse;
+        Py_ssize_t fresh = 0;
+        int64_t byte = src[0] >> 3; /* (n > 0 here) */
+        unsigned bits = 0;
+        for (i = 0; i < n; i++) { /* mark; a repeat finds its mark already set */
+            int64_t id = src[i];
+            fresh += 1 - mask[id];
+            mask[id] = 1;
+            if (id >> 3 != byte) { /* the held bits are cleared one byte at a time: a node's
+                                    * slots come in runs, and a store per slot would wait on
+                                    * the one before it */
+                held[byte] &= (uint8_t)~bits;
+                byte = id >> 3;
+                bits = 0;
+            }
+            bits |= 1u << (id & 7);
+        }
+        held[byte] &= (uint8_t)~bits;
+        if (fresh != n) { /* a repeat: every id was held and in use, so restore exactly that */
+            for (i = 0; i < n; i++) {
+                int64_t id = src[i];
+                held[id >> 3] |= (uint8_t)(1u << (id & 7));
+                mask[id] = 0;
+            }
+            goto refuse;
+        }
+        write_ring(ring, cap, start, src, n);
+        result = PyLong_FromSsize_t(n);
+        goto done;
+    }
+    for (i = 0; i < n; i += ps) { /* pages: check every id first (range, held, in use) */
+        int64_t id = src[i] / ps;
+        if (id < 1 || id > top || !(held[id >> 3] >> (id & 7) & 1u) || mask[id])
+            goto refuse;
+    }
+    for (i = 0, pos = start; i < n; i += ps) {
+        int64_t id = src[i] / ps;
+        if (mask[id]) { /* a repeat: undo the ids before it (all were held and in use) */
+            while (i > 0) {
+                i -= ps;
+                id = src[i] / ps;
+                held[id >> 3] |= (uint8_t)(1u << (id & 7));
+                mask[id] = 0;
+            }
+            goto refuse;
+        }
+        held[id >> 3] &= (uint8_t)~(1u << (id & 7));
+        mask[id] = 1;
+        ring[pos] = id; /* past the free list's end until the caller moves the count */
+        if (++pos == cap)
+            pos = 0;
+    }
+    result = PyLong_FromSsize_t(k);
+    goto done;
+refuse: /* nothing changed */
+    result = PyLong_FromLong(-1);
+done:
+    PyBuffer_Release(&fb);
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&hb);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"checked", (PyCFunction)(void (*)(void))checked, METH_FASTCALL,
      "checked(src, n, ring, start, free) -> ids written, or -1 (nothing changed) when an id is "
@@ -193,6 +320,10 @@ static PyMethodDef methods[] = {
     {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL,
      "release(src, n, page_size, ring, start, free) -> ids written: append a node's ids to a "
      "free ring and mark them free"},
+    {"release_held", (PyCFunction)(void (*)(void))release_held, METH_FASTCALL,
+     "release_held(src, n, page_size, held, ring, start, free) -> ids written, or -1 (nothing "
+     "changed) when an id is outside, not held or already free: a node's slots leave the tree "
+     "(held marks cleared, ids appended to the free ring and marked free) in one pass"},
     {NULL, NULL, 0, NULL},
 };
 
