@@ -405,7 +405,7 @@ class KVComponent(Component):
             while freed < target:
                 while heap:
                     top = heappop(heap)
-                    nid = top[1]
+                    nid = top[-1]
                     if get(nid) is top:
                         del entries[nid]
                         node = members.pop(nid)
