@@ -40,17 +40,24 @@
  * check is the reference for the messages). Else the ids are written to the ring as above
  * and n is returned.
  *
- * release_held(src, n, page_size, held, ring, start, free) -> int
+ * release_held(src, n, page_size, held, held_bytes, ring, capacity, start, free) -> int
  *
- * The radix cache's free of one node's slots as it leaves the tree: the KV component's held
- * marks (held: writable uint8 buffer, one bit per id, bit id & 7 of byte id >> 3) are cleared
- * and the ids appended to the ring and marked free, all in one loop over the node's memory
- * (ids as in release(): the first slot of each page / page_size). Every id must lie in
- * 1 .. capacity and inside held, be held (its bit set) and in use (free[id] == 0); a repeat is
- * seen as "not held". On the first id that is not, the clears and marks made so far are undone
- * and -1 is returned with nothing changed (the ring entries past the free list's end are not
- * part of its state): the caller then takes the general path (unmark, free_owned), whose
- * behaviour on such slots is the reference. Else returns the number of ids written.
+ * The radix cache's free of one node's slots as it leaves the tree: the ids (as in release():
+ * the first slot of each page / page_size) are cleared in the KV component's held marks,
+ * marked free and appended to the ring, in one call: a read-only check pass over the node's
+ * memory, then the writes (page size 1: the marks and the held bits in one loop, the ring as
+ * one memcpy). Every id must lie in 1 .. capacity and inside the marks, be held (its bit set)
+ * and in use (free[id] == 0), and appear once; else -1 is returned with nothing changed (a
+ * repeat, seen while marking, undoes the marks: every id was held and in use) and the caller
+ * takes its general path (unmark, free_owned), whose behaviour on such slots is the
+ * reference. Else returns the number of ids written.
+ *
+ * held, ring and free are raw addresses, like src, not buffers: the held marks (held_bytes
+ * writable bytes, one bit per id, bit id & 7 of byte id >> 3), the free list's ring
+ * (capacity int64 entries) and its free mask (capacity + 1 bytes). Three buffer requests
+ * would cost more than the pass over a small node; the callers (FreeList.release_held_at and
+ * the KV component) take the addresses from arrays that live as long as they do and are
+ * never reallocated.
  */
 /* The free list's ring (int64, capacity entries) and free mask (one byte per id 0 .. capacity)
  * as writable buffers, checked for k ids written from ring position start. Returns the
@@ -201,39 +208,34 @@ done:
 static PyObject *
 release_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "release_held() takes 7 arguments");
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "release_held() takes 9 arguments");
         return NULL;
     }
     const int64_t *src = (const int64_t *)PyLong_AsVoidPtr(args[0]);
     Py_ssize_t n = PyLong_AsSsize_t(args[1]);
     long long ps = PyLong_AsLongLong(args[2]);
-    Py_ssize_t start = PyLong_AsSsize_t(args[5]);
+    uint8_t *held = (uint8_t *)PyLong_AsVoidPtr(args[3]);
+    Py_ssize_t held_len = PyLong_AsSsize_t(args[4]);
+    int64_t *ring = (int64_t *)PyLong_AsVoidPtr(args[5]);
+    Py_ssize_t cap = PyLong_AsSsize_t(args[6]);
+    Py_ssize_t start = PyLong_AsSsize_t(args[7]);
+    uint8_t *mask = (uint8_t *)PyLong_AsVoidPtr(args[8]);
     if (PyErr_Occurred())
         return NULL;
     if (n < 0 || ps < 1 || n % ps != 0 || (n > 0 && src == NULL)) {
         PyErr_SetString(PyExc_ValueError, "release_held(): bad length, page size or source");
         return NULL;
     }
-    Py_buffer hb, rb, fb;
-    if (PyObject_GetBuffer(args[3], &hb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        return NULL;
-    if (hb.itemsize != 1) {
-        PyBuffer_Release(&hb);
-        PyErr_SetString(PyExc_TypeError, "release_held(): held must be uint8 bits");
-        return NULL;
-    }
     Py_ssize_t k = n / ps;
-    Py_ssize_t cap = open_free_list("release_held", args[4], args[6], k, start, &rb, &fb);
-    if (cap < 0) {
-        PyBuffer_Release(&hb);
+    if (held == NULL || held_len < 1 || ring == NULL || mask == NULL || cap < 1 || k > cap
+            || start < 0 || start >= cap) {
+        PyErr_SetString(PyExc_ValueError, "release_held(): bad buffers, or more ids than the "
+                        "ring holds, or bad start");
         return NULL;
     }
-    uint8_t *held = (uint8_t *)hb.buf;
-    int64_t *ring = (int64_t *)rb.buf;
-    uint8_t *mask = (uint8_t *)fb.buf;
     /* the highest id both the free list and the held marks cover */
-    int64_t top = (int64_t)cap < (int64_t)hb.len * 8 - 1 ? (int64_t)cap : (int64_t)hb.len * 8 - 1;
+    int64_t top = (int64_t)cap < (int64_t)held_len * 8 - 1 ? (int64_t)cap : (int64_t)held_len * 8 - 1;
     PyObject *result = NULL;
     Py_ssize_t i, pos;
     if (ps == 1) { /* token slots: the ids are the slots (branch-free loops, one memcpy) */
@@ -245,6 +247,8 @@ release_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         for (i = 0; i < n; i++) { /* every id in range, held and in use (read only; an id out
                                    * of range reads id 0's entries instead, and is refused) */
             int64_t id = src[i];
+            if ((i & 7) == 0) /* a cold node: ask for its slots a few lines ahead */
+                __builtin_prefetch(src + i + 64);
             unsigned out = (unsigned)(id < 1) | (unsigned)(id > top);
             id = out ? 0 : id;
             bad |= out | (~(unsigned)held[id >> 3] >> (id & 7) & 1u) | mask[id];
@@ -307,9 +311,6 @@ release_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 refuse: /* nothing changed */
     result = PyLong_FromLong(-1);
 done:
-    PyBuffer_Release(&fb);
-    PyBuffer_Release(&rb);
-    PyBuffer_Release(&hb);
     return result;
 }
 
@@ -321,7 +322,8 @@ static PyMethodDef methods[] = {
      "release(src, n, page_size, ring, start, free) -> ids written: append a node's ids to a "
      "free ring and mark them free"},
     {"release_held", (PyCFunction)(void (*)(void))release_held, METH_FASTCALL,
-     "release_held(src, n, page_size, held, ring, start, free) -> ids written, or -1 (nothing "
+     "release_held(src, n, page_size, held, held_bytes, ring, capacity, start, free) -> ids "
+     "written, or -1 (nothing "
      "changed) when an id is outside, not held or already free: a node's slots leave the tree "
      "(held marks cleared, ids appended to the free ring and marked free) in one pass"},
     {NULL, NULL, 0, NULL},

@@ -92,14 +92,16 @@ class KVComponent(Component):
             self._held = np.zeros((self._num_ids + 8) // 8, dtype=np.uint8)  # 1 bit per id
         #: The allocator's free of a node's slots that also clears their held marks, in one
         #: pass (``TokenAllocator.owned_release``; ``None``: unmark, then ``free_owned``).
-        #: ``f(src, n, page_size, held)`` returns ``False``, changing nothing, when it cannot.
+        #: ``f(src, n, page_size, held address, held bytes)`` returns ``False``, changing
+        #: nothing, when it cannot.
         owned = getattr(allocator, "owned_release", None) if (
             self._cpu and self._held is not None) else None
-        self._release: Callable[[int, int, int, np.ndarray], bool] | None = (
+        self._release: Callable[[int, int, int, int, int], bool] | None = (
             owned() if callable(owned) else None)
-        #: ``_held`` as ``_release`` takes it (set whenever ``_release`` is)
-        self._marks: np.ndarray = self._held if self._held is not None else np.zeros(
-            1, dtype=np.uint8)
+        #: ``_held``'s address and size, as ``_release`` takes them (``_held`` is only ever
+        #: written in place)
+        self._marks_at, self._marks_len = (
+            (self._held.ctypes.data, len(self._held)) if self._held is not None else (0, 0))
         self._stamps: np.ndarray | None = None  # :meth:`_repeats` scratch (numpy path only)
         self._pos = np.arange(1, 1025, dtype=np.int32)
         #: One past the pool's last slot (the pool holds slots ``[page_size, _slot_end)``).
@@ -339,7 +341,8 @@ class KVComponent(Component):
         held, else :meth:`_unmark` and the allocator's ``free_owned``."""
         rel = self._release
         if rel is not None and value.is_contiguous() and rel(
-                value.data_ptr(), value.shape[0], self.page_size, self._marks):
+                value.data_ptr(), value.shape[0], self.page_size, self._marks_at,
+                self._marks_len):
             return
         self._unmark(value)
         self._free(value)
@@ -371,7 +374,7 @@ class KVComponent(Component):
         self.evicted += n
         rel = self._release  # (:meth:`_release_value` inline: once per node)
         if rel is None or not value.is_contiguous() or not rel(
-                value.data_ptr(), n, self.page_size, self._marks):
+                value.data_ptr(), n, self.page_size, self._marks_at, self._marks_len):
             self._unmark(value)
             self._free(value)
         node.kv_value = None
@@ -398,7 +401,7 @@ class KVComponent(Component):
         heap, entries, members = leaves._heap, leaves._entries, leaves._nodes
         get, update, free = entries.get, leaves.update, self._free
         detach, root = tree.remove_leaf, tree.root
-        marks, ps = self._marks, self.page_size
+        marks, nmarks, ps = self._marks_at, self._marks_len, self.page_size
         rel = self._release
         freed = 0
         try:
@@ -416,7 +419,7 @@ class KVComponent(Component):
                 assert value is not None and node.kv_lock == 0, node
                 n = value.shape[0]
                 if rel is None or not value.is_contiguous() or not rel(
-                        value.data_ptr(), n, ps, marks):
+                        value.data_ptr(), n, ps, marks, nmarks):
                     self._unmark(value)
                     free(value)
                 node.kv_value = None

@@ -198,6 +198,11 @@ needs_release_held_c = pytest.mark.skipif(free_list_mod._release_held_c is None,
                                           reason="C release not built")
 
 
+def _at(held: np.ndarray) -> tuple[int, int]:
+    """The held marks' address and size, as ``owned_release()`` takes them."""
+    return held.ctypes.data, len(held)
+
+
 def _mark(held: np.ndarray, ids: np.ndarray) -> None:
     np.bitwise_or.at(held, ids >> 3, np.left_shift(1, ids & 7).astype(np.uint8))
 
@@ -234,14 +239,23 @@ def test_release_held_by_hand() -> None:
     before = a.snapshot()
     for bad in ([5, 4], [0], [7], [3, 2, 3], [-1]):  # not held / padding / outside / repeat
         t = torch.tensor(bad, dtype=torch.int64)
-        assert rel(t.data_ptr(), len(bad), 1, held) is False
+        assert rel(t.data_ptr(), len(bad), 1, *_at(held)) is False
         assert a.snapshot() == before and held.tolist() == [0b01101100]  # nothing changed
     t = torch.tensor([5, 2], dtype=torch.int64)
-    assert rel(t.data_ptr(), 2, 1, held) is True  # appended at the back, in order
+    assert rel(t.data_ptr(), 2, 1, *_at(held)) is True  # appended at the back, in order
     assert a.snapshot().free_ids() == [5, 2] and held.tolist() == [0b01001000]
-    assert rel(t.data_ptr(), 2, 1, held) is False  # now free and unmarked: refused
+    assert rel(t.data_ptr(), 2, 1, *_at(held)) is False  # now free and unmarked: refused
     empty = torch.empty(0, dtype=torch.int64)
-    assert rel(empty.data_ptr(), 0, 1, held) is True
+    assert rel(empty.data_ptr(), 0, 1, *_at(held)) is True
+    from allocators._release import release_held
+
+    pages = a._pages
+    with pytest.raises(ValueError, match="bad start"):  # the call's own checks
+        release_held(t.data_ptr(), 2, 1, *_at(held), pages._ring_at, 6, 6, pages._free_at)
+    with pytest.raises(ValueError, match="more ids than the ring"):
+        release_held(t.data_ptr(), 2, 1, *_at(held), pages._ring_at, 1, 0, pages._free_at)
+    with pytest.raises(ValueError, match="bad length"):
+        release_held(t.data_ptr(), 3, 2, *_at(held), pages._ring_at, 6, 0, pages._free_at)
     assert a.snapshot().free_ids() == [5, 2] and a.used_size() == 4
     a.check()
 
@@ -295,7 +309,7 @@ def test_release_held_agrees_with_its_reference(ps: int, seed: int) -> None:
                 node[p] = node[(p + ps) % len(node)]
             elif kind == 4 and loose:
                 node[p] = rng.choice(loose)
-            ok_c = rel(node.data_ptr(), len(node), ps, held_c)
+            ok_c = rel(node.data_ptr(), len(node), ps, *_at(held_c))
             ok_ref = _ref_release_held(ref, held_ref, node)
             assert ok_c == ok_ref, (node.tolist(), ok_c, ok_ref)
             if ok_c:
