@@ -39,6 +39,25 @@
  * -1 is returned with nothing changed (the caller then names the error: FreeList's numpy
  * check is the reference for the messages). Else the ids are written to the ring as above
  * and n is returned.
+ *
+ * release_held(src, n, page_size, held, held_bytes, ring, capacity, start, free) -> int
+ *
+ * The radix cache's free of one node's slots as it leaves the tree: the ids (as in release():
+ * the first slot of each page / page_size) are cleared in the KV component's held marks,
+ * marked free and appended to the ring, in one call: a read-only check pass over the node's
+ * memory, then the writes (page size 1: the marks and the held bits in one loop, the ring as
+ * one memcpy). Every id must lie in 1 .. capacity and inside the marks, be held (its bit set)
+ * and in use (free[id] == 0), and appear once; else -1 is returned with nothing changed (a
+ * repeat, seen while marking, undoes the marks: every id was held and in use) and the caller
+ * takes its general path (unmark, free_owned), whose behaviour on such slots is the
+ * reference. Else returns the number of ids written.
+ *
+ * held, ring and free are raw addresses, like src, not buffers: the held marks (held_bytes
+ * writable bytes, one bit per id, bit id & 7 of byte id >> 3), the free list's ring
+ * (capacity int64 entries) and its free mask (capacity + 1 bytes). Three buffer requests
+ * would cost more than the pass over a small node; the callers (FreeList.release_held_at and
+ * the KV component) take the addresses from arrays that live as long as they do and are
+ * never reallocated.
  */
 /* The free list's ring (int64, capacity entries) and free mask (one byte per id 0 .. capacity)
  * as writable buffers, checked for k ids written from ring position start. Returns the
@@ -186,6 +205,115 @@ done:
     return result;
 }
 
+static PyObject *
+release_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "release_held() takes 9 arguments");
+        return NULL;
+    }
+    const int64_t *src = (const int64_t *)PyLong_AsVoidPtr(args[0]);
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    long long ps = PyLong_AsLongLong(args[2]);
+    uint8_t *held = (uint8_t *)PyLong_AsVoidPtr(args[3]);
+    Py_ssize_t held_len = PyLong_AsSsize_t(args[4]);
+    int64_t *ring = (int64_t *)PyLong_AsVoidPtr(args[5]);
+    Py_ssize_t cap = PyLong_AsSsize_t(args[6]);
+    Py_ssize_t start = PyLong_AsSsize_t(args[7]);
+    uint8_t *mask = (uint8_t *)PyLong_AsVoidPtr(args[8]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (n < 0 || ps < 1 || n % ps != 0 || (n > 0 && src == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "release_held(): bad length, page size or source");
+        return NULL;
+    }
+    Py_ssize_t k = n / ps;
+    if (held == NULL || held_len < 1 || ring == NULL || mask == NULL || cap < 1 || k > cap
+            || start < 0 || start >= cap) {
+        PyErr_SetString(PyExc_ValueError, "release_held(): bad buffers, or more ids than the "
+                        "ring holds, or bad start");
+        return NULL;
+    }
+    /* the highest id both the free list and the held marks cover */
+    int64_t top = (int64_t)cap < (int64_t)held_len * 8 - 1 ? (int64_t)cap : (int64_t)held_len * 8 - 1;
+    PyObject *result = NULL;
+    Py_ssize_t i, pos;
+    if (ps == 1) { /* token slots: the ids are the slots (branch-free loops, one memcpy) */
+        if (n == 0) {
+            result = PyLong_FromLong(0);
+            goto done;
+        }
+        unsigned bad = 0;
+        for (i = 0; i < n; i++) { /* every id in range, held and in use (read only; an id out
+                                   * of range reads id 0's entries instead, and is refused) */
+            int64_t id = src[i];
+            if ((i & 7) == 0) /* a cold node: ask for its slots a few lines ahead */
+                __builtin_prefetch(src + i + 64);
+            unsigned out = (unsigned)(id < 1) | (unsigned)(id > top);
+            id = out ? 0 : id;
+            bad |= out | (~(unsigned)held[id >> 3] >> (id & 7) & 1u) | mask[id];
+        }
+        if (bad)
+            goto refuse;
+        Py_ssize_t fresh = 0;
+        int64_t byte = src[0] >> 3; /* (n > 0 here) */
+        unsigned bits = 0;
+        for (i = 0; i < n; i++) { /* mark; a repeat finds its mark already set */
+            int64_t id = src[i];
+            fresh += 1 - mask[id];
+            mask[id] = 1;
+            if (id >> 3 != byte) { /* the held bits are cleared one byte at a time: a node's
+                                    * slots come in runs, and a store per slot would wait on
+                                    * the one before it */
+                held[byte] &= (uint8_t)~bits;
+                byte = id >> 3;
+                bits = 0;
+            }
+            bits |= 1u << (id & 7);
+        }
+        held[byte] &= (uint8_t)~bits;
+        if (fresh != n) { /* a repeat: every id was held and in use, so restore exactly that */
+            for (i = 0; i < n; i++) {
+                int64_t id = src[i];
+                held[id >> 3] |= (uint8_t)(1u << (id & 7));
+                mask[id] = 0;
+            }
+            goto refuse;
+        }
+        write_ring(ring, cap, start, src, n);
+        result = PyLong_FromSsize_t(n);
+        goto done;
+    }
+    for (i = 0; i < n; i += ps) { /* pages: check every id first (range, held, in use) */
+        int64_t id = src[i] / ps;
+        if (id < 1 || id > top || !(held[id >> 3] >> (id & 7) & 1u) || mask[id])
+            goto refuse;
+    }
+    for (i = 0, pos = start; i < n; i += ps) {
+        int64_t id = src[i] / ps;
+        if (mask[id]) { /* a repeat: undo the ids before it (all were held and in use) */
+            while (i > 0) {
+                i -= ps;
+                id = src[i] / ps;
+                held[id >> 3] |= (uint8_t)(1u << (id & 7));
+                mask[id] = 0;
+            }
+            goto refuse;
+        }
+        held[id >> 3] &= (uint8_t)~(1u << (id & 7));
+        mask[id] = 1;
+        ring[pos] = id; /* past the free list's end until the caller moves the count */
+        if (++pos == cap)
+            pos = 0;
+    }
+    result = PyLong_FromSsize_t(k);
+    goto done;
+refuse: /* nothing changed */
+    result = PyLong_FromLong(-1);
+done:
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"checked", (PyCFunction)(void (*)(void))checked, METH_FASTCALL,
      "checked(src, n, ring, start, free) -> ids written, or -1 (nothing changed) when an id is "
@@ -193,6 +321,11 @@ static PyMethodDef methods[] = {
     {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL,
      "release(src, n, page_size, ring, start, free) -> ids written: append a node's ids to a "
      "free ring and mark them free"},
+    {"release_held", (PyCFunction)(void (*)(void))release_held, METH_FASTCALL,
+     "release_held(src, n, page_size, held, held_bytes, ring, capacity, start, free) -> ids "
+     "written, or -1 (nothing "
+     "changed) when an id is outside, not held or already free: a node's slots leave the tree "
+     "(held marks cleared, ids appended to the free ring and marked free) in one pass"},
     {NULL, NULL, 0, NULL},
 };
 

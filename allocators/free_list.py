@@ -32,9 +32,11 @@ import torch
 try:  # frees in one C pass (allocators/_release.c), built by ``pip install``
     from allocators._release import checked as _checked_c
     from allocators._release import release as _release_c
+    from allocators._release import release_held as _release_held_c
 except ImportError:  # pragma: no cover - no compiler at install time: the numpy path
     _checked_c = None
     _release_c = None
+    _release_held_c = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,10 @@ class FreeList:
         self._is_free = np.zeros(capacity + 1, dtype=np.bool_)
         # Scratch for O(n) duplicate detection; its contents are never part of the state.
         self._stamp = np.empty(capacity + 1, dtype=np.int64 if capacity >= 2**31 else np.int32)
+        #: The ring's and the mask's addresses (:meth:`release_held_at`; both arrays live as
+        #: long as the free list and are only ever written in place)
+        self._ring_at: int = self._ring.ctypes.data
+        self._free_at: int = self._is_free.ctypes.data
         self._num_free = 0
         self._num_used = 0
         self.reset()
@@ -183,6 +189,30 @@ class FreeList:
             return False
         k = _release_c(src, n, page_size, self._ring,
                        (self._head + self._num_free) % self._capacity, self._is_free)
+        self._num_free += k
+        self._num_used -= k
+        return True
+
+    def release_held_at(self, src: int, n: int, page_size: int, held: int,
+                        held_bytes: int) -> bool:
+        """:meth:`release_owned_at` together with the clearing of the owner's held marks (at
+        address ``held``, ``held_bytes`` bytes of a live array: one bit per id, bit ``id & 7``
+        of byte ``id >> 3``): a node's slots leaving the radix tree, in one C call
+        (``allocators/_release.c`` ``release_held``), appended at the back in the node's
+        order like :meth:`release`.
+
+        Returns ``False``, changing nothing, when the C extension is not built or when an id
+        is outside ``1..capacity`` or the marks, not marked held, already free or repeated:
+        the caller then takes its general path (clear the marks, :meth:`release_owned`),
+        whose behaviour on such ids is the reference.
+        """
+        if _release_held_c is None:
+            return False
+        cap = self._capacity
+        k = _release_held_c(src, n, page_size, held, held_bytes, self._ring_at, cap,
+                            (self._head + self._num_free) % cap, self._free_at)
+        if k < 0:
+            return False
         self._num_free += k
         self._num_used -= k
         return True

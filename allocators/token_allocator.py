@@ -29,6 +29,8 @@ synchronisations per call; a device tensor without a mirror costs one device -> 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -122,6 +124,22 @@ class _FreeListAllocator(SlotAllocator):
         if self._page_size != 1:
             arr = arr[:: self._page_size] // self._page_size
         self._pages.release_owned(arr)
+
+    def owned_release(self) -> Callable[[int, int, int, int, int], bool] | None:
+        """The free list's :meth:`FreeList.release_held_at`: ``f(src, n, page_size, held,
+        held_bytes)`` frees the ``n`` int64 slots at address ``src`` that a cache holds (a
+        CPU, contiguous tensor's ``data_ptr()``) and clears their bits in the cache's held
+        marks (a uint8 array at address ``held``, ``held_bytes`` long, one bit per id: slots,
+        or pages when paged; kept alive by the caller), in one C call; it returns ``False``,
+        changing nothing, when it cannot (no C extension; an id not held, free, repeated or
+        outside): the caller then clears its marks itself and calls :meth:`free_owned`. Page
+        ids are the first slot of each page // ``page_size``, as in :meth:`free_owned`.
+
+        ``None`` when this allocator's ``free_owned`` is not this class's own (a subclass or
+        an instance that replaced it must see every free)."""
+        if getattr(self.free_owned, "__func__", None) is not _FreeListAllocator.free_owned:
+            return None
+        return self._pages.release_held_at
 
     def undo_alloc(self, indices: torch.Tensor) -> None:
         pages = self._slots_to_pages(as_index_tensor(indices, "indices"))

@@ -23,6 +23,7 @@ marks and frees read the mirror and never the device.
 from __future__ import annotations
 
 from collections.abc import Callable
+from heapq import heappop
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -89,9 +90,18 @@ class KVComponent(Component):
         self._held: np.ndarray | None = None
         if self._free_mask is not None:
             self._held = np.zeros((self._num_ids + 8) // 8, dtype=np.uint8)  # 1 bit per id
-        #: Node values are CPU tensors and there are held marks to clear: :meth:`on_remove`
-        #: calls the C unmark itself for a contiguous value.
-        self._unmark_fast = self._cpu and self._held is not None and _unmark_c is not None
+        #: The allocator's free of a node's slots that also clears their held marks, in one
+        #: pass (``TokenAllocator.owned_release``; ``None``: unmark, then ``free_owned``).
+        #: ``f(src, n, page_size, held address, held bytes)`` returns ``False``, changing
+        #: nothing, when it cannot.
+        owned = getattr(allocator, "owned_release", None) if (
+            self._cpu and self._held is not None) else None
+        self._release: Callable[[int, int, int, int, int], bool] | None = (
+            owned() if callable(owned) else None)
+        #: ``_held``'s address and size, as ``_release`` takes them (``_held`` is only ever
+        #: written in place)
+        self._marks_at, self._marks_len = (
+            (self._held.ctypes.data, len(self._held)) if self._held is not None else (0, 0))
         self._stamps: np.ndarray | None = None  # :meth:`_repeats` scratch (numpy path only)
         self._pos = np.arange(1, 1025, dtype=np.int32)
         #: One past the pool's last slot (the pool holds slots ``[page_size, _slot_end)``).
@@ -322,9 +332,20 @@ class KVComponent(Component):
         """``node`` (unlocked) takes claimed ``value`` instead of its slots, which are freed."""
         old = node.kv_value
         assert old is not None and node.kv_lock == 0 and len(old) == len(value), node
-        self._unmark(old)
-        self._free(old)
+        self._release_value(old)
         node.kv_value = value
+
+    def _release_value(self, value: torch.Tensor) -> None:
+        """Clear the held marks of a node's slots ``value`` and free them (they leave the
+        tree): one C pass (``owned_release``) for a contiguous CPU value whose slots are all
+        held, else :meth:`_unmark` and the allocator's ``free_owned``."""
+        rel = self._release
+        if rel is not None and value.is_contiguous() and rel(
+                value.data_ptr(), value.shape[0], self.page_size, self._marks_at,
+                self._marks_len):
+            return
+        self._unmark(value)
+        self._free(value)
 
     def on_split(self, upper: TreeNode, lower: TreeNode, split_len: int) -> None:
         value = lower.kv_value
@@ -351,11 +372,11 @@ class KVComponent(Component):
         n = value.shape[0]
         self._evictable -= n
         self.evicted += n
-        if self._unmark_fast and value.is_contiguous():  # (:meth:`_unmark` inline: once per node)
-            _unmark_c(value.data_ptr(), n, self.page_size, self._held)
-        else:
+        rel = self._release  # (:meth:`_release_value` inline: once per node)
+        if rel is None or not value.is_contiguous() or not rel(
+                value.data_ptr(), n, self.page_size, self._marks_at, self._marks_len):
             self._unmark(value)
-        self._free(value)
+            self._free(value)
         node.kv_value = None
         return n
 
@@ -367,36 +388,46 @@ class KVComponent(Component):
 
         The same result, node for node, as the general walk (pop a victim, ``on_remove``,
         detach it, re-file its parent), with the per-node steps inline: one ordered-set pop,
-        the C unmark of its held marks, the allocator's ``free_owned``, the detach, and the
-        parent filed as a candidate when it became an unlocked leaf. The counters are
-        updated for every node freed, also if a free raises.
+        the allocator's one-pass free that also clears the node's held marks
+        (``owned_release``; else the C unmark and ``free_owned``), the detach, and the parent
+        filed as a candidate when it became an unlocked leaf. The counters are updated for
+        every node freed, also if a free raises.
 
         Complexity: O(log n) per freed node (the ordered set).
         """
         leaves = self.leaves
-        pop, update, free = leaves.pop_first, leaves.update, self._free
+        # (OrderedNodeSet.pop_first inline: a live heap entry is the very tuple its member's
+        # entry holds; a stale one is dropped; an update may rebuild the heap: re-read)
+        heap, entries, members = leaves._heap, leaves._entries, leaves._nodes
+        get, update, free = entries.get, leaves.update, self._free
         detach, root = tree.remove_leaf, tree.root
-        held, ps = self._held, self.page_size
-        fast = self._unmark_fast
+        marks, nmarks, ps = self._marks_at, self._marks_len, self.page_size
+        rel = self._release
         freed = 0
         try:
             while freed < target:
-                node = pop()
-                if node is None:
+                while heap:
+                    top = heappop(heap)
+                    nid = top[-1]
+                    if get(nid) is top:
+                        del entries[nid]
+                        node = members.pop(nid)
+                        break
+                else:
                     break
                 value = node.kv_value
                 assert value is not None and node.kv_lock == 0, node
                 n = value.shape[0]
-                if fast and value.is_contiguous():
-                    _unmark_c(value.data_ptr(), n, ps, held)
-                else:
+                if rel is None or not value.is_contiguous() or not rel(
+                        value.data_ptr(), n, ps, marks, nmarks):
                     self._unmark(value)
-                free(value)
+                    free(value)
                 node.kv_value = None
                 freed += n
                 parent = detach(node)
                 if parent is not root and not parent.children and not parent.kv_lock:
                     update(parent)  # (as refresh: it is now an unlocked leaf)
+                    heap = leaves._heap
         finally:
             self._evictable -= freed
             self.evicted += freed

@@ -191,3 +191,153 @@ def test_checked_free_agrees_with_numpy(ps: int, seed: int) -> None:
         assert c.snapshot() == ref.snapshot()
     c.check()
     ref.check()
+
+
+# ------------------------------------------------------------ release_held: free + unmark
+needs_release_held_c = pytest.mark.skipif(free_list_mod._release_held_c is None,
+                                          reason="C release not built")
+
+
+def _at(held: np.ndarray) -> tuple[int, int]:
+    """The held marks' address and size, as ``owned_release()`` takes them."""
+    return held.ctypes.data, len(held)
+
+
+def _mark(held: np.ndarray, ids: np.ndarray) -> None:
+    np.bitwise_or.at(held, ids >> 3, np.left_shift(1, ids & 7).astype(np.uint8))
+
+
+def _ref_release_held(a: TokenAllocator | PagedAllocator, held: np.ndarray,
+                      slots: torch.Tensor) -> bool:
+    """The reference of ``owned_release()``: refuse (nothing changed) unless every id is in
+    range, held, in use and appears once; else clear the marks (numpy) and free the ids
+    through the numpy ``release_owned``."""
+    ps = a.page_size
+    arr = slots.numpy()
+    ids = arr[::ps] // ps
+    pages = a._pages
+    limit = min(pages.capacity, 8 * len(held) - 1)
+    for i in ids.tolist():
+        if not 1 <= i <= limit or not held[i >> 3] >> (i & 7) & 1 or pages._is_free[i]:
+            return False
+    if len(set(ids.tolist())) != len(ids):
+        return False
+    np.bitwise_and.at(held, ids >> 3, ~np.left_shift(1, ids & 7).astype(np.uint8))
+    pages.release_owned(ids)
+    return True
+
+
+@needs_release_held_c
+def test_release_held_by_hand() -> None:
+    a = TokenAllocator(6)
+    got = a.alloc(6)
+    assert got is not None and got.tolist() == [1, 2, 3, 4, 5, 6]
+    held = np.zeros(1, dtype=np.uint8)
+    _mark(held, np.array([2, 3, 5, 6]))  # held by nodes: 2, 3, 5, 6 (1 and 4 a caller's)
+    rel = a.owned_release()
+    assert rel is not None
+    before = a.snapshot()
+    for bad in ([5, 4], [0], [7], [3, 2, 3], [-1]):  # not held / padding / outside / repeat
+        t = torch.tensor(bad, dtype=torch.int64)
+        assert rel(t.data_ptr(), len(bad), 1, *_at(held)) is False
+        assert a.snapshot() == before and held.tolist() == [0b01101100]  # nothing changed
+    t = torch.tensor([5, 2], dtype=torch.int64)
+    assert rel(t.data_ptr(), 2, 1, *_at(held)) is True  # appended at the back, in order
+    assert a.snapshot().free_ids() == [5, 2] and held.tolist() == [0b01001000]
+    assert rel(t.data_ptr(), 2, 1, *_at(held)) is False  # now free and unmarked: refused
+    empty = torch.empty(0, dtype=torch.int64)
+    assert rel(empty.data_ptr(), 0, 1, *_at(held)) is True
+    from allocators._release import release_held
+
+    pages = a._pages
+    with pytest.raises(ValueError, match="bad start"):  # the call's own checks
+        release_held(t.data_ptr(), 2, 1, *_at(held), pages._ring_at, 6, 6, pages._free_at)
+    with pytest.raises(ValueError, match="more ids than the ring"):
+        release_held(t.data_ptr(), 2, 1, *_at(held), pages._ring_at, 1, 0, pages._free_at)
+    with pytest.raises(ValueError, match="bad length"):
+        release_held(t.data_ptr(), 3, 2, *_at(held), pages._ring_at, 6, 0, pages._free_at)
+    assert a.snapshot().free_ids() == [5, 2] and a.used_size() == 4
+    a.check()
+
+
+def test_owned_release_only_for_the_allocators_own_free_owned(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    class Watching(TokenAllocator):
+        def free_owned(self, indices: torch.Tensor | int) -> None:
+            super().free_owned(indices)
+
+    assert TokenAllocator(4).owned_release() is not None
+    assert Watching(4).owned_release() is None  # it must see every free
+    a = TokenAllocator(4)
+    monkeypatch.setattr(a, "free_owned", lambda indices: None)
+    assert a.owned_release() is None
+
+
+@needs_release_held_c
+@pytest.mark.parametrize("ps", [1, 4])
+@pytest.mark.parametrize("seed", range(6))
+def test_release_held_agrees_with_its_reference(ps: int, seed: int) -> None:
+    # twin allocators and held marks take the same allocations (most marked held, some
+    # left a caller's) and the same frees of nodes, some spoiled by a bad id (the padding
+    # id, one past the pool, a freed id, an id twice, an id not held): the C pass and the
+    # reference agree on every refusal, and the complete state (free order, mask, counters,
+    # held marks) is equal after every step. The ring wraps.
+    rng = random.Random(seed * 7 + ps)
+    size = 40 * ps
+    c, ref = _make(ps, size), _make(ps, size)
+    nbytes = (size // ps + 8) // 8
+    held_c, held_ref = np.zeros(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
+    rel = c.owned_release()
+    assert rel is not None
+    nodes: list[torch.Tensor] = []
+    loose: list[int] = []  # first slots of pages handed out but not held
+    freed: list[int] = []  # first slots of freed pages
+    refused = 0
+    for _ in range(300):
+        if nodes and (rng.random() < 0.5 or c.available_size() < ps):
+            i = rng.randrange(len(nodes))
+            node = nodes[i].clone()
+            kind = rng.randrange(7)
+            p = rng.randrange(len(node) // ps) * ps  # the page spoiled
+            if kind == 0:
+                node[p] = 0
+            elif kind == 1:
+                node[p] = size + ps
+            elif kind == 2 and freed:
+                node[p] = rng.choice(freed)
+            elif kind == 3 and len(node) > ps:
+                node[p] = node[(p + ps) % len(node)]
+            elif kind == 4 and loose:
+                node[p] = rng.choice(loose)
+            ok_c = rel(node.data_ptr(), len(node), ps, *_at(held_c))
+            ok_ref = _ref_release_held(ref, held_ref, node)
+            assert ok_c == ok_ref, (node.tolist(), ok_c, ok_ref)
+            if ok_c:
+                freed.extend(node[::ps].tolist())
+                nodes.pop(i)
+            else:
+                refused += 1
+        elif loose and c.available_size() < 2 * ps:  # a caller's pages back (public free)
+            back = torch.tensor([s + j for s in loose for j in range(ps)], dtype=torch.int64)
+            c.free(back)
+            ref.free(back.clone())
+            freed.extend(loose)
+            loose = []
+        else:
+            k = rng.randint(1, max(1, c.available_size() // ps // 3)) * ps
+            got_c, got_ref = c.alloc(k), ref.alloc(k)
+            assert got_c is not None and got_ref is not None
+            assert got_c.tolist() == got_ref.tolist()
+            firsts = got_c[::ps].tolist()
+            freed = [s for s in freed if s not in firsts]
+            if rng.random() < 0.2:
+                loose.extend(firsts)
+            else:
+                ids = (got_c[::ps] // ps).numpy()
+                _mark(held_c, ids)
+                _mark(held_ref, ids)
+                nodes.append(got_c)
+        assert c.snapshot() == ref.snapshot()
+        assert held_c.tolist() == held_ref.tolist()
+    assert refused > 10
+    c.check()

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+import allocators.free_list as free_list_mod
 from allocators import PagedAllocator, TokenAllocator
 from radix import CacheConfig, RadixCache
 from tests.cache_helpers import draw_tokens, free_leftovers, free_slots, tiny_state_pool
@@ -77,13 +78,20 @@ def test_general_walk_when_other_components_watch() -> None:
 @pytest.mark.parametrize("ps", [1, 4])
 @pytest.mark.parametrize("policy", ["lru", "lfu", "gds", "priority"])
 @pytest.mark.parametrize("seed", range(3))
-def test_inline_walk_matches_the_general_walk(ps: int, policy: str, seed: int) -> None:
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_inline_walk_matches_the_general_walk(ps: int, policy: str, seed: int,
+                                              one_pass: bool) -> None:
+    # one_pass=False: the twin also frees without the allocator's one-pass free that clears
+    # the held marks (``owned_release``): the C unmark, then ``free_owned`` (its reference)
     rng = random.Random(seed * 31 + ps)
     size = 96 * ps
     allocs = [TokenAllocator(size) if ps == 1 else PagedAllocator(size, ps) for _ in range(2)]
     caches = [_cache(a, policy) for a in allocs]
     caches[1].core._evict_inline = None  # the twin runs the general walk
     assert caches[0].core._evict_inline is not None
+    assert caches[0].kv._release is not None or free_list_mod._release_held_c is None
+    if not one_pass:
+        caches[1].kv._release = None
     keys: list[list[int]] = []
     locks: list[list[Any]] = [[], []]
     for _ in range(150):
@@ -110,8 +118,16 @@ def test_inline_walk_matches_the_general_walk(ps: int, policy: str, seed: int) -
                 for c, a in zip(caches, allocs, strict=True):
                     _insert(c, a, toks)
         assert allocs[0].snapshot() == allocs[1].snapshot()
+        assert (caches[0].kv._held == caches[1].kv._held).all()  # the same held marks
         assert caches[0].total_size() == caches[1].total_size()
         assert caches[0].evictable_size() == caches[1].evictable_size()
     for c, a in zip(caches, allocs, strict=True):
         c.sanity_check()
         a.check()
+
+
+def test_inline_walk_without_the_one_pass_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    # no C pass (no compiler at install time): the one-pass free refuses, changing nothing,
+    # and the walk frees through the unmark and free_owned: the same victims and free order
+    monkeypatch.setattr(free_list_mod, "_release_held_c", None)
+    test_inline_walk_by_hand()

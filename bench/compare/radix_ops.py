@@ -139,6 +139,8 @@ class CountingReal:
         #: ``free_owned``, exposed as is: the timed eviction pays no wrapper (the driver counts
         #: those frees from ``used_size``, outside the timers).
         self.free_owned: Callable[[torch.Tensor], None] = inner.free_owned
+        #: and its one-pass free that also clears the cache's held marks, exposed as is too
+        self.owned_release = inner.owned_release
         self.freed_tokens = 0
 
     def alloc(self, n: int) -> torch.Tensor:
