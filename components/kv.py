@@ -92,8 +92,10 @@ class KVComponent(Component):
         #: Node values are CPU tensors and there are held marks to clear: :meth:`on_remove`
         #: calls the C unmark itself for a contiguous value.
         self._unmark_fast = self._cpu and self._held is not None and _unmark_c is not None
-        self._stamps: np.ndarray | None = None  # :meth:`_repeats` scratch (numpy path only)
-        self._pos = np.arange(1, 1025, dtype=np.int32)
+        #: :meth:`_repeats` scratch: stamps per id, positions 1..k (numpy path only: made on
+        #: its first use, so a cache claiming in C holds neither)
+        self._stamps: np.ndarray | None = None
+        self._pos: np.ndarray | None = None
         #: One past the pool's last slot (the pool holds slots ``[page_size, _slot_end)``).
         self._slot_end: int = allocator.size + self.page_size
         #: 0, 1, .., page_size - 1, repeated (page structure checks); grown on demand
@@ -224,8 +226,8 @@ class KVComponent(Component):
         if self._stamps is None:
             assert self._held is not None  # only the held-mark path checks repeats
             self._stamps = np.zeros(self._num_ids + 1, dtype=np.int32)
-        if k > len(self._pos):
-            self._pos = np.arange(1, 2 * k + 1, dtype=np.int32)
+        if self._pos is None or k > len(self._pos):
+            self._pos = np.arange(1, max(2 * k, 1024) + 1, dtype=np.int32)
         pos = self._pos[:k]
         self._stamps[ids] = pos
         return self._stamps.take(ids).tobytes() != pos.tobytes()

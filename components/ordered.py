@@ -1,6 +1,6 @@
 """One ordered set of nodes, reused by every eviction walk.
 
-``OrderedNodeSet`` keeps nodes ordered by ``(key_fn(node), node.id)``: a binary heap
+``OrderedNodeSet`` keeps nodes ordered by ``key_fn(node) + (node.id,)``: a binary heap
 (``heapq``, C comparisons of the key tuples) with lazy deletion, plus a dict holding each
 member's *current* entry. A heap entry is live only while it equals its node's current entry,
 so moving a node is one push (the old entry goes stale) and removing one is a dict delete;
@@ -9,7 +9,9 @@ entries when stale ones outnumber them. Keys may rise or fall between updates: t
 exact for every policy (the live entry is the one compared, never a stale one).
 
 The heap holds node *ids*, not nodes, so a removed node is not kept alive by a stale entry
-(it is freed at once, without the cycle collector).
+(it is freed at once, without the cycle collector). An entry is one flat tuple, the key's
+fields then the id (not ``(key, id)``: one tuple per entry, not two; the same order, as every
+key of one key function has the same length).
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ class OrderedNodeSet:
 
     def __init__(self, key_fn: Callable[[TreeNode], tuple[Any, ...]]) -> None:
         self._key_fn = key_fn
-        self._heap: list[tuple[Any, int]] = []
-        self._entries: dict[int, tuple[Any, int]] = {}
+        self._heap: list[tuple[Any, ...]] = []
+        self._entries: dict[int, tuple[Any, ...]] = {}
         self._nodes: dict[int, TreeNode] = {}
 
     def __len__(self) -> int:
@@ -50,7 +52,7 @@ class OrderedNodeSet:
     def update(self, node: TreeNode) -> None:
         """Insert ``node`` or move it to the position of its current key."""
         nid = node.id
-        entry = (self._key_fn(node), nid)
+        entry = self._key_fn(node) + (nid,)
         entries = self._entries
         if entries.get(nid) == entry:
             return
@@ -66,12 +68,12 @@ class OrderedNodeSet:
         if self._entries.pop(node.id, None) is not None:
             del self._nodes[node.id]
 
-    def _top(self) -> tuple[Any, int] | None:
+    def _top(self) -> tuple[Any, ...] | None:
         """The smallest live entry, dropping stale ones above it."""
         heap, entries = self._heap, self._entries
         while heap:
             top = heap[0]
-            if entries.get(top[1]) == top:
+            if entries.get(top[-1]) == top:
                 return top
             heappop(heap)
         return None
@@ -79,14 +81,14 @@ class OrderedNodeSet:
     def first(self) -> TreeNode | None:
         """The node with the smallest key, or ``None`` when empty."""
         top = self._top()
-        return None if top is None else self._nodes[top[1]]
+        return None if top is None else self._nodes[top[-1]]
 
     def pop_first(self) -> TreeNode | None:
         """Remove and return the node with the smallest key, or ``None`` when empty."""
         heap, entries = self._heap, self._entries
         while heap:  # (:meth:`_top` inline: pop, and drop a stale entry)
             top = heappop(heap)
-            nid = top[1]
+            nid = top[-1]
             if entries.get(nid) == top:
                 del entries[nid]
                 return self._nodes.pop(nid)
@@ -99,8 +101,8 @@ class OrderedNodeSet:
 
     def __iter__(self) -> Iterator[TreeNode]:
         nodes = self._nodes
-        for _, nid in sorted(self._entries.values()):
-            yield nodes[nid]
+        for entry in sorted(self._entries.values()):
+            yield nodes[entry[-1]]
 
     def clear(self) -> None:
         self._heap.clear()
@@ -114,8 +116,8 @@ class OrderedNodeSet:
         in_heap = set(self._heap)
         for nid, entry in self._entries.items():
             node = self._nodes[nid]
-            assert entry == (self._key_fn(node), nid), (
-                f"stale ordered-set entry for {node}: {entry} != {(self._key_fn(node), nid)}"
+            assert entry == self._key_fn(node) + (nid,), (
+                f"stale ordered-set entry for {node}: {entry} != {self._key_fn(node) + (nid,)}"
             )
             assert entry in in_heap, f"{node}'s entry {entry} is missing from the heap"
         for i in range(1, len(self._heap)):
