@@ -172,10 +172,11 @@ class KVComponent(Component):
         if not value.is_contiguous():
             value = value.contiguous()
         ps = self.page_size
-        got = _claim_c(value.data_ptr() + 8 * lo, hi - lo, copy, ps, ps, self._slot_end,
-                       self._held, self._free_mask)
-        if type(got) is bytearray:  # the copy (torch.frombuffer refuses an empty buffer)
-            return torch.frombuffer(got, dtype=torch.int64) if hi > lo else value.new_empty(0)
+        # The copy: the node's own tensor, written by the C pass (a tensor over a bytearray
+        # would cost about 110 bytes more per node: its buffer's object and header).
+        own = value.new_empty(hi - lo) if copy else None
+        got = _claim_c(value.data_ptr() + 8 * lo, hi - lo, 0 if own is None else own.data_ptr(),
+                       ps, ps, self._slot_end, self._held, self._free_mask)
         if got >= 0:  # the position of the first bad slot
             slots = value.numpy()[lo:hi]
             if self._held is None:
@@ -183,7 +184,7 @@ class KVComponent(Component):
             else:
                 self._refuse(slots, slots if ps == 1 else self._page_ids(slots))
             raise AssertionError(f"claim refused position {got} it cannot explain")  # pragma: no cover
-        return None
+        return own
 
     def _claim_numpy(self, slots: np.ndarray, copy: bool) -> torch.Tensor | None:
         """:meth:`claim` in numpy (the fallback without the C extension, and its reference):
@@ -333,9 +334,8 @@ class KVComponent(Component):
         if value is None:  # a host-only node (HiCache)
             return
         if value.is_cpu:  # each half its own storage: a view would keep the other's alive
-            arr = value.numpy()
-            upper.kv_value = torch.frombuffer(bytearray(arr[:split_len]), dtype=torch.int64)
-            lower.kv_value = torch.frombuffer(bytearray(arr[split_len:]), dtype=torch.int64)
+            upper.kv_value = value.narrow_copy(0, 0, split_len)
+            lower.kv_value = value.narrow_copy(0, split_len, value.shape[0] - split_len)
         else:  # (views keep the host mirror; a device node's storage is the pool's index copy)
             upper.kv_value = value[:split_len]
             lower.kv_value = value[split_len:]
