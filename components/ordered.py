@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from radix.node import TreeNode
 
-#: A heap larger than ``2 * live + _SLACK`` entries is rebuilt from the live ones.
-_SLACK = 64
+#: A heap larger than ``2 * live + _SLACK`` entries is rebuilt from the live ones (a small
+#: slack: stale entries of a small set are memory the cache holds, about 100 bytes each).
+_SLACK = 8
 
 
 class OrderedNodeSet:
