@@ -102,8 +102,10 @@ class KVComponent(Component):
         #: written in place)
         self._marks_at, self._marks_len = (
             (self._held.ctypes.data, len(self._held)) if self._held is not None else (0, 0))
-        self._stamps: np.ndarray | None = None  # :meth:`_repeats` scratch (numpy path only)
-        self._pos = np.arange(1, 1025, dtype=np.int32)
+        #: :meth:`_repeats` scratch: stamps per id, positions 1..k (numpy path only: made on
+        #: its first use, so a cache claiming in C holds neither)
+        self._stamps: np.ndarray | None = None
+        self._pos: np.ndarray | None = None
         #: One past the pool's last slot (the pool holds slots ``[page_size, _slot_end)``).
         self._slot_end: int = allocator.size + self.page_size
         #: 0, 1, .., page_size - 1, repeated (page structure checks); grown on demand
@@ -180,10 +182,11 @@ class KVComponent(Component):
         if not value.is_contiguous():
             value = value.contiguous()
         ps = self.page_size
-        got = _claim_c(value.data_ptr() + 8 * lo, hi - lo, copy, ps, ps, self._slot_end,
-                       self._held, self._free_mask)
-        if type(got) is bytearray:  # the copy (torch.frombuffer refuses an empty buffer)
-            return torch.frombuffer(got, dtype=torch.int64) if hi > lo else value.new_empty(0)
+        # The copy: the node's own tensor, written by the C pass (a tensor over a bytearray
+        # would cost about 110 bytes more per node: its buffer's object and header).
+        own = value.new_empty(hi - lo) if copy else None
+        got = _claim_c(value.data_ptr() + 8 * lo, hi - lo, 0 if own is None else own.data_ptr(),
+                       ps, ps, self._slot_end, self._held, self._free_mask)
         if got >= 0:  # the position of the first bad slot
             slots = value.numpy()[lo:hi]
             if self._held is None:
@@ -191,7 +194,7 @@ class KVComponent(Component):
             else:
                 self._refuse(slots, slots if ps == 1 else self._page_ids(slots))
             raise AssertionError(f"claim refused position {got} it cannot explain")  # pragma: no cover
-        return None
+        return own
 
     def _claim_numpy(self, slots: np.ndarray, copy: bool) -> torch.Tensor | None:
         """:meth:`claim` in numpy (the fallback without the C extension, and its reference):
@@ -234,8 +237,8 @@ class KVComponent(Component):
         if self._stamps is None:
             assert self._held is not None  # only the held-mark path checks repeats
             self._stamps = np.zeros(self._num_ids + 1, dtype=np.int32)
-        if k > len(self._pos):
-            self._pos = np.arange(1, 2 * k + 1, dtype=np.int32)
+        if self._pos is None or k > len(self._pos):
+            self._pos = np.arange(1, max(2 * k, 1024) + 1, dtype=np.int32)
         pos = self._pos[:k]
         self._stamps[ids] = pos
         return self._stamps.take(ids).tobytes() != pos.tobytes()
@@ -352,9 +355,8 @@ class KVComponent(Component):
         if value is None:  # a host-only node (HiCache)
             return
         if value.is_cpu:  # each half its own storage: a view would keep the other's alive
-            arr = value.numpy()
-            upper.kv_value = torch.frombuffer(bytearray(arr[:split_len]), dtype=torch.int64)
-            lower.kv_value = torch.frombuffer(bytearray(arr[split_len:]), dtype=torch.int64)
+            upper.kv_value = value.narrow_copy(0, 0, split_len)
+            lower.kv_value = value.narrow_copy(0, split_len, value.shape[0] - split_len)
         else:  # (views keep the host mirror; a device node's storage is the pool's index copy)
             upper.kv_value = value[:split_len]
             lower.kv_value = value[split_len:]

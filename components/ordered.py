@@ -2,16 +2,17 @@
 
 ``OrderedNodeSet`` keeps nodes ordered by ``(key_fn(node), node.id)``: a binary heap
 (``heapq``, C comparisons of the entry tuples) with lazy deletion, plus a dict holding each
-member's *current* entry. An entry is the key's items followed by the id, one flat tuple
-(``key_fn(node) + (node.id,)``: the same order, as every key of a policy has the same
-length, and one object less to reach per comparison than ``(key, id)``). A heap entry is live only while it equals its node's current entry,
+member's *current* entry. A heap entry is live only while it equals its node's current entry,
 so moving a node is one push (the old entry goes stale) and removing one is a dict delete;
 stale entries are dropped when they reach the top, and the heap is rebuilt from the live
 entries when stale ones outnumber them. Keys may rise or fall between updates: the order is
 exact for every policy (the live entry is the one compared, never a stale one).
 
 The heap holds node *ids*, not nodes, so a removed node is not kept alive by a stale entry
-(it is freed at once, without the cycle collector).
+(it is freed at once, without the cycle collector). An entry is one flat tuple, the key's
+fields then the id (``key_fn(node) + (node.id,)``, not ``(key, id)``: one tuple per entry, not
+two, and one object less to reach per comparison; the same order, as every key of one key
+function has the same length).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from radix.node import TreeNode
 
-#: A heap larger than ``2 * live + _SLACK`` entries is rebuilt from the live ones.
-_SLACK = 64
+#: A heap larger than ``2 * live + _SLACK`` entries is rebuilt from the live ones (a small
+#: slack: stale entries of a small set are memory the cache holds, about 100 bytes each).
+_SLACK = 8
 
 
 class OrderedNodeSet:

@@ -22,6 +22,41 @@ import torch
 _NO_TOKENS = array("q")
 
 
+class _NoChildren(dict[Any, Any]):
+    """The ``children`` of every leaf: one shared, empty dict that refuses writes.
+
+    A leaf holds no dict of its own (about 80 bytes per leaf; most nodes are leaves): it
+    points at :data:`NO_CHILDREN` until its first child is filed, when the tree gives it a
+    dict of its own (``RadixTree.add_leaf`` / ``split``), and it points back at it when its
+    last child leaves (``RadixTree.remove_leaf``). Reads (``get``, ``in``, ``len``,
+    iteration, the C walk's ``PyDict_GetItem``) see an empty dict; a write raises
+    ``TypeError`` instead of filing the child under every leaf at once. A dict subclass, so
+    the C walk (``radix/_match.c``), which requires a dict, reads it as one.
+    """
+
+    __slots__ = ()
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            "node.children of a leaf is the shared empty NO_CHILDREN: give the node a dict "
+            "of its own (node.children = {...}) or add children through the tree"
+        )
+
+    __setitem__ = __delitem__ = __ior__ = _refuse
+    setdefault = update = pop = popitem = clear = _refuse
+
+    def __reduce__(self) -> tuple[Any, ...]:  # copies and pickles are the shared one
+        return (_no_children, ())
+
+
+def _no_children() -> _NoChildren:
+    return NO_CHILDREN
+
+
+#: The children of every leaf (see :class:`_NoChildren`): compare with ``is``.
+NO_CHILDREN = _NoChildren()
+
+
 class TreeNode:
     """One node of the radix tree.
 
@@ -29,7 +64,8 @@ class TreeNode:
         owner: id of the tree holding the node; 0 once removed (handles are checked in O(1)).
         key: token ids of this segment, ``array('q')`` [tokens]; a whole number of pages.
         children: first page of a child's key -> child. At the root the page is prefixed by the
-            request's ``extra_key``: ``(extra_key, page)``.
+            request's ``extra_key``: ``(extra_key, page)``. A leaf's is the shared, read-only
+            :data:`NO_CHILDREN` (the tree swaps in a dict of its own with the first child).
         parent: ``None`` only for the root.
         depth: tokens from the root to the end of this node (the position of its last token + 1).
         kv_value: int64 tensor of KV slot indices, one per token of ``key`` (``None`` at the root).
@@ -85,7 +121,7 @@ class TreeNode:
         self.id = node_id
         self.owner = owner
         self.key: array = _NO_TOKENS  # replaced, never mutated in place
-        self.children: dict[Any, TreeNode] = {}
+        self.children: dict[Any, TreeNode] = NO_CHILDREN
         self.parent: TreeNode | None = None
         self.depth = 0
         self.extra_key: Any = None

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from radix.node import TreeNode
+from radix.node import NO_CHILDREN, TreeNode
 
 SplitHook = Callable[[TreeNode, TreeNode, int], None]
 
@@ -335,7 +335,7 @@ class RadixTree:
         parent.children[ck] = upper
         node.key = node.key[split_len:]
         node.parent = upper
-        upper.children[self.page_key(node.key, 0)] = node
+        upper.children = {self.page_key(node.key, 0): node}  # (a new node: NO_CHILDREN)
         self.num_nodes += 1
         self.version += 1
         self._split_hook(upper, node, split_len)
@@ -352,7 +352,10 @@ class RadixTree:
         pk = seg[0] if self.page_size == 1 else seg[: self.page_size].tobytes()  # (child_key)
         if parent is self.root:
             pk = (namespace_key(extra_key), pk)
-        parent.children[pk] = leaf
+        children = parent.children
+        if children is NO_CHILDREN:  # its first child: a dict of its own
+            parent.children = children = {}
+        children[pk] = leaf
         self.num_nodes += 1
         self.version += 1
         return leaf
@@ -361,7 +364,10 @@ class RadixTree:
         """Detach a leaf; return its former parent. The node is marked detached."""
         assert not node.children and node.parent is not None, node
         parent = node.parent
-        del parent.children[self.child_key(parent, node.key, 0, node.extra_key)]
+        children = parent.children
+        del children[self.child_key(parent, node.key, 0, node.extra_key)]
+        if not children:  # a leaf again: back to the shared empty children
+            parent.children = NO_CHILDREN
         node.parent = None
         node.depth = -1
         node.owner = 0

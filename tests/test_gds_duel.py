@@ -25,7 +25,7 @@ def chain(*depths: int, parent: TreeNode | None = None) -> list[TreeNode]:
     for d in depths:
         n = TreeNode(next(_ids), 0)
         n.parent, n.depth = p, d
-        p.children[n.id] = n
+        p.children = {**p.children, n.id: n}  # (a leaf shares the read-only NO_CHILDREN)
         out.append(n)
         p = n
     return out
