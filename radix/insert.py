@@ -47,14 +47,16 @@ def own_copy(value: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return slot_copy(value, lo, hi)
 
 
-def insert_key(cache: RadixCache, key: Tokens, value: torch.Tensor, extra_key: Any,
+def insert_key(cache: RadixCache, key: Tokens, key_len: int, value: torch.Tensor, extra_key: Any,
                state_slot: int | None, priority: int, rid: object,
                trusted: bool = False) -> InsertResult:
-    """Insert a checked key (see ``RadixCache.insert`` for the contract); ``trusted``: the
-    key is a ``RadixKey``'s token array (its walk may be the one its match remembered)."""
+    """Insert the checked key ``key[:key_len]`` (see ``RadixCache.insert`` for the contract;
+    ``key`` may run past ``key_len``: a prefix ``RadixKey`` is inserted from its base array,
+    and the plan's positions stay below ``key_len``); ``trusted``: ``key`` is a ``RadixKey``'s
+    token array (its walk may be the one its match remembered)."""
     core = cache.core
     ps = core.page_size
-    end = len(key)
+    end = key_len
     if ps != 1:
         end -= end % ps
     tree = core.tree
