@@ -178,6 +178,8 @@ claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (len >= RUN_MIN && first >= low && first < lim && len <= lim - first
                 && !any_byte(free_ + first, len) && !any_bit(held, first, first + len)) {
                 set_bits(held, first, first + len); /* the whole run at once */
+                if (dst != NULL) /* copied while the run is in cache (a failure drops it) */
+                    memcpy(dst + i, src + i, (size_t)len * sizeof(int64_t));
                 i = j;
                 continue;
             }
@@ -188,12 +190,12 @@ claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                     break;
                 }
                 held[id >> 3] |= (uint8_t)(1u << (id & 7));
+                if (dst != NULL)
+                    dst[i] = id;
             }
             if (bad >= 0)
                 break;
         }
-        if (bad < 0 && dst != NULL && n > 0)
-            memcpy(dst, src, (size_t)n * sizeof(int64_t));
         goto marked;
     }
     for (i = 0; i < n; i += ps) {
