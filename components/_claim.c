@@ -70,6 +70,20 @@ set_bits(uint8_t *h, int64_t a, int64_t b)
         memset(h + (a >> 3), 0xFF, (size_t)((b - a) >> 3));
 }
 
+/* Clear the bits of ids [a, b) in the bit array h. */
+static void
+clear_bits(uint8_t *h, int64_t a, int64_t b)
+{
+    for (; a < b && (a & 7); a++)
+        h[a >> 3] &= (uint8_t)~(1u << (a & 7));
+    while (b > a && (b & 7)) {
+        b--;
+        h[b >> 3] &= (uint8_t)~(1u << (b & 7));
+    }
+    if (b > a)
+        memset(h + (a >> 3), 0, (size_t)((b - a) >> 3));
+}
+
 /* claim(src, n, dst, page_size, low, high, held, free) -> int
  *
  *   src        address of n int64 slots
@@ -155,6 +169,8 @@ claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (len >= RUN_MIN && first >= low && first < lim && len <= lim - first
                 && !any_byte(free_ + first, len) && !any_bit(held, first, first + len)) {
                 set_bits(held, first, first + len); /* the whole run at once */
+                if (dst != NULL) /* copied while the run is in cache (a failure drops it) */
+                    memcpy(dst + i, src + i, (size_t)len * sizeof(int64_t));
                 i = j;
                 continue;
             }
@@ -165,12 +181,12 @@ claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                     break;
                 }
                 held[id >> 3] |= (uint8_t)(1u << (id & 7));
+                if (dst != NULL)
+                    dst[i] = id;
             }
             if (bad >= 0)
                 break;
         }
-        if (bad < 0 && dst != NULL && n > 0)
-            memcpy(dst, src, (size_t)n * sizeof(int64_t));
         goto marked;
     }
     for (i = 0; i < n; i += ps) {
@@ -217,7 +233,8 @@ done:
  * Clear the held marks of the n slots at address src (the bit of id slot / page_size, for the
  * first slot of each page): a node's slots leave the tree. The caller passes a node's own,
  * contiguous int64 slots (claimed, so every id lies inside held); ids are still checked
- * against held's length (ValueError, nothing cleared, when one falls outside).
+ * against held's length (ValueError, nothing cleared, when one falls outside). With one slot
+ * per id, runs of at least RUN_MIN consecutive ids are cleared as bit ranges (a word at a time).
  */
 static PyObject *
 unmark(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -258,9 +275,18 @@ unmark(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetString(PyExc_ValueError, "unmark(): a slot outside the held marks");
             return NULL;
         }
-        for (i = 0; i < n; i++) {
-            int64_t id = src[i];
-            held[id >> 3] &= (uint8_t)~(1u << (id & 7));
+        for (i = 0; i < n;) { /* runs of consecutive ids as ranges, as claim marks them */
+            int64_t first = src[i];
+            Py_ssize_t j = i + 1;
+            while (j < n && (uint64_t)src[j] == (uint64_t)first + (uint64_t)(j - i))
+                j++;
+            if (j - i >= RUN_MIN) {
+                clear_bits(held, first, first + (int64_t)(j - i));
+                i = j;
+                continue;
+            }
+            for (; i < j; i++)
+                held[src[i] >> 3] &= (uint8_t)~(1u << (src[i] & 7));
         }
         PyBuffer_Release(&hb);
         Py_RETURN_NONE;

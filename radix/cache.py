@@ -251,16 +251,18 @@ class RadixCache:
             TypeError / ValueError: bad token ids. Complexity: O(matched nodes + key length).
         """
         trusted = type(key) is RadixKey
-        if trusted and extra_key is None:  # (resolve_key's answer, without the call)
-            key, extra_key = key.token_ids, key.extra_key
+        if trusted and extra_key is None:  # (resolve_key's answer, without the call; a
+            # prefix slice is read in its base array up to its end: no copy)
+            key_len, extra_key, key = key.end, key.extra_key, key.base
         else:
             key, extra_key = resolve_key(key, extra_key)
+            key_len = len(key)
         host = self._host
         if host is not None:
-            host.before_match(key, extra_key)
+            host.before_match(key if key_len == len(key) else key[:key_len], extra_key)
         core = self.core
         ps = self.page_size
-        end = len(key) - len(key) % ps
+        end = key_len - key_len % ps
         tree = core.tree
         walk = tree.walk(key, end, extra_key, trusted)
         full_path = walk.path
@@ -326,7 +328,7 @@ class RadixCache:
         branching = kv_hit if kv_hit > prefix_len and core.checkpoints else None
         st = self._match
         st["match_calls"] += 1
-        st["match_tokens"] += len(key)
+        st["match_tokens"] += key_len
         st["hit_tokens"] += prefix_len
         st["kv_hit_tokens"] += kv_hit
         swa_miss = 0
@@ -381,14 +383,16 @@ class RadixCache:
         Python.
         """
         trusted = type(key) is RadixKey
-        if trusted and extra_key is None:  # (resolve_key's answer, without the call)
-            key, extra_key = key.token_ids, key.extra_key
+        if trusted and extra_key is None:  # (resolve_key's answer, without the call; a
+            # prefix slice is read in its base array up to its end: no copy)
+            n, extra_key, key = key.end, key.extra_key, key.base
         else:
             key, extra_key = resolve_key(key, extra_key)
+            n = len(key)
         if isinstance(state_slot, torch.Tensor):
             state_slot = host_int(state_slot, "state_slot")
         for check in self.core.insert_checks:
-            check(len(key), value, state_slot)
+            check(n, value, state_slot)
         if state_slot is not None and self.state is None:
             raise ValueError("state_slot given but this cache has no recurrent-state component")
         if type(priority) is not int and (isinstance(priority, bool) or not isinstance(priority, int)):
@@ -400,7 +404,7 @@ class RadixCache:
                 raise TypeError(
                     f"rid must be hashable (an int, a str, an object), got {type(rid).__name__}"
                 ) from None
-        return insert_key(self, key, value, extra_key, state_slot, priority, rid, trusted)
+        return insert_key(self, key, n, value, extra_key, state_slot, priority, rid, trusted)
 
     def release_rid(self, rid: object) -> None:
         """Forget ``rid``'s hit-count depth (the request finished)."""

@@ -97,6 +97,9 @@ class CacheCore:
         self.planners = hooks(everything, "plan_insert")
         self.new_node_hooks = hooks(comps, "on_new_node")
         self.insert_hooks = hooks(comps, "on_insert")
+        #: No component or holder plans an insert, sees its new nodes or adopts anything at
+        #: its end: an insert's plan would be its walk's, and ``radix.insert`` builds none.
+        self.unplanned_inserts = not (self.planners or self.new_node_hooks or self.insert_hooks)
         # (the KV component has none: the cache re-files the deepest matched node itself, the
         # only one of a matched path that can be a KV leaf)
         self.touch_hooks = hooks(comps, "on_touch")

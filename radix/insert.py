@@ -35,7 +35,7 @@ from radix.tree import new_tuple
 if TYPE_CHECKING:
     from radix.cache import RadixCache
     from radix.node import TreeNode
-    from radix.tree import Tokens
+    from radix.tree import Tokens, Walk
 
 
 def own_copy(value: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -47,18 +47,22 @@ def own_copy(value: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return slot_copy(value, lo, hi)
 
 
-def insert_key(cache: RadixCache, key: Tokens, value: torch.Tensor, extra_key: Any,
+def insert_key(cache: RadixCache, key: Tokens, key_len: int, value: torch.Tensor, extra_key: Any,
                state_slot: int | None, priority: int, rid: object,
                trusted: bool = False) -> InsertResult:
-    """Insert a checked key (see ``RadixCache.insert`` for the contract); ``trusted``: the
-    key is a ``RadixKey``'s token array (its walk may be the one its match remembered)."""
+    """Insert the checked key ``key[:key_len]`` (see ``RadixCache.insert`` for the contract;
+    ``key`` may run past ``key_len``: a prefix ``RadixKey`` is inserted from its base array,
+    and the plan's positions stay below ``key_len``); ``trusted``: ``key`` is a ``RadixKey``'s
+    token array (its walk may be the one its match remembered)."""
     core = cache.core
     ps = core.page_size
-    end = len(key)
+    end = key_len
     if ps != 1:
         end -= end % ps
     tree = core.tree
     walk = tree.walk(key, end, extra_key, trusted)
+    if core.unplanned_inserts:  # the plain KV cache: the plan would be the walk's
+        return _insert_unplanned(cache, key, value, extra_key, walk, end, priority, rid)
     plan = InsertPlan(key, value, extra_key, state_slot, walk, end)
     for p in core.planners:
         p(plan)
@@ -110,6 +114,63 @@ def insert_key(cache: RadixCache, key: Tokens, value: torch.Tensor, extra_key: A
         after(path, last)
     return new_tuple(InsertResult, (prefix_len, plan.insert_end, last, adopted, revived, value,
                                     tree_prefix))
+
+
+def _insert_unplanned(cache: RadixCache, key: Tokens, value: torch.Tensor, extra_key: Any,
+                      walk: Walk, end: int, priority: int, rid: object) -> InsertResult:
+    """:func:`insert_key` when no component or holder plans an insert, sees its new nodes or
+    adopts anything at its end (``CacheCore.unplanned_inserts``: the plain KV cache). The plan
+    would be the walk's (the new tail ``key[matched_len:end]``, no cuts, no revival), so none is
+    built: the same claim, the same mutations in the same order, the same result (tested
+    against the planned path, ``tests/test_insert_unplanned.py``)."""
+    core = cache.core
+    lo = walk.matched_len
+    own = None
+    if lo < end:  # the claim: the last check before anything changes
+        kv = cache.kv
+        own = kv.claim_trusted(value, lo, end, True) if cache._on_cpu \
+            else kv.claim_device(value, lo, end, True)
+    # ---- validated: mutate from here on
+    path = walk.path
+    core.clock += 1
+    now = core.clock
+    if walk.partial is not None:
+        path.append(core.split_touched(walk.partial, walk.partial_len, now))
+    counted = 0 if rid is None else cache.rid_depths.counted(rid, end)
+    tree_prefix = []
+    for n in path:  # (as _touch, inlined: the hot loop)
+        n.last_access_time = now
+        if n.depth > counted:
+            n.hit_count += 1
+        if priority > n.priority:
+            n.priority = priority
+        if end > n.history_len:
+            n.history_len = end
+        tree_prefix.append(n.kv_value)
+    for touch in core.touch_hooks:
+        touch(path)
+    tree = core.tree
+    last = path[-1] if path else tree.root
+    refreshers = core.refreshers
+    if own is not None:  # one new leaf (as _new_leaf, without a plan: no new-node hooks)
+        parent = last
+        last = tree.add_leaf(parent, key[lo:end], extra_key, now)
+        cache.kv.attach(last, own)
+        if parent.parent is not None:
+            for refresh in refreshers:
+                refresh(parent)
+        if last.depth > counted:
+            last.hit_count = 1
+        if priority > 0:
+            last.priority = priority
+        last.history_len = end
+        cache.kv.inserted += end - lo
+    for hook in refreshers:
+        hook(last)
+    after = cache._after_insert
+    if after is not None:
+        after(path, last)
+    return new_tuple(InsertResult, (lo, end, last, False, cache._empty, value, tree_prefix))
 
 
 class RidDepths:

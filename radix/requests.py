@@ -140,7 +140,7 @@ def _insert_req(cache: RadixCache, req: CacheRequest, state_slot: int | torch.Te
     needs that SWA KV for its window; it frees the copy when it finishes). The comparisons
     run on the slots' host copies (``KVComponent.host_slots``), never on the device.
     """
-    key = req.key if upto == len(req.key) else req.key[:upto]  # (a slice copies the ids)
+    key = req.key if upto == len(req.key) else req.key[:upto]  # (a RadixKey's: O(1))
     res = cache.insert(key, req.kv_indices[:upto], req.extra_key,
                        state_slot=state_slot, priority=req.priority, rid=req.rid)
     _free_state(cache, state_slot, res.state_adopted)

@@ -71,29 +71,57 @@ class RadixKey:
     Validation (ints >= 0) runs once, here; ``match_prefix`` / ``insert`` then trust it, so an
     engine that builds one key per request pays for validation once, not on every call.
     Plain sequences are accepted by the cache too and validated on each call.
+
+    A prefix slice (``key[:n]``, ``key[:-1]``, ``key[0:n]``) is O(1): it shares the token array
+    of the key it was cut from (:attr:`base`) and records its length (:attr:`end`); the key
+    is ``base[:end]``. The cache walks and inserts ``base`` up to ``end`` without copying;
+    :attr:`token_ids` makes the key's own array on first use (then keeps it). Any other
+    slice copies its ids. A prefix keeps its whole base array alive as long as it lives.
     """
 
-    __slots__ = ("token_ids", "extra_key")
+    __slots__ = ("base", "end", "extra_key", "_ids")
 
     def __init__(self, token_ids: Any, extra_key: Any = None) -> None:
-        self.token_ids: Tokens = as_tokens(token_ids, "token_ids")
+        ids = as_tokens(token_ids, "token_ids")
         if extra_key is not None:
-            resolve_key(self.token_ids, extra_key)  # hashability check
+            resolve_key(ids, extra_key)  # hashability check
+        #: The token array this key is a prefix of (shared with the keys sliced from it).
+        self.base: Tokens = ids
+        #: The key's length: it is ``base[:end]``.
+        self.end: int = len(ids)
         self.extra_key = extra_key
+        self._ids: Tokens | None = ids
+
+    @property
+    def token_ids(self) -> Tokens:
+        """The key's token ids (``base[:end]``: for a prefix slice, copied once on first
+        use)."""
+        ids = self._ids
+        if ids is None:
+            ids = self._ids = self.base[: self.end]
+        return ids
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return self.end
 
     def __getitem__(self, item: slice) -> RadixKey:
         if not isinstance(item, slice):
             raise TypeError("RadixKey supports slicing only")
+        start, stop, step = item.indices(self.end)
         out = RadixKey.__new__(RadixKey)
-        out.token_ids = self.token_ids[item]
         out.extra_key = self.extra_key
+        if start == 0 and step == 1:  # a prefix: the same array, a shorter end (no copy)
+            base = out.base = self.base
+            out.end = stop
+            out._ids = base if stop == len(base) else None
+        else:
+            ids = out.base = self.token_ids[item]
+            out.end = len(ids)
+            out._ids = ids
         return out
 
     def __repr__(self) -> str:
-        return f"RadixKey(len={len(self.token_ids)}, extra_key={self.extra_key!r})"
+        return f"RadixKey(len={self.end}, extra_key={self.extra_key!r})"
 
 
 def namespace_key(extra_key: Any) -> Any:

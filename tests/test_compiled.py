@@ -197,6 +197,37 @@ def test_c_unmark_clears_exactly_the_node_slots(ps: int) -> None:
 
 
 @needs_claim_c
+@pytest.mark.parametrize("seed", range(20))
+def test_c_unmark_of_runs_clears_what_the_numpy_release_clears(seed: int) -> None:
+    # slots in runs of every length around the run threshold and word boundaries, in random
+    # order (some single ids, some runs of hundreds): the C pass clears runs as bit ranges,
+    # the reference clears bit by bit; the bits around each run must stay set
+    from components._claim import unmark
+
+    rng = np.random.default_rng(seed)
+    num_ids = 4096
+    ids = rng.permutation(np.arange(1, num_ids))
+    chunks, pos = [], 0
+    while pos < len(ids) // 2:
+        n = int(rng.choice([1, 2, 7, 8, 15, 16, 17, 63, 64, 65, 300]))
+        start = int(rng.integers(1, num_ids - n))
+        chunks.append(np.arange(start, start + n))
+        pos += n
+    slots = np.unique(np.concatenate(chunks))  # distinct ids, mostly in runs
+    rng.shuffle(chunks)
+    order = np.concatenate(chunks)
+    _, first = np.unique(order, return_index=True)
+    order = order[np.sort(first)]  # the runs in random order, each id once
+    assert sorted(order.tolist()) == slots.tolist()
+    held_c = np.full((num_ids + 8) // 8, 0xFF, dtype=np.uint8)
+    held_np = held_c.copy()
+    value = torch.from_numpy(order.astype(np.int64))
+    unmark(value.data_ptr(), len(value), 1, held_c)
+    np.bitwise_and.at(held_np, order >> 3, ~np.left_shift(1, order & 7).astype(np.uint8))
+    assert (held_c == held_np).all()
+
+
+@needs_claim_c
 def test_c_unmark_refuses_an_id_outside_the_marks() -> None:
     from components._claim import unmark
 
