@@ -43,7 +43,9 @@ class InsertPlan:
     """What an insert will do, decided before anything changes (``Component.plan_insert``).
 
     Positions are tokens of ``key``; ``[prefix_len, end)`` is the new tail, ``end`` the key cut
-    to whole pages. Components may lower ``insert_end`` (to ``prefix_len``: nothing new worth
+    to whole pages. ``key`` is the ids' array, which may run past the inserted key (a prefix
+    slice of a ``RadixKey`` shares its parent's array): read positions below ``end`` only,
+    never ``len(key)``. Components may lower ``insert_end`` (to ``prefix_len``: nothing new worth
     caching), cut the new tail into separate nodes (:meth:`add_cut`), and ask to revive a
     matched node with the caller's slots (:meth:`add_revival`: node end -> first position
     taken from ``value``, and the component that revives it, :meth:`Component.revive`).
