@@ -77,16 +77,7 @@ def insert_key(cache: RadixCache, key: Tokens, key_len: int, value: torch.Tensor
     revived = cache._empty
     if plan.revive:
         path, revived = _revive(cache, path, plan)
-    tree_prefix = []
-    for n in path:  # (as _touch, inlined: the hot loop)
-        n.last_access_time = now
-        if n.depth > counted:
-            n.hit_count += 1
-        if priority > n.priority:
-            n.priority = priority
-        if end > n.history_len:
-            n.history_len = end
-        tree_prefix.append(n.kv_value)
+    tree_prefix = _touch_path(path, now, priority, counted, end)
     for touch in core.touch_hooks:
         touch(path)
     last = path[-1] if path else tree.root
@@ -116,6 +107,23 @@ def insert_key(cache: RadixCache, key: Tokens, key_len: int, value: torch.Tensor
                                     tree_prefix))
 
 
+def _touch_path(path: list[TreeNode], now: int, priority: int, counted: int,
+                end: int) -> list[torch.Tensor | None]:
+    """Stamp the matched path of an insert (as :func:`_touch` per node, in one loop) and
+    return its nodes' slot tensors, root side first."""
+    tree_prefix = []
+    for n in path:
+        n.last_access_time = now
+        if n.depth > counted:
+            n.hit_count += 1
+        if priority > n.priority:
+            n.priority = priority
+        if end > n.history_len:
+            n.history_len = end
+        tree_prefix.append(n.kv_value)
+    return tree_prefix
+
+
 def _insert_unplanned(cache: RadixCache, key: Tokens, value: torch.Tensor, extra_key: Any,
                       walk: Walk, end: int, priority: int, rid: object) -> InsertResult:
     """:func:`insert_key` when no component or holder plans an insert, sees its new nodes or
@@ -137,16 +145,7 @@ def _insert_unplanned(cache: RadixCache, key: Tokens, value: torch.Tensor, extra
     if walk.partial is not None:
         path.append(core.split_touched(walk.partial, walk.partial_len, now))
     counted = 0 if rid is None else cache.rid_depths.counted(rid, end)
-    tree_prefix = []
-    for n in path:  # (as _touch, inlined: the hot loop)
-        n.last_access_time = now
-        if n.depth > counted:
-            n.hit_count += 1
-        if priority > n.priority:
-            n.priority = priority
-        if end > n.history_len:
-            n.history_len = end
-        tree_prefix.append(n.kv_value)
+    tree_prefix = _touch_path(path, now, priority, counted, end)
     for touch in core.touch_hooks:
         touch(path)
     tree = core.tree
