@@ -23,7 +23,6 @@ marks and frees read the mirror and never the device.
 from __future__ import annotations
 
 from collections.abc import Callable
-from heapq import heappop
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -374,11 +373,7 @@ class KVComponent(Component):
         n = value.shape[0]
         self._evictable -= n
         self.evicted += n
-        rel = self._release  # (:meth:`_release_value` inline: once per node)
-        if rel is None or not value.is_contiguous() or not rel(
-                value.data_ptr(), n, self.page_size, self._marks_at, self._marks_len):
-            self._unmark(value)
-            self._free(value)
+        self._release_value(value)
         node.kv_value = None
         return n
 
@@ -398,24 +393,15 @@ class KVComponent(Component):
         Complexity: O(log n) per freed node (the ordered set).
         """
         leaves = self.leaves
-        # (OrderedNodeSet.pop_first inline: a live heap entry is the very tuple its member's
-        # entry holds; a stale one is dropped; an update may rebuild the heap: re-read)
-        heap, entries, members = leaves._heap, leaves._entries, leaves._nodes
-        get, update, free = entries.get, leaves.update, self._free
+        pop, update, free = leaves.pop_first, leaves.update, self._free
         detach, root = tree.remove_leaf, tree.root
         marks, nmarks, ps = self._marks_at, self._marks_len, self.page_size
         rel = self._release
         freed = 0
         try:
             while freed < target:
-                while heap:
-                    top = heappop(heap)
-                    nid = top[-1]
-                    if get(nid) is top:
-                        del entries[nid]
-                        node = members.pop(nid)
-                        break
-                else:
+                node = pop()
+                if node is None:
                     break
                 value = node.kv_value
                 assert value is not None and node.kv_lock == 0, node
@@ -429,7 +415,6 @@ class KVComponent(Component):
                 parent = detach(node)
                 if parent is not root and not parent.children and not parent.kv_lock:
                     update(parent)  # (as refresh: it is now an unlocked leaf)
-                    heap = leaves._heap
         finally:
             self._evictable -= freed
             self.evicted += freed

@@ -83,17 +83,14 @@ def insert_key(cache: RadixCache, key: Tokens, key_len: int, value: torch.Tensor
     last = path[-1] if path else tree.root
     prefix_len = plan.prefix_len
     if prefix_len < plan.insert_end:
-        if not plan.cuts:  # the common case: one new leaf (stamped at creation: _touch inlined)
+        if not plan.cuts:  # the common case: one new leaf (stamped at creation)
             last = _new_leaf(cache, plan, last, prefix_len, plan.insert_end, own, now)
-            if last.depth > counted:
-                last.hit_count = 1
-            if priority > 0:
-                last.priority = priority
-            last.history_len = end
+            _stamp_new_leaf(last, priority, counted, end)
         else:
-            for n in _new_leaves(cache, plan, last, now):
-                _touch(n, now, priority, counted, end)
-                last = n
+            new = _new_leaves(cache, plan, last, now)
+            _touch_path(new, now, priority, counted, end)
+            if new:
+                last = new[-1]
         cache.kv.inserted += plan.insert_end - prefix_len
     for hook in core.refreshers:
         hook(last)
@@ -109,8 +106,9 @@ def insert_key(cache: RadixCache, key: Tokens, key_len: int, value: torch.Tensor
 
 def _touch_path(path: list[TreeNode], now: int, priority: int, counted: int,
                 end: int) -> list[torch.Tensor | None]:
-    """Stamp the matched path of an insert (as :func:`_touch` per node, in one loop) and
-    return its nodes' slot tensors, root side first."""
+    """Stamp the nodes of an insert's path (its clock, a hit unless ``rid`` counted it
+    already, the highest priority, the deepest depth reached) and return their slot tensors,
+    root side first."""
     tree_prefix = []
     for n in path:
         n.last_access_time = now
@@ -158,11 +156,7 @@ def _insert_unplanned(cache: RadixCache, key: Tokens, value: torch.Tensor, extra
         if parent.parent is not None:
             for refresh in refreshers:
                 refresh(parent)
-        if last.depth > counted:
-            last.hit_count = 1
-        if priority > 0:
-            last.priority = priority
-        last.history_len = end
+        _stamp_new_leaf(last, priority, counted, end)
         cache.kv.inserted += end - lo
     for hook in refreshers:
         hook(last)
@@ -195,14 +189,14 @@ class RidDepths:
         self._depth.pop(rid, None)
 
 
-def _touch(n: TreeNode, now: int, priority: int, counted: int, end: int) -> None:
-    n.last_access_time = now
-    if n.depth > counted:
-        n.hit_count += 1
-    if priority > n.priority:
-        n.priority = priority
-    if end > n.history_len:
-        n.history_len = end
+def _stamp_new_leaf(leaf: TreeNode, priority: int, counted: int, end: int) -> None:
+    """A new leaf's stamps (as :func:`_touch_path` on a fresh node, stamped with the clock
+    at its creation): its first hit, the insert's priority and the depth reached."""
+    if leaf.depth > counted:
+        leaf.hit_count = 1
+    if priority > 0:
+        leaf.priority = priority
+    leaf.history_len = end
 
 
 def _claim(cache: RadixCache, plan: InsertPlan) -> torch.Tensor | None:
