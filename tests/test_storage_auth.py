@@ -48,6 +48,11 @@ from tests.test_storage_common import (
 SECRET = "deployment-secret-0123456789abcdef"
 OTHER = "attackers-own-secret-9876543210"
 KEY = [4000 + 5 * i for i in range(16)]
+#: The ``wait_complete`` deadline of a cache whose match must see the prefetch finish [s]: a
+#: match waits only until the prefetch is done, so a long deadline costs nothing when it runs;
+#: the default 1 s could pass on a loaded machine before the reader thread read the records,
+#: and the match would then miss without having checked them.
+WAIT_S = 30.0
 
 
 @pytest.fixture(params=["file", REDIS_ENV, MOONCAKE_ENV], ids=["file", "redis", "mooncake"])
@@ -103,11 +108,13 @@ def test_forged_records_are_misses_under_a_secret(store_at: tuple[str, str], cac
                                                   forger_secret: str | None) -> None:
     name, where = store_at
     model = fresh_model()
-    victim = make(name, where=where, model=model, secret=SECRET, page_size=2, states=4)
+    victim = make(name, where=where, model=model, secret=SECRET, page_size=2, states=4,
+                  storage_timeout_s=WAIT_S)
     caches.append(victim)
     assert forge(victim, name, where, KEY, forger_secret) == 8 + 1
     assert served(victim, KEY) == 0  # no valid MAC: a miss
     st = victim.cache.stats()
+    assert st["l3_prefetch_timeouts"] == 0  # the miss is the check's, not the deadline's
     assert st["l3_backend_unverified"] >= 1 and st["l3_prefetch_tokens"] == 0
 
 
@@ -115,7 +122,7 @@ def test_without_a_secret_a_well_formed_forgery_is_served(tmp_path: Any, caches:
     """What the checksum does not do (the reason for the secret): a record written by anyone
     who knows the tokens, namespace and model is indistinguishable from a real one."""
     where, model = str(tmp_path / "l3"), fresh_model()
-    victim = make("file", where=where, model=model, page_size=2)
+    victim = make("file", where=where, model=model, page_size=2, storage_timeout_s=WAIT_S)
     caches.append(victim)
     assert forge(victim, "file", where, KEY, None) == 8
     assert served(victim, KEY) == 16
@@ -133,7 +140,7 @@ def test_a_forged_record_under_our_key_does_not_stop_our_backup(
     assert a.cache.flush_storage(10)
     st = a.cache.stats()
     assert st["l3_backup_unverified"] == 8 and st["l3_backup_written"] == 8
-    b = make(name, where=where, model=model, secret=SECRET, page_size=2)
+    b = make(name, where=where, model=model, secret=SECRET, page_size=2, storage_timeout_s=WAIT_S)
     caches.append(b)
     m = b.cache.match_prefix(KEY + [1])
     assert m.host_hit_length == 16
