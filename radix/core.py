@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from components.base import Component, hooks
 from radix.results import EvictResult, LockRef
-from radix.tree import RadixTree
+from radix.tree import RadixTree, new_tuple
 
 if TYPE_CHECKING:
     from radix.node import TreeNode
@@ -306,7 +306,7 @@ class CacheCore:
         ``comp``'s units count towards ``target`` but not in the result."""
         inline = self._evict_inline
         if inline is not None and comp is self._kv_only and self.free_leaf is self._remove_leaf:
-            return EvictResult(inline(target, self.tree))
+            return new_tuple(EvictResult, (inline(target, self.tree), 0, 0))
         plan = self._evict_plans.get(comp.name)
         if plan is None:
             raise ValueError(f"component {comp.name!r} of this cache has no eviction walk")
@@ -325,4 +325,4 @@ class CacheCore:
             free_leaf(node, freed)
             if requeue is not None and node.owner:  # it stayed (a copy in flight)
                 requeue(node)
-        return EvictResult(freed[0], freed[1], freed[2])
+        return new_tuple(EvictResult, (freed[0], freed[1], freed[2]))

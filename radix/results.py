@@ -107,10 +107,11 @@ class InsertResult(NamedTuple):
         return register(upload(dup, caller.device), dup)
 
 
-@dataclass(frozen=True)
-class EvictResult:
+class EvictResult(NamedTuple):
     """What one eviction call freed: full KV tokens [tokens], recurrent states [slots] and
-    SWA KV tokens [tokens] (tombstoned or removed with their node)."""
+    SWA KV tokens [tokens] (tombstoned or removed with their node). An immutable tuple, like
+    :class:`MatchResult` and :class:`InsertResult`: the cache builds it in about 0.1 us, where
+    the frozen dataclass it was took about 0.65 us of every ``evict`` call."""
 
     num_tokens: int = 0
     num_states: int = 0
