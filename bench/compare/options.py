@@ -78,4 +78,16 @@ def evict_scaling_parser() -> argparse.ArgumentParser:
     ap.add_argument("--blocks", type=positive, default=5,
                     help="timed blocks per tree; the median block is reported (default 5)")
     ap.add_argument("--policy", default="lru", help="eviction policy (default lru)")
+    ap.add_argument("--sglang", nargs="+", default=[], metavar="IMPL",
+                    choices=["radix", "unified-python", "unified-rust"],
+                    help="also time SGLang's KV caches on the same tree, in the anchor venv: "
+                         "radix, unified-python, unified-rust (default: none)")
+    ap.add_argument("--sglang-max-nodes", type=positive, default=100_000,
+                    help="largest tree SGLang's side runs on (its evict is O(leaves) per "
+                         "call; default 100,000)")
+    ap.add_argument("--anchor-python", default=None,
+                    help="the anchor venv's python (default /tmp/sglang-anchor/bin/python)")
+    ap.add_argument("--anchor-script", default=None,
+                    help="the anchor's sglang_radix_bench.py (default "
+                         "../shared/anchors/sglang_radix_bench.py beside the repository)")
     return ap
