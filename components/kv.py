@@ -99,7 +99,7 @@ def to_value(value: torch.Tensor, cpu: bool) -> KVValue:
     if not cpu:
         return value
     out = array("q")
-    out.frombytes(memoryview(np.ascontiguousarray(value.numpy())).cast("B"))
+    out.frombytes(np.ascontiguousarray(value.numpy()).data.cast("B"))
     return out
 
 
@@ -665,5 +665,5 @@ class KVComponent(Component):
 def _array_of(slots: np.ndarray) -> array[int]:
     """A new ``array('q')`` holding int64 ``slots``."""
     out = array("q")
-    out.frombytes(memoryview(np.ascontiguousarray(slots, dtype=np.int64)).cast("B"))
+    out.frombytes(np.ascontiguousarray(slots, dtype=np.int64).data.cast("B"))
     return out
