@@ -83,8 +83,9 @@ def slot_tensor(value: KVValue) -> torch.Tensor:
 def cat_values(values: list[KVValue]) -> torch.Tensor:
     """The concatenation of node values ``values`` (all of one kind), a new 1-D int64 tensor
     (mirrored on a device). CPU arrays are joined into one bytearray and viewed once
-    (``bytearray().join`` + ``torch.frombuffer``: about 1.0 us for two nodes, against 3.3 us
-    for ``torch.cat`` of their views, ``tests/test_kv_array.py``)."""
+    (``bytearray().join`` + ``torch.frombuffer``: about 1.0 us for two nodes of 1,000 and 50
+    slots here, against 3.3 us for ``torch.cat`` of their ``frombuffer`` views and 2.4 us for
+    ``np.concatenate``; ``timeit``, one core)."""
     if not values:
         return _NO_SLOTS.clone()
     if type(values[0]) is array:
