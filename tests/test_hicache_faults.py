@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 
-from tests.cache_helpers import node_slots
 from tests.test_hicache_common import (
     HC,
     FailAllocs,
@@ -52,7 +51,7 @@ def chain_on_host(page_size: int, hybrid: bool) -> tuple[HC, Callable[[], Any]]:
     c.dec_lock_ref(p)
     m = c.match_prefix(KEY)
     assert (m.prefix_len, m.host_hit_length, m.last_host_node) == (4, 8, r)
-    assert (p.kv_value is not None, node_slots(q), node_slots(r)) == (True, None, None)
+    assert (p.kv_value is not None, q.kv_value, r.kv_value) == (True, None, None)
     c.sanity_check()
     return h, lambda: c.load_back(r)
 
