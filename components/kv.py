@@ -26,10 +26,10 @@ made with it, views keep it), so claims, held marks and frees read the mirror an
 device.
 
 Every other module reads node slots through the component: :meth:`KVComponent.slots` (one
-node's, as a 1-D int64 tensor), :meth:`KVComponent.cat` (several nodes' values, one tensor)
-and :meth:`KVComponent.host_slots` (a value's slots as a numpy array on the host); the
-module-level :func:`slot_tensor` / :func:`cat_values` are the same for code holding values
-but not the component.
+node's, as a 1-D int64 tensor), :meth:`KVComponent.path_slots` (a path's, one tensor) and
+:meth:`KVComponent.host_slots` (a value's slots as a numpy array on the host); the
+module-level :func:`slot_tensor` / :func:`cat_values` (one value, several values as one new
+tensor) are the same for code holding values but not the component.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def to_value(value: torch.Tensor, cpu: bool) -> KVValue:
 class KVComponent(Component):
     """Owns ``node.kv_value`` (a :data:`KVValue`: one int64 slot per token, an ``array('q')`` on
     the CPU, a device tensor on a device) and ``node.kv_lock``; other modules read a node's
-    slots as a tensor through :meth:`slots` / :meth:`cat`.
+    slots as a tensor through :meth:`slots` / :meth:`path_slots`.
 
     Counters (tokens): ``evictable_size`` = tokens of nodes with ``kv_lock == 0``,
     ``protected_size`` = tokens of nodes with ``kv_lock > 0``; ``evicted`` = tokens freed by
@@ -178,11 +178,6 @@ class KVComponent(Component):
         if value is None:
             raise ValueError(f"node has no device KV slots: {node}")
         return slot_tensor(value)
-
-    def cat(self, values: list[KVValue]) -> torch.Tensor:
-        """Node values ``values`` (``node.kv_value`` of device nodes) concatenated into one new
-        1-D int64 tensor (mirrored on a device): :func:`cat_values`."""
-        return cat_values(values)
 
     def path_slots(self, nodes: list[TreeNode]) -> torch.Tensor:
         """The KV slots of the device nodes among ``nodes``, in order, as one 1-D int64 tensor:
