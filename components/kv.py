@@ -168,16 +168,33 @@ class KVComponent(Component):
         self._slot_end: int = allocator.size + self.page_size
         #: 0, 1, .., page_size - 1, repeated (page structure checks); grown on demand
         self._page_offsets = np.tile(np.arange(self.page_size, dtype=np.int64), 64)
+        #: :meth:`slots`' last CPU view and the array it views (``None``: none kept)
+        self._view_of: array[int] | None = None
+        self._view = _NO_SLOTS
 
     # ------------------------------------------------------------------ access
     def slots(self, node: TreeNode) -> torch.Tensor:
         """Device node ``node``'s KV slots as a 1-D int64 tensor (one per token of its key): a
         zero-copy view of its array on the CPU (``torch.frombuffer``), its own mirrored tensor
-        on a device. Not to be written. Raises ``ValueError`` for a node without device KV."""
+        on a device. Not to be written. Raises ``ValueError`` for a node without device KV.
+
+        The last CPU view made is kept with its array (one entry): asking again for the same
+        array returns the same tensor, as a node's own tensor was returned before (a
+        single-node match of a shared prefix, the common case of a system prompt, makes no
+        tensor; ``torch.frombuffer`` is about 0.65 us). The entry can outlive its node until
+        the next view or :meth:`reset`: one array, never handed out for another node (an array
+        is never written, and the entry keeps it, so its identity is not reused)."""
         value = node.kv_value
+        if value is self._view_of:
+            return self._view
         if value is None:
             raise ValueError(f"node has no device KV slots: {node}")
-        return slot_tensor(value)
+        if type(value) is not array:
+            assert isinstance(value, torch.Tensor)
+            return value
+        view = self._view = torch.frombuffer(value, dtype=_I64) if value else _NO_SLOTS.clone()
+        self._view_of = value
+        return view
 
     def path_slots(self, nodes: list[TreeNode]) -> torch.Tensor:
         """The KV slots of the device nodes among ``nodes``, in order, as one 1-D int64 tensor:
@@ -568,6 +585,7 @@ class KVComponent(Component):
         """Every node is gone (their slots unmarked by :meth:`on_remove`)."""
         self.leaves.clear()
         self._evictable = self._protected = self.evicted = self.inserted = 0
+        self._view_of, self._view = None, _NO_SLOTS
 
     # ------------------------------------------------------------------ insert
     def check_insert(self, n: int, value: Any, state_slot: int | None) -> None:

@@ -41,7 +41,7 @@ from allocators.host_mirror import cat_slots, host_int, register
 from components.base import Component
 from components.events import KVEvent, KVEventRecorder
 from components.gds import GDS_WALKS
-from components.kv import KVComponent, cat_values, slot_tensor
+from components.kv import KVComponent, cat_values
 from components.state import StateComponent, StateWalkFactory, check_state_walk_factory
 from components.swa import SWAComponent
 from hicache import HiCacheConfig, HiCacheController
@@ -309,9 +309,7 @@ class RadixCache:
                 hit(last, now)
             prefix_len = last.depth
             if usable == 1:  # the node's own slots (a view of its array on the CPU)
-                value = last.kv_value
-                assert value is not None  # a usable (device) node holds KV slots
-                indices = slot_tensor(value)
+                indices = self.kv.slots(last)
             else:
                 # (one C pass over the nodes: no comprehension frame, no slice when whole)
                 indices = cat_values(list(map(_KV_VALUE, path if usable == len(path)

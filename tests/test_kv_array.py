@@ -162,3 +162,28 @@ def test_the_c_claim_refuses_a_destination_buffer_of_the_wrong_size() -> None:
     assert claim(src.data_ptr(), 3, dst, 1, 1, 64, held, free) == -1
     assert dst.tolist() == [5, 6, 7]
     assert np.unpackbits(held, bitorder="little")[[5, 6, 7]].all()
+
+
+def test_slots_keeps_its_last_view_only_for_the_same_array() -> None:
+    cache, kv = make()
+    a, b = kv.alloc(4), kv.alloc(4)
+    assert a is not None and b is not None
+    cache.insert([1, 2, 3, 4], a)
+    cache.insert([9, 8, 7, 6], b)
+    first = cache.match_prefix([1, 2, 3, 4]).device_indices
+    assert cache.match_prefix([1, 2, 3, 4]).device_indices is first  # the kept view
+    m = cache.match_prefix([9, 8, 7, 6])
+    assert m.device_indices is not first and m.device_indices.tolist() == b.tolist()
+    x, y = cache.match_prefix([1, 2, 3, 4]).last_device_node, m.last_device_node
+    assert cache.kv.slots(x).tolist() == a.tolist() and cache.kv.slots(y).tolist() == b.tolist()
+    m = cache.match_prefix([1, 2, 9])  # splits X: its upper half is a new array
+    assert m.device_indices.tolist() == a[:2].tolist()
+    (low,) = m.last_device_node.children.values()
+    assert cache.kv.slots(low).tolist() == a[2:].tolist()
+    assert cache.evict(8).num_tokens == 8  # every node leaves; a stale view is never served
+    c = kv.alloc(4)
+    assert c is not None
+    cache.insert([1, 2, 3, 4], c)
+    assert cache.match_prefix([1, 2, 3, 4]).device_indices.tolist() == c.tolist()
+    cache.reset()
+    assert cache.kv._view_of is None
