@@ -8,7 +8,8 @@
  * does the ring write and the mask write in one loop over the node's raw int64 memory.
  *
  * The Python side (allocators/free_list.py) passes a pointer it took from a CPU, contiguous
- * int64 tensor, with its length; the ring and the mask are numpy arrays passed as buffers,
+ * int64 buffer (a node's array('q'): ``buffer_info()[0]``, or a tensor's ``data_ptr()``),
+ * with its length; the ring and the mask are numpy arrays passed as buffers,
  * so every id is checked against their lengths here before anything is written. The numpy
  * path of FreeList.release_owned is the reference this must agree with
  * (tests/test_compiled.py runs both on the same inputs).

@@ -128,7 +128,8 @@ class _FreeListAllocator(SlotAllocator):
     def owned_release(self) -> Callable[[int, int, int, int, int], bool] | None:
         """The free list's :meth:`FreeList.release_held_at`: ``f(src, n, page_size, held,
         held_bytes)`` frees the ``n`` int64 slots at address ``src`` that a cache holds (a
-        CPU, contiguous tensor's ``data_ptr()``) and clears their bits in the cache's held
+        CPU node's ``array('q')``: ``buffer_info()[0]``; or a contiguous tensor's
+        ``data_ptr()``) and clears their bits in the cache's held
         marks (a uint8 array at address ``held``, ``held_bytes`` long, one bit per id: slots,
         or pages when paged; kept alive by the caller), in one C call; it returns ``False``,
         changing nothing, when it cannot (no C extension; an id not held, free, repeated or

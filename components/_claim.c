@@ -8,8 +8,9 @@
  *
  * The Python side (components/kv.py) owns the pointers it passes: it takes them from CPU,
  * contiguous int64 tensors it has checked or made, with the length. The copy goes into the
- * node's own new tensor (``Tensor.new_empty``: about 110 bytes less per node than a tensor
- * over a bytearray, and as fast to make). The marks
+ * node's own new array('q') (a slice of zeros, passed as a writable buffer of exactly n
+ * int64: its length is checked here; about 64 bytes of header per node, against about 450
+ * for a tensor). The marks
  * and the free mask are numpy arrays passed as buffers, so their lengths are checked here.
  * The numpy claim in kv.py is the reference this must agree with (tests/test_compiled.py
  * runs both on the same inputs).
@@ -87,8 +88,8 @@ clear_bits(uint8_t *h, int64_t a, int64_t b)
 /* claim(src, n, dst, page_size, low, high, held, free) -> int
  *
  *   src        address of n int64 slots
- *   dst        0, or the address of n writable int64 (not overlapping src): the slots' copy
- *              is written there
+ *   dst        0, the address of n writable int64, or a writable buffer of exactly n int64
+ *              (an array('q')), not overlapping src: the slots' copy is written there
  *   page_size  slots per page (n is a multiple of it when held is given)
  *   low, high  the pool's slot range [low, high)
  *   held       None, or a writable uint8 buffer of bits: bit id (byte id >> 3, bit id & 7)
@@ -105,6 +106,10 @@ clear_bits(uint8_t *h, int64_t a, int64_t b)
  * (the caller explains it with its numpy reference, and drops dst, which may be partly
  * written).
  */
+static PyObject *claim_into(const int64_t *src, Py_ssize_t n, int64_t *dst, long long ps,
+                            long long low, long long high, PyObject *held_obj,
+                            PyObject *free_obj, int have_marks);
+
 static PyObject *
 claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -114,7 +119,6 @@ claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     const int64_t *src = (const int64_t *)PyLong_AsVoidPtr(args[0]);
     Py_ssize_t n = PyLong_AsSsize_t(args[1]);
-    int64_t *dst = (int64_t *)PyLong_AsVoidPtr(args[2]);
     long long ps = PyLong_AsLongLong(args[3]);
     long long low = PyLong_AsLongLong(args[4]);
     long long high = PyLong_AsLongLong(args[5]);
@@ -125,6 +129,36 @@ claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "claim(): bad length, page size or source");
         return NULL;
     }
+    /* the destination: an address, or a buffer of its own (held until the end) */
+    Py_buffer db;
+    int have_db = 0;
+    int64_t *dst;
+    if (PyLong_Check(args[2])) {
+        dst = (int64_t *)PyLong_AsVoidPtr(args[2]);
+        if (PyErr_Occurred())
+            return NULL;
+    }
+    else {
+        if (PyObject_GetBuffer(args[2], &db, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+            return NULL;
+        have_db = 1;
+        if (db.itemsize != 8 || db.len != (Py_ssize_t)n * 8) {
+            PyBuffer_Release(&db);
+            PyErr_SetString(PyExc_ValueError, "claim(): dst must be a buffer of n int64");
+            return NULL;
+        }
+        dst = (int64_t *)db.buf;
+    }
+    PyObject *res = claim_into(src, n, dst, ps, low, high, args[6], args[7], have_marks);
+    if (have_db)
+        PyBuffer_Release(&db);
+    return res;
+}
+
+static PyObject *
+claim_into(const int64_t *src, Py_ssize_t n, int64_t *dst, long long ps, long long low,
+           long long high, PyObject *held_obj, PyObject *free_obj, int have_marks)
+{
     Py_ssize_t bad = -1, i;
     if (!have_marks) { /* an allocator without a free mask: the range check only */
         for (i = 0; i < n; i++) {
@@ -138,9 +172,9 @@ claim(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     Py_buffer hb, fb;
-    if (PyObject_GetBuffer(args[6], &hb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+    if (PyObject_GetBuffer(held_obj, &hb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
         return NULL;
-    if (PyObject_GetBuffer(args[7], &fb, PyBUF_C_CONTIGUOUS) < 0) {
+    if (PyObject_GetBuffer(free_obj, &fb, PyBUF_C_CONTIGUOUS) < 0) {
         PyBuffer_Release(&hb);
         return NULL;
     }

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     import torch
 
+    from components.kv import KVValue
     from radix.node import TreeNode
 
 
@@ -170,7 +171,7 @@ class Component:
     def plan_insert(self, plan: InsertPlan) -> None:
         """Validate and plan (``InsertPlan``) before anything changes; raise to refuse."""
 
-    def revive(self, node: TreeNode, slots: torch.Tensor) -> None:
+    def revive(self, node: TreeNode, slots: KVValue) -> None:
         """Give a matched ``node`` (split to the planned start) the caller's ``slots`` (claimed,
         the node's own copy), as planned in ``plan.revive``."""
 

@@ -35,7 +35,7 @@ from components.ordered import OrderedNodeSet
 
 if TYPE_CHECKING:
     from allocators.swa import SWAAllocator
-    from components.kv import KVComponent
+    from components.kv import KVComponent, KVValue
     from radix.node import TreeNode
 
 
@@ -131,7 +131,7 @@ class SWAComponent(Component):
         """Free ``node``'s SWA KV (full KV stays). The node must be live and unlocked.
         Returns the SWA tokens freed."""
         assert not node.swa_tombstone and node.swa_lock == 0 and node.kv_value is not None, node
-        self.allocator.free_swa(node.kv_value)
+        self.allocator.free_swa(self.kv.slots(node))
         node.swa_tombstone = True
         n = len(node.key)
         self._evictable -= n
@@ -143,11 +143,11 @@ class SWAComponent(Component):
         """An internal victim becomes a tombstone (its full KV stays)."""
         return self.tombstone(node)
 
-    def revive(self, node: TreeNode, slots: torch.Tensor) -> None:
+    def revive(self, node: TreeNode, slots: KVValue) -> None:
         """Insert over a tombstone (unlocked): ``node`` takes the caller's ``slots`` (with live
         SWA KV; claimed), the tree frees its old full slots, and the node is live again."""
         assert node.swa_tombstone and node.swa_lock == 0, node
-        self.kv.replace(node, slots)  # the node keeps ``slots`` itself as its kv_value
+        self.kv.replace(node, slots)  # the node keeps ``slots`` (as its own) as its kv_value
         node.swa_tombstone = False
         n = len(node.key)
         self._evictable += n
@@ -346,9 +346,8 @@ class SWAComponent(Component):
             assert n.swa_lock >= 0, n
             held = sum(n.swa_lock_starts.values()) if n.swa_lock_starts else 0
             assert held == n.lock_ref, f"SWA lock handles {held} != direct locks {n.lock_ref}: {n}"
-            v = n.kv_value
-            assert v is not None
-            live = self.allocator.has_swa(v)
+            assert n.kv_value is not None
+            live = self.allocator.has_swa(self.kv.slots(n))
             if n.swa_tombstone:
                 assert n.swa_lock == 0, f"tombstone under an SWA lock: {n}"
                 assert not bool(live.any()), f"tombstone still maps SWA slots: {n}"

@@ -41,7 +41,7 @@ from allocators.host_mirror import cat_slots, host_int, register
 from components.base import Component
 from components.events import KVEvent, KVEventRecorder
 from components.gds import GDS_WALKS
-from components.kv import KVComponent
+from components.kv import KVComponent, cat_values
 from components.state import StateComponent, StateWalkFactory, check_state_walk_factory
 from components.swa import SWAComponent
 from hicache import HiCacheConfig, HiCacheController
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from allocators.swa import SWAAllocator
     from hicache.storage import StorageController
 
-#: A node's KV slots (``node.kv_value``), read in C.
+#: A node's KV value (``node.kv_value``), read in C.
 _KV_VALUE = attrgetter("kv_value")
 
 #: Request ids whose hit-count depth is remembered (``insert(rid=...)``), most recent kept.
@@ -185,7 +185,8 @@ class RadixCache:
                                np.empty(0, dtype=np.int64))
         #: The KV slots live on the CPU (an insert's checked ``value`` is then a CPU tensor).
         self._on_cpu = self.device.type == "cpu"
-        #: ``torch.cat`` of slot tensors; on a device it keeps their host mirrors.
+        #: ``torch.cat`` of slot tensors (not node values: ``KVComponent.cat``); on a device
+        #: it keeps their host mirrors.
         self._cat = torch.cat if self._on_cpu else cat_slots
         self._adopt_kv_order()
         self._init_counters()
@@ -307,13 +308,12 @@ class RadixCache:
             for hit in core.hit_hooks:
                 hit(last, now)
             prefix_len = last.depth
-            if usable == 1:
-                indices = last.kv_value
-                assert indices is not None  # a usable (device) node holds KV slots
+            if usable == 1:  # the node's own slots (a view of its array on the CPU)
+                indices = self.kv.slots(last)
             else:
                 # (one C pass over the nodes: no comprehension frame, no slice when whole)
-                indices = self._cat(list(map(_KV_VALUE, path if usable == len(path)
-                                             else path[:usable])))
+                indices = cat_values(list(map(_KV_VALUE, path if usable == len(path)
+                                              else path[:usable])))
             state_slot = last.state_slot
         else:
             last = tree.root

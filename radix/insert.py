@@ -29,21 +29,23 @@ import torch
 
 from allocators.host_mirror import slot_copy
 from components.base import InsertPlan
+from components.kv import slot_tensor, to_value
 from radix.results import InsertResult
 from radix.tree import new_tuple
 
 if TYPE_CHECKING:
+    from components.kv import KVValue
     from radix.cache import RadixCache
     from radix.node import TreeNode
     from radix.tree import Tokens, Walk
 
 
-def own_copy(value: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """A node's own copy of ``value[lo:hi]`` (on the CPU sliced and copied in numpy: a third
-    of torch's cost; on a device with its host mirror). A view would pin the caller's whole
-    tensor and see its later writes."""
+def own_copy(value: torch.Tensor, lo: int, hi: int) -> KVValue:
+    """A node's own copy of ``value[lo:hi]``: on the CPU a new ``array('q')``
+    (``components.kv.to_value``), on a device a tensor with its host mirror. A view would
+    pin the caller's whole tensor and see its later writes."""
     if value.is_cpu:
-        return torch.from_numpy(value.numpy()[lo:hi].copy())
+        return to_value(value[lo:hi], True)
     return slot_copy(value, lo, hi)
 
 
@@ -105,10 +107,10 @@ def insert_key(cache: RadixCache, key: Tokens, key_len: int, value: torch.Tensor
 
 
 def _touch_path(path: list[TreeNode], now: int, priority: int, counted: int,
-                end: int) -> list[torch.Tensor | None]:
+                end: int) -> list[KVValue | None]:
     """Stamp the nodes of an insert's path (its clock, a hit unless ``rid`` counted it
-    already, the highest priority, the deepest depth reached) and return their slot tensors,
-    root side first."""
+    already, the highest priority, the deepest depth reached) and return their KV values
+    (``InsertResult.tree_values``), root side first."""
     tree_prefix = []
     for n in path:
         n.last_access_time = now
@@ -199,7 +201,7 @@ def _stamp_new_leaf(leaf: TreeNode, priority: int, counted: int, end: int) -> No
     leaf.history_len = end
 
 
-def _claim(cache: RadixCache, plan: InsertPlan) -> torch.Tensor | None:
+def _claim(cache: RadixCache, plan: InsertPlan) -> KVValue | None:
     """Claim (``KVComponent.claim``) the slots the insert adopts: the new tail
     ``value[prefix_len:insert_end]`` and the revival ranges, as one tensor (a slot repeated
     across them is refused).
@@ -245,7 +247,7 @@ def _revive(cache: RadixCache, path: list[TreeNode], plan: InsertPlan
             out.append(tree.split(n, t - n.start))
         own = own_copy(value, t, n.depth)
         owner.revive(n, own)
-        revived.append(own)
+        revived.append(slot_tensor(own))
         out.append(n)
     if not revived:
         return out, cache._empty
@@ -253,7 +255,7 @@ def _revive(cache: RadixCache, path: list[TreeNode], plan: InsertPlan
 
 
 def _new_leaf(cache: RadixCache, plan: InsertPlan, parent: TreeNode, lo: int, hi: int,
-              own: torch.Tensor | None, now: int) -> TreeNode:
+              own: KVValue | None, now: int) -> TreeNode:
     """A new node for ``key[lo:hi]`` below ``parent``, holding its own copy of the caller's
     slots (``own`` when the claim made it); ``parent`` is re-filed (no longer a leaf)."""
     core = cache.core

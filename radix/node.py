@@ -14,9 +14,12 @@ it, where ``end = node.depth`` and ``start = node.depth - len(node.key)``::
 from __future__ import annotations
 
 from array import array
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from components.kv import KVValue
 
 #: The key of a node that holds no tokens yet (the root): shared, never mutated.
 _NO_TOKENS = array("q")
@@ -68,7 +71,11 @@ class TreeNode:
             :data:`NO_CHILDREN` (the tree swaps in a dict of its own with the first child).
         parent: ``None`` only for the root.
         depth: tokens from the root to the end of this node (the position of its last token + 1).
-        kv_value: int64 tensor of KV slot indices, one per token of ``key`` (``None`` at the root).
+        kv_value: KV slot indices, one int64 per token of ``key`` (``None`` at the root and on a
+            host-only node), owned by the KV component (``components.kv.KVValue``): on the CPU
+            an ``array('q')`` of the node's own, never resized or written after it is attached
+            (a split slices it into two new arrays); on a device a mirrored int64 tensor. Read
+            it as a tensor through ``KVComponent.slots(node)``.
         kv_lock: requests holding this node's KV (the node or a descendant is locked).
         lock_ref: requests that locked exactly this node (``inc_lock_ref`` handles).
         state_slot: recurrent-state checkpoint valid after ``depth`` tokens, or ``None``.
@@ -125,7 +132,7 @@ class TreeNode:
         self.parent: TreeNode | None = None
         self.depth = 0
         self.extra_key: Any = None
-        self.kv_value: torch.Tensor | None = None
+        self.kv_value: KVValue | None = None
         self.kv_lock = 0
         self.state_slot: int | None = None
         self.state_lock = 0

@@ -28,10 +28,11 @@ if TYPE_CHECKING:
 
 def _path_indices(cache: RadixCache, node: TreeNode) -> torch.Tensor:
     """The tree's KV slots on the path from the root to ``node`` [one per token]."""
-    vals = [n.kv_value for n in reversed(node.path_to_root()) if n.kv_value is not None]
-    if not vals:
+    path = node.path_to_root()
+    if not path:
         return cache._empty
-    return vals[0] if len(vals) == 1 else cache._cat(vals)
+    path.reverse()
+    return cache.kv.path_slots(path)
 
 
 def _check_req(cache: RadixCache, req: Any, upto: Any) -> int:

@@ -10,9 +10,11 @@ import torch
 
 from allocators.host_mirror import host_ids, register
 from allocators.staging import upload
+from components.kv import cat_values, slot_tensor
 from radix.node import TreeNode
 
 if TYPE_CHECKING:
+    from components.kv import KVValue
     from radix.tree import RadixKey
 
 
@@ -67,9 +69,11 @@ class InsertResult(NamedTuple):
             host-only nodes (their old device slots, if any, were freed by the tree); not
             duplicates, not the caller's any more.
         value: the caller's slot tensor, as passed.
-        tree_slots: the tree's slot tensors over ``[0, prefix_len)``, one per node.
+        tree_values: the tree's nodes' KV values (``node.kv_value``: ``array('q')`` on the
+            CPU, device tensors on a device) over ``[0, prefix_len)``, one per node.
 
-    Properties (computed on access): ``adopted_indices`` (``value[prefix_len:inserted_len]``,
+    Properties (computed on access): ``tree_slots`` (the same as 1-D int64 tensors, zero-copy
+    views on the CPU), ``adopted_indices`` (``value[prefix_len:inserted_len]``,
     now the tree's), ``remainder_indices`` (``value[inserted_len:]``, the partial-page tail,
     still the caller's), ``duplicate_indices`` (the caller's slots in ``[0, prefix_len)`` that
     differ from the tree's: the caller frees them; slots it got from the tree are not listed).
@@ -81,7 +85,11 @@ class InsertResult(NamedTuple):
     state_adopted: bool
     revived_indices: torch.Tensor
     value: torch.Tensor
-    tree_slots: list[torch.Tensor]
+    tree_values: list[KVValue]
+
+    @property
+    def tree_slots(self) -> list[torch.Tensor]:
+        return [slot_tensor(v) for v in self.tree_values]
 
     @property
     def adopted_indices(self) -> torch.Tensor:
@@ -96,13 +104,13 @@ class InsertResult(NamedTuple):
         caller = self.value[: self.prefix_len]
         if self.prefix_len == 0:
             return caller
-        ts = self.tree_slots
+        ts = self.tree_values
         if caller.is_cpu:
-            tree = ts[0] if len(ts) == 1 else torch.cat(ts)
+            tree = slot_tensor(ts[0]) if len(ts) == 1 else cat_values(ts)
             return caller[caller != tree]
         # on a device: compared on the host copies, the result uploaded (no host sync)
         host = host_ids(caller, "value")
-        tree_h = np.concatenate([host_ids(t, "tree slots") for t in ts])
+        tree_h = np.concatenate([host_ids(slot_tensor(t), "tree slots") for t in ts])
         dup = host[host != tree_h]
         return register(upload(dup, caller.device), dup)
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from allocators import MambaStatePool
+from components.kv import slot_tensor
 
 
 def draw_tokens(rng: random.Random, keys: list[list[int]], *, min_cut: int,
@@ -89,3 +90,11 @@ def tiny_state_pool(states: int) -> MambaStatePool:
     """A state pool of ``states`` slots, one layer, one-element conv and SSM states (the random
     tests follow slot ids, not contents)."""
     return MambaStatePool(states, num_layers=1, conv_state_shape=(1,), ssm_state_shape=(1,))
+
+
+def node_slots(node: Any) -> torch.Tensor:
+    """A device node's KV slots as a 1-D int64 tensor, read through the KV component's accessor
+    (``components.kv.slot_tensor``, what ``KVComponent.slots`` returns): the tests read node
+    slots only this way, whatever ``node.kv_value`` holds (an ``array('q')`` on the CPU)."""
+    assert node.kv_value is not None, f"node without device KV: {node}"
+    return slot_tensor(node.kv_value)

@@ -26,6 +26,7 @@ import torch
 from allocators import KVPool, MambaStatePool, PagedAllocator, SWAAllocator, TokenAllocator
 from hicache import HiCacheConfig
 from radix import CacheConfig, CacheRequest, RadixCache
+from tests.cache_helpers import node_slots
 from tests.reliability_checks import HarnessChecks, t64
 from tests.reliability_refmodel import CacheModel, InsertPred, ModelError, Page
 
@@ -91,7 +92,7 @@ def read_view(cache: RadixCache) -> View:
         n, above = stack.pop()
         toks = above + tuple(n.key)
         ns = n.extra_key
-        kv = n.kv_value.tolist() if n.kv_value is not None else None
+        kv = node_slots(n).tolist() if n.kv_value is not None else None
         hv = n.host_value.tolist() if n.host_value is not None else None
         for i in range(len(n.key) // ps):
             p = (ns, toks[: len(above) + (i + 1) * ps])

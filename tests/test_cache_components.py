@@ -23,7 +23,7 @@ import radix
 from allocators import MambaStatePool, TokenAllocator
 from components.base import Component, InsertPlan
 from radix import RadixCache
-from tests.cache_helpers import tiny_state_pool
+from tests.cache_helpers import node_slots, tiny_state_pool
 
 
 class Recorder(Component):
@@ -152,7 +152,7 @@ def test_refresh_reaches_an_added_component_on_every_change() -> None:
     cache = RadixCache(kv_allocator=kv, components=[rec])
     a = cache.insert(K[:4], kv.alloc(4)).last_node
     rec.take(skip=())
-    cache.insert(K[:8], torch.cat([a.kv_value, kv.alloc(4)]))  # a new leaf below A
+    cache.insert(K[:8], torch.cat([node_slots(a), kv.alloc(4)]))  # a new leaf below A
     refreshed = [c[1] for c in rec.take(skip=()) if c[0] == "refresh"]
     assert (0, 4) in refreshed and (4, 8) in refreshed  # A stopped being a leaf; the new leaf
 

@@ -23,7 +23,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from allocators import PagedAllocator, TokenAllocator
 from radix import CacheConfig, RadixCache
 from radix.policies import POLICY_REGISTRY
-from tests.cache_helpers import draw_key, draw_tokens, free_leftovers, free_slots, tiny_state_pool
+from tests.cache_helpers import (
+    draw_key,
+    draw_tokens,
+    free_leftovers,
+    free_slots,
+    node_slots,
+    tiny_state_pool,
+)
 from tests.refmodel import RefCache
 
 
@@ -39,7 +46,7 @@ def library_view(cache: RadixCache) -> dict[tuple, tuple[list[int], int | None, 
         node, above = stack.pop()
         toks = above + tuple(int(x) for x in node.key)
         out[(node.extra_key, toks)] = (
-            node.kv_value.tolist(),
+            node_slots(node).tolist(),
             node.state_slot,
             node.kv_lock,
             node.state_lock,

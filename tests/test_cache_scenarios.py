@@ -13,6 +13,7 @@ import torch
 
 from allocators import PagedAllocator, TokenAllocator
 from radix import CacheConfig, EvictResult, RadixCache
+from tests.cache_helpers import node_slots
 
 
 def t64(*xs: int) -> torch.Tensor:
@@ -70,7 +71,7 @@ def test_insert_then_match_returns_exact_slots_and_splits_at_the_match_end() -> 
     node = m.last_device_node
     assert node.depth == 3 and list(node.key) == [10, 11, 12]
     (child,) = node.children.values()
-    assert list(child.key) == [13, 14] and ids(child.kv_value) == [4, 5]
+    assert list(child.key) == [13, 14] and ids(node_slots(child)) == [4, 5]
     assert cache.stats()["num_nodes"] == 2
 
     m = cache.match_prefix([10, 11, 12, 13, 14, 99])
@@ -205,7 +206,7 @@ def test_splits_only_at_page_multiples_never_at_zero(page_size: int, query: list
         upper = m.last_device_node
         assert upper.depth == hit and hit % page_size == 0
         (lower,) = upper.children.values()
-        assert lower.depth == 8 and ids(lower.kv_value) == ids(slots[hit:])
+        assert lower.depth == 8 and ids(node_slots(lower)) == ids(slots[hit:])
 
 
 def test_extra_key_namespaces_share_nothing() -> None:

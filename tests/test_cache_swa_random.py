@@ -27,7 +27,7 @@ import torch
 
 from allocators import SWAAllocator
 from radix import CacheConfig, CacheRequest, LockRef, RadixCache
-from tests.cache_helpers import draw_key, tiny_state_pool
+from tests.cache_helpers import draw_key, node_slots, tiny_state_pool
 from tests.refmodel_swa import EvictOut, Prefix, SWARefCache
 
 
@@ -42,7 +42,7 @@ def library_view(cache: RadixCache) -> dict[tuple, tuple]:
     while stack:
         node, above = stack.pop()
         toks = above + tuple(int(x) for x in node.key)
-        out[(node.extra_key, toks)] = (node.kv_value.tolist(), node.state_slot, node.kv_lock,
+        out[(node.extra_key, toks)] = (node_slots(node).tolist(), node.state_slot, node.kv_lock,
                                        node.state_lock, node.swa_tombstone, node.swa_lock)
         stack.extend((c, toks) for c in node.children.values())
     return out

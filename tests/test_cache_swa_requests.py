@@ -13,7 +13,7 @@ import torch
 
 from allocators import MambaStatePool, SWAAllocator
 from radix import CacheConfig, CacheRequest, EvictResult, RadixCache
-from tests.cache_helpers import tiny_state_pool
+from tests.cache_helpers import node_slots, tiny_state_pool
 from tests.swa_helpers import Checked, ids, t64
 
 K = list(range(101, 117))  # 16 tokens
@@ -62,8 +62,8 @@ def test_release_swa_keeps_a_whole_page_when_the_page_is_larger_than_the_window(
     assert (res.prefix_len, res.inserted_len) == (0, 8)
     leaf = res.last_node
     tomb = leaf.parent
-    assert (span(tomb), tomb.swa_tombstone, ids(tomb.kv_value)) == ((0, 4), True, [4, 5, 6, 7])
-    assert (span(leaf), leaf.swa_tombstone, ids(leaf.kv_value)) == ((4, 8), False, [8, 9, 10, 11])
+    assert (span(tomb), tomb.swa_tombstone, ids(node_slots(tomb))) == ((0, 4), True, [4, 5, 6, 7])
+    assert (span(leaf), leaf.swa_tombstone, ids(node_slots(leaf))) == ((4, 8), False, [8, 9, 10, 11])
     # Page 3 (slots 12..15: the partial tail and the unused rest) went back, both sides.
     assert kv.snapshot().free_ids()[-1:] == [3] and kv.snapshot().swa.free_ids()[-1:] == [3]
     assert swa_sizes(cache) == (4, 0) and cache.total_size() == 8
@@ -174,7 +174,7 @@ def test_usable_prefix_needs_both_a_state_and_a_live_window() -> None:
     own = kv.alloc(6)
     assert ids(own) == [5, 6, 7, 8, 9, 10]
     kv.free_swa(t64(5, 6))  # its tokens [4, 6) slid out of its window
-    res = cache.insert(K[:10], torch.cat([a.kv_value, own]), state_slot=int(pool.alloc(1)[0]))
+    res = cache.insert(K[:10], torch.cat([node_slots(a), own]), state_slot=int(pool.alloc(1)[0]))
     cache.sanity_check()
     c = res.last_node
     b = c.parent
@@ -183,7 +183,7 @@ def test_usable_prefix_needs_both_a_state_and_a_live_window() -> None:
     res = cache.insert(K[:12], torch.cat([t64(*range(1, 11)), kv.alloc(2)]),
                        state_slot=int(pool.alloc(1)[0]))
     d = res.last_node
-    assert (span(d), d.state_slot, ids(d.kv_value)) == ((10, 12), 3, [11, 12])
+    assert (span(d), d.state_slot, ids(node_slots(d))) == ((10, 12), 3, [11, 12])
     cache.sanity_check()
 
     m = cache.match_prefix(K[:12])
@@ -216,7 +216,7 @@ def test_state_and_swa_eviction_in_one_cache() -> None:
     cache, kv, pool = make(2, full=16, swa=16, states=4)  # W = 2
     assert ids(pool.alloc(2)) == [1, 2]  # the caller's states, given to the tree below
     a = cache.insert(K[:4], kv.alloc(4), state_slot=1).last_node  # t=1, id 1
-    b = cache.insert(K[:6], torch.cat([a.kv_value, kv.alloc(2)]), state_slot=2).last_node  # t=2
+    b = cache.insert(K[:6], torch.cat([node_slots(a), kv.alloc(2)]), state_slot=2).last_node  # t=2
     cache.sanity_check()
     assert (a.state_slot, b.state_slot) == (1, 2)
     # evict_states: the LRU state is A's (internal): only the state goes, KV and SWA stay.

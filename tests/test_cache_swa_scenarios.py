@@ -18,6 +18,7 @@ import torch
 
 from allocators import SWAAllocator
 from radix import CacheConfig, EvictResult, RadixCache
+from tests.cache_helpers import node_slots
 from tests.swa_helpers import Checked, ids, t64
 
 K = list(range(101, 113))  # tokens 101..112
@@ -94,7 +95,7 @@ def test_match_stops_where_fewer_than_a_window_of_live_tokens_precede_it() -> No
     # Y (t=3, id 2) before X (t=3, id 3); Z is locked. Y is internal: a tombstone.
     assert cache.evict_swa(1) == EvictResult(0, 0, 4)
     cache.sanity_check()
-    assert y.swa_tombstone and ids(y.kv_value) == [5, 6, 7, 8]  # full KV stays
+    assert y.swa_tombstone and ids(node_slots(y)) == [5, 6, 7, 8]  # full KV stays
     assert sides(kv) == (list(range(13, 33)), [13, 14, 15, 16, 5, 6, 7, 8])
     assert ids(kv.translate(v)) == [1, 2, 3, 4, 0, 0, 0, 0, 9, 10, 11, 12]
     assert kv.has_swa(t64(4, 5, 8, 9)).tolist() == [True, False, False, True]
@@ -134,9 +135,9 @@ def test_match_stops_where_fewer_than_a_window_of_live_tokens_precede_it() -> No
 def test_a_live_path_from_the_root_is_usable_even_shorter_than_a_window() -> None:
     cache, kv = make(8)  # W = 8, longer than any key here
     a = cache.insert(K[:4], kv.alloc(4)).last_node  # id 1, slots 1..4
-    b = cache.insert(K[:6], torch.cat([a.kv_value, kv.alloc(2)])).last_node  # id 2, slots 5, 6
+    b = cache.insert(K[:6], torch.cat([node_slots(a), kv.alloc(2)])).last_node  # id 2, slots 5, 6
     cache.sanity_check()
-    assert (span(a), span(b), ids(b.kv_value)) == ((0, 4), (4, 6), [5, 6])
+    assert (span(a), span(b), ids(node_slots(b))) == ((0, 4), (4, 6), [5, 6])
     for query, want in ((K[:4], 4), (K[:4] + [99], 4), (K[:6], 6), (K + [99], 6)):
         m = cache.match_prefix(query)
         cache.sanity_check()
@@ -194,7 +195,7 @@ def test_paged_window_not_a_page_multiple() -> None:
 def test_evict_swa_tombstones_an_internal_node_and_removes_a_leaf_whole() -> None:
     cache, kv = make(2, full=16, swa=16)  # W = 2
     a = cache.insert(K[:4], kv.alloc(4)).last_node  # t=1, id 1, slots 1..4
-    b = cache.insert(K[:6], torch.cat([a.kv_value, kv.alloc(2)])).last_node  # t=2, id 2: 5, 6
+    b = cache.insert(K[:6], torch.cat([node_slots(a), kv.alloc(2)])).last_node  # t=2, id 2: 5, 6
     cache.sanity_check()
     assert (a.last_access_time, b.last_access_time) == (2, 2)
     assert swa_sizes(cache) == (6, 0)
@@ -230,7 +231,7 @@ def test_evict_swa_takes_victims_in_lru_order_until_enough() -> None:
     r = cache.insert(K[:4] + [201, 202], torch.cat([t64(1, 2, 3, 4), kv.alloc(2)]))
     l2 = r.last_node
     u = l1.parent
-    assert (u.id, l1.id, l2.id, span(u), span(l1), ids(l2.kv_value)) == (
+    assert (u.id, l1.id, l2.id, span(u), span(l1), ids(node_slots(l2))) == (
         2, 1, 3, (0, 4), (4, 6), [7, 8]
     )
     cache.match_prefix(K[:4] + [201, 202])  # t=3 on U and L2; L1 keeps t=2
@@ -272,8 +273,8 @@ def test_insert_revives_a_tombstone_with_the_callers_live_slots() -> None:
     assert ids(res.revived_indices) == [13, 14, 15, 16]  # Y took the caller's live slots
     assert ids(res.duplicate_indices) == []  # ... so they are not duplicates
     assert ids(res.adopted_indices) == [17, 18]
-    assert not y.swa_tombstone and ids(y.kv_value) == [13, 14, 15, 16]
-    assert ids(kv.translate(y.kv_value)) == [13, 14, 15, 16]
+    assert not y.swa_tombstone and ids(node_slots(y)) == [13, 14, 15, 16]
+    assert ids(kv.translate(node_slots(y))) == [13, 14, 15, 16]
     assert sides(kv)[0][-4:] == [5, 6, 7, 8]  # Y's old (tombstoned) full slots, freed by the tree
     assert sides(kv)[1] == [7, 8]  # the SWA side of a tombstone was already free: untouched
     assert ids(kv.translate(t64(17, 18))) == [5, 6]  # the reused SWA slots stay mapped
@@ -311,8 +312,8 @@ def test_partial_revival_splits_at_the_page_where_the_callers_live_slots_start()
     assert ids(res.duplicate_indices) == [13, 14]  # its dead copies of [4, 6): freed for it
     y_up = res.last_node.parent
     assert res.last_node is y and span(y) == (6, 8) and span(y_up) == (4, 6)
-    assert y_up.swa_tombstone and ids(y_up.kv_value) == [5, 6]
-    assert not y.swa_tombstone and ids(y.kv_value) == [15, 16]
+    assert y_up.swa_tombstone and ids(node_slots(y_up)) == [5, 6]
+    assert not y.swa_tombstone and ids(node_slots(y)) == [15, 16]
     assert sides(kv)[0][-4:] == [7, 8, 13, 14]  # Y's old [6, 8), then the duplicates
     assert sides(kv)[1] == [7, 8, 13, 14]  # no SWA slot moved: all four were dead already
     # The request now holds Y [6, 8): 2 live tokens fill its window.
@@ -353,7 +354,7 @@ def test_no_revival_of_a_tombstone_another_request_holds() -> None:
     cache.sanity_check()
     assert ids(res.revived_indices) == []
     assert ids(res.duplicate_indices) == [13, 14, 15, 16]  # the caller frees its live copies
-    assert y.swa_tombstone and ids(y.kv_value) == [5, 6, 7, 8]
+    assert y.swa_tombstone and ids(node_slots(y)) == [5, 6, 7, 8]
     assert sides(kv)[1] == snap_swa  # the tree freed nothing
     kv.free(res.duplicate_indices)
     assert sides(kv)[1] == snap_swa + [13, 14, 15, 16]
@@ -365,7 +366,7 @@ def test_no_revival_of_a_tombstone_another_request_holds() -> None:
     res = cache.insert(K[:8], torch.cat([t64(1, 2, 3, 4), fresh]))
     cache.sanity_check()
     assert ids(res.revived_indices) == [19, 20, 21, 22] and ids(res.duplicate_indices) == []
-    assert not y.swa_tombstone and ids(y.kv_value) == [19, 20, 21, 22]
+    assert not y.swa_tombstone and ids(node_slots(y)) == [19, 20, 21, 22]
     assert sides(kv)[0][-4:] == [5, 6, 7, 8]
 
 
@@ -471,7 +472,7 @@ def test_a_lock_stops_at_a_tombstone_and_two_locks_count_twice() -> None:
     own = kv.alloc(6)
     assert ids(own) == [5, 6, 7, 8, 9, 10]
     kv.free_swa(t64(5, 6))
-    res = cache.insert(K[:10], torch.cat([a.kv_value, own]))
+    res = cache.insert(K[:10], torch.cat([node_slots(a), own]))
     cache.sanity_check()
     assert (res.prefix_len, res.inserted_len, ids(res.adopted_indices)) == (4, 10, ids(own))
     d = res.last_node

@@ -12,12 +12,15 @@ storage alive after it leaves.
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 import torch
 
 import radix.tree as tree_mod
 from allocators import TokenAllocator
 from radix import CacheConfig, RadixCache, RadixKey
+from tests.cache_helpers import node_slots
 
 
 def make(size: int = 64) -> tuple[RadixCache, TokenAllocator]:
@@ -119,11 +122,11 @@ def test_split_halves_own_their_storage() -> None:
     m = cache.match_prefix([1, 2, 9])  # splits [1..6] at 2
     upper = m.last_device_node
     (lower,) = upper.children.values()
-    assert upper.kv_value is not None and lower.kv_value is not None
-    assert upper.kv_value.tolist() == value[:2].tolist()
-    assert lower.kv_value.tolist() == value[2:].tolist()
-    # each half's storage holds exactly its own slots (8 bytes each), not the whole node's
-    assert upper.kv_value.untyped_storage().nbytes() == 2 * 8
-    assert lower.kv_value.untyped_storage().nbytes() == 4 * 8
-    assert upper.kv_value.dtype == torch.int64 and lower.kv_value.dtype == torch.int64
+    assert node_slots(upper).tolist() == value[:2].tolist()
+    assert node_slots(lower).tolist() == value[2:].tolist()
+    # each half is an array('q') of its own holding exactly its slots (8 bytes each)
+    up, low = upper.kv_value, lower.kv_value
+    assert type(up) is array and type(low) is array and (up.typecode, low.typecode) == ("q", "q")
+    assert (up.buffer_info()[1], low.buffer_info()[1]) == (2, 4)
+    assert node_slots(upper).dtype == torch.int64 and node_slots(lower).dtype == torch.int64
     cache.sanity_check()

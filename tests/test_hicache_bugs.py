@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.cache_helpers import free_slots
+from tests.cache_helpers import free_slots, node_slots
 from tests.test_hicache_common import (
     check_accounting,
     held,
@@ -81,7 +81,7 @@ def test_gds_state_popped_for_an_in_flight_write_back_stays_evictable() -> None:
     h.hc.release_held()
     assert c.poll_transfers() == 1
     c.dec_lock_ref(x)
-    assert (ids(x.kv_value), x.state_slot, c.state_evictable_size()) == ([1, 2, 3, 4], 1, 1)
+    assert (ids(node_slots(x)), x.state_slot, c.state_evictable_size()) == ([1, 2, 3, 4], 1, 1)
     r = c.evict_states(1)
     assert (r.num_states, x.state_slot) == (1, None)  # actual: 0 states freed, state 1 stays
     c.sanity_check()  # actual: "state on ... has no current GDS heap entry"
@@ -136,5 +136,5 @@ def test_cuda_backup_copies_the_data_that_was_on_device() -> None:
     c.evict(48)
     pool.k_all.zero_()
     assert c.load_back(node) == 48
-    assert torch.equal(pool.k_all[:, node.kv_value].cpu(), k)
+    assert torch.equal(pool.k_all[:, node_slots(node)].cpu(), k)
     assert torch.equal(sp.conv[:, node.state_slot].cpu(), conv)

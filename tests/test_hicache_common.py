@@ -27,7 +27,7 @@ from allocators import KVPool, MambaStatePool, PagedAllocator, TokenAllocator
 from hicache import HiCacheConfig, HiCacheController
 from radix import CacheConfig, RadixCache
 from radix.node import TreeNode
-from tests.cache_helpers import free_leftovers
+from tests.cache_helpers import free_leftovers, node_slots
 
 
 def t64(*xs: int) -> torch.Tensor:
@@ -155,7 +155,8 @@ def node_rows(cache: RadixCache) -> list[tuple]:
         n, above = stack.pop()
         path = above + tuple(int(x) for x in n.key)
         rows.append((
-            repr(n.extra_key), path, n.id, ids(n.kv_value), ids(n.host_value), n.state_slot,
+            repr(n.extra_key), path, n.id, None if n.kv_value is None else ids(node_slots(n)),
+            ids(n.host_value), n.state_slot,
             n.host_state_slot, n.kv_lock, n.lock_ref, n.state_lock, n.last_access_time,
             n.state_access_time, n.hit_count, n.gds_prio, n.gds_ver,
         ))
@@ -190,7 +191,7 @@ def assert_same(before: dict[str, Any], after: dict[str, Any]) -> None:
 
 
 def tree_device_tokens(c: RadixCache) -> int:
-    return sum(len(n.kv_value) for n in c.tree.iter_nodes() if n.kv_value is not None)
+    return sum(len(node_slots(n)) for n in c.tree.iter_nodes() if n.kv_value is not None)
 
 
 def check_accounting(h: HC, held_kv: int = 0, held_states: int = 0) -> None:
@@ -307,7 +308,7 @@ def check_contents(h: HC) -> None:
         path = above + [int(x) for x in n.key]
         want = sig(n.extra_key, path)
         if n.kv_value is not None:
-            assert read_kv(dev_pool, n.kv_value) == want[n.start:], f"device KV of {n}"
+            assert read_kv(dev_pool, node_slots(n)) == want[n.start:], f"device KV of {n}"
         if n.host_value is not None:
             assert read_kv(host_pool, n.host_value) == want[n.start:], f"host KV of {n}"
         if n.state_slot is not None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from radix import CacheRequest
-from tests.cache_helpers import free_slots
+from tests.cache_helpers import free_slots, node_slots
 from tests.test_hicache_common import (
     assert_same,
     check_accounting,
@@ -76,12 +76,12 @@ def test_load_back_evicts_on_device_to_make_room() -> None:
     c.evict(4)  # X host-only; device free list 5..8, 1..4
     put(h, list(range(10, 18)))  # Y takes all 8: 5, 6, 7, 8, 1, 2, 3, 4
     y = node_at(c, list(range(10, 18)))
-    assert ids(y.kv_value) == [5, 6, 7, 8, 1, 2, 3, 4] and h.kv.available_size() == 0
+    assert ids(node_slots(y)) == [5, 6, 7, 8, 1, 2, 3, 4] and h.kv.available_size() == 0
     m = c.match_prefix([1, 2, 3, 4])
     assert (m.prefix_len, m.host_hit_length) == (0, 4)
     assert c.load_back(x) == 4
     assert y.kv_value is None and ids(y.host_value) == [5, 6, 7, 8, 9, 10, 11, 12]
-    assert ids(x.kv_value) == [5, 6, 7, 8] and free_slots(h.kv) == [1, 2, 3, 4]
+    assert ids(node_slots(x)) == [5, 6, 7, 8] and free_slots(h.kv) == [1, 2, 3, 4]
     st = c.stats()
     assert (st["evicted_tokens"], st["demoted_tokens"], st["load_back_tokens"]) == (12, 12, 4)
     c.sanity_check()
@@ -101,11 +101,11 @@ def test_load_back_never_evicts_the_device_node_it_hangs_below() -> None:
     assert free_slots(h.kv) == [8, 3, 4, 5, 6, 7]
     put(h, list(range(30, 36)))  # W: the six free slots; device full, W newer than U
     w = node_at(c, list(range(30, 36)))
-    assert ids(w.kv_value) == [8, 3, 4, 5, 6, 7]
+    assert ids(node_slots(w)) == [8, 3, 4, 5, 6, 7]
     assert [n.id for n in c.kv.leaves] == [u.id, w.id]  # U would go first...
     assert c.load_back(x) == 4  # ...but it anchors the chain: W is evicted instead
-    assert ids(u.kv_value) == [1, 2] and w.kv_value is None
-    assert ids(x.kv_value) == [8, 3, 4, 5] and free_slots(h.kv) == [6, 7]
+    assert ids(node_slots(u)) == [1, 2] and w.kv_value is None
+    assert ids(node_slots(x)) == [8, 3, 4, 5] and free_slots(h.kv) == [6, 7]
     assert u.kv_lock == 0 and c.protected_size() == 0
     m = c.match_prefix([1, 2, 3, 4, 5, 6])
     assert (m.prefix_len, m.host_hit_length) == (6, 0)
@@ -145,7 +145,7 @@ def test_insert_through_a_host_only_node_adopts_the_callers_slots_and_keeps_the_
     assert ids(res.revived_indices) == [5, 6, 7, 8]  # X took the caller's slots
     assert ids(res.adopted_indices) == [9, 10] and ids(res.duplicate_indices) == []
     assert ids(res.remainder_indices) == []
-    assert ids(x.kv_value) == [5, 6, 7, 8] and ids(x.host_value) == [1, 2, 3, 4]
+    assert ids(node_slots(x)) == [5, 6, 7, 8] and ids(x.host_value) == [1, 2, 3, 4]
     leaf = res.last_node
     assert leaf.parent is x and ids(leaf.host_value) == [5, 6]  # write_through: new leaf
     assert c.host_size() == 6 and c.total_size() == 6 and h.kv.available_size() == 10
@@ -168,7 +168,7 @@ def test_insert_ending_inside_a_host_only_node_revives_the_upper_part_only() -> 
     u = res.last_node
     assert x.parent is u and u.parent is c.root
     assert (res.prefix_len, res.inserted_len, ids(res.revived_indices)) == (3, 3, ids(fresh))
-    assert ids(u.kv_value) == ids(fresh) and ids(u.host_value) == [1, 2, 3]
+    assert ids(node_slots(u)) == ids(fresh) and ids(u.host_value) == [1, 2, 3]
     assert x.kv_value is None and ids(x.host_value) == [4, 5, 6]
     c.sanity_check()
     check_accounting(h)
@@ -192,7 +192,7 @@ def test_request_helpers_keep_the_slots_an_insert_revived(helper: str) -> None:
     res = getattr(c, helper)(req)
     assert ids(res.revived_indices) == [5, 6, 7, 8] and ids(res.adopted_indices) == [9, 10]
     x = node_at(c, [1, 2, 3, 4])
-    assert ids(x.kv_value) == [5, 6, 7, 8] and ids(x.host_value) == [1, 2, 3, 4]
+    assert ids(node_slots(x)) == [5, 6, 7, 8] and ids(x.host_value) == [1, 2, 3, 4]
     assert not bool(h.kv.is_free(torch.tensor([5, 6, 7, 8, 9, 10])).any())
     if helper == "cache_unfinished_req":
         assert ids(req.kv_indices) == [5, 6, 7, 8, 9, 10] and req.cached_len == 6

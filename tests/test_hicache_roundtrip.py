@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.cache_helpers import bits, free_slots, random_bits
+from tests.cache_helpers import bits, free_slots, node_slots, random_bits
 from tests.test_hicache_common import HC, ids, make, node_at
 
 KEY_A = list(range(1, 9))  # 8 tokens
@@ -95,15 +95,15 @@ def test_kv_round_trip_is_bit_exact_into_different_slots(page_size: int, dtype: 
     assert (m.prefix_len, m.host_hit_length, m.last_host_node) == (0, 8, b_low)
     assert c.load_back(m.last_host_node) == 8
     c.sanity_check()
-    new_up, new_b = ids(up.kv_value), ids(b_low.kv_value)
+    new_up, new_b = ids(node_slots(up)), ids(node_slots(b_low))
     assert new_up + new_b == free_before[:8]  # the first free slots, not the old ones
     assert set(new_up + new_b).isdisjoint(ids(slots_a)[:4] + ids(slots_b))
-    assert_kv_bits(h.kv.pool, up.kv_value, ka[:, :4], va[:, :4])
-    assert_kv_bits(h.kv.pool, b_low.kv_value, kb, vb)
+    assert_kv_bits(h.kv.pool, node_slots(up), ka[:, :4], va[:, :4])
+    assert_kv_bits(h.kv.pool, node_slots(b_low), kb, vb)
 
     assert c.load_back(a_low) == 4  # the rest of A: one node, below the reloaded U
-    assert ids(a_low.kv_value) == free_before[8:12]
-    assert_kv_bits(h.kv.pool, a_low.kv_value, ka[:, 4:], va[:, 4:])
+    assert ids(node_slots(a_low)) == free_before[8:12]
+    assert_kv_bits(h.kv.pool, node_slots(a_low), ka[:, 4:], va[:, 4:])
     m = c.match_prefix(KEY_A)
     assert (m.prefix_len, m.host_hit_length) == (8, 0)
     assert ids(m.device_indices) == free_before[:4] + free_before[8:12]
@@ -167,7 +167,7 @@ def test_state_round_trip_is_bit_exact_with_its_kv(page_size: int) -> None:
     c.sanity_check()
     assert leaf.state_slot == 3 and up.state_slot is None  # the chain's end gets its state back
     assert_state_bits(sp, 3, conv8, ssm8)
-    assert_kv_bits(h.kv.pool, torch.cat([up.kv_value, leaf.kv_value]), k, v)
+    assert_kv_bits(h.kv.pool, torch.cat([node_slots(up), node_slots(leaf)]), k, v)
     m = c.match_prefix(KEY_A)
     assert (m.prefix_len, m.state_slot, m.host_hit_length) == (8, 3, 0)
     # The host copies stay (the node is device+host now) and still hold every byte.

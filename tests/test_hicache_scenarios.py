@@ -9,7 +9,7 @@ the threshold.
 
 from __future__ import annotations
 
-from tests.cache_helpers import free_slots
+from tests.cache_helpers import free_slots, node_slots
 from tests.test_hicache_common import (
     check_accounting,
     held,
@@ -84,7 +84,7 @@ def test_write_back_frees_device_slots_once_the_copy_lands() -> None:
     h.hc.hold_completions = True
     r = c.evict(4)
     assert (r.num_tokens, r.num_states) == (0, 0)  # the copy is in flight: nothing freed yet
-    assert ids(x.host_value) == [1, 2, 3, 4] and ids(x.kv_value) == [1, 2, 3, 4]
+    assert ids(x.host_value) == [1, 2, 3, 4] and ids(node_slots(x)) == [1, 2, 3, 4]
     assert (x.kv_lock, c.protected_size(), c.evictable_size()) == (1, 4, 0)
     assert free_slots(h.kv) == dev_free and h.hc.num_inflight == 1
     st = c.stats()
@@ -117,7 +117,7 @@ def test_write_back_copy_landing_under_a_new_lock_keeps_the_node_on_device() -> 
     assert x.kv_lock == 2
     h.hc.release_held()
     assert c.poll_transfers() == 1
-    assert ids(x.kv_value) == [1, 2, 3, 4] and ids(x.host_value) == [1, 2, 3, 4]
+    assert ids(node_slots(x)) == [1, 2, 3, 4] and ids(x.host_value) == [1, 2, 3, 4]
     assert x.kv_lock == 1 and c.protected_size() == 4
     c.dec_lock_ref(x)
     assert c.evict(4).num_tokens == 4 and x.kv_value is None  # backed up: demoted at once
@@ -134,7 +134,7 @@ def test_write_back_eviction_backs_up_the_parent_first_and_demotes_only_the_leaf
     r = c.evict(2)
     assert (r.num_tokens, r.num_states) == (2, 0)
     assert ids(p.host_value) == [1, 2, 3, 4] and ids(q.host_value) == [5, 6]  # parent first
-    assert ids(p.kv_value) == [1, 2, 3, 4] and q.kv_value is None
+    assert ids(node_slots(p)) == [1, 2, 3, 4] and q.kv_value is None
     assert c.stats()["backup_tokens"] == 6
     r = c.evict(4)  # P is backed up already: demoted without a copy
     assert r.num_tokens == 4 and p.kv_value is None and c.stats()["backup_tokens"] == 6
@@ -152,9 +152,9 @@ def test_split_while_the_backup_is_in_flight_backs_up_both_fragments_and_unlocks
     assert (x.kv_lock, c.protected_size(), h.hc.num_inflight) == (1, 6, 1)
     res = put(h, [1, 2, 3, 9], prefix=t64(1, 2, 3))  # splits X at 3 while its copy flies
     u, y = node_at(c, [1, 2, 3]), res.last_node
-    assert x.parent is u and ids(u.kv_value) == [1, 2, 3] and ids(x.kv_value) == [4, 5, 6]
+    assert x.parent is u and ids(node_slots(u)) == [1, 2, 3] and ids(node_slots(x)) == [4, 5, 6]
     assert ids(u.host_value) == [1, 2, 3] and ids(x.host_value) == [4, 5, 6]
-    assert ids(y.kv_value) == [7] and ids(y.host_value) == [7]  # Y's own copy, also in flight
+    assert ids(node_slots(y)) == [7] and ids(y.host_value) == [7]  # Y's own copy, also in flight
     # U carries X's in-flight lock (copied at the split) plus Y's.
     assert (u.kv_lock, x.kv_lock, y.kv_lock) == (2, 1, 1)
     assert (c.protected_size(), c.evictable_size(), h.hc.num_inflight) == (7, 0, 2)
@@ -188,7 +188,7 @@ def test_split_of_an_in_flight_write_back_demotes_the_lower_fragment_only() -> N
     assert c.poll_transfers() == 1
     # X (lower) was the node being evicted: it demotes. U stays, backed up, over device Y.
     assert x.kv_value is None and ids(x.host_value) == [4, 5, 6]
-    assert ids(u.kv_value) == [1, 2, 3] and ids(u.host_value) == [1, 2, 3]
+    assert ids(node_slots(u)) == [1, 2, 3] and ids(u.host_value) == [1, 2, 3]
     assert (u.kv_lock, x.kv_lock, c.protected_size()) == (0, 0, 0)
     assert free_slots(h.kv)[-3:] == [4, 5, 6]
     c.sanity_check()

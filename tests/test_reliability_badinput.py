@@ -27,7 +27,7 @@ import torch
 from allocators import MambaStatePool, PagedAllocator, SWAAllocator, TokenAllocator
 from hicache import HiCacheConfig
 from radix import CacheConfig, CacheRequest, LockRef, RadixCache, RadixKey
-from tests.cache_helpers import tiny_state_pool
+from tests.cache_helpers import node_slots, tiny_state_pool
 
 BAD_INPUTS_TRIED: list[str] = []
 
@@ -204,13 +204,13 @@ CASES: list[Any] = [
      lambda e: e.c.insert(NEW, torch.cat([e.fresh[:2], e.fresh[:1]]), state_slot=e.slot),
      ValueError, "value"),
     ("insert new tokens on slots the tree holds",
-     lambda e: e.c.insert([4, 4, 4], e.leaf.kv_value.clone(), state_slot=e.slot),
+     lambda e: e.c.insert([4, 4, 4], node_slots(e.leaf).clone(), state_slot=e.slot),
      ValueError, "value"),
     ("SWA insert of new tokens on slots the tree holds",
-     lambda e: e.w.insert([9, 9], e.w_node.kv_value[:2].clone(), state_slot=e.wslot),
+     lambda e: e.w.insert([9, 9], node_slots(e.w_node)[:2].clone(), state_slot=e.wslot),
      ValueError, "value"),
     ("SWA insert repeating a slot among its new tokens",
-     lambda e: e.w.insert([1, 2, 3, 4, 5, 6], torch.cat([e.w_node.kv_value, e.wfresh[:1], e.wfresh[:1]]),
+     lambda e: e.w.insert([1, 2, 3, 4, 5, 6], torch.cat([node_slots(e.w_node), e.wfresh[:1], e.wfresh[:1]]),
                           state_slot=e.wslot), ValueError, "value"),
     ("HiCache insert reviving a host-only node with free slots",
      lambda e: e.hc.insert([7, 8, 9, 10], t64(1, 2, 3, 4)), ValueError, "value"),
@@ -222,16 +222,16 @@ CASES: list[Any] = [
      ValueError, "cached_len"),
     ("req last_node it does not hold a lock on",
      lambda e: e.c.cache_finished_req(
-         req(e, [1, 2, 3, 4], torch.cat([e.leaf.kv_value, e.fresh[:1]]),
+         req(e, [1, 2, 3, 4], torch.cat([node_slots(e.leaf), e.fresh[:1]]),
              cached_len=3, last_node=e.leaf), state_slot=e.slot), ValueError, "lock"),
     ("SWA req without its lock",
      lambda e: e.w.cache_finished_req(
-         CacheRequest(key=[1, 2, 3, 4, 5, 6], kv_indices=torch.cat([e.w_node.kv_value, e.wfresh]),
+         CacheRequest(key=[1, 2, 3, 4, 5, 6], kv_indices=torch.cat([node_slots(e.w_node), e.wfresh]),
                       cached_len=4, last_node=e.w_node),
          state_slot=e.wslot), ValueError, "lock"),
     ("SWA req with another node's lock",
      lambda e: e.w.cache_finished_req(
-         CacheRequest(key=[1, 2, 3, 4, 5, 6], kv_indices=torch.cat([e.w_node.kv_value, e.wfresh]),
+         CacheRequest(key=[1, 2, 3, 4, 5, 6], kv_indices=torch.cat([node_slots(e.w_node), e.wfresh]),
                       cached_len=4, last_node=e.w_node, lock=e.w.root),
          state_slot=e.wslot), ValueError, "lock"),
     ("insert with an unhashable rid",

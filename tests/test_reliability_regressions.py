@@ -19,7 +19,7 @@ from allocators import KVPool, MambaStatePool, PagedAllocator, SWAAllocator, Tok
 from hicache import HiCacheConfig
 from radix import CacheConfig, CacheRequest, RadixCache, RadixKey
 from radix.policies import POLICY_REGISTRY
-from tests.cache_helpers import tiny_state_pool
+from tests.cache_helpers import node_slots, tiny_state_pool
 
 KNOBS: dict[str, dict[str, Any]] = {"gds": {"d": 1.0, "e": 0.0},
                                     "tlru": {"threshold": 4, "next_prompt_estimate": 1}}
@@ -180,7 +180,7 @@ def test_2_split_under_a_lock_keeps_evictable_plus_protected_exact(with_state: b
     sizes(6, 0)
     cache.inc_lock_ref(a)
     sizes(0, 6)
-    a_slots = a.kv_value.clone()  # the caller reuses A's first three slots (its match)
+    a_slots = node_slots(a).clone()  # the caller reuses A's first three slots (its match)
     b = cache.insert([1, 2, 3, 7, 8], torch.cat([a_slots[:3], kv.alloc(2)]), state_slot=st()).last_node
     assert a.parent is b.parent and a.parent is not cache.root and len(a.parent.key) == 3
     sizes(2, 6)  # [1,2,3] and [4,5,6] under A's lock, [7,8] free
@@ -413,7 +413,7 @@ def test_9_freeing_a_tombstones_old_slots_never_frees_a_reused_swa_slot() -> Non
     a = put(cache, [1, 2, 3, 4])
     put(cache, [1, 2, 3, 4, 5, 6])
     cache.match_prefix([1, 2, 3, 4, 5, 6])  # the leaf is newer than A: A is the SWA victim
-    a_slots = a.kv_value.clone()
+    a_slots = node_slots(a).clone()
     a_swa = kv.translate(a_slots).tolist()
     assert cache.evict_swa(1).num_swa_tokens == 4 and a.swa_tombstone
     # fill the SWA pool so that the next allocation must reuse A's freed SWA slots

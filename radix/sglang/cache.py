@@ -25,6 +25,7 @@ from typing import Any, cast
 import torch
 
 from components.gds import GDS_WALKS
+from components.kv import cat_values
 from hicache.storage.keys import chain_seed, page_hashes
 from radix.cache import RadixCache as LibraryCache
 from radix.config import CacheConfig
@@ -253,7 +254,7 @@ class UnifiedRadixCache:
         """The device KV slots on the path from the root to ``node``."""
         lib = self.lib_node(node)
         vals = [n.kv_value for n in reversed(lib.path_to_root()) if n.kv_value is not None]
-        out = torch.cat(vals) if vals else _EMPTY
+        out = cat_values(vals) if vals else _EMPTY
         return cast("torch.Tensor", self.views.out_slots(out))
 
     def prefix_device_indices(self, req: Any) -> torch.Tensor:
@@ -315,7 +316,8 @@ class UnifiedRadixCache:
         p0 = min(max(int(params.prev_prefix_len), 0), res.prefix_len)
         if self.frees_duplicates and p0 < res.prefix_len:
             caller = slots[p0:res.prefix_len]
-            tree = torch.cat(res.tree_slots)[p0:res.prefix_len] if res.tree_slots else caller
+            tree = (cat_values(res.tree_values)[p0:res.prefix_len] if res.tree_values
+                    else caller)
             mask = caller != tree
             if keep_live_swa:
                 mask &= ~self._kept_mask(caller, tree)
@@ -422,7 +424,7 @@ class UnifiedRadixCache:
     def all_values_flatten(self) -> torch.Tensor:
         """Every device KV slot the tree holds (parents before children)."""
         vals = [n.kv_value for n in self.cache.tree.iter_nodes() if n.kv_value is not None]
-        return cast("torch.Tensor", self.views.out_slots(torch.cat(vals) if vals else _EMPTY))
+        return cast("torch.Tensor", self.views.out_slots(cat_values(vals) if vals else _EMPTY))
 
     def all_mamba_values_flatten(self) -> torch.Tensor:
         slots = [n.state_slot for n in self.cache.tree.iter_nodes() if n.state_slot is not None]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from components.kv import slot_tensor
 from radix.sglang.key import RadixKey
 
 if TYPE_CHECKING:
@@ -91,7 +92,8 @@ class TreeNode:
             return self._get("value")
         if n.parent is None:
             return []
-        return views.out_slots(n.kv_value)
+        value = n.kv_value
+        return views.out_slots(None if value is None else slot_tensor(value))
 
     @property
     def children(self) -> dict[Any, TreeNode]:

@@ -39,7 +39,7 @@ from radix.tiers.base import Tier
 
 if TYPE_CHECKING:
     from allocators.token_allocator import _FreeListAllocator
-    from components.kv import KVComponent
+    from components.kv import KVComponent, KVValue
     from components.state import StateComponent
     from hicache import HiCacheController
     from radix.core import CacheCore
@@ -154,8 +154,8 @@ class HostTier(Component, Tier):
         if part is not None and part.kv_value is None:
             plan.add_revival(part.start + walk.partial_len, part.start, self)
 
-    def revive(self, node: TreeNode, slots: torch.Tensor) -> None:
-        self.kv.attach(node, slots)  # the node keeps ``slots`` itself as its kv_value
+    def revive(self, node: TreeNode, slots: KVValue) -> None:
+        self.kv.attach(node, slots)  # the node keeps ``slots`` (as its own) as its kv_value
         self.core.refresh(node)
         parent = node.parent
         if parent is not None and parent.parent is not None:
@@ -232,7 +232,7 @@ class HostTier(Component, Tier):
         if demote_after:  # the write-back victim's units are freed when the copy lands
             self.core.pending[0] += flight.tokens
             self.core.pending[1] += flight.states
-        hc.write(node.kv_value, host_slots, node.state_slot if with_state else None, host_state,
+        hc.write(self.kv.slots(node), host_slots, node.state_slot if with_state else None, host_state,
                  lambda: self._on_write_done(node, flight))
         self.counters["backup_tokens"] += size
         return True
