@@ -457,12 +457,10 @@ class KVComponent(Component):
         value = lower.kv_value
         if value is None:  # a host-only node (HiCache)
             return
-        if type(value) is array:  # slices are copies: each half its own memory
-            upper.kv_value = value[:split_len]
-            lower.kv_value = value[split_len:]
-        else:  # (views keep the host mirror; a device node's storage is the pool's index copy)
-            upper.kv_value = value[:split_len]
-            lower.kv_value = value[split_len:]
+        # An array's slices are copies (each half its own memory); a device tensor's are views
+        # that keep its host mirror (its storage is the pool's index copy, nothing to free).
+        upper.kv_value = value[:split_len]
+        lower.kv_value = value[split_len:]
         if lower in self.leaves:  # its key may depend on its start (tlru)
             self.leaves.update(lower)
 
