@@ -12,15 +12,11 @@ storage alive after it leaves.
 
 from __future__ import annotations
 
-from array import array
-
 import pytest
-import torch
 
 import radix.tree as tree_mod
 from allocators import TokenAllocator
 from radix import CacheConfig, RadixCache, RadixKey
-from tests.cache_helpers import node_slots
 
 
 def make(size: int = 64) -> tuple[RadixCache, TokenAllocator]:
@@ -112,21 +108,3 @@ def test_a_new_leaf_between_match_and_insert_is_seen() -> None:
     assert insert(cache, kv, [5, 6]) == (0, 2)  # another request caches [5, 6]
     assert insert(cache, kv, key) == (2, 4)  # the insert finds them
     assert cache.tree.num_nodes == 2
-
-
-def test_split_halves_own_their_storage() -> None:
-    cache, kv = make()
-    value = kv.alloc(6)
-    assert value is not None
-    cache.insert([1, 2, 3, 4, 5, 6], value)
-    m = cache.match_prefix([1, 2, 9])  # splits [1..6] at 2
-    upper = m.last_device_node
-    (lower,) = upper.children.values()
-    assert node_slots(upper).tolist() == value[:2].tolist()
-    assert node_slots(lower).tolist() == value[2:].tolist()
-    # each half is an array('q') of its own holding exactly its slots (8 bytes each)
-    up, low = upper.kv_value, lower.kv_value
-    assert type(up) is array and type(low) is array and (up.typecode, low.typecode) == ("q", "q")
-    assert (up.buffer_info()[1], low.buffer_info()[1]) == (2, 4)
-    assert node_slots(upper).dtype == torch.int64 and node_slots(lower).dtype == torch.int64
-    cache.sanity_check()

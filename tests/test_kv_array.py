@@ -82,6 +82,8 @@ def test_a_splits_halves_are_two_arrays_that_share_no_memory() -> None:
     (lower,) = upper.children.values()
     up, low = upper.kv_value, lower.kv_value
     assert type(up) is array and type(low) is array and up is not low
+    assert (up.typecode, low.typecode) == ("q", "q")  # int64 slots, exactly the half's
+    assert (up.buffer_info()[1], low.buffer_info()[1]) == (2, 4)
     assert (up.tolist(), low.tolist()) == (value[:2].tolist(), value[2:].tolist())
     assert not overlaps(span(up), span(low))
     # the match's answer is the upper half's slots (a view of its array: one node)
