@@ -23,7 +23,10 @@ class MatchResult(NamedTuple):
 
     Attributes:
         device_indices: 1-D int64 tensor of KV slot indices of the usable prefix,
-            ``len == prefix_len`` [slots].
+            ``len == prefix_len`` [slots]. **Read-only**: when the prefix ends in the first
+            node below the root it is a zero-copy view of that node's own slots (no copy per
+            match), so a write would change the tree (``sanity_check`` then fails); copy it
+            (``.clone()``, or into the engine's ``req_to_token`` row) before writing.
         prefix_len: usable prefix [tokens]; with a recurrent-state component, truncated to the
             end of the deepest matched node that holds a state.
         kv_hit_length: longest prefix whose KV is cached, ignoring other components [tokens].
@@ -73,7 +76,7 @@ class InsertResult(NamedTuple):
             CPU, device tensors on a device) over ``[0, prefix_len)``, one per node.
 
     Properties (computed on access): ``tree_slots`` (the same as 1-D int64 tensors, zero-copy
-    views on the CPU), ``adopted_indices`` (``value[prefix_len:inserted_len]``,
+    views of the nodes' own slots on the CPU: read-only, as ``MatchResult.device_indices``), ``adopted_indices`` (``value[prefix_len:inserted_len]``,
     now the tree's), ``remainder_indices`` (``value[inserted_len:]``, the partial-page tail,
     still the caller's), ``duplicate_indices`` (the caller's slots in ``[0, prefix_len)`` that
     differ from the tree's: the caller frees them; slots it got from the tree are not listed).

@@ -17,6 +17,7 @@ Not reproduced: ``test_memory_allocated`` (CUDA memory accounting of SGLang's ow
 from __future__ import annotations
 
 import unittest.mock
+from typing import Any
 
 import pytest
 import torch
@@ -154,6 +155,25 @@ def test_insert_and_match_basic(disable: bool) -> None:
     torch.testing.assert_close(res.device_indices, value)
     res = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2])))
     torch.testing.assert_close(res.device_indices, i64([10, 20]))
+
+
+@pytest.mark.parametrize("value", [torch.tensor([1.7, 2.2, 3.9]), torch.tensor([True, False, True]),
+                                   [10, 20, 30]], ids=["float", "bool", "list"])
+def test_a_value_that_is_not_integer_slots_is_refused(value: Any) -> None:
+    """A float or bool tensor would be truncated into slots (1.7 -> 1), a list has no dtype:
+    a TypeError naming ``params.value``, and nothing is cached."""
+    cache = RadixCache.create_simulated()
+    with pytest.raises(TypeError, match="params.value must be a 1-D int32 or int64 tensor"):
+        cache.insert(RadixKey([1, 2, 3]), value)
+    assert cache.total_size() == 0
+
+
+def test_int32_slots_are_read_as_int64() -> None:
+    """SGLang's ``req_to_token`` rows are int32; the adapter takes them as its caches do."""
+    cache = RadixCache.create_simulated()
+    cache.insert(RadixKey([1, 2, 3]), torch.tensor([10, 20, 30], dtype=torch.int32))
+    res = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3])))
+    assert res.device_indices.dtype == torch.int64 and res.device_indices.tolist() == [10, 20, 30]
 
 
 def test_insert_with_none_value_uses_the_token_ids() -> None:

@@ -51,6 +51,9 @@ from radix.sglang.simulated import SimulatedAllocator
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
+#: Slot dtypes an engine may pass as ``InsertParams.value`` (read as int64).
+_SLOT_DTYPES = (torch.int32, torch.int64)
+
 
 class UnifiedRadixCache:
     """SGLang 0.5.23's ``UnifiedRadixCache`` interface over the library's tree.
@@ -306,6 +309,12 @@ class UnifiedRadixCache:
         value = params.value
         if value is None:
             value = torch.tensor(tokens.tolist(), dtype=torch.int64)
+        elif not isinstance(value, torch.Tensor) or value.dtype not in _SLOT_DTYPES:
+            # (SGLang passes req_to_token rows, int32, as its own caches take them; a float
+            # or bool tensor would be truncated into slots without a word)
+            got = type(value).__name__ if not isinstance(value, torch.Tensor) else value.dtype
+            raise TypeError(f"params.value must be a 1-D int32 or int64 tensor of KV slots, "
+                            f"got {got}")
         value = value[: len(tokens)].to(torch.int64)
         slots = value + self.views.slot_offset if self.views.slot_offset else value
         state = None
