@@ -8,7 +8,7 @@
  *
  * The Python side (components/kv.py) owns the pointers it passes: it takes them from CPU,
  * contiguous int64 tensors it has checked or made, with the length. The copy goes into the
- * node's own new array('q') (a slice of zeros, passed as a writable buffer of exactly n
+ * node's own new array('q') (zeros, _ZERO * n in kv.py, passed as a writable buffer of exactly n
  * int64: its length is checked here; about 64 bytes of header per node, against about 450
  * for a tensor). The marks
  * and the free mask are numpy arrays passed as buffers, so their lengths are checked here.

@@ -96,14 +96,13 @@ def cat_values(values: list[KVValue]) -> torch.Tensor:
     return cat_slots(cast("list[torch.Tensor]", values))
 
 
-def to_value(value: torch.Tensor, cpu: bool) -> KVValue:
-    """The value a node keeps for slot tensor ``value`` (its own memory, never a view): on the
-    CPU (``cpu``) a new ``array('q')`` with its slots, on a device ``value`` itself."""
-    if not cpu:
+def to_value(value: KVValue, cpu: bool) -> KVValue:
+    """The value a node keeps for ``value`` (its own memory, never a view): a node's array
+    as it is; a slot tensor on the CPU (``cpu``) copied into a new ``array('q')``, on a device
+    ``value`` itself."""
+    if type(value) is array or not cpu:
         return value
-    out = array("q")
-    out.frombytes(np.ascontiguousarray(value.numpy()).data.cast("B"))
-    return out
+    return _array_of(cast("torch.Tensor", value).numpy())
 
 
 class KVComponent(Component):
@@ -189,11 +188,9 @@ class KVComponent(Component):
             return self._view
         if value is None:
             raise ValueError(f"node has no device KV slots: {node}")
-        if type(value) is not array:
-            assert isinstance(value, torch.Tensor)
-            return value
-        view = self._view = torch.frombuffer(value, dtype=_I64) if value else _NO_SLOTS.clone()
-        self._view_of = value
+        view = slot_tensor(value)
+        if type(value) is array:
+            self._view, self._view_of = view, value
         return view
 
     def path_slots(self, nodes: list[TreeNode]) -> torch.Tensor:
@@ -427,8 +424,7 @@ class KVComponent(Component):
         a value of its own: :meth:`claim`'s copy is kept as it is; a slot tensor is copied into
         a new ``array('q')`` on the CPU (:func:`to_value`; on a device it is kept: pass a
         tensor of its own, not a view of the caller's whole tensor)."""
-        node.kv_value = value if type(value) is array else to_value(
-            cast("torch.Tensor", value), self._cpu)
+        node.kv_value = value if type(value) is array else to_value(value, self._cpu)
         self._evictable += len(node.key)  # (one slot per token: cheaper than the value's size)
 
     def replace(self, node: TreeNode, value: KVValue) -> None:
@@ -437,8 +433,7 @@ class KVComponent(Component):
         old = node.kv_value
         assert old is not None and node.kv_lock == 0 and len(old) == len(value), node
         self._release_value(old)
-        node.kv_value = value if type(value) is array else to_value(
-            cast("torch.Tensor", value), self._cpu)
+        node.kv_value = to_value(value, self._cpu)
 
     def _release_value(self, value: KVValue) -> None:
         """Clear the held marks of a node's slots ``value`` and free them (they leave the

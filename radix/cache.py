@@ -185,8 +185,8 @@ class RadixCache:
                                np.empty(0, dtype=np.int64))
         #: The KV slots live on the CPU (an insert's checked ``value`` is then a CPU tensor).
         self._on_cpu = self.device.type == "cpu"
-        #: ``torch.cat`` of slot tensors (not node values: ``KVComponent.cat``); on a device
-        #: it keeps their host mirrors.
+        #: ``torch.cat`` of slot tensors (node values are joined by ``components.kv.cat_values``);
+        #: on a device it keeps their host mirrors.
         self._cat = torch.cat if self._on_cpu else cat_slots
         self._adopt_kv_order()
         self._init_counters()
