@@ -6,6 +6,7 @@
 | ``state`` | ``StateComponent`` | a recurrent-state checkpoint (one slot) |
 | ``swa`` | ``SWAComponent`` | sliding-window KV (live or tombstoned) |
 
-``gds`` / ``gds_adaptive``: the GreedyDual-Size state walks; ``ordered``: the ordered node set
-every LRU-like walk uses. Nothing here imports ``radix`` at run time.
+``eviction``: every eviction order (the policy registry, the KV key functions, the
+GreedyDual-Size state walks and their heap); ``ordered``: the ordered node set every LRU-like
+walk uses. Nothing here imports ``radix`` at run time.
 """

@@ -1,7 +1,7 @@
 """Full-attention KV component: per-node KV slot indices; any prefix of a cached path is usable.
 
 Eviction candidates are unlocked leaves, ordered by the radix eviction policy's key
-(``radix.policies``) in one exact ordered set.
+(``components.eviction.registry``) in one exact ordered set.
 
 Ownership: the component marks every id (slot, or page when paged) its nodes hold in
 ``_held``, one bit per id, so :meth:`KVComponent.claim` can refuse, in one C pass (or a few
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from radix.node import TreeNode
     from radix.tree import RadixTree
 
-#: A radix eviction policy's key (``radix.policies``): smaller is evicted first.
+#: A radix eviction policy's key (``components.eviction.registry``): smaller is evicted first.
 KeyFn = Callable[["TreeNode"], tuple[Any, ...]]
 
 #: A node's KV slots (``node.kv_value``): on the CPU an ``array('q')`` of the node's own

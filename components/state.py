@@ -5,7 +5,7 @@ per token. A node may carry one checkpoint (``node.state_slot``, a slot of the s
 valid after ``node.depth`` tokens. A match is usable only up to the deepest matched node that
 holds a state; a hit refreshes only the state it consumed.
 
-Eviction: the state walk is GreedyDual-Size (``components.gds``) under ``gds`` (``gdsf``: with
+Eviction: the state walk is GreedyDual-Size (``components.eviction.gds``) under ``gds`` (``gdsf``: with
 frequency), else LRU on the state's own access stamp; a caller may instead supply its own walk
 (``state_walk=``, a factory; the :class:`StateWalk` protocol). A state is a candidate when it
 is unlocked and, on a leaf, the leaf's KV is unlocked too (the leaf leaves whole: a leaf never
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from components.base import Component, InsertPlan
-from components.gds import GDS_WALKS, GDSFStrategy, GDSStrategy
-from components.gds_adaptive import AdaptiveGDSStrategy
+from components.eviction.adaptive import AdaptiveGDSStrategy
+from components.eviction.gds import GDS_WALKS, GDSFStrategy, GDSStrategy
 from components.ordered import OrderedNodeSet
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 class StateWalk(Protocol):
     """A state eviction walk: what :class:`StateComponent` calls on every state event.
 
-    The contract is the one of :class:`components.gds.GDSStrategy`: ``on_set`` when a state is
+    The contract is the one of :class:`components.eviction.gds.GDSStrategy`: ``on_set`` when a state is
     cached on a node (stored, loaded back), ``on_hit`` when a match consumes it, ``on_use``
     when its last request releases it, ``on_remove`` when it leaves (always after a pop, and
     for states removed with their leaf), ``requeue`` when a popped victim kept its state (a
@@ -49,7 +49,8 @@ class StateWalk(Protocol):
     there. ``key`` must not be kept or modified.
     """
 
-    watermark: float
+    @property
+    def watermark(self) -> float: ...
 
     def on_set(self, node: TreeNode) -> None: ...
     def on_hit(self, node: TreeNode) -> None: ...
@@ -86,7 +87,7 @@ assert tuple(GDS_WALK_CLASSES) == GDS_WALKS
 
 def make_gds_walk(walk: str, d: float, e: float,
                   is_candidate: Callable[[TreeNode], bool]) -> StateWalk:
-    """The GDS-family walk named ``walk`` (one of :data:`components.gds.GDS_WALKS`).
+    """The GDS-family walk named ``walk`` (one of :data:`components.eviction.gds.GDS_WALKS`).
 
     Raises:
         ValueError: not a GDS walk name.
@@ -133,7 +134,7 @@ class StateComponent(Component):
                 consumed state), ``"joint"`` (order by the node's stamp, shared with KV:
                 ``joint_lru``), ``"gds"`` (GreedyDual-Size with coefficients ``gds``),
                 ``"gdsf"`` (GDS with frequency: cost x (1 + hits)) or ``"gds_adaptive"``
-                (:class:`components.gds_adaptive.AdaptiveGDSStrategy`).
+                (:class:`components.eviction.adaptive.AdaptiveGDSStrategy`).
             gds: ``(d, e)``, required with the three GDS walks and only then.
             state_walk: a factory ``is_candidate -> walk`` (:class:`StateWalk`) that replaces
                 the walk named by ``walk`` (``walk`` then only says which policy the cache was

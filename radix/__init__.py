@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from importlib import metadata
 
+from components.eviction.registry import POLICY_REGISTRY, resolve_policy
 from radix.cache import RadixCache
 from radix.config import CacheConfig
 from radix.node import TreeNode
-from radix.policies import POLICY_REGISTRY, resolve_policy
 from radix.results import CacheRequest, EvictResult, InsertResult, LockRef, MatchResult
 from radix.tree import RadixKey
 

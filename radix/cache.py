@@ -40,7 +40,7 @@ import torch
 from allocators.host_mirror import cat_slots, host_int, register
 from components.base import Component
 from components.events import KVEvent, KVEventRecorder
-from components.gds import GDS_WALKS
+from components.eviction.gds import GDS_WALKS
 from components.kv import KVComponent, cat_values
 from components.state import StateComponent, StateWalkFactory, check_state_walk_factory
 from components.swa import SWAComponent

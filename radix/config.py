@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from radix.policies import ResolvedPolicy, resolve_policy
+from components.eviction.registry import ResolvedPolicy, resolve_policy
 
 _FIELDS = (
     "page_size",
@@ -47,9 +47,9 @@ class CacheConfig:
     Args:
         page_size: tokens per page (>= 1). Keys are matched and stored in whole pages; a
             trailing partial page is never cached. Must equal the KV allocator's page size.
-        radix_eviction_policy: a name from ``radix.policies.POLICY_REGISTRY`` or ``None``
+        radix_eviction_policy: a name from ``components.eviction.registry.POLICY_REGISTRY`` or ``None``
             (resolved to ``"lru"``). ``"gds"`` is opt-in only.
-        radix_eviction_policy_config: knobs of that policy (``radix.policies``: each
+        radix_eviction_policy_config: knobs of that policy (``components.eviction.registry``: each
             policy's knobs, defaults and checks), or ``None``.
         sliding_window_size: tokens an SWA layer attends to (>= 1), or ``None`` for a model
             without sliding-window layers. Needs an ``allocators.SWAAllocator`` as KV allocator.

@@ -90,8 +90,6 @@ class TreeNode:
         creation_time: logical clock stamp at creation.
         history_len: deepest depth ever reached below this node (``tlru``; never shrinks).
         host_value: host-pool indices when backed up (HiCache), else ``None``.
-        gds_prio / gds_ver / gds_stamp: this state's GreedyDual-Size heap entry (priority,
-            version) and the watermark at its last use (``components.gds``).
     """
 
     __slots__ = (
@@ -118,9 +116,6 @@ class TreeNode:
         "history_len",
         "host_value",
         "host_state_slot",
-        "gds_prio",
-        "gds_stamp",
-        "gds_ver",
         "__weakref__",
     )
 
@@ -148,9 +143,6 @@ class TreeNode:
         self.history_len = 0
         self.host_value: torch.Tensor | None = None
         self.host_state_slot: int | None = None
-        self.gds_prio = 0.0
-        self.gds_stamp = 0.0
-        self.gds_ver = 0
 
     @property
     def is_root(self) -> bool:

@@ -10,7 +10,7 @@ tokens, per served request ``i`` with prompt length ``L_i``):
 * state-miss tokens ``K_i - U_i`` (KV present, no state to resume from);
 * uncached tokens ``L_i - U_i`` (what the request prefills);
 * prefill cost ``cost(U_i, L_i)`` with ``cost(a, b) = d*(b - a) + e*(b*b - a*a)/2e5``
-  (the GDS cost model of ``components.gds``, in its own units; ``d = 1.862e-5``, ``e = 3.33e-6``).
+  (the GDS cost model of ``components.eviction.gds``, in its own units; ``d = 1.862e-5``, ``e = 3.33e-6``).
 
 Percentiles use numpy's default linear interpolation between order statistics
 (``numpy.percentile(x, q)``): for ``x = [0, 10, 20, 30]``, p50 = 15 and p90 = 27.

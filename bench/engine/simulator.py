@@ -13,7 +13,7 @@ Time model (simulated seconds)::
     TTFT_i         = end of the step holding i's last prefill chunk - arrival_i
     queueing_i     = start of i's first prefill step - arrival_i
 
-``cost(a, b) = d*(b - a) + e*(b*b - a*a)/2e5`` is the GDS cost model of ``components.gds`` with the same
+``cost(a, b) = d*(b - a) + e*(b*b - a*a)/2e5`` is the GDS cost model of ``components.eviction.gds`` with the same
 ``d``, ``e``; its unit is **seconds of the GLM prefill fit** (d = 18.6 us per token, i.e. about
 54K tokens/s, plus the attention term). A chunk from position ``a`` to ``b`` of a request
 whose usable cached prefix is ``U`` starts at ``a >= U``: cache hits shorten prefill exactly
@@ -41,7 +41,7 @@ last prefill chunk, the other ``output_length - 1`` take one decode step each; t
 ``ReplayEngine.finish``. Checkpoint positions follow the engine model (every ``chunk_size``
 tokens from ``U``, and the branch point), not the step boundaries of the budget.
 
-Policies: every ``radix.policies`` name, plus the replay baselines ``marconi``, ``seglen``,
+Policies: every ``components.eviction.registry`` name, plus the replay baselines ``marconi``, ``seglen``,
 ``belady`` and ``belady_state`` (run on the ``gds`` policy with a replay-side state walk;
 ``marconi``, ``seglen`` and ``belady`` also order the KV leaves: :mod:`bench.policies.strategies`,
 :mod:`bench.dev.policies.utility`, :mod:`bench.dev.policies.offline`).
@@ -100,13 +100,13 @@ class SimConfig:
     Attributes:
         engine: the cache and engine sizes; ``engine.concurrency`` is the scheduler's
             ``max_running_requests`` (and the number of clients with closed arrivals).
-        policy: the reported policy: a ``radix.policies`` name (then ``engine.policy``) or a
+        policy: the reported policy: a ``components.eviction.registry`` name (then ``engine.policy``) or a
             replay-only baseline, ``marconi`` / ``belady`` (then ``engine.policy == "gds"``).
         time_scale: arrival time = trace timestamp x this (2.0 halves the request rate).
         decode_ms: one decode step [ms].
         max_prefill_tokens: token budget of one prefill step (``None``: ``chunk_size``).
         arrivals: ``trace`` (timestamps) or ``closed`` (``concurrency`` clients).
-        cost_d, cost_e: prefill cost model [s of the GLM fit] (``components.gds``).
+        cost_d, cost_e: prefill cost model [s of the GLM fit] (``components.eviction.gds``).
         model: preset whose bytes Marconi's FLOP efficiency uses.
         marconi_alpha: fixed alpha (``None``: tuned on a prefix of the trace).
         marconi_alphas: the tuning grid.

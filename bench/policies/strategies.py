@@ -1,6 +1,6 @@
 """Replay-only state-eviction baselines: a Marconi-style utility and an offline reference.
 
-Neither is offered to engines (they are not in ``radix.policies``): the offline one reads the
+Neither is offered to engines (they are not in ``components.eviction.registry``): the offline one reads the
 future of the trace, and the Marconi one needs its alpha tuned on the trace. Both are
 *state walks* (:class:`components.state.StateWalk`: ``on_set`` / ``on_hit`` / ``on_use`` /
 ``on_remove`` / ``requeue`` / ``pop_victim`` / ``check`` and a ``watermark``), given to a cache
@@ -16,7 +16,7 @@ over the evictable states, both terms min-max normalised to ``[0, 1]`` over thos
 at each eviction (a term with no spread counts 0). ``recency`` is the state's own access stamp
 (set when cached or consumed by a hit; a hit refreshes only the state it used, as in
 Marconi). ``flop_efficiency = cost(0, depth) / bytes(node)``: the prefill a hit on this prefix
-saves (the GDS cost model of ``components.gds``) per byte the node holds (one state slot plus the KV of
+saves (the GDS cost model of ``components.eviction.gds``) per byte the node holds (one state slot plus the KV of
 its own edge, from a :mod:`bench.engine.presets` model). Nodes with at most one child are preferred,
 as Marconi considers only those; branch points go only when nothing else can.
 ``alpha = 0`` is LRU on state stamps. How alpha is tuned: :mod:`bench.engine.simulator`.

@@ -24,7 +24,7 @@ from typing import Any, cast
 
 import torch
 
-from components.gds import GDS_WALKS
+from components.eviction.gds import GDS_WALKS
 from components.kv import cat_values
 from hicache.storage.keys import chain_seed, page_hashes
 from radix.cache import RadixCache as LibraryCache

@@ -39,7 +39,7 @@ class CacheInitParams:
         page_size: tokens per page.
         is_eagle: EAGLE bigram keys; refused (this library keys tokens, not bigrams).
         eviction_policy: ``radix_eviction_policy`` (``lru`` default; every policy of
-            ``radix.policies``).
+            ``components.eviction.registry``).
         eviction_policy_config: its knobs.
         enable_kv_cache_events: record KV events (``take_events``).
         enable_mamba_extra_buffer: refused (the ping-pong track buffer is not modelled).

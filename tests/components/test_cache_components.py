@@ -207,7 +207,7 @@ def test_added_components_are_refused_when_they_are_not_components_or_clash() ->
 
 def test_components_import_without_radix_and_radix_without_lazy_exports() -> None:
     code = ("import sys, components.base, components.kv, components.state, components.swa, "
-            "components.gds_adaptive; "
+            "components.eviction.adaptive; "
             "bad = [m for m in sys.modules if m == 'radix' or m.startswith('radix.')]; "
             "assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -1,4 +1,4 @@
-"""GreedyDual-Size eviction of recurrent states (``components.gds``): the cost function by
+"""GreedyDual-Size eviction of recurrent states (``components.eviction.gds``): the cost function by
 hand, the worked example on a real cache, re-seeding, stamps, the lower-bound invariant and
 the watermark, and knob validation at build time."""
 
@@ -15,14 +15,14 @@ import torch
 from allocators import TokenAllocator
 from radix import CacheConfig, EvictResult, RadixCache
 from tests.helpers.cache_helpers import tiny_state_pool
-from tests.helpers.gds_helpers import draw_key, make, put, state_nodes
+from tests.helpers.gds_helpers import draw_key, gds_entry, gds_stamp, make, put, state_nodes
 
 
 def t64(*xs: int) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.int64)
 
 
-def true_priority(node, d: float, e: float) -> float:
+def true_priority(cache: RadixCache, node, d: float, e: float) -> float:
     """Independent: stamp + cost from the nearest shallower surviving state (0 if none)."""
     a = 0
     p = node.parent
@@ -32,24 +32,24 @@ def true_priority(node, d: float, e: float) -> float:
             break
         p = p.parent
     b = node.depth
-    return node.gds_stamp + d * (b - a) + e * (b * b - a * a) / 200000.0
+    return gds_stamp(cache, node) + d * (b - a) + e * (b * b - a * a) / 200000.0
 
 
 def assert_lower_bounds(cache: RadixCache, d: float, e: float) -> None:
-    """Each state's current heap entry (``gds_prio``) is <= its true priority, computed here
+    """Each state's current heap entry (``gds_entry``) is <= its true priority, computed here
     independently and by the strategy itself (which must agree)."""
     gds = cache.state.gds
     assert gds is not None
     for n in state_nodes(cache):
-        true = true_priority(n, d, e)
+        true = true_priority(cache, n, d, e)
         assert gds.true_priority(n) == pytest.approx(true, rel=1e-12, abs=1e-12)
-        assert n.gds_prio <= true + 1e-9, (n, n.gds_prio)
-        assert n.gds_stamp <= cache.watermark + 1e-12
+        assert gds_entry(cache, n) <= true + 1e-9, (n, gds_entry(cache, n))
+        assert gds_stamp(cache, n) <= cache.watermark + 1e-12
 
 
 # ====================================================================== cost
 def test_cost_function_by_hand() -> None:
-    from components.gds import gds_cost
+    from components.eviction.gds import gds_cost
 
     assert gds_cost(0, 100, 1.0, 0.0) == 100.0
     assert gds_cost(100, 300, 1.0, 0.0) == 200.0
@@ -62,7 +62,7 @@ def test_cost_function_by_hand() -> None:
     assert gds_cost(300, 900, 2.0, 4.0) == pytest.approx(2 * gds_cost(300, 900, 1.0, 2.0))
 
 
-@pytest.mark.parametrize("module", ["components.gds", "components.state", "components.kv"])
+@pytest.mark.parametrize("module", ["components.eviction.gds", "components.state", "components.kv"])
 def test_components_import_on_their_own(module: str) -> None:
     proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-400:]
@@ -79,7 +79,7 @@ def test_worked_example_from_policies_md() -> None:
     c_node, c = put(cache, kv, pool, C)
     assert (a, b, c) == (1, 2, 3)
     assert cache.watermark == 0.0
-    assert (a_node.gds_prio, b_node.gds_prio, c_node.gds_prio) == (100.0, 200.0, 250.0)
+    assert (gds_entry(cache, a_node), gds_entry(cache, b_node), gds_entry(cache, c_node)) == (100.0, 200.0, 250.0)
     assert_lower_bounds(cache, d, e)
 
     # Evict one: A (100), an internal node: its KV stays. L := 100.
@@ -87,8 +87,8 @@ def test_worked_example_from_policies_md() -> None:
     cache.sanity_check()
     assert pool.snapshot().free_ids()[-1] == a and a_node.state_slot is None
     assert cache.watermark == 100.0
-    assert b_node.gds_prio == 200.0  # the stale entry is a lower bound ...
-    assert true_priority(b_node, d, e) == 300.0  # ... of its true priority from the root
+    assert gds_entry(cache, b_node) == 200.0  # the stale entry is a lower bound ...
+    assert true_priority(cache, b_node, d, e) == 300.0  # ... of its true priority from the root
     assert_lower_bounds(cache, d, e)
 
     # Evict another: B's 200 is recomputed to 300 and pushed back; C (250) goes, whole leaf.
@@ -96,14 +96,14 @@ def test_worked_example_from_policies_md() -> None:
     cache.sanity_check()
     assert pool.snapshot().free_ids()[-1] == c
     assert cache.watermark == 250.0
-    assert b_node.state_slot == b and b_node.gds_prio == 300.0
+    assert b_node.state_slot == b and gds_entry(cache, b_node) == 300.0
     assert cache.total_size() == 300
     assert cache.match_prefix(P).state_slot == b
     assert_lower_bounds(cache, d, e)
 
     # The match stamped B at L = 250: priority 250 + 300. Evicting it takes its leaf and the
     # stateless [0, 100) above it.
-    assert b_node.gds_stamp == 250.0
+    assert gds_stamp(cache, b_node) == 250.0
     assert cache.evict_states(1) == EvictResult(300, 1)
     assert cache.watermark == 550.0
     cache.sanity_check()
@@ -119,9 +119,9 @@ def test_matched_state_is_stamped_at_the_watermark() -> None:
     assert cache.evict_states(1) == EvictResult(10, 1)
     assert cache.watermark == 10.0
     cache.match_prefix([3] * 30)  # z used: stamped at 10, true priority 40; its entry 30 stays
-    assert z_node.gds_stamp == 10.0 and z_node.gds_prio == 30.0
-    assert true_priority(z_node, d, e) == 40.0
-    assert y_node.gds_stamp == 0.0
+    assert gds_stamp(cache, z_node) == 10.0 and gds_entry(cache, z_node) == 30.0
+    assert true_priority(cache, z_node, d, e) == 40.0
+    assert gds_stamp(cache, y_node) == 0.0
     assert_lower_bounds(cache, d, e)
     # z's entry pops first, is recomputed to 40 (< y's 45), and z goes.
     assert cache.evict_states(1) == EvictResult(30, 1)
@@ -139,11 +139,11 @@ def test_release_by_last_request_stamps_the_state() -> None:
     cache.inc_lock_ref(a_node)
     cache.inc_lock_ref(a_node)
     assert cache.evict_states(5) == EvictResult(5, 1)  # the locked state is skipped
-    assert cache.watermark == 5.0 and a_node.gds_stamp == 0.0
+    assert cache.watermark == 5.0 and gds_stamp(cache, a_node) == 0.0
     cache.dec_lock_ref(a_node)
-    assert a_node.gds_stamp == 0.0  # still held by one request
+    assert gds_stamp(cache, a_node) == 0.0  # still held by one request
     cache.dec_lock_ref(a_node)
-    assert a_node.gds_stamp == 5.0  # released by its last request
+    assert gds_stamp(cache, a_node) == 5.0  # released by its last request
     assert_lower_bounds(cache, d, e)
     assert cache.evict_states(1) == EvictResult(20, 1)
     assert cache.watermark == 25.0
@@ -156,13 +156,13 @@ def test_a_new_state_above_existing_ones_lowers_their_entries() -> None:
     cache, kv, pool = make(d, e)
     P = list(range(1, 451))
     b_node, b = put(cache, kv, pool, P[:300])
-    assert b_node.gds_prio == 300.0
+    assert gds_entry(cache, b_node) == 300.0
     d_node, dd = put(cache, kv, pool, P)  # D at 450 below B
-    assert d_node.gds_prio == 150.0
+    assert gds_entry(cache, d_node) == 150.0
     a_node, a = put(cache, kv, pool, P[:100])  # A at 100: splits B's node, sits above B
-    assert a_node.depth == 100 and a_node.gds_prio == 100.0
-    assert b_node.gds_prio == 200.0  # re-seeded: its nearest shallower state is now at 100
-    assert d_node.gds_prio == 150.0  # below B: untouched
+    assert a_node.depth == 100 and gds_entry(cache, a_node) == 100.0
+    assert gds_entry(cache, b_node) == 200.0  # re-seeded: its nearest shallower state is now at 100
+    assert gds_entry(cache, d_node) == 150.0  # below B: untouched
     assert_lower_bounds(cache, d, e)
     # A (100, internal: tombstone), then D (150; B's entry 200 < true 300), then B (300).
     order = []

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from allocators import TokenAllocator
-from components.gds import GDSFStrategy, GDSStrategy, gds_cost
-from components.gds_adaptive import (
+from components.eviction.adaptive import (
     CHAIN,
     HUB,
     HUB0,
@@ -23,10 +22,11 @@ from components.gds_adaptive import (
     AdaptiveGDSStrategy,
     seen_bucket,
 )
+from components.eviction.gds import GDSFStrategy, GDSStrategy, gds_cost
 from radix import CacheConfig, EvictResult, RadixCache
 from radix.node import TreeNode
 from tests.helpers.cache_helpers import tiny_state_pool
-from tests.helpers.gds_helpers import draw_key, make, put, state_nodes
+from tests.helpers.gds_helpers import draw_key, gds_stamp, make, put, state_nodes
 
 
 def shallower_pos(node: TreeNode) -> int:
@@ -241,7 +241,7 @@ def test_gdsf_matches_a_brute_force_reference_under_random_ops() -> None:
     for cache, _kv, pool, hits, action in _run_random("gdsf", 11, 400):
         if action[0] == "states" and state_nodes(cache):
             nodes = state_nodes(cache)
-            want = {n.state_slot: n.gds_stamp + gds_cost(shallower_pos(n), n.depth, 1.0, 0.5)
+            want = {n.state_slot: gds_stamp(cache, n) + gds_cost(shallower_pos(n), n.depth, 1.0, 0.5)
                     * (1 + hits[n.state_slot]) for n in nodes}
             before = set(pool.snapshot().free_ids())
             mark = cache.watermark

@@ -1,4 +1,4 @@
-"""The duel inside ``gds_adaptive`` (components/gds_duel.py, components/gds_adaptive.py): one
+"""The duel inside ``gds_adaptive`` (components/eviction/duel.py, components/eviction/adaptive.py): one
 GreedyDual order per candidate, virtual victims and retained ghosts, the ghosts a later match
 finds, the charge that moves the lead, and the KV-leaf order. Exact orders by hand."""
 
@@ -9,8 +9,9 @@ import random
 
 import pytest
 
-from components.gds_adaptive import LEAF, SPINE, AdaptiveGDSStrategy
-from components.gds_duel import Ghosts, GreedyDualHeap, KVOrderDuel
+from components.eviction.adaptive import LEAF, SPINE, AdaptiveGDSStrategy
+from components.eviction.duel import Ghosts, KVOrderDuel
+from components.eviction.gds import GreedyDualHeap
 from radix.node import TreeNode
 from tests.helpers.gds_helpers import make, put
 

@@ -20,6 +20,20 @@ def make(d: float = 1.0, e: float = 0.0, size: int = 1200, states: int = 8,
     return RadixCache(cfg, kv_allocator=kv, state_allocator=pool), kv, pool
 
 
+def gds_entry(cache: RadixCache, node: TreeNode) -> float | None:
+    """The priority of ``node``'s current entry in the cache's GreedyDual heap (``None``: no
+    entry, or no GreedyDual walk)."""
+    heap = getattr(cache.state.gds, "heap", None) if cache.state is not None else None
+    return None if heap is None else heap.entry(node.id)
+
+
+def gds_stamp(cache: RadixCache, node: TreeNode) -> float | None:
+    """The stamp of ``node``'s state in the cache's GreedyDual heap: the watermark at its last
+    use (``None``: no state, or no GreedyDual walk)."""
+    heap = getattr(cache.state.gds, "heap", None) if cache.state is not None else None
+    return None if heap is None else heap.stamp.get(node.id)
+
+
 def state_nodes(cache: RadixCache) -> list[TreeNode]:
     """Every node holding a state (any order)."""
     out, stack = [], list(cache.root.children.values())

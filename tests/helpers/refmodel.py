@@ -5,7 +5,7 @@ model): one entry per cached page-aligned prefix ``(extra_key, tokens)``, a page
 ``boundary`` where the library would have a node end. Every question (longest cached prefix,
 deepest state, evictable leaves, victims) is answered by scanning all pages.
 
-Rules mirrored (the tree, the KV and state components, the policies of ``radix.policies``):
+Rules mirrored (the tree, the KV and state components, the policies of ``components.eviction.registry``):
 
 * matching and inserting walk whole pages; a walk that ends inside a node splits it there
   (both halves take the new stamp: the walk entered the node); every page passed is stamped

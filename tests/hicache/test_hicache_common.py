@@ -28,6 +28,7 @@ from hicache import HiCacheConfig, HiCacheController
 from radix import CacheConfig, RadixCache
 from radix.node import TreeNode
 from tests.helpers.cache_helpers import free_leftovers, node_slots
+from tests.helpers.gds_helpers import gds_entry, gds_stamp
 
 
 def t64(*xs: int) -> torch.Tensor:
@@ -158,7 +159,7 @@ def node_rows(cache: RadixCache) -> list[tuple]:
             repr(n.extra_key), path, n.id, None if n.kv_value is None else ids(node_slots(n)),
             ids(n.host_value), n.state_slot,
             n.host_state_slot, n.kv_lock, n.lock_ref, n.state_lock, n.last_access_time,
-            n.state_access_time, n.hit_count, n.gds_prio, n.gds_ver,
+            n.state_access_time, n.hit_count, gds_entry(cache, n), gds_stamp(cache, n),
         ))
         stack.extend((c, path) for c in n.children.values())
     return sorted(rows)

@@ -1,5 +1,5 @@
 """Radix eviction policies on a real cache: hand-made scenarios with the exact victim order
-(``radix.policies``), the per-node fields the keys read (hit_count, priority, history), and the
+(``components.eviction.registry``), the per-node fields the keys read (hit_count, priority, history), and the
 configuration's provenance. Victims are read from the allocator's free list: ``free`` appends
 to the back, so its tail is exactly what the last eviction gave back."""
 

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from allocators import PagedAllocator, TokenAllocator
+from components.eviction.registry import POLICY_REGISTRY
 from radix import CacheConfig, RadixCache
-from radix.policies import POLICY_REGISTRY
 from tests.helpers.cache_helpers import (
     draw_key,
     draw_tokens,
@@ -31,6 +31,7 @@ from tests.helpers.cache_helpers import (
     node_slots,
     tiny_state_pool,
 )
+from tests.helpers.gds_helpers import gds_entry, gds_stamp
 from tests.helpers.refmodel import RefCache
 
 
@@ -265,8 +266,8 @@ class Harness:
                     continue
                 true = model.true_priority(node_end)
                 lib = next(n for n in _nodes(cache) if n.state_slot == page.state)
-                assert lib.gds_stamp == pytest.approx(page.stamp, abs=1e-12)
-                assert lib.gds_prio <= true + 1e-9, (lib, lib.gds_prio, true)
+                assert gds_stamp(cache, lib) == pytest.approx(page.stamp, abs=1e-12)
+                assert gds_entry(cache, lib) <= true + 1e-9, (lib, gds_entry(cache, lib), true)
 
     def check_stamp_order(self) -> None:
         """Access stamps order the nodes (and the states) exactly as the model's clock does."""

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from allocators import KVPool, MambaStatePool, PagedAllocator, SWAAllocator, TokenAllocator
+from components.eviction.registry import POLICY_REGISTRY
 from hicache import HiCacheConfig
 from radix import CacheConfig, CacheRequest, RadixCache, RadixKey
-from radix.policies import POLICY_REGISTRY
 from tests.helpers.cache_helpers import node_slots, tiny_state_pool
 
 KNOBS: dict[str, dict[str, Any]] = {"gds": {"d": 1.0, "e": 0.0},

@@ -17,7 +17,7 @@ the pool has ``C x n`` slot-requests over ``n`` requests. That is a knapsack:
   every ``t`` of :data:`HOLD_TIMES` span a curve; its concave hull, filled best slope first
   across the classes, is what the best such rule buys. Classes: none; the seen-share bucket
   (the share of the prompt some earlier request already had: < 0.3, < 0.9, more, as the
-  walks' :func:`components.gds_adaptive.seen_bucket` reads it off the tree); bucket x prompt
+  walks' :func:`components.eviction.adaptive.seen_bucket` reads it off the tree); bucket x prompt
   length (:data:`LENGTH_BANDS`, in blocks). The curves are taken from the whole trace, so the
   online figures are optimistic: no online rule knows them in advance.
 

@@ -6,7 +6,7 @@ have known about each state when it was consumed:
 
 * ``first`` / ``again``: the state's first hit since it was cached, or a later one;
 * ``leaf`` / ``below``: whether live states sat below it (a shared or continued prefix);
-* the seen-share bucket at its store (``components.gds_adaptive.seen_bucket``: 0 = under
+* the seen-share bucket at its store (``components.eviction.adaptive.seen_bucket``: 0 = under
   30 % of its prefix inserted by another request before, 1 = 30-90 %, 2 = at least 90 %).
 
 A ``first`` hit on a ``leaf`` in bucket 0 is a first reuse with no signal but the bucket's
@@ -29,11 +29,11 @@ from bench.engine.simulator import SimConfig, Simulator
 from bench.policies import baselines
 from bench.policies.strategies import NextUseIndex, StateStrategy
 from bench.traces.loader import load_trace, resolve_trace_path
-from components.gds import GDS_WALKS
-from components.gds_adaptive import seen_bucket
+from components.eviction.adaptive import seen_bucket
+from components.eviction.gds import GDS_WALKS
+from components.eviction.registry import GDS_DEFAULT_D, GDS_DEFAULT_E
 from components.state import make_gds_walk
 from radix.node import TreeNode
-from radix.policies import GDS_DEFAULT_D, GDS_DEFAULT_E
 
 __all__ = ["Recorder", "breakdown", "main"]
 

@@ -14,9 +14,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Container, Iterator
 
 from bench.policies.baselines import Baseline, register
-from components.gds import gds_cost
+from components.eviction.gds import gds_cost
+from components.eviction.registry import GDS_DEFAULT_D, GDS_DEFAULT_E
 from radix.node import TreeNode
-from radix.policies import GDS_DEFAULT_D, GDS_DEFAULT_E
 
 __all__ = ["IDEAS", "IdeaWalk"]
 

@@ -15,14 +15,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from radix.node import TreeNode
+if TYPE_CHECKING:
+    from radix.node import TreeNode
 
-KeyFn = Callable[[TreeNode], tuple[Any, ...]]
+KeyFn = Callable[["TreeNode"], tuple[Any, ...]]
 
 #: GreedyDual-Size cost coefficients ``cost(a, b) = d*(b - a) + e*(b*b - a*a)/2e5``
-#: (``components.gds``), fitted on GLM prefill timings as in the FlashState paper.
+#: (``components.eviction.gds``), fitted on GLM prefill timings as in the FlashState paper.
 GDS_DEFAULT_D = 1.862e-5
 GDS_DEFAULT_E = 3.33e-6
 
@@ -178,7 +179,7 @@ POLICY_REGISTRY: dict[str, PolicySpec] = {
                        "(1 + the state's hit count); LRU on KV leaves"),
         PolicySpec("gds_adaptive", _lru, "gds_adaptive", False, _D, cross_check=_gds_cross,
                    doc="GDS with learned reuse weights on recurrent states "
-                       "(components.gds_adaptive); LRU on KV leaves"),
+                       "(components.eviction.adaptive); LRU on KV leaves"),
         PolicySpec("fifo", _fifo, "lru", False, doc="oldest creation_time first"),
         PolicySpec("mru", _mru, "lru", True, doc="most recent first"),
         PolicySpec("filo", _filo, "lru", True, doc="newest creation_time first"),

@@ -1,7 +1,7 @@
 """``gds_adaptive``: the recurrent-state walk that picks, online, the GreedyDual order that is
 making the fewest costly mistakes on the workload at hand.
 
-Every order here is GreedyDual-Size (:mod:`components.gds`)::
+Every order here is GreedyDual-Size (:mod:`components.eviction.gds`)::
 
     priority(s) = stamp(s) + w(s) * cost(a, b)        evict the least; watermark := its priority
 
@@ -17,7 +17,7 @@ shallower live state (at ``a``). The orders differ in ``w``:
 No single order is best everywhere (measured, ``bench/README.md``): ``signals`` saves 1.5-2x
 the tokens of ``gds`` on conversation traffic, ``gds`` / ``gdsf`` win by a point or two where
 every question on a document resumes from one fork state. So all three are kept over the same
-live states, each with its own lazy heap and watermark (:class:`components.gds_duel.
+live states, each with its own lazy heap and watermark (:class:`components.eviction.gds.
 GreedyDualHeap`); the *leader* evicts, the others name the victim they would have evicted
 and exclude it from their own order (a miniature simulation of each order on the real
 pool; Waldspurger et al., "Cache Modeling and Optimization using Miniature Simulations",
@@ -26,7 +26,7 @@ pool cheap to shadow, one heap per order). Each order is charged, in prefill tok
 mistakes:
 
 * the leader, when a later match would have consumed one of its victims (a *ghost*,
-  :class:`components.gds_duel.Ghosts`; a leaf's ghost is found through the match key, since
+  :class:`components.eviction.duel.Ghosts`; a leaf's ghost is found through the match key, since
   its KV left with it): ``depth(victim) - depth(state consumed instead)``;
 * another order, when a match consumes one of the states it excluded (it would have lost
   ``depth - a``), or when it agreed with the leader's victim that turns out needed.
@@ -80,8 +80,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from components.gds import gds_cost
-from components.gds_duel import Ghosts, GreedyDualHeap, KVOrderDuel
+from components.eviction.duel import Ghosts, KVOrderDuel
+from components.eviction.gds import GreedyDualHeap, gds_cost
 
 if TYPE_CHECKING:
     from radix.node import TreeNode

@@ -1,12 +1,11 @@
-"""Pieces of the ``gds_adaptive`` walk (:mod:`components.gds_adaptive`): one GreedyDual
-order per candidate formula, and the ghosts of evicted states that say which order was wrong.
+"""Pieces of the ``gds_adaptive`` walk (:mod:`components.eviction.adaptive`): the ghosts of
+evicted states that say which GreedyDual order was wrong, and the same duel over KV leaves.
 
-:class:`GreedyDualHeap` is one candidate ("expert"): the GreedyDual-Size order
-``priority(s) = stamp(s) + w(s) * cost(a, b)`` of :mod:`components.gds` with its own weight
-function, watermark, stamps and lazy heap, kept over the same live states as every other
-expert. The leading expert's pops evict; the others pop *virtually*: their victim stays in
-the pool and is only *excluded* from that expert's order, which then names its next victim
-at the next eviction, as it would have had it been in charge.
+Each candidate order ("expert") is one :class:`components.eviction.gds.GreedyDualHeap`, the
+heap ``gds`` and ``gdsf`` run on, kept over the same live states as every other expert. The
+leading expert's pops evict; the others pop *virtually*: their victim stays in the pool and
+is only *excluded* from that expert's order, which then names its next victim at the next
+eviction, as it would have had it been in charge.
 
 :class:`Ghosts` remembers where the leader's victims were, so a later match can tell that it
 would have found a state there:
@@ -24,7 +23,6 @@ Both tables are bounded (oldest first out) and drop an entry whose node leaves t
 from __future__ import annotations
 
 import functools
-import heapq
 import math
 import weakref
 from bisect import bisect_right
@@ -32,201 +30,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from components.eviction.gds import GreedyDualHeap
+
 if TYPE_CHECKING:
     from radix.node import TreeNode
 
-__all__ = ["GreedyDualHeap", "Ghosts", "KVOrderDuel"]
-
-_EPS = 1e-12
-
-
-class GreedyDualHeap:
-    """One GreedyDual-Size order over the live states (module docstring).
-
-    Args:
-        name: what the expert is called in reports.
-        weight: node id -> ``w(s)`` (evaluated when a state is added, touched by a hit or
-            reweighed; kept with the heap entry until then).
-        cost: node -> ``cost(a, b)`` against the nearest shallower live state.
-
-    Lazy heap with the lower-bound invariant of :mod:`components.gds`: stamps only rise, an
-    evicted ancestor only raises ``cost``, a lower weight always comes with a fresh entry, and
-    the owner re-seeds the states whose ``cost`` fell (:meth:`reseed`).
-    """
-
-    def __init__(self, name: str, weight: Callable[[int], float],
-                 cost: Callable[[TreeNode], float], clock: bool = False) -> None:
-        self.name = name
-        #: Stamps are access times (``node.last_access_time``) set by the owner, not the
-        #: watermark: with ``cost = 0`` the order is least recently used first.
-        self.clock = clock
-        self._weight = weight
-        self._cost = cost
-        self.watermark = 0.0
-        self._heap: list[tuple[float, int, int, int]] = []  # (priority, seq, version, id)
-        self._seq = 0
-        #: Node id -> the seq of its current entry. Versions are the heap's own sequence
-        #: numbers, unique over the heap's life: an entry left from a state's earlier stay on
-        #: the same node can never pass for the current one.
-        self._ver: dict[int, int] = {}
-        self.stamp: dict[int, float] = {}
-        self.w: dict[int, float] = {}
-        #: Virtual victims still in the pool (this expert would have evicted them).
-        self.excluded: dict[int, None] = {}
-        #: Ghosts this expert still holds (the real pool evicted them, this order would not
-        #: have yet): ghost id (< 0) -> its priority in this order when it left.
-        self.retained: dict[int, float] = {}
-
-    @property
-    def balance(self) -> int:
-        """Size of this order's simulated pool minus the real pool's."""
-        return len(self.retained) - len(self.excluded)
-
-    def true_priority(self, node: TreeNode) -> float:
-        nid = node.id
-        return self.stamp[nid] + self.w[nid] * self._cost(node)
-
-    def _push(self, node: TreeNode) -> None:
-        nid = node.id
-        self._seq += 1
-        self._ver[nid] = self._seq
-        heapq.heappush(self._heap, (self.true_priority(node), self._seq, self._seq, nid))
-
-    # ------------------------------------------------------------------ events
-    def add(self, node: TreeNode, stamp: float | None = None) -> None:
-        """A state was cached on ``node``: stamped (at the watermark unless ``stamp`` says
-        when it was last used), weighed, seeded."""
-        nid = node.id
-        self.stamp[nid] = self.watermark if stamp is None else stamp
-        self.w[nid] = self._weight(nid)
-        self.excluded.pop(nid, None)
-        self._push(node)
-
-    def touch(self, node: TreeNode, stamp: float | None = None) -> None:
-        """Used (a hit, a release): stamped at the watermark, or at ``stamp`` (not lower
-        than the old one: the priority only rises)."""
-        self.stamp[node.id] = self.watermark if stamp is None else stamp
-
-    def reweigh(self, node: TreeNode, force: bool = False) -> None:
-        """Evaluate the weight again; a fresh entry when it fell (or ``force``)."""
-        nid = node.id
-        old = self.w[nid]
-        new = self._weight(nid)
-        self.w[nid] = new
-        if (force or new < old) and nid not in self.excluded:
-            self._push(node)
-
-    def reseed(self, node: TreeNode) -> None:
-        """``node``'s cost fell (a state was cached between it and its old anchor)."""
-        if node.id not in self.excluded:
-            self._push(node)
-
-    def remove(self, nid: int) -> None:
-        """The state left (its entries go stale)."""
-        self.stamp.pop(nid, None)
-        self.w.pop(nid, None)
-        self._ver.pop(nid, None)
-        self.excluded.pop(nid, None)
-
-    def readmit(self, node: TreeNode) -> None:
-        """A virtual victim was consumed: it is in this expert's order again."""
-        if self.excluded.pop(node.id, 0) is None:
-            self._push(node)
-
-    def retain(self, gid: int, prio: float) -> None:
-        """Keep ghost ``gid`` (id < 0) in this order's pool at priority ``prio``."""
-        self.retained[gid] = prio
-        self._seq += 1
-        heapq.heappush(self._heap, (prio, self._seq, 0, gid))
-
-    def clear_exclusions(self, live: dict[int, TreeNode]) -> None:
-        """Back to the real pool: nothing excluded, no ghost retained."""
-        for nid in list(self.excluded):
-            del self.excluded[nid]
-            self._push(live[nid])
-        self.retained.clear()
-
-    def compact(self, live: dict[int, TreeNode]) -> None:
-        """Rebuild the heap from the live, not excluded states and the retained ghosts."""
-        self._heap = []
-        for nid, node in live.items():
-            if nid not in self.excluded:
-                self._push(node)
-        for gid, prio in self.retained.items():
-            self._seq += 1
-            self._heap.append((prio, self._seq, 0, gid))
-        heapq.heapify(self._heap)
-
-    # -------------------------------------------------------------------- pops
-    def pop(self, live: dict[int, TreeNode], is_candidate: Callable[[TreeNode], bool],
-            virtual: bool) -> TreeNode | int | None:
-        """The state of least priority, removed from this order; raises the watermark.
-
-        ``virtual``: the victim stays in the pool (recorded in :attr:`excluded`), and a
-        retained ghost may be the victim (its id, ``< 0``, is returned and it is released).
-        ``None`` if nothing can go."""
-        heap = self._heap
-        held: list[tuple[float, int, int, int]] = []
-        victim: TreeNode | int | None = None
-        while heap:
-            entry = heapq.heappop(heap)
-            prio, _, ver, nid = entry
-            if nid < 0:
-                if virtual and nid in self.retained:
-                    del self.retained[nid]
-                    victim = nid
-                    self.watermark = max(self.watermark, prio)
-                    break
-                continue
-            node = live.get(nid)
-            if node is None or self._ver.get(nid) != ver or nid in self.excluded:
-                continue  # stale
-            if not is_candidate(node):
-                held.append(entry)
-                continue
-            true = self.true_priority(node)
-            if true > prio + _EPS:
-                self._push(node)
-                continue
-            victim = node
-            self.watermark = max(self.watermark, true)
-            break
-        for entry in held:
-            heapq.heappush(heap, entry)
-        if victim is not None and not isinstance(victim, int):
-            if virtual:
-                self.excluded[victim.id] = None
-            self._ver.pop(victim.id, None)  # out of this order: every entry of it is stale
-        return victim
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def fallback_depth(self, node: TreeNode, live: dict[int, TreeNode]) -> int:
-        """Depth of the state this order would resume from instead of ``node``'s: the nearest
-        shallower live state it does not exclude (0: none)."""
-        n = node.parent
-        while n is not None and n.parent is not None:
-            if n.id in live and n.id not in self.excluded:
-                return n.depth
-            n = n.parent
-        return 0
-
-    def check(self, state_nodes: Sequence[TreeNode]) -> None:
-        ids = {n.id for n in state_nodes}
-        assert set(self.stamp) == ids and set(self.w) == ids, f"{self.name}: tracked set differs"
-        assert set(self.excluded) <= ids, f"{self.name}: excludes a state that left"
-        current = {}
-        for prio, _, ver, nid in self._heap:
-            if self._ver.get(nid) == ver:
-                current[nid] = prio
-        for n in state_nodes:
-            if n.id in self.excluded:
-                continue
-            assert n.id in current, f"{self.name}: state on {n} has no current heap entry"
-            assert current[n.id] <= self.true_priority(n) + _EPS, (
-                f"{self.name}: entry {current[n.id]} above the true priority of {n}")
-            assert self.clock or self.stamp[n.id] <= self.watermark + _EPS
+__all__ = ["Ghosts", "KVOrderDuel"]
 
 
 class Ghosts:
