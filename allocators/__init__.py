@@ -1,12 +1,13 @@
 """Allocators and pools: ``n -> slots | None`` and ``slots -> tensors``.
 
 See ``allocators/README.md`` for the contract of each layer. The LoRA adapter slots live in
-the subpackage :mod:`allocators.lora` (import them from there).
+the subpackage :mod:`allocators.lora` (import them from there); PEFT directories, serving
+arguments and the adapter manager over those slots in :mod:`radix.lora`.
 """
 
 from __future__ import annotations
 
-from ._checks import resolve_device
+from ._checks import check_int, check_positive_int, resolve_device
 from .base import AllocatorSnapshot, SlotAllocator
 from .host_mirror import cat_slots, host_ids, host_int, slot_copy
 from .kv_pool import KVBuffers, KVPool, KVStorage
@@ -28,6 +29,8 @@ __all__ = [
     "SlotAllocator",
     "TokenAllocator",
     "alloc_all",
+    "check_int",
+    "check_positive_int",
     "cat_slots",
     "host_ids",
     "host_int",

@@ -41,17 +41,45 @@ from typing import Any, cast
 
 import torch
 
-from .._checks import check_device, check_float_dtype, check_positive_int
+from .._checks import check_device, check_float_dtype, check_int, check_positive_int
 from .eviction_policy import LoraEvictionPolicy, make_lora_eviction_policy
 from .identity import AdapterId, BaseModel, LoraUid
 from .invariants import check_pool, check_pool_weights
 from .modules import check_module_shapes
-from .serving_args import effective_max_loaded_loras
 from .slots import LoraSlots
 from .weights import LoraAdapter
 
 __all__ = ["LoraBatch", "LoraBatchError", "LoraMemoryPool"]
 
+
+
+def effective_max_loaded_loras(
+    max_loras_per_batch: int, max_loaded_loras: object, overlap_loading: bool
+) -> int | None:
+    """The host-tier capacity: ``max_loaded_loras`` checked against ``max_loras_per_batch``.
+
+    ``None`` means unlimited, except with overlap loading, where the pinned host memory is
+    capped at ``2 * max_loras_per_batch`` adapters (``None`` then becomes that cap).
+
+    Raises:
+        TypeError: not an int or ``None``.
+        ValueError: below ``max_loras_per_batch``, or above ``2 * max_loras_per_batch`` with
+            overlap loading.
+    """
+    cap = 2 * max_loras_per_batch
+    if max_loaded_loras is None:
+        return cap if overlap_loading else None
+    value = check_int(max_loaded_loras, "max_loaded_loras", minimum=1)
+    if value < max_loras_per_batch:
+        raise ValueError(
+            f"max_loaded_loras ({value}) must be >= max_loras_per_batch ({max_loras_per_batch})"
+        )
+    if overlap_loading and value > cap:
+        raise ValueError(
+            f"max_loaded_loras ({value}) must be <= 2 * max_loras_per_batch ({cap}) with "
+            "enable_lora_overlap_loading (pinned host memory)"
+        )
+    return value
 
 class LoraBatchError(ValueError):
     """A batch needs more unpinned slots than the pool has; nothing was changed."""

@@ -40,13 +40,7 @@ from typing import Any, TextIO
 
 import torch
 
-from allocators.lora import (
-    LoraAdapter,
-    LoraPathSpec,
-    parse_lora_paths,
-    read_peft_adapter,
-    write_peft_adapter,
-)
+from allocators.lora import LoraAdapter
 from bench.cli import Progress, write_json
 from bench.engine.bounds import Bounds
 from bench.engine.core import EngineConfig, ReplayEngine
@@ -61,6 +55,7 @@ from bench.lora.sched import (
 )
 from bench.report.tables import RunResult, TraceInfo, to_json_dict
 from bench.traces.loader import TraceRequest
+from radix.lora import LoraPathSpec, parse_lora_paths, read_peft_adapter, write_peft_adapter
 
 __all__ = [
     "REPLAY_BASE_MODULES",

@@ -39,17 +39,10 @@ from typing import Any, Literal
 
 import numpy as np
 
-from allocators.lora import (
-    BASE_MODEL,
-    AdapterId,
-    BaseModel,
-    LoraArgs,
-    LoraManager,
-    LoraPathSpec,
-    lora_extra_key,
-)
+from allocators.lora import BASE_MODEL, AdapterId, BaseModel, lora_extra_key
 from bench.engine.core import ReplayEngine
 from bench.traces.loader import TraceRequest
+from radix.lora import LoraArgs, LoraManager, LoraPathSpec
 
 __all__ = [
     "AdapterSkew",

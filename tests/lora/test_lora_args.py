@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from allocators.lora import (
-    LoraArgs,
-    LoraPathSpec,
-    effective_max_loaded_loras,
-    parse_lora_path,
-    parse_lora_paths,
-)
+from allocators.lora import effective_max_loaded_loras
+from radix.lora import LoraArgs, LoraPathSpec, parse_lora_path, parse_lora_paths
 
 
 # ---------------------------------------------------------------------- the three forms

@@ -10,15 +10,8 @@ import json
 import pytest
 import torch
 
-from allocators.lora import (
-    BASE_MODEL,
-    LoraAdapter,
-    LoraArgs,
-    LoraFormatError,
-    LoraManager,
-    LoraUid,
-    write_peft_adapter,
-)
+from allocators.lora import BASE_MODEL, LoraAdapter, LoraUid
+from radix.lora import LoraArgs, LoraFormatError, LoraManager, write_peft_adapter
 from tests.helpers.lora_refmodel import SHAPES, make_adapter
 
 

@@ -15,16 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from allocators.lora import (
-    BASE_MODEL,
-    LoraAdapter,
-    LoraArgs,
-    LoraManager,
-    leaf_name,
-    linear_module_shapes,
-    read_peft_adapter,
-    write_peft_adapter,
-)
+from allocators.lora import BASE_MODEL, LoraAdapter, leaf_name, linear_module_shapes
+from radix.lora import LoraArgs, LoraManager, read_peft_adapter, write_peft_adapter
 from tests.helpers.lora_peft_helpers import (
     ATTENTION,
     LAYERS,

@@ -12,15 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from allocators.lora import (
-    LoraAdapter,
-    LoraArgs,
-    LoraFormatError,
-    LoraManager,
-    linear_module_shapes,
-    read_peft_adapter,
-    write_peft_adapter,
-)
+from allocators.lora import LoraAdapter, linear_module_shapes
+from radix.lora import LoraArgs, LoraFormatError, LoraManager, read_peft_adapter, write_peft_adapter
 from tests.helpers.lora_peft_helpers import save_peft_adapter, tiny_model
 
 pytest.importorskip("peft", reason="the bad adapters are made with PEFT")

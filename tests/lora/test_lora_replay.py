@@ -190,7 +190,8 @@ def _small_trace(tmp_path: Path) -> Path:
 
 def test_cli_serves_adapter_directories(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("safetensors", reason="PEFT adapter directories are safetensors files")
-    from allocators.lora import LoraAdapter, write_peft_adapter
+    from allocators.lora import LoraAdapter
+    from radix.lora import write_peft_adapter
 
     gen = torch.Generator().manual_seed(0)
 
@@ -229,7 +230,8 @@ def test_cli_refuses_adapter_directories_it_cannot_serve(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("safetensors", reason="PEFT adapter directories are safetensors files")
-    from allocators.lora import LoraAdapter, write_peft_adapter
+    from allocators.lora import LoraAdapter
+    from radix.lora import write_peft_adapter
 
     trace = str(_small_trace(tmp_path))
     base = ["--trace", trace, "--no-progress", "--policy", "lru", "--kv-tokens", "100K"]

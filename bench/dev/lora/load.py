@@ -41,16 +41,15 @@ from typing import Any
 
 import torch
 
-from allocators.lora import (
+from allocators.lora import BASE_MODEL, linear_module_shapes
+from bench.dev.lora.options import lora_load_parser
+from radix.lora import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
-    BASE_MODEL,
     LoraArgs,
     LoraManager,
-    linear_module_shapes,
     read_peft_adapter,
 )
-from bench.dev.lora.options import lora_load_parser
 
 __all__ = ["main", "measure"]
 

@@ -28,14 +28,14 @@ from typing import Any
 
 import torch
 
-from .peft_config import (
+from allocators.lora import LoraAdapter
+from radix.lora.peft_config import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
     LoraFormatError,
     PeftLoraConfig,
     read_peft_config,
 )
-from .weights import LoraAdapter
 
 __all__ = ["read_peft_adapter", "write_peft_adapter"]
 

@@ -18,14 +18,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .._checks import check_int, check_positive_int
-from .eviction_policy import make_lora_eviction_policy
+from allocators import check_positive_int
+from allocators.lora import effective_max_loaded_loras, make_lora_eviction_policy
 
 __all__ = [
     "DEFAULT_MAX_LORAS_PER_BATCH",
     "LoraArgs",
     "LoraPathSpec",
-    "effective_max_loaded_loras",
     "parse_lora_path",
     "parse_lora_paths",
 ]
@@ -118,35 +117,6 @@ def parse_lora_paths(entries: object) -> tuple[LoraPathSpec, ...]:
             )
         seen[spec.name] = i
     return specs
-
-
-def effective_max_loaded_loras(
-    max_loras_per_batch: int, max_loaded_loras: object, overlap_loading: bool
-) -> int | None:
-    """The host-tier capacity: ``max_loaded_loras`` checked against ``max_loras_per_batch``.
-
-    ``None`` means unlimited, except with overlap loading, where the pinned host memory is
-    capped at ``2 * max_loras_per_batch`` adapters (``None`` then becomes that cap).
-
-    Raises:
-        TypeError: not an int or ``None``.
-        ValueError: below ``max_loras_per_batch``, or above ``2 * max_loras_per_batch`` with
-            overlap loading.
-    """
-    cap = 2 * max_loras_per_batch
-    if max_loaded_loras is None:
-        return cap if overlap_loading else None
-    value = check_int(max_loaded_loras, "max_loaded_loras", minimum=1)
-    if value < max_loras_per_batch:
-        raise ValueError(
-            f"max_loaded_loras ({value}) must be >= max_loras_per_batch ({max_loras_per_batch})"
-        )
-    if overlap_loading and value > cap:
-        raise ValueError(
-            f"max_loaded_loras ({value}) must be <= 2 * max_loras_per_batch ({cap}) with "
-            "enable_lora_overlap_loading (pinned host memory)"
-        )
-    return value
 
 
 TargetModules = frozenset[str] | Literal["all"] | None

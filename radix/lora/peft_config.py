@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from .modules import matches_module_name
+from allocators.lora import matches_module_name
 
 __all__ = [
     "ADAPTER_CONFIG_NAME",

@@ -30,12 +30,16 @@ from typing import cast
 
 import torch
 
-from .identity import LoraUid
-from .modules import check_module_shapes, leaf_name, matches_module_name
-from .peft_adapter import read_peft_adapter
-from .pool import LoraMemoryPool
-from .serving_args import LoraArgs, LoraPathSpec
-from .weights import LoraAdapter
+from allocators.lora import (
+    LoraAdapter,
+    LoraMemoryPool,
+    LoraUid,
+    check_module_shapes,
+    leaf_name,
+    matches_module_name,
+)
+from radix.lora.peft_adapter import read_peft_adapter
+from radix.lora.serving_args import LoraArgs, LoraPathSpec
 
 __all__ = ["LoraManager"]
 
