@@ -23,10 +23,11 @@ import sys
 import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 __all__ = [
     "COMMANDS",
+    "ArgumentParser",
     "Command",
     "command_parser",
     "Progress",
@@ -96,6 +97,15 @@ def prog(command: str) -> str:
 
 
 # ------------------------------------------------------------------ argument types
+class ArgumentParser(argparse.ArgumentParser):
+    """Every command's parser: argparse's, with an argument error in one line on stderr
+    (``python -m bench replay: error: MESSAGE (python -m bench replay --help: the options)``,
+    exit status 2) instead of the whole usage before it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help: the options)\n")
+
+
 _SUFFIX = {"K": 10**3, "M": 10**6, "G": 10**9}
 
 

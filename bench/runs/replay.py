@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 from bench.cli import (
+    ArgumentParser,
     Progress,
     figure_path,
     output_path,
@@ -83,7 +84,7 @@ def _ratio(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog("replay"),
         description="Replay a request trace through the hybrid prefix cache, one run per policy.",
     )
@@ -422,6 +423,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit status (0 ok, 2 bad arguments or trace)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.swa_tokens is not None and not args.sliding_window:
+        parser.error("--swa-tokens sizes the SWA pool of --sliding-window, which is off "
+                     "(give --sliding-window W, or drop --swa-tokens)")
     if args.plot is not None:
         require_package(parser, "matplotlib", "--plot", "plot")
     try:  # what can be checked without torch, first

@@ -33,7 +33,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.cli import figure_path, output_path, parse_count, prog, require_package, write_json
+from bench.cli import (
+    ArgumentParser,
+    figure_path,
+    output_path,
+    parse_count,
+    prog,
+    require_package,
+    write_json,
+)
 from bench.cli import positive as _positive
 from bench.cli import positive_float as _positive_float
 from bench.engine.bounds import Bounds, compute_bounds
@@ -64,7 +72,7 @@ __all__ = ["build_parser", "main", "plan_runs", "render_rows"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog("simulate"),
+    p = ArgumentParser(prog=prog("simulate"),
                                 description="Simulate an engine serving a trace over the hybrid prefix cache.")
     a = p.add_argument
     a("--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)")

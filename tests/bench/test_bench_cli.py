@@ -159,6 +159,7 @@ def test_reports_name_traces_by_their_repository_path(tmp_path: Path) -> None:
     (["robustness", "--kv-tokens", "-1"], "not a whole non-negative count"),
     (["robustness", "--jobs", "0"], "must be >= 1"),
     (["replay", "--max-requests", "0"], "--max-requests: must be >= 1"),
+    (["replay", "--swa-tokens", "1000"], "--swa-tokens sizes the SWA pool of --sliding-window"),
     # refused by the command before its run starts
     (["robustness", "--policies", "nosuch"], "--policies: radix_eviction_policy='nosuch' is unknown"),
     (["robustness", "--from-csv", "/nonexistent.csv"], "--from-csv: no such file"),
@@ -174,6 +175,7 @@ def test_bad_input_is_refused_before_a_run_starts(argv: list[str], says: str,
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert says in err and f"python -m bench {argv[0]}: error: " in err
+    assert "usage:" not in err, err  # the error in one line, not argparse's usage first
 
 
 def test_a_replay_that_serves_nothing_says_so(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import argparse
 
-from bench.cli import positive, prog
+from bench.cli import ArgumentParser, positive, prog
 
 __all__ = ["evict_scaling_parser", "radix_ops_parser"]
 
 
 def radix_ops_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog=prog("radix-ops"),
         description="Our RadixCache on the SGLang anchor's seeded workloads (one JSON line).",
     )
@@ -62,7 +62,7 @@ def radix_ops_parser() -> argparse.ArgumentParser:
 
 
 def evict_scaling_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog=prog("evict-scaling"),
         description="Per-node cost of evict() against tree size (KV only, real allocator, "
                     "CPU clock): one JSON line per size.",

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.cli import output_path, prog
+from bench.cli import ArgumentParser, output_path, prog
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_ANCHOR_PYTHON = "/tmp/sglang-anchor/bin/python"
@@ -434,7 +434,7 @@ def memory_table(args: argparse.Namespace, with_anchor: bool) -> tuple[str, list
 
 # ------------------------------------------------------------------ CLI
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog("compare"),
+    ap = ArgumentParser(prog=prog("compare"),
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=3,
                     help="paired repetitions; ratios are medians over them (default 3)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench.cli import prog
+from bench.cli import ArgumentParser, prog
 
 __all__ = ["MODEL_NAMES", "sync_counts_parser"]
 
@@ -16,7 +16,7 @@ MODEL_NAMES = ("kv", "hybrid", "swa", "hicache")
 
 
 def sync_counts_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog("sync-counts"),
         description=(
             "Host synchronisations per request and per operation of the replay's "

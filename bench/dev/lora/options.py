@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import argparse
 
-from bench.cli import output_path, prog
+from bench.cli import ArgumentParser, output_path, prog
 
 __all__ = ["lora_load_parser"]
 
 
 def lora_load_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog("lora-load"),
         description=(
             "Load time and bytes of real PEFT adapters."

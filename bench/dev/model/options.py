@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench.cli import prog
+from bench.cli import ArgumentParser, prog
 
 __all__ = ["ARCHITECTURE_NAMES", "WRITE_POLICIES", "model_parser"]
 
@@ -18,7 +18,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 def model_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog=prog("model"),
         description=(
             "Multi-request driver: a real hybrid model served through our cache, "

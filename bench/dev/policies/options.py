@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import argparse
 
-from bench.cli import parse_count, positive, prog
+from bench.cli import ArgumentParser, parse_count, positive, prog
 
 __all__ = ["hit_breakdown_parser"]
 
 
 def hit_breakdown_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog("hit-breakdown"),
         description=(
             "Where a state walk's hits come from."

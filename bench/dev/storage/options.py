@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench.cli import output_path, parse_count, prog
+from bench.cli import ArgumentParser, output_path, parse_count, prog
 
 __all__ = ["SETUPS", "l3_share_parser", "parse_l3", "storage_parser"]
 
@@ -29,7 +29,7 @@ def parse_l3(text: str) -> tuple[str, str]:
 
 
 def storage_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog("storage"),
         description=(
             "Page throughput of the L3 backends: pages/s and MiB/s, written and read, "
@@ -52,7 +52,7 @@ def storage_parser() -> argparse.ArgumentParser:
 
 
 def l3_share_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog("l3-share"),
         description=(
             "Engine instances sharing one HiCache L3: hit rate with and without "
