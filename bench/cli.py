@@ -27,11 +27,13 @@ from typing import Any, NamedTuple, NoReturn
 
 __all__ = [
     "COMMANDS",
+    "TABLE_WIDTH",
     "ArgumentParser",
     "Command",
     "command_parser",
     "Progress",
     "check_output_path",
+    "column_blocks",
     "figure_path",
     "main",
     "output_path",
@@ -185,6 +187,24 @@ def figure_path(text: str) -> str:
             f"{text!r}: the file name must end in a figure format "
             f"({', '.join(sorted(FIGURE_FORMATS))})")
     return path
+
+
+#: Columns a table may take unless ``--wide``: runs beyond it go to a further block of rows.
+TABLE_WIDTH = 120
+
+
+def column_blocks(label_width: int, widths: Sequence[int], limit: int | None) -> list[list[int]]:
+    """The run columns in blocks, each (with the row labels) at most ``limit`` characters wide
+    (a column wider than that alone in its block); ``None``: one block."""
+    blocks: list[list[int]] = [[]]
+    used = label_width
+    for i, w in enumerate(widths):
+        if limit is not None and blocks[-1] and used + 2 + w > limit:
+            blocks.append([])
+            used = label_width
+        blocks[-1].append(i)
+        used += 2 + w
+    return blocks
 
 
 def write_json(path: str, obj: Any) -> None:

@@ -63,9 +63,36 @@ from hicache import HiCacheConfig
 from radix import CacheConfig, CacheRequest, EvictResult, RadixCache, RadixKey
 from radix.config import SWA_RELEASE_EXTRA_PAGES
 
-__all__ = ["EndCheckpoint", "EngineConfig", "EngineCounters", "ReplayEngine"]
+__all__ = ["EndCheckpoint", "EngineConfig", "EngineCounters", "MemoryBudgetError", "ReplayEngine",
+           "available_memory"]
 
 EndCheckpoint = Literal["block", "exact"]
+
+#: Bytes a pool's free list takes per entry (``allocators.free_list``: the int64 ring, the
+#: free flag, the int32 / int64 release stamp): the least an entry of any pool costs.
+FREE_LIST_BYTES = 13
+
+
+class MemoryBudgetError(ValueError):
+    """An :class:`EngineConfig` whose pools cannot fit in the memory this machine has
+    available (refused before anything is allocated)."""
+
+
+def available_memory() -> int | None:
+    """Bytes this machine has available now (``MemAvailable`` of ``/proc/meminfo``), or
+    ``None`` where that is not known (then nothing is refused)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB"
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +163,23 @@ class EngineConfig:
             self.hicache_config()  # validates ratio and write policy (ValueError / TypeError)
             if self.sliding_window:
                 raise ValueError("hicache_ratio with a sliding window is not supported")
+        avail = available_memory()
+        if avail is not None and self.min_bytes() > avail:
+            raise MemoryBudgetError(
+                f"kv_tokens={self.kv_tokens:,} (page {self.page_size}"
+                + (f", swa_tokens={self.swa_tokens:,}" if self.sliding_window else "")
+                + (f", host {self.hicache_ratio:g}x" if self.hicache_ratio else "")
+                + f"): the pools' free lists alone need {_gib(self.min_bytes())} "
+                f"({FREE_LIST_BYTES} bytes per page), more than the {_gib(avail)} this machine "
+                "has available")
+
+    def min_bytes(self) -> int:
+        """The least the pools of this configuration allocate [bytes]: :data:`FREE_LIST_BYTES`
+        per page of the KV pool, the SWA pool and the host tier's pools."""
+        pages = self.kv_tokens // self.page_size
+        if self.sliding_window:
+            pages += self.swa_tokens // self.page_size
+        return int(FREE_LIST_BYTES * pages * (1 + self.hicache_ratio))
 
     def hicache_config(self) -> HiCacheConfig | None:
         """The cache's host tier, or ``None`` when ``hicache_ratio`` is 0."""

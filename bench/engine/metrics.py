@@ -20,6 +20,7 @@ part in any rate or distribution.
 
 from __future__ import annotations
 
+import resource
 from array import array
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -155,3 +156,29 @@ def summarize(log: RequestLog, d: float = COST_D, e: float = COST_E) -> ReplayMe
         uncached_tokens=Distribution.of(prompt - usable),
         prefill_cost=Distribution.of(prefill_cost(usable, prompt, d, e)),
     )
+
+
+def reset_peak_rss() -> bool:
+    """Start a run's memory high-water mark: reset the process's peak resident set size to
+    what it holds now (Linux, ``/proc/self/clear_refs``), so that :func:`peak_rss_mib` reads
+    this run's peak, not an earlier run's. ``False`` where the kernel refuses: the peak is then
+    the process's so far."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size since :func:`reset_peak_rss` (else since the process started)
+    [MiB]: ``VmHWM`` of ``/proc/self/status``; ``getrusage`` where that file is missing."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import resource
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ from allocators.lora import LoraAdapter
 from bench.cli import Progress, write_json
 from bench.engine.bounds import Bounds
 from bench.engine.core import EngineConfig, ReplayEngine
-from bench.engine.metrics import summarize
+from bench.engine.metrics import peak_rss_mib, reset_peak_rss, summarize
 from bench.lora.sched import (
     LoraCounters,
     LoraReplayConfig,
@@ -233,6 +232,7 @@ def replay_lora_one(
         names=adapters.names,
     )
     assignment = assign_adapters(trace, lora)
+    per_run = reset_peak_rss()
     start = time.perf_counter()
     with Progress(len(trace), f"{config.policy}/{lora.eviction_policy} "
                   f"adapters={lora.num_adapters}", "req", progress) as bar:
@@ -246,7 +246,8 @@ def replay_lora_one(
         metrics=summarize(engine.log),
         counters=engine.counters,
         wall_s=wall,
-        peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        peak_rss_mib=peak_rss_mib(),
+        peak_rss_of_run=per_run,
         cache_stats=engine.cache.stats(),
     )
     return LoraRunResult(run, lora, counters)

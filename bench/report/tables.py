@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.cli import TABLE_WIDTH, column_blocks
 from bench.engine.bounds import Bounds
 from bench.engine.core import EngineConfig, EngineCounters
 from bench.engine.metrics import ReplayMetrics
@@ -44,6 +45,8 @@ class RunResult:
     cache_stats: dict[str, Any] = field(default_factory=dict)
     cpu_s: float = 0.0
     kv_events: dict[str, Any] | None = None
+    peak_rss_of_run: bool = False
+    """``peak_rss_mib`` is this run's own peak (``False``: the process's so far)."""
 
     @property
     def label(self) -> str:
@@ -123,14 +126,17 @@ def _rows(runs: Sequence[RunResult]) -> list[tuple[str, list[str]]]:
         ),
         ("wall time s", col(lambda r: f"{r.wall_s:.1f}")),
         ("CPU time s", col(lambda r: f"{r.cpu_s:.1f}")),
-        ("peak RSS MiB (process)", col(lambda r: f"{r.peak_rss_mib:,.0f}")),
+        (f"peak RSS MiB ({'run' if all(r.peak_rss_of_run for r in runs) else 'process'})",
+         col(lambda r: f"{r.peak_rss_mib:,.0f}")),
     ]
 
 
 def render_table(
-    trace: TraceInfo, runs: Sequence[RunResult], bounds: Bounds, notes_bounds: Bounds
+    trace: TraceInfo, runs: Sequence[RunResult], bounds: Bounds, notes_bounds: Bounds,
+    wide: bool = False,
 ) -> str:
-    """The stdout report: header lines, the metric table, the bounds."""
+    """The stdout report: header lines, the metric table, the bounds. The table fits
+    :data:`bench.cli.TABLE_WIDTH` columns (the runs in blocks of rows) unless ``wide``."""
     if not runs:
         raise ValueError("no runs to report")
     cfg = runs[0].config
@@ -153,9 +159,12 @@ def render_table(
     header = ("metric", [r.label for r in runs])
     w0 = max(len(header[0]), *(len(name) for name, _ in rows))
     widths = [max(len(header[1][i]), *(len(vals[i]) for _, vals in rows)) for i in range(len(runs))]
-    for name, vals in [header, *rows]:
-        cells = "  ".join(v.rjust(w) for v, w in zip(vals, widths, strict=True))
-        lines.append(f"{name.ljust(w0)}  {cells}")
+    for k, block in enumerate(column_blocks(w0, widths, None if wide else TABLE_WIDTH)):
+        if k:
+            lines.append("")
+        for name, vals in [header, *rows]:
+            cells = "  ".join(vals[i].rjust(widths[i]) for i in block)
+            lines.append(f"{name.ljust(w0)}  {cells}")
     lines += [
         "",
         f"infinite-memory bounds (replay convention: match prompt[:-1], page {bounds.page_size}): "
@@ -223,6 +232,7 @@ def to_json_dict(
                 "forced_finishes": r.counters.forced_finishes,
                 "wall_s": r.wall_s,
                 "peak_rss_mib": r.peak_rss_mib,
+                "peak_rss_of_run": r.peak_rss_of_run,
                 "cpu_s": r.cpu_s,
                 "kv_events_mode": r.config.kv_events,
                 "kv_events": r.kv_events,

@@ -22,8 +22,8 @@ Memory sizes accept ``16000000``, ``16e6``, ``16M`` or ``512K``. Several ``--kv-
 ``--state-slots`` values run every combination (a sweep). ``--state-slots 0`` replays a
 KV-only (pure attention) model. Progress goes to stderr (a bar on a terminal, a line every few
 seconds elsewhere; none with ``--no-progress``); the table to stdout (to stderr when ``--json -`` takes stdout).
-Peak RSS is the process's high-water mark so far (``getrusage``), so with several runs it
-never decreases from one column to the next.
+Peak RSS is each run's own high-water mark (the process's is reset when a run starts,
+``bench.engine.metrics.reset_peak_rss``; where the kernel refuses, the table says "process").
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import argparse
 import gc
 import itertools
 import json
-import resource
 import sys
 import time
 from collections.abc import Sequence
@@ -234,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
         "and print every run's CPU time as a multiple of it",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--wide", action="store_true",
+                   help="every run in one row block, however wide (default: blocks of at most "
+                   "120 columns)")
     add_lora_arguments(p)
     return p
 
@@ -267,11 +269,6 @@ def _policy_configs(items: Sequence[str], policies: Sequence[str]) -> dict[str, 
     return out
 
 
-def peak_rss_mib() -> float:
-    """The process's peak resident set size so far [MiB] (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
 def replay_one(
     trace: Sequence[TraceRequest], config: EngineConfig, progress: bool | None = None,
     check_every: int = 1000,
@@ -289,9 +286,10 @@ def replay_one(
     """
     from bench.engine.core import ReplayEngine
     from bench.engine.kv_events import EventConsumer, EventCounter, disagreements
-    from bench.engine.metrics import summarize
+    from bench.engine.metrics import peak_rss_mib, reset_peak_rss, summarize
     from bench.report.tables import RunResult
 
+    per_run = reset_peak_rss()
     engine = ReplayEngine(config)
     desc = f"{config.policy} kv={config.kv_tokens:,} slots={config.state_slots:,}"
     if config.hicache_ratio:
@@ -339,6 +337,7 @@ def replay_one(
         counters=engine.counters,
         wall_s=wall,
         peak_rss_mib=peak_rss_mib(),
+        peak_rss_of_run=per_run,
         cache_stats=engine.cache.stats(),
         cpu_s=cpu,
         kv_events=report,
@@ -505,7 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "request was skipped (the pools cannot hold one request and its output)",
                   file=sys.stderr)
     table_out: TextIO = sys.stderr if args.json == "-" else sys.stdout
-    print(render_table(info, runs, bounds, notes_bounds), file=table_out)
+    print(render_table(info, runs, bounds, notes_bounds, args.wide), file=table_out)
     if floors:
         print(render_floor(runs, floors), file=table_out)
     if args.json is not None:

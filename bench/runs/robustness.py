@@ -247,9 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog=prog("robustness"), description=__doc__.split("\n")[0])
     p.add_argument("--sources", nargs="+", default=list(SOURCES), choices=list(ALL_SOURCES),
                    help=f"default: {' '.join(SOURCES)}; more hold-out data: {' '.join(HOLDOUT)}")
-    p.add_argument("--policies", nargs="+", default=list(POLICIES),
+    p.add_argument("--policies", nargs="+", default=None,
                    help="radix policies and replay baselines to run (default: "
-                        f"{' '.join(POLICIES)})")
+                        f"{' '.join(POLICIES)}; the baselines seglen, marconi and belady are "
+                        "developer instruments, in a checkout only)")
     p.add_argument("--slots", nargs="+", type=positive, default=list(SLOTS),
                    help=f"state slots (default: {' '.join(map(str, SLOTS))})")
     p.add_argument("--kv-tokens", nargs="+", type=positive, default=list(KV),
@@ -268,9 +269,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _known(policy: str) -> bool:
+    """Whether ``policy`` is a radix policy or a baseline registered in this install."""
+    try:
+        baselines.check(policy)
+    except ValueError:
+        return False
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.policies is None:  # the default: those this install has (bench.dev: the baselines)
+        args.policies = [p for p in POLICIES if _known(p)]
     if args.from_csv:
         if not Path(args.from_csv).is_file():
             parser.exit(2, f"{parser.prog}: error: --from-csv: no such file: {args.from_csv!r}\n")
@@ -281,8 +293,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             baselines.check(name)
     except ValueError as exc:
         parser.exit(2, f"{parser.prog}: error: --policies: {exc}\n")
+    from bench.engine.core import EngineConfig
+
+    todo = plan(args)
+    try:  # every pool size against this machine's memory, before any run
+        for _, points in todo:
+            for s, k, c in points:
+                EngineConfig(kv_tokens=k, state_slots=s, concurrency=c)
+    except ValueError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     rows: list[Row] = []
-    for name, points in plan(args):
+    for name, points in todo:
         src = ALL_SOURCES[name]
         trace = src.load(Path(args.traces_dir))
         if trace is None:

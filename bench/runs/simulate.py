@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.cli import (
+    TABLE_WIDTH,
     ArgumentParser,
+    column_blocks,
     figure_path,
     output_path,
     parse_count,
@@ -118,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--csv", metavar="FILE", type=output_path, default=None, help="one row per run")
     a("--json", metavar="FILE|-", type=output_path, default=None, help="everything as JSON ('-': stdout)")
     a("--markdown", action="store_true", help="print the table as Markdown")
+    a("--wide", action="store_true",
+      help="the table in one block, however wide (default: blocks of at most 120 columns)")
     a("--no-progress", action="store_true", help="no progress bar or lines")
     return p
 
@@ -179,10 +183,12 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[SimConfig, float | None]]:
 
 # ------------------------------------------------------------------------ report
 _COLUMNS = (
-    "value", "policy", "KV tokens", "slots", "conc", "hit", "KV hit", "state-miss/req",
-    "prefill s/req", "TTFT p50", "p90", "p99", "queue mean", "out tok/min/GPU",
+    "value", "policy", "KV tokens", "slots", "conc", "hit", "KV hit", "state-miss tok/req",
+    "prefill s/req", "TTFT p50 s", "p90 s", "p99 s", "queue mean s", "out tok/min/GPU",
     "evicted states", "alpha",
 )
+#: The columns that name a run (repeated in every block of a table split to fit the width).
+_KEY_COLUMNS = 5
 
 
 def _row(r: SimResult, value: float | None) -> list[str]:
@@ -198,19 +204,26 @@ def _row(r: SimResult, value: float | None) -> list[str]:
 
 
 def render_rows(results: Sequence[SimResult], values: Sequence[float | None],
-                markdown: bool = False) -> str:
-    """One row per run: cache metrics, TTFT [s], queueing [s], throughput."""
+                markdown: bool = False, wide: bool = False) -> str:
+    """One row per run: cache metrics, TTFT [s], queueing [s], throughput. Plain text fits
+    :data:`bench.cli.TABLE_WIDTH` columns (the metrics in blocks, each with the
+    columns naming the run) unless ``wide``; Markdown is one table."""
     header = list(_COLUMNS)
     rows = [_row(r, v) for r, v in zip(results, values, strict=True)]
+    key = _KEY_COLUMNS
     if values and values[0] is None:  # no sweep: drop the value column
-        header, rows = header[1:], [row[1:] for row in rows]
+        header, rows, key = header[1:], [row[1:] for row in rows], key - 1
     if markdown:
         lines = ["| " + " | ".join(header) + " |",
                  "|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|"]
         return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in rows)])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True))
-                     for line in [header, *rows])
+    key_width = sum(widths[:key]) + 2 * (key - 1)
+    blocks = [[*range(key), *(key + i for i in b)]
+              for b in column_blocks(key_width, widths[key:], None if wide else TABLE_WIDTH)]
+    return "\n\n".join(
+        "\n".join("  ".join(line[i].rjust(widths[i]) for i in block) for line in [header, *rows])
+        for block in blocks)
 
 
 def beats_reference(results: Sequence[SimResult], values: Sequence[float | None]) -> list[str]:
@@ -316,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = run_all(trace, configs, args.jobs, False if args.no_progress else None)
     out = sys.stderr if args.json == "-" else sys.stdout
     print(_header(args, path, len(trace), bounds), file=out)
-    print(render_rows(results, values, args.markdown), file=out)
+    print(render_rows(results, values, args.markdown, args.wide), file=out)
     beaten = beats_reference(results, values)
     if any(r.label == "belady" for r in results):
         print("better than the offline reference (belady): " + ("nowhere" if not beaten else ""),
