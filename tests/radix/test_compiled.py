@@ -345,3 +345,31 @@ def test_c_walk_refuses_bad_arguments() -> None:
         tree_mod.walk_from(type("N", (), {"key": array("i", [1, 2])})(), key, 4, 2)
     with pytest.raises(AttributeError):
         tree_mod.walk_from(object(), key, 4, 2)
+
+
+def test_compiled_says_which_loops_run_and_a_missing_one_warns_in_one_line() -> None:
+    """``radix.compiled()`` and the import warning, in fresh interpreters: one with every loop
+    this install built, one where ``radix._match`` cannot be imported (as without a compiler)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    code = "import json, radix; print(json.dumps(radix.compiled()))"
+    built = {}
+    for name in ("components._claim", "radix._match", "allocators._release"):
+        try:
+            __import__(name)
+            built[name] = True
+        except ImportError:
+            built[name] = False
+    run = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True,
+                         check=True)
+    assert json.loads(run.stdout) == built
+    assert ("not built" in run.stderr) == (not all(built.values()))
+    run = subprocess.run([sys.executable, "-c", "import sys; sys.modules['radix._match'] = None; "
+                          + code], cwd=repo, capture_output=True, text=True, check=True)
+    assert json.loads(run.stdout) == {**built, "radix._match": False}
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "radix._match" in lines[0] and "RuntimeWarning" in lines[0]
