@@ -63,6 +63,20 @@ class MambaStatePool(_FreeListAllocator):
     Raises:
         TypeError / ValueError: a bad argument, naming it.
 
+    Attributes:
+        conv: ``torch.Tensor [num_layers, size + 1, *conv_state_shape]`` (``dtype``, on
+            ``device``): the convolution state of every slot in every recurrent layer; row 0 is
+            padding. A Mamba2 layer's is ``(conv_dim, d_conv - 1)`` (the last ``d_conv - 1``
+            inputs of its causal conv1d, ``conv_dim = d_inner + 2 * n_groups * d_state``), as
+            SGLang's ``MambaPool`` lays it out; a GDN / KDA layer's, its own conv's.
+        ssm: ``torch.Tensor [num_layers, size + 1, *ssm_state_shape]``: the temporal (SSM /
+            linear-attention) state; a Mamba2 layer's is ``(num_heads, head_dim, d_state)``,
+            a GDN layer's ``(num_heads, head_k_dim, head_v_dim)``.
+
+        ``pool.conv[layer][slot]`` / ``pool.ssm[layer][slot]`` are the views a model reads and
+        writes in place (``alloc`` zeroed them); :meth:`get_state` / :meth:`set_state` copy one
+        slot's pair out / in, :meth:`copy` copies whole slots (every layer, both tensors).
+
     Slot arguments of :meth:`copy`, :meth:`get_state`, :meth:`set_state` must be slots
     currently handed out: anything else raises ``ValueError`` (``foreign index`` for 0 or out
     of range, ``not allocated`` for a free slot), before anything is written.
