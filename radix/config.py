@@ -28,7 +28,7 @@ _FIELDS = (
     "match_recency",
 )
 
-#: Default of ``CacheConfig.swa_release_extra_pages`` (see ``bench/README.md`` for the
+#: Default of ``CacheConfig.swa_release_extra_pages`` (see ``bench/results/2026-12-02-swa-release-margin.md`` for the
 #: measurement behind it).
 SWA_RELEASE_EXTRA_PAGES = 0
 
@@ -57,7 +57,7 @@ class CacheConfig:
             page_size)`` tokens, before the boundary it releases SWA KV up to
             (``release_swa``): with one more page a later key that diverges inside the last
             cached page (or an engine matching a prompt minus its last token) still finds a
-            whole window before its page-aligned match (default 0: exactly the window; ``bench/README.md`` shows the measurement).
+            whole window before its page-aligned match (default 0: exactly the window; ``bench/results/2026-12-02-swa-release-margin.md`` shows the measurement).
         enable_kv_cache_events: record KV events (``RadixCache.take_events``:
             ``components.events``), SGLang's name.
         state_recency: which recurrent states move to most recently used in the state LRU

@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the GMI and TraceLab files are (default ../shared/traces)")
     p.add_argument("--grid", choices=("full", "reduced"), default="full",
                    help="full: every --sources x --slots x --kv-tokens x --concurrency (default); "
-                        "reduced: the fixed grid of bench/README.md's robustness table, in one "
+                        "reduced: the fixed grid of the robustness table (bench/results/), in one "
                         "command (ignores those four options)")
     p.add_argument("--jobs", type=positive, default=2, help="worker processes (default 2)")
     p.add_argument("--csv", type=output_path, default=None, help="write every run here (one row per run)")

@@ -14,7 +14,7 @@ shallower live state (at ``a``). The orders differ in ``w``:
   plain GDS rank backwards (a continued turn's new end state is cheap over the old one, so GDS
   evicts it and keeps the old one the next turn will not use); this order fixes that.
 
-No single order is best everywhere (measured, ``bench/README.md``): ``signals`` saves 1.5-2x
+No single order is best everywhere (measured, ``bench/results/2026-12-02-beyond-gds.md``): ``signals`` saves 1.5-2x
 the tokens of ``gds`` on conversation traffic, ``gds`` / ``gdsf`` win by a point or two where
 every question on a document resumes from one fork state. So all three are kept over the same
 live states, each with its own lazy heap and watermark (:class:`components.eviction.gds.
@@ -67,7 +67,8 @@ Hit rates per kind are hits per state per store (exposure and hits decayed, half
 exposure at the leaves' rate, so a kind is believed as hot as leaves until it has been
 watched for as long as a pool's worth of states would take to show it).
 
-Constants were fixed once on the exploration set named in ``bench/README.md``; none is a knob
+Constants were fixed once on the exploration set named in
+``bench/results/2026-12-02-beyond-gds.md``; none is a knob
 a user sets. Lazy heaps: every entry is a lower bound of its order's true priority (stamps
 only rise, an evicted ancestor only raises ``cost``, a lower weight comes with a fresh entry,
 a new state re-seeds the states directly below it in every order).

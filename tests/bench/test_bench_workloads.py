@@ -104,7 +104,7 @@ def test_verdict_by_hand() -> None:
 
 def test_the_reduced_grid_is_the_committed_tables_grid() -> None:
     """``--grid reduced`` plans exactly the points of ``bench/results/robustness_reduced.csv``
-    (the table in bench/README.md), so one command reproduces it."""
+    (the table in bench/results/2026-12-02-robustness.md), so one command reproduces it."""
     import csv
     from pathlib import Path
 

@@ -5,7 +5,7 @@
 inside the last cached page matches (page aligned) one page short of the boundary, where the
 window before it is gone, and so is every earlier boundary's: the usable prefix is 0 although
 the KV of nearly the whole prompt is cached. One extra page keeps that hit; it costs a page of
-SWA pool per cached prompt. Measured on the shipped trace (``bench/README.md``) the extra page
+SWA pool per cached prompt. Measured on the shipped trace (``bench/results/2026-12-02-swa-release-margin.md``) the extra page
 gains nothing there (its prompts share up to the end checkpoint, never one page short of it)
 and costs hit rate when the SWA pool is tight, so the default is 0; engines whose traffic
 re-sends or edits the last turn set 1.

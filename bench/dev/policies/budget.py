@@ -23,7 +23,7 @@ the pool has ``C x n`` slot-requests over ``n`` requests. That is a knapsack:
 
 A state consumed saves its tokens once per stay; later consumers of the same stay are not
 counted (both sides alike), and chunk-end and branch checkpoints are left out (they are a
-separate budget; see ``bench/README.md``, "Why the reference stays ahead on Mooncake").
+separate budget; see ``bench/results/2026-12-02-robustness.md``, "Why the reference stays ahead on Mooncake").
 """
 
 from __future__ import annotations

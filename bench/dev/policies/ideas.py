@@ -5,7 +5,7 @@ Each is a :class:`components.state.StateWalk` given to the cache through ``state
 ``pop_victim`` scans every candidate (O(states) per eviction), so no lazy-heap invariant is
 needed while weights are learned. Priorities follow GreedyDual: ``stamp + weight x cost``,
 ``stamp`` the watermark at the state's last use, the watermark raised to each victim's
-priority. Findings (hit rates, why an idea failed) are in ``bench/README.md``.
+priority. Findings (hit rates, why an idea failed) are in ``bench/results/2026-12-02-beyond-gds.md``.
 """
 
 from __future__ import annotations
@@ -435,7 +435,7 @@ class AdaptiveWalk4(AdaptiveWalk3):
         return w
 
 
-#: name -> factory; figures for each (256 slots) in bench/README.md, "Beyond GDS".
+#: name -> factory; figures for each (256 slots) in bench/results/2026-12-02-beyond-gds.md.
 IDEAS: dict[str, Callable[[Callable[[TreeNode], bool]], IdeaWalk]] = {
     # the scan re-implementation of gds (must equal the library's gds) and of gdsf
     "idea:gds": lambda ok: IdeaWalk(ok),
