@@ -43,7 +43,7 @@ from allocators.lora import LoraAdapter
 from bench.cli import Progress, write_json
 from bench.engine.bounds import Bounds
 from bench.engine.core import EngineConfig, ReplayEngine
-from bench.engine.metrics import peak_rss_mib, reset_peak_rss, summarize
+from bench.engine.metrics import reset_peak_rss
 from bench.lora.sched import (
     LoraCounters,
     LoraReplayConfig,
@@ -238,18 +238,7 @@ def replay_lora_one(
                   f"adapters={lora.num_adapters}", "req", progress) as bar:
         counters = sched.run(trace, assignment, engine, on_admit=bar.update)
     wall = time.perf_counter() - start
-    engine.cache.sanity_check()
-    if engine.cache.protected_size():
-        raise AssertionError(f"{engine.cache.protected_size()} KV tokens still locked")
-    run = RunResult(
-        config=config,
-        metrics=summarize(engine.log),
-        counters=engine.counters,
-        wall_s=wall,
-        peak_rss_mib=peak_rss_mib(),
-        peak_rss_of_run=per_run,
-        cache_stats=engine.cache.stats(),
-    )
+    run = RunResult.of(engine, wall, per_run)
     return LoraRunResult(run, lora, counters)
 
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from bench.cli import TABLE_WIDTH, column_blocks
 from bench.engine.bounds import Bounds
-from bench.engine.core import EngineConfig, EngineCounters
-from bench.engine.metrics import ReplayMetrics
+from bench.engine.core import EngineConfig, EngineCounters, ReplayEngine
+from bench.engine.metrics import ReplayMetrics, peak_rss_mib, summarize
 
 __all__ = ["RunResult", "TraceInfo", "render_table", "to_json_dict"]
 
@@ -47,6 +47,24 @@ class RunResult:
     kv_events: dict[str, Any] | None = None
     peak_rss_of_run: bool = False
     """``peak_rss_mib`` is this run's own peak (``False``: the process's so far)."""
+
+    @classmethod
+    def of(cls, engine: ReplayEngine, wall_s: float, peak_rss_of_run: bool,
+           **extra: Any) -> RunResult:
+        """The result of the replay ``engine`` has just run: its config, log and counters,
+        ``wall_s`` and the peak RSS now (``peak_rss_of_run``: the mark was reset when the run
+        started), after checking the cache (``extra``: ``cpu_s``, ``kv_events``).
+
+        Raises:
+            AssertionError: the cache broke an invariant, or a lock survived the replay.
+        """
+        engine.cache.sanity_check()
+        if engine.cache.protected_size():
+            raise AssertionError(
+                f"{engine.cache.protected_size()} KV tokens still locked after the replay")
+        return cls(config=engine.config, metrics=summarize(engine.log),
+                   counters=engine.counters, wall_s=wall_s, peak_rss_mib=peak_rss_mib(),
+                   peak_rss_of_run=peak_rss_of_run, cache_stats=engine.cache.stats(), **extra)
 
     @property
     def label(self) -> str:

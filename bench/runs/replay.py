@@ -286,7 +286,7 @@ def replay_one(
     """
     from bench.engine.core import ReplayEngine
     from bench.engine.kv_events import EventConsumer, EventCounter, disagreements
-    from bench.engine.metrics import peak_rss_mib, reset_peak_rss, summarize
+    from bench.engine.metrics import reset_peak_rss
     from bench.report.tables import RunResult
 
     per_run = reset_peak_rss()
@@ -326,22 +326,7 @@ def replay_one(
             bad += disagreements(consumer, cache)
             checks += 1
             report = {**consumer.summary(), "checks": checks, "disagreements": bad}
-    engine.cache.sanity_check()
-    if engine.cache.protected_size():
-        raise AssertionError(
-            f"{engine.cache.protected_size()} KV tokens still locked after the replay"
-        )
-    return RunResult(
-        config=config,
-        metrics=summarize(engine.log),
-        counters=engine.counters,
-        wall_s=wall,
-        peak_rss_mib=peak_rss_mib(),
-        peak_rss_of_run=per_run,
-        cache_stats=engine.cache.stats(),
-        cpu_s=cpu,
-        kv_events=report,
-    )
+    return RunResult.of(engine, wall, per_run, cpu_s=cpu, kv_events=report)
 
 
 def _configs(args: argparse.Namespace,
