@@ -113,7 +113,7 @@ def _rows(runs: Sequence[RunResult]) -> list[tuple[str, list[str]]]:
                 )
             ),
         ),
-        ("prefill cost/req mean", col(lambda r: f"{r.metrics.prefill_cost.mean:.4f}")),
+        ("prefill s/req mean", col(lambda r: f"{r.metrics.prefill_cost.mean:.4f}")),
         ("  p90", col(lambda r: f"{r.metrics.prefill_cost.p90:.4f}")),
         ("evicted KV tokens", col(lambda r: _fmt_int(r.counters.evicted_kv_tokens))),
         ("evicted states", col(lambda r: _fmt_int(r.counters.evicted_states))),
@@ -189,8 +189,8 @@ def render_table(
         f"every block {bounds.every_block_hit_rate:.4f}, sparse checkpoints {bounds.sparse_hit_rate:.4f}",
         f"  (trace notes' convention, whole prompt: every block {notes_bounds.every_block_hit_rate:.4f}, "
         f"sparse {notes_bounds.sparse_hit_rate:.4f})",
-        "token hit = usable matched / prompt tokens; state-miss = KV-matched - usable; "
-        "prefill cost = d*(L-U) + e*(L^2-U^2)/2e5",
+        "token hit = usable matched / prompt tokens; state-miss = KV-matched - usable [tokens]",
+        "prefill s = d*(L-U) + e*(L^2-U^2)/2e5 (seconds of the GLM prefill fit; U usable of L)",
     ]
     for r in runs:
         ev = r.kv_events
