@@ -2,8 +2,12 @@
 can run a subset (``python -m pytest tests -m "not storage and not model"``,
 ``python -m pytest tests -m cache``). The markers are registered in ``pyproject.toml``.
 
-A module's area is read from its file name (``test_<area>_*.py``), one rule for every module
-present and future; a module whose name names no area gets only ``core``.
+The modules live in one folder per layer (``tests/radix``, ``tests/components``,
+``tests/allocators``, ``tests/hicache``, ``tests/storage``, ``tests/lora``, ``tests/sglang``,
+``tests/reliability``, ``tests/bench``, ``tests/gpu``, ``tests/model``; ``python -m pytest
+tests/components`` runs one), their shared helpers in ``tests/helpers``. A module's area is
+read from its file name (``test_<area>_*.py``), one rule for every module present and future,
+wherever it lives; a module whose name names no area gets only ``core``.
 
 Fixtures used by more than one module live here too (``caches``).
 """
