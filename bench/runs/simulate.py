@@ -91,8 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
            "marconi, seglen, belady, belady_state and the experimental walks idea:* of "
            "bench/dev/policies/ideas.py "
            "(default: lru gds)")
-    a("--kv-tokens", type=_positive, default=16_000_000, help="KV pool [tokens] (default 16M)")
-    a("--state-slots", type=parse_count, default=512, help="state pool [slots] (default 512)")
+    a("--kv-tokens", type=_positive, default=None,
+      help="KV pool [tokens] (default 16M; not with --memory-gb)")
+    a("--state-slots", type=parse_count, default=None,
+      help="state pool [slots] (default 512; not with --memory-gb)")
     a("--model", choices=sorted(PRESETS), default=None,
       help="model preset: with --memory-gb, sizes both pools from bytes (Marconi's bytes too)")
     a("--memory-gb", type=_positive_float, default=None, help="cache memory [GB = 1e9 bytes]")
@@ -126,9 +128,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: Pool sizes without ``--kv-tokens`` / ``--state-slots`` (and without ``--memory-gb``).
+DEFAULT_KV_TOKENS = 16_000_000
+DEFAULT_STATE_SLOTS = 512
+
+
+def _kv_tokens(args: argparse.Namespace) -> int:
+    return DEFAULT_KV_TOKENS if args.kv_tokens is None else int(args.kv_tokens)
+
+
+def _state_slots(args: argparse.Namespace) -> int:
+    return DEFAULT_STATE_SLOTS if args.state_slots is None else int(args.state_slots)
+
+
 def _base_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = dict(
-        kv_tokens=args.kv_tokens, state_slots=args.state_slots, page_size=args.page_size,
+        kv_tokens=_kv_tokens(args), state_slots=_state_slots(args), page_size=args.page_size,
         chunk_size=args.chunk_size, concurrency=args.concurrency,
         end_checkpoint=args.end_checkpoint, time_scale=args.time_scale, decode_ms=args.decode_ms,
         max_prefill_tokens=args.max_prefill_tokens, arrivals=args.arrivals,
@@ -159,6 +174,14 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[SimConfig, float | None]]:
     sweep: Sweep | None = args.sweep
     if (args.memory_gb is not None or (sweep and sweep.needs_model)) and args.model is None:
         raise ValueError("--memory-gb and memory sweeps need --model PRESET")
+    if args.memory_gb is not None or (sweep and sweep.needs_model):  # pools sized from bytes
+        given = [f"--{name.replace('_', '-')}" for name in ("kv_tokens", "state_slots")
+                 if getattr(args, name) is not None]
+        given += [f"--sweep {sweep.axis}" for _ in (0,)
+                  if sweep is not None and sweep.axis in ("kv-tokens", "state-slots")]
+        if given:
+            raise ValueError(f"--memory-gb sizes both pools from --model's bytes: {', '.join(given)} "
+                             "would be ignored (give one or the other)")
     if sweep is not None and sweep.axis == "state-fraction" and args.memory_gb is None:
         raise ValueError("--sweep state-fraction needs --memory-gb")
     for policy in args.policy:
@@ -284,8 +307,8 @@ def sizes_caption(args: argparse.Namespace) -> str:
                  "state-fraction": f"state fraction {args.state_fraction:g}",
                  "concurrency": f"concurrency {args.concurrency}"}
     else:
-        fixed = {"kv-tokens": f"KV {args.kv_tokens:,} tokens",
-                 "state-slots": f"{args.state_slots:,} state slots",
+        fixed = {"kv-tokens": f"KV {_kv_tokens(args):,} tokens",
+                 "state-slots": f"{_state_slots(args):,} state slots",
                  "concurrency": f"concurrency {args.concurrency}"}
     swept = f"{sweep.axis} {', '.join(fmt_value(v) for v in sweep.values)} (swept)"
     if sweep.axis in fixed:

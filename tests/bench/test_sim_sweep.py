@@ -87,6 +87,10 @@ def test_plan_runs_with_model_memory() -> None:
         (["--model", "marconi-7b", "--sweep", "state-fraction=0.1,0.2"], "--memory-gb"),
         (["--policy", "marconi", "--state-slots", "0"], "state slots"),
         (["--policy", "nope"], "unknown"),
+        # the preset's bytes size both pools: explicit sizes would be silently ignored
+        (["--model", "marconi-7b", "--memory-gb", "40", "--kv-tokens", "1M"], "--kv-tokens"),
+        (["--model", "marconi-7b", "--memory-gb", "40", "--sweep", "state-slots=64,128"],
+         "--sweep state-slots"),
     ],
 )
 def test_plan_runs_refuses(argv: list[str], match: str) -> None:
