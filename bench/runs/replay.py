@@ -190,9 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--swa-release-extra-pages",
         type=int,
-        default=SWA_RELEASE_EXTRA_PAGES,
+        default=None,
         help="pages a request keeps live past the window when it releases out-of-window SWA KV "
-        f"(default {SWA_RELEASE_EXTRA_PAGES}; 0 keeps exactly max(window, page))",
+        f"(default {SWA_RELEASE_EXTRA_PAGES}; 0 keeps exactly max(window, page); needs "
+        "--sliding-window)",
     )
     p.add_argument(
         "--hicache-ratio",
@@ -205,8 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hicache-write-policy",
         choices=WRITE_POLICIES,
-        default="write_through",
-        help="when a node is copied to host (default write_through)",
+        default=None,
+        help="when a node is copied to host (default write_through; needs --hicache-ratio)",
     )
     p.add_argument(
         "--kv-events",
@@ -359,10 +360,12 @@ def _configs(args: argparse.Namespace,
                 concurrency=args.concurrency,
                 end_checkpoint=args.end_checkpoint,
                 sliding_window=args.sliding_window,
-                swa_release_extra_pages=args.swa_release_extra_pages,
+                swa_release_extra_pages=(SWA_RELEASE_EXTRA_PAGES
+                                         if args.swa_release_extra_pages is None
+                                         else args.swa_release_extra_pages),
                 swa_tokens=swa_tokens,
                 hicache_ratio=host_ratio,
-                hicache_write_policy=args.hicache_write_policy,
+                hicache_write_policy=args.hicache_write_policy or "write_through",
                 kv_events=events,
             )
         )
@@ -407,9 +410,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit status (0 ok, 2 bad arguments or trace)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.swa_tokens is not None and not args.sliding_window:
-        parser.error("--swa-tokens sizes the SWA pool of --sliding-window, which is off "
-                     "(give --sliding-window W, or drop --swa-tokens)")
+    for flag, given, needs, on in (
+            ("--swa-tokens", args.swa_tokens, "--sliding-window", args.sliding_window),
+            ("--swa-release-extra-pages", args.swa_release_extra_pages, "--sliding-window",
+             args.sliding_window),
+            ("--hicache-write-policy", args.hicache_write_policy, "--hicache-ratio",
+             any(args.hicache_ratio))):
+        if given is not None and not on:  # it would be silently ignored
+            parser.error(f"{flag} needs {needs}, which is off (give {needs}, or drop {flag})")
     if args.plot is not None:
         require_package(parser, "matplotlib", "--plot", "plot")
     try:  # what can be checked without torch, first

@@ -72,7 +72,8 @@ def test_parser_choices_are_the_librarys() -> None:
 
     assert replay.WRITE_POLICIES == WRITE_POLICIES == MODEL_WRITE_POLICIES
     assert replay.SWA_RELEASE_EXTRA_PAGES == SWA_RELEASE_EXTRA_PAGES
-    assert replay.build_parser().parse_args([]).swa_release_extra_pages == SWA_RELEASE_EXTRA_PAGES
+    args = replay.build_parser().parse_args([])  # None: the flag was not given
+    assert replay._configs(args)[0].swa_release_extra_pages == SWA_RELEASE_EXTRA_PAGES
     assert tuple(MODELS) == MODEL_NAMES
     pytest.importorskip("transformers", reason="the model command needs the model extra")
     from bench.dev.model.adapter import ARCHITECTURES
@@ -159,7 +160,9 @@ def test_reports_name_traces_by_their_repository_path(tmp_path: Path) -> None:
     (["robustness", "--kv-tokens", "-1"], "not a whole non-negative count"),
     (["robustness", "--jobs", "0"], "must be >= 1"),
     (["replay", "--max-requests", "0"], "--max-requests: must be >= 1"),
-    (["replay", "--swa-tokens", "1000"], "--swa-tokens sizes the SWA pool of --sliding-window"),
+    (["replay", "--swa-tokens", "1000"], "--swa-tokens needs --sliding-window, which is off"),
+    (["replay", "--swa-release-extra-pages", "2"], "--swa-release-extra-pages needs --sliding-window"),
+    (["replay", "--hicache-write-policy", "write_back"], "--hicache-write-policy needs --hicache-ratio"),
     # refused by the command before its run starts
     (["robustness", "--policies", "nosuch"], "--policies: radix_eviction_policy='nosuch' is unknown"),
     (["robustness", "--from-csv", "/nonexistent.csv"], "--from-csv: no such file"),
