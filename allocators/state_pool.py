@@ -59,6 +59,10 @@ class MambaStatePool(_FreeListAllocator):
         device: ``str`` or ``torch.device``.
         pin_memory: page-lock the CPU tensors where they are allocated (a host pool mirroring
             a CUDA pool; see ``allocators.staging.pin_in_place``).
+        slot_first: keep a slot's state of every layer adjacent in memory (``conv_store`` is
+            ``[size + 1, num_layers, *conv_state_shape]``; ``conv`` a
+            ``[num_layers, size + 1, ...]`` view of it): one slot is then one contiguous range,
+            one copy (a host pool with ``hicache_mem_layout="page_first"``).
 
     Raises:
         TypeError / ValueError: a bad argument, naming it.
@@ -78,6 +82,7 @@ class MambaStatePool(_FreeListAllocator):
         device: str | torch.device = "cpu",
         *,
         pin_memory: bool = False,
+        slot_first: bool = False,
     ) -> None:
         size = check_positive_int(size, "size")
         device = check_device(device, "device")
@@ -89,15 +94,17 @@ class MambaStatePool(_FreeListAllocator):
         self.ssm_state_shape = check_shape(ssm_state_shape, "ssm_state_shape")
         self.dtype = check_float_dtype(dtype, "dtype")
         rows = size + 1
-        self.conv = torch.zeros(
-            (self.num_layers, rows, *self.conv_state_shape), dtype=self.dtype, device=device
-        )
-        self.ssm = torch.zeros(
-            (self.num_layers, rows, *self.ssm_state_shape), dtype=self.dtype, device=device
-        )
+        self.slot_first = bool(slot_first)
+        lead = (rows, self.num_layers) if self.slot_first else (self.num_layers, rows)
+        #: the contiguous tensors holding the states (slot-first or layer-first), allocated once
+        self.conv_store = torch.zeros((*lead, *self.conv_state_shape), dtype=self.dtype, device=device)
+        self.ssm_store = torch.zeros((*lead, *self.ssm_state_shape), dtype=self.dtype, device=device)
         if pin_memory:
-            pin_in_place(self.conv)
-            pin_in_place(self.ssm)
+            pin_in_place(self.conv_store)
+            pin_in_place(self.ssm_store)
+        #: ``[num_layers, size + 1, *shape]`` views of the stores
+        self.conv = self.conv_store.transpose(0, 1) if self.slot_first else self.conv_store
+        self.ssm = self.ssm_store.transpose(0, 1) if self.slot_first else self.ssm_store
         #: numpy views of ``conv`` and ``ssm`` (same memory) for one-slot copies and zeroing
         #: on the CPU: a numpy row assignment costs ~1 us, a torch view and ``copy_`` ~5 us.
         #: ``None`` on a device, or for a dtype numpy lacks (``bfloat16``): torch views then.
