@@ -83,6 +83,9 @@ COMMANDS: dict[str, Command] = {
                               "from", "bench.policies.options:hit_breakdown_parser"),
     "sync-counts": _command("bench.gpu.sync_counts", "host synchronisations per request on a "
                             "simulated CUDA device", "bench.gpu.options:sync_counts_parser"),
+    "hicache-bandwidth": _command("bench.gpu.hicache_bandwidth", "host tier backup / load-back "
+                                  "GB/s against the raw pinned copy, per io backend and layout",
+                                  "bench.gpu.options:hicache_bandwidth_parser"),
     "storage": _command("bench.storage.throughput", "L3 backend throughput (file, Redis, "
                         "Mooncake Store)", "bench.storage.options:storage_parser"),
     "l3-share": _command("bench.storage.l3_share", "hit rates of engines sharing one L3 store",

@@ -541,22 +541,7 @@ class SimCuda:
         return self._stack[0] if self._stack else OUTSIDE
 
     def _charge_cpu_copy(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
-        """A host-side call that wrote floating-point data from other floating-point data: the
-        bytes it copied (an in-place call: its largest float source; else its result)."""
-        if func in METADATA or no_access(func, args):
-            return
-        ins = [t for t in tensors_of(args, kwargs) if t.is_floating_point()]
-        if not ins:
-            return
-        if args and isinstance(args[0], torch.Tensor) and writes_first_arg(func):
-            srcs = [t for t in ins if t is not args[0]]
-            n = max((t.numel() * t.element_size() for t in srcs), default=0)
-        else:
-            o = kwargs.get("out", out)
-            if not isinstance(o, torch.Tensor) or not o.is_floating_point() or (
-                    o._base is not None and "out" not in kwargs):
-                return
-            n = o.numel() * o.element_size()
+        n = host_copy_bytes(func, args, kwargs, out)
         if n:
             self.cpu_copied[self._op()] += n
 
@@ -586,6 +571,24 @@ class SimCuda:
         ops = set(self.cpu_copied) | set(self.link_bytes) | set(self.ops)
         return {op: {"cpu_copied_bytes": self.cpu_copied[op], "link_bytes": self.link_bytes[op],
                      "blocking_waits": self.syncs_of(op)} for op in sorted(ops)}
+
+
+def host_copy_bytes(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> int:
+    """Bytes of floating-point data a host-side torch call (no device operand) copied from
+    other floating-point data: an in-place call's largest float source, else its result (a
+    new tensor or ``out=``); 0 for metadata, views, factories and index arithmetic."""
+    if func in METADATA or no_access(func, args):
+        return 0
+    ins = [t for t in tensors_of(args, kwargs) if t.is_floating_point()]
+    if not ins or any(t.is_cuda for t in ins):
+        return 0
+    if args and isinstance(args[0], torch.Tensor) and writes_first_arg(func):
+        return max((t.numel() * t.element_size() for t in ins if t is not args[0]), default=0)
+    o = kwargs.get("out", out)
+    if not isinstance(o, torch.Tensor) or not o.is_floating_point() or (
+            o._base is not None and "out" not in kwargs):
+        return 0
+    return o.numel() * o.element_size()
 
 _SPECIAL: dict[Any, Callable[[SimCuda, Any, dict[str, Any]], Any]] = {
     T.to: SimCuda._to,
