@@ -21,7 +21,7 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -100,13 +100,16 @@ def _round(cache: RadixCache, pool: KVPool, kv: TokenAllocator, nodes: int, toke
     pool.k_all.copy_(torch.randn(pool.k_all.shape, generator=g).to(pool.dtype).to("cuda"))
     pool.v_all.copy_(torch.randn(pool.v_all.shape, generator=g).to(pool.dtype).to("cuda"))
     orig_k, orig_v = pool.k_all.clone(), pool.v_all.clone()
-    slots = [kv.alloc(tokens) for _ in range(nodes)]
+    slots = []
+    for _ in range(nodes):
+        got = kv.alloc(tokens)
+        assert got is not None
+        slots.append(got)
     torch.cuda.synchronize()
     calls = {"insert": 0.0, "load_back": 0.0}
     t0 = time.perf_counter()
     last = []
     for i, s in enumerate(slots):
-        assert s is not None
         key = [i * tokens + j + 1 for j in range(tokens)]
         c0 = time.perf_counter()
         with wrap():
@@ -119,11 +122,10 @@ def _round(cache: RadixCache, pool: KVPool, kv: TokenAllocator, nodes: int, toke
     assert hc is not None
     exact = True
     if check:
-        hp = hc.host_kv.pool
+        hp = cast("KVPool", cast(Any, hc.host_kv).pool)  # the host mirror of the KVPool
         for node, s in zip(last, slots, strict=True):
-            idx = s.cpu()
-            exact &= torch.equal(hp.k_all[:, node.host_value], orig_k[:, idx.to("cuda")].cpu())
-            exact &= torch.equal(hp.v_all[:, node.host_value], orig_v[:, idx.to("cuda")].cpu())
+            exact &= torch.equal(hp.k_all[:, node.host_value], orig_k[:, s].cpu())
+            exact &= torch.equal(hp.v_all[:, node.host_value], orig_v[:, s].cpu())
     with wrap():
         cache.evict(nodes * tokens)
     pool.k_all.zero_()
@@ -133,9 +135,9 @@ def _round(cache: RadixCache, pool: KVPool, kv: TokenAllocator, nodes: int, toke
     for node in last:
         c0 = time.perf_counter()
         with wrap():
-            got = cache.load_back(node)
+            n = cache.load_back(node)
         calls["load_back"] += time.perf_counter() - c0
-        assert got == tokens, got
+        assert n == tokens, n
     torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
     if check:
