@@ -63,6 +63,8 @@ class MambaStatePool(_FreeListAllocator):
             ``[size + 1, num_layers, *conv_state_shape]``; ``conv`` a
             ``[num_layers, size + 1, ...]`` view of it): one slot is then one contiguous range,
             one copy (a host pool with ``hicache_mem_layout="page_first"``).
+        zero_on_alloc: zero the slots ``alloc`` / ``alloc_slot`` hand out (default); a host
+            mirror whose slots are always filled by a copy turns it off.
 
     Raises:
         TypeError / ValueError: a bad argument, naming it.
@@ -83,6 +85,7 @@ class MambaStatePool(_FreeListAllocator):
         *,
         pin_memory: bool = False,
         slot_first: bool = False,
+        zero_on_alloc: bool = True,
     ) -> None:
         size = check_positive_int(size, "size")
         device = check_device(device, "device")
@@ -94,6 +97,9 @@ class MambaStatePool(_FreeListAllocator):
         self.ssm_state_shape = check_shape(ssm_state_shape, "ssm_state_shape")
         self.dtype = check_float_dtype(dtype, "dtype")
         rows = size + 1
+        #: ``alloc`` zeroes the slots it hands out (``False``: a host mirror, whose slots a copy
+        #: fills whole: zeroing them would be CPU work growing with the state's bytes)
+        self.zero_on_alloc = bool(zero_on_alloc)
         self.slot_first = bool(slot_first)
         lead = (rows, self.num_layers) if self.slot_first else (self.num_layers, rows)
         #: the contiguous tensors holding the states (slot-first or layer-first), allocated once
@@ -172,13 +178,14 @@ class MambaStatePool(_FreeListAllocator):
         slot = self._pages.take_one()
         if slot is None:
             return None
-        views = self._views
-        if views is not None:
-            views[0][:, slot] = 0
-            views[1][:, slot] = 0
-        else:
-            self.conv[:, slot].zero_()
-            self.ssm[:, slot].zero_()
+        if self.zero_on_alloc:
+            views = self._views
+            if views is not None:
+                views[0][:, slot] = 0
+                views[1][:, slot] = 0
+            else:
+                self.conv[:, slot].zero_()
+                self.ssm[:, slot].zero_()
         return slot
 
     def free_slot(self, slot: int) -> None:
@@ -255,6 +262,8 @@ class MambaStatePool(_FreeListAllocator):
             self.ssm[:, dst].copy_(self.ssm[:, src])
 
     def _on_alloc(self, slots: torch.Tensor) -> None:
+        if not self.zero_on_alloc:
+            return
         self.conv.index_fill_(1, slots, 0)
         self.ssm.index_fill_(1, slots, 0)
 

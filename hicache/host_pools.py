@@ -148,12 +148,13 @@ def mirror_kv(device: SlotAllocator, cfg: HiCacheConfig) -> SlotAllocator:
 
 def mirror_state(device: MambaStatePool, cfg: HiCacheConfig) -> MambaStatePool:
     """A host state pool of the same shapes, ``hicache_ratio`` x the device slots (a slot's
-    layers adjacent with ``hicache_mem_layout="page_first"``)."""
+    layers adjacent with ``hicache_mem_layout="page_first"``); its slots are not zeroed on
+    ``alloc`` (a copy fills each one whole)."""
     size = _host_size(device.size, 1, cfg, 0)
     return MambaStatePool(size, device.num_layers, device.conv_state_shape,
                           device.ssm_state_shape, dtype=device.dtype, device="cpu",
                           pin_memory=device.device.type == "cuda",
-                          slot_first=cfg.hicache_mem_layout == "page_first")
+                          slot_first=cfg.hicache_mem_layout == "page_first", zero_on_alloc=False)
 
 
 def copy_kv(src: SlotAllocator, src_slots: torch.Tensor, dst: SlotAllocator,
