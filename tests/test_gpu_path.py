@@ -297,6 +297,55 @@ def test_a_page_first_load_lands_every_layer_at_once() -> None:
         assert torch.cuda.current_stream().waited[t.event.stream] >= t.event.seq
 
 
+def _state(c: RadixCache, pools: tuple[Any, TokenAllocator, MambaStatePool]) -> tuple[Any, ...]:
+    hc = c.hicache
+    assert hc is not None and hc.host_state is not None
+    pool, kv, sp = pools
+    return (kv.available_size(), sp.available_size(), hc.host_kv.available_size(),
+            hc.host_state.available_size(), hc.num_inflight, c.stats().get("host_tokens"))
+
+
+def test_a_backup_or_load_that_cannot_start_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device temporary that cannot be allocated (an out-of-memory error in the gather, or
+    in the load's fetch): the call raises, the host and device units it took are back, the
+    node is as before, the cache checks."""
+    import hicache.controller as ctl
+
+    def oom(*args: Any, **kwargs: Any) -> Any:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    with cuda():
+        c, pools = hicache_cache()
+        pool, kv, sp = pools
+        slots = kv.alloc(16)
+        fill(pool, slots, 5)
+        with monkeypatch.context() as m:
+            m.setattr(ctl, "_gather", oom)
+            before = _state(c, pools)
+            with pytest.raises(torch.cuda.OutOfMemoryError):
+                c.insert(list(range(1, 17)), slots, state_slot=sp.alloc(1))  # write_through
+            node = c.match_prefix(list(range(1, 17))).last_device_node
+            assert node.host_value is None and node.kv_lock == 0
+            after = _state(c, pools)
+            assert after[2:] == before[2:]  # host units back, nothing in flight
+            c.sanity_check()
+        c.evict(16)  # no backup: the node leaves the tree
+        slots = kv.alloc(16)
+        k, _ = fill(pool, slots, 6)
+        node = c.insert(list(range(1, 17)), slots, state_slot=sp.alloc(1)).last_node
+        c.evict(16)
+        assert node.kv_value is None
+        with monkeypatch.context() as m:
+            m.setattr(ctl, "_fetch_all", oom)
+            before = _state(c, pools)
+            with pytest.raises(torch.cuda.OutOfMemoryError):
+                c.load_back(node)
+            assert _state(c, pools) == before and node.kv_value is None
+            c.sanity_check()
+        assert c.load_back(node) == 16  # and it works once it can start
+        assert torch.equal(device_rows(pool, node_slots(node))[0], k)
+
+
 def test_the_kernel_backend_needs_cuda_and_unknown_names_are_refused() -> None:
     assert not torch.cuda.is_available()
     with pytest.raises(ValueError, match=r"hicache_io_backend.*'direct'"):
