@@ -59,6 +59,10 @@ def hicache_bandwidth_parser() -> argparse.ArgumentParser:
                    choices=["page_first", "layer_first"])
     p.add_argument("--simulate", action="store_true",
                    help="use the simulated device even where CUDA is available")
+    p.add_argument("--replay", action="store_true",
+                   help="instead: the seeded HiCache replay (bench.gpu.sync_counts) on the "
+                        "simulated device per write policy, page size 1 / 16 and events that "
+                        "complete or never do: bytes moved, CPU-copied bytes, blocking waits")
     p.add_argument("--json", default=None, metavar="FILE",
                    help="write one record per backend / layout and node size ('-': stdout)")
     return p
