@@ -23,8 +23,10 @@ copies and returns; the host never copies a byte of pool data and never waits:
            engine waits for layer i alone (``last_load.wait_layer(i)``) before layer i's
            attention, while later layers are still in flight.
 
-Every pool pair (``pools``: ``"kv"``, ``"state"``, any other registered with lanes) moves
-through the same two routines. Host pools are pinned once where they are allocated; nothing is
+Every pool pair (``pools``: ``"kv"``, ``"state"``, and any other a component registers with
+:meth:`HiCacheController.register_pair`) moves through the same two routines:
+``write_rows([(pair, device rows, host rows), ...], on_done)`` and ``load_rows([...])`` (what
+``write`` / ``load`` call for KV + state). Host pools are pinned once where they are allocated; nothing is
 staged, and the engine thread's work per call grows with the number of host runs, never with
 the bytes moved. Streams are created on the device of the pools.
 
@@ -36,13 +38,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
 import torch
 
-from allocators import KVStorage, MambaStatePool, SlotAllocator, alloc_all, host_ids, resolve_device
+from allocators import (
+    KVStorage,
+    MambaStatePool,
+    SlotAllocator,
+    alloc_all,
+    host_ids,
+    host_int,
+    resolve_device,
+)
 from allocators.staging import mapped_on_device, upload
 from hicache.config import HiCacheConfig
 from hicache.host_pools import (
@@ -59,6 +69,10 @@ from hicache.host_pools import (
 #: Device rows of one pair in a transfer: device slot ids (a tensor on the device) or one
 #: contiguous range (a state slot).
 Rows = torch.Tensor | slice
+
+#: One pair's part of a transfer: ``(pair name, device rows, host rows)``, rows an index tensor
+#: or one ``int`` slot.
+Move = tuple[str, torch.Tensor | int, torch.Tensor | int]
 
 
 class Transfer:
@@ -161,8 +175,9 @@ class HiCacheController:
                 self.pools[name] = dataclasses.replace(pair, lanes=lanes)
         self._pending: deque[tuple[Transfer, Callable[[], None] | None]] = deque()
         self._loads: deque[Transfer] = deque()
-        #: host state slot -> the write in flight that fills it (a load is ordered after it)
-        self._state_writes: dict[int, Transfer] = {}
+        #: (pair, host slot) -> the write in flight that fills it (a load is ordered after
+        #: it): one-slot moves (states); a KV node's rows stay locked on device meanwhile
+        self._host_writes: dict[tuple[str, int], Transfer] = {}
         self.last_load: Transfer | None = None
         self.layerwise = False
         #: loads ordered (on the GPU) after the write of a host state they read
@@ -202,30 +217,33 @@ class HiCacheController:
 
 
     # ------------------------------------------------------------------ copies
+    def register_pair(self, name: str, device: SlotAllocator, host: SlotAllocator,
+                      lanes: tuple[Lane, ...]) -> PoolPair:
+        """Add a pool pair (a component's own device pool and its host mirror) whose rows
+        :meth:`write_rows` / :meth:`load_rows` move the way they move ``"kv"`` and
+        ``"state"``. ``lanes`` name its tensors (``hicache.host_pools.Lane``; host stores
+        pinned where they were allocated when the device is a GPU).
+
+        Raises:
+            ValueError: ``name`` is taken.
+        """
+        if name in self.pools:
+            raise ValueError(f"pool pair {name!r} is registered already; have {sorted(self.pools)}")
+        if self._kernel:
+            lanes = tuple(dataclasses.replace(ln, mapped=mapped_on_device(ln.host_store, self.device))
+                          for ln in lanes)
+        pair = self.pools[name] = PoolPair(name, device, host, lanes)
+        return pair
+
     def write(self, device_slots: torch.Tensor, host_slots: torch.Tensor,
               device_state: int | None, host_state: int | None,
               on_done: Callable[[], None] | None) -> Transfer:
         """Copy device -> host (KV slots, and a state when both are given); ``on_done`` runs at
         ``poll`` once the data is in the host pool (see the module docstring)."""
-        if self._cuda:
-            moves: list[tuple[PoolPair, Rows, np.ndarray]] = []
-            if host_slots.numel():
-                moves.append((self.pools["kv"], self._device_rows(device_slots),
-                              host_ids(host_slots, "host_slots")))
-            if device_state is not None and host_state is not None:
-                moves.append(self._state_move(device_state, host_state))
-            t = self._write_gpu(moves)
-            if device_state is not None and host_state is not None:
-                self._state_writes[host_state] = t
-        else:
-            kv = self.pools["kv"]
-            copy_kv(kv.device, device_slots, kv.host, host_slots)
-            if device_state is not None and host_state is not None:
-                sd, sh = self._states()
-                copy_state(sd, device_state, sh, host_state)
-            t = Transfer(None)
-        t.released = not self.hold_completions
-        self._pending.append((t, on_done))
+        moves: list[Move] = [("kv", device_slots, host_slots)]
+        if device_state is not None and host_state is not None:
+            moves.append(("state", device_state, host_state))
+        t = self.write_rows(moves, on_done)
         self.backup_tokens += len(host_slots)
         return t
 
@@ -239,10 +257,7 @@ class HiCacheController:
             if on_done is not None:
                 on_done()
             return Transfer(None)
-        t = self._write_gpu([self._state_move(device_state, host_state)])
-        self._state_writes[host_state] = t
-        self._pending.append((t, on_done))
-        return t
+        return self.write_rows([("state", device_state, host_state)], on_done)
 
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor,
              host_state: int | None, device_state: int | None) -> Transfer:
@@ -250,26 +265,100 @@ class HiCacheController:
         are enqueued on the load stream and the current stream waits for them on the GPU
         (unless ``layerwise``; see the module docstring); the returned transfer is also
         ``last_load``."""
-        if not self._cuda:
-            kv = self.pools["kv"]
-            copy_kv(kv.host, host_slots, kv.device, device_slots)
-            if host_state is not None and device_state is not None:
-                sd, sh = self._states()
-                copy_state(sh, host_state, sd, device_state)
-            t = Transfer(None)
-        else:
-            moves: list[tuple[PoolPair, Rows, np.ndarray]] = []
-            if host_state is not None and device_state is not None:
-                moves.append(self._state_move(device_state, host_state))
-            if host_slots.numel():
-                moves.append((self.pools["kv"], self._device_rows(device_slots),
-                              host_ids(host_slots, "host_slots")))
-            after = self._state_writes.get(host_state) if host_state is not None else None
-            t = self._load_gpu(moves, after)
-            self._loads.append(t)
-        self.last_load = t
+        moves: list[Move] = []
+        if host_state is not None and device_state is not None:
+            moves.append(("state", device_state, host_state))
+        moves.append(("kv", device_slots, host_slots))
+        t = self.load_rows(moves)
         self.load_tokens += len(host_slots)
         return t
+
+    def write_rows(self, moves: Sequence[Move], on_done: Callable[[], None] | None) -> Transfer:
+        """Copy device -> host, for each ``(pair name, device rows, host rows)`` (rows: an index
+        tensor, or one ``int`` slot), every pair the same way; ``on_done`` runs at ``poll`` once
+        all of it is in the host pools. On the CPU the copies run now.
+
+        Raises:
+            KeyError: a pair that is not registered (nothing is enqueued).
+        """
+        if self._cuda:
+            resolved = self._resolve(moves)
+            t = self._write_gpu(resolved)
+            for pair, _, hs in resolved:
+                if pair.name != "kv" and len(hs) == 1:
+                    self._host_writes[(pair.name, int(hs[0]))] = t
+        else:
+            for name, d, h in moves:
+                self._copy_cpu(self.pools[name], d, h, to_host=True)
+            t = Transfer(None)
+        t.released = not self.hold_completions
+        self._pending.append((t, on_done))
+        return t
+
+    def load_rows(self, moves: Sequence[Move]) -> Transfer:
+        """Copy host -> device, for each ``(pair name, device rows, host rows)`` (as
+        :meth:`write_rows`); non-KV pairs land first, then the KV pair layer by layer
+        (``layer_first``). The transfer is also ``last_load``.
+
+        Raises:
+            KeyError: a pair that is not registered (nothing is enqueued).
+        """
+        if self._cuda:
+            resolved = self._resolve(moves)
+            after = [w for pair, _, hs in resolved
+                     if len(hs) == 1 and (w := self._host_writes.get((pair.name, int(hs[0])))) is not None]
+            t = self._load_gpu(resolved, after)
+            self._loads.append(t)
+        else:
+            for name, d, h in moves:
+                self._copy_cpu(self.pools[name], d, h, to_host=False)
+            t = Transfer(None)
+        self.last_load = t
+        return t
+
+    def _copy_cpu(self, pair: PoolPair, d: torch.Tensor | int, h: torch.Tensor | int,
+                  to_host: bool) -> None:
+        """The synchronous copies of a CPU controller (the KV and state pairs through their
+        pools' own routines, any other pair lane by lane)."""
+        if pair.name == "kv":
+            assert isinstance(d, torch.Tensor) and isinstance(h, torch.Tensor)
+            if to_host:
+                copy_kv(pair.device, d, pair.host, h)
+            else:
+                copy_kv(pair.host, h, pair.device, d)
+            return
+        if pair.name == "state":
+            sd, sh = self._states()
+            ds, hs = host_int(d, "device state"), host_int(h, "host state")
+            if to_host:
+                copy_state(sd, ds, sh, hs)
+            else:
+                copy_state(sh, hs, sd, ds)
+            return
+        di = torch.tensor([d]) if isinstance(d, int) else d
+        hi = torch.tensor([h]) if isinstance(h, int) else h
+        for lane in pair.lanes:
+            rows = lane.host_store.transpose(0, 1) if lane.slot_first else lane.host_store
+            for i, dev in enumerate(lane.device):
+                if to_host:
+                    rows[i].index_copy_(0, hi, dev.index_select(0, di))
+                else:
+                    dev.index_copy_(0, di, rows[i].index_select(0, hi))
+
+    def _resolve(self, moves: Sequence[Move]) -> list[tuple[PoolPair, Rows, np.ndarray]]:
+        """Moves as (pair, device rows on the device, host slots); empty ones dropped."""
+        out: list[tuple[PoolPair, Rows, np.ndarray]] = []
+        for name, d, h in moves:
+            pair = self.pools[name]
+            if isinstance(h, int):
+                hs = np.array([h], dtype=np.int64)
+            else:
+                hs = np.ascontiguousarray(host_ids(h, "host rows"), dtype=np.int64)
+            if not len(hs):
+                continue
+            rows: Rows = slice(d, d + 1) if isinstance(d, int) else self._device_rows(d)
+            out.append((pair, rows, hs))
+        return out
 
     # ------------------------------------------------------------- GPU copies
     def _device_rows(self, slots: torch.Tensor) -> torch.Tensor:
@@ -277,9 +366,6 @@ class HiCacheController:
         if slots.device == self.device:
             return slots
         return upload(np.ascontiguousarray(host_ids(slots, "device_slots"), dtype=np.int64), self.device)
-
-    def _state_move(self, device_state: int, host_state: int) -> tuple[PoolPair, Rows, np.ndarray]:
-        return self.pools["state"], slice(device_state, device_state + 1), np.array([host_state])
 
     def _write_gpu(self, moves: list[tuple[PoolPair, Rows, np.ndarray]]) -> Transfer:
         side = self._write_stream
@@ -313,14 +399,15 @@ class HiCacheController:
         return t
 
     def _load_gpu(self, moves: list[tuple[PoolPair, Rows, np.ndarray]],
-                  after: Transfer | None) -> Transfer:
+                  after: list[Transfer]) -> Transfer:
         side = self._load_stream
         cur = torch.cuda.current_stream(self.device)
         hdevs = [upload(h, self.device) if self._kernel else None for _, _, h in moves]
         side.wait_stream(cur)  # earlier work on the device rows (and the ids) is done first
-        if after is not None and after.event is not None and not after.done():
-            side.wait_event(after.event)  # the host rows are still being written: on the GPU
-            self.load_waits += 1
+        for w in after:
+            if w.event is not None and not w.done():
+                side.wait_event(w.event)  # host rows still being written: a wait on the GPU
+                self.load_waits += 1
         kv = self.pools["kv"]
         layers = kv.lanes[0].num_layers if kv.lanes else 0
         layer_events: list[Any] = []
@@ -363,9 +450,9 @@ class HiCacheController:
         while pending and pending[0][0].done():
             t, cb = pending.popleft()
             t.keep.clear()
-            if self._state_writes:
-                for slot in [s for s, w in self._state_writes.items() if w is t]:
-                    del self._state_writes[slot]
+            if self._host_writes:
+                for key in [k for k, w in self._host_writes.items() if w is t]:
+                    del self._host_writes[key]
             if cb is not None:
                 cb()
                 n += 1

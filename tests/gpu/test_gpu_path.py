@@ -8,6 +8,7 @@ host mirrors that keep device values off the host. The two bugs the audit found 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -230,7 +231,7 @@ def test_a_load_of_a_state_still_being_written_is_ordered_after_it_on_the_gpu() 
         before = sim.total_syncs
         hc = c.hicache
         assert hc is not None
-        write = hc._state_writes[n8.host_state_slot]
+        write = hc._host_writes[("state", n8.host_state_slot)]
         assert c.load_back(n8) == 0 and n8.state_slot is not None  # the state alone came back
         assert hc.load_waits == 1 and sim.total_syncs == before  # ordered on the GPU only
         load = hc.last_load
@@ -344,6 +345,53 @@ def test_a_backup_or_load_that_cannot_start_changes_nothing(monkeypatch: pytest.
             c.sanity_check()
         assert c.load_back(node) == 16  # and it works once it can start
         assert torch.equal(device_rows(pool, node_slots(node))[0], k)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_a_registered_pool_pair_moves_the_same_way(device: str, layout: str) -> None:
+    """A third pool pair (a component's own rows: here a state-shaped pool of 3 layers)
+    registered on the controller: ``write_rows`` / ``load_rows`` move its slots bit for bit,
+    with the host copying nothing on the (simulated) GPU; an unknown pair name is a KeyError
+    before anything is enqueued."""
+    from hicache.host_pools import state_lanes
+
+    with cuda() if device == "cuda" else contextlib.nullcontext() as sim:
+        if device == "cuda":
+            c, _ = hicache_cache(hicache_mem_layout=layout)
+        else:
+            kv_pool = KVPool(64, L, H, D, torch.float32, "cpu")
+            c = RadixCache(kv_allocator=TokenAllocator(64, pool=kv_pool),
+                           hicache=HiCacheConfig(hicache_mem_layout=layout))
+        hc = c.hicache
+        assert hc is not None
+        dev = MambaStatePool(6, 3, (2, 5), (3,), device=device)
+        host = MambaStatePool(12, 3, (2, 5), (3,), device="cpu", pin_memory=device == "cuda",
+                              slot_first=layout == "page_first", zero_on_alloc=False)
+        hc.register_pair("extra", dev, host, state_lanes(dev, host))
+        with pytest.raises(ValueError, match="registered already"):
+            hc.register_pair("extra", dev, host, ())
+        if sim is not None:
+            sim.track(hc, ["write_rows", "load_rows", "poll"], "hc")
+        d = dev.alloc(2)
+        assert d is not None
+        conv = torch.randn(3, 2, 2, 5)
+        dev.conv.index_copy_(1, d, conv.to(device))
+        h = host.alloc(2)
+        assert h is not None
+        with pytest.raises(KeyError):
+            hc.write_rows([("nope", d, h)], None)
+        assert hc.num_inflight == 0
+        hc.write_rows([("extra", d, h)], None)
+        assert hc.poll() == 0 and hc.num_inflight == 0
+        assert torch.equal(host.conv[:, h], conv)
+        dev.conv.zero_()
+        hc.load_rows([("extra", d, h)])
+        if sim is not None:
+            assert torch.cuda.current_stream().waited[hc.last_load.event.stream] >= hc.last_load.event.seq
+            assert sum(n for op, n in sim.cpu_copied.items() if op != OUTSIDE) == 0
+            assert tracked_syncs(sim) == 0
+        assert torch.equal(dev.conv[:, d].cpu(), conv)
 
 
 def test_the_kernel_backend_needs_cuda_and_unknown_names_are_refused() -> None:
