@@ -374,6 +374,8 @@ class HiCacheController:
         staged = []
         for pair, rows, h in moves:  # the snapshot, on the current stream
             hdev = upload(h, self.device) if self._kernel else None
+            # made on the current stream, read on the write stream: alive until the event
+            t.keep.extend(x for x in (rows, hdev) if isinstance(x, torch.Tensor))
             for lane in pair.lanes:
                 tmp = _gather(lane, rows)
                 t.keep.append(tmp)
@@ -433,6 +435,8 @@ class HiCacheController:
         if not layer_events:
             layer_events = [last] * layers
         t = Transfer(last, tuple(layer_events))
+        # ids made on the current stream, read on the load stream: alive until the event
+        t.keep.extend(x for x in (*hdevs, *(r for _, r, _ in moves)) if isinstance(x, torch.Tensor))
         if not self.layerwise:
             cur.wait_event(last)  # what the engine enqueues next sees the loaded data
         self.bytes_loaded += nbytes
@@ -444,7 +448,7 @@ class HiCacheController:
         loads are forgotten.)"""
         loads = self._loads
         while loads and loads[0].done():
-            loads.popleft()
+            loads.popleft().keep.clear()
         n = 0
         pending = self._pending
         while pending and pending[0][0].done():
