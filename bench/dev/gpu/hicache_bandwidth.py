@@ -199,6 +199,8 @@ def measure(io: str, layout: str, tokens: int, nbytes: int, shape: tuple[int, in
         "load_gb_per_s": moved / r["load_s"] / 1e9,
         "backup_call_ms_per_gib": 1e3 * r["calls"]["insert"] / gib,
         "load_call_ms_per_gib": 1e3 * r["calls"]["load_back"] / gib,
+        "backup_call_ms": 1e3 * r["calls"]["insert"] / nodes,
+        "load_call_ms": 1e3 * r["calls"]["load_back"] / nodes,
         "cpu_copied_bytes": int(cpu_copied),
         "blocking_waits": int(waits),
         "bit_exact": r["bit_exact"],
