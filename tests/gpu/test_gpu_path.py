@@ -394,6 +394,26 @@ def test_a_registered_pool_pair_moves_the_same_way(device: str, layout: str) -> 
         assert torch.equal(dev.conv[:, d].cpu(), conv)
 
 
+def test_a_kernel_backend_write_into_the_mapped_host_pool_lands_only_at_its_event() -> None:
+    """``kernel``: a GPU kernel writes the pinned host pool through its device mapping; the
+    simulator treats that as an asynchronous write of host memory, so reading the host rows
+    before the write's event completed is the race it refuses, and after it the rows are
+    exact."""
+    with cuda(events_complete=False):
+        c, (pool, kv, sp) = hicache_cache(hicache_io_backend="kernel")
+        slots = kv.alloc(8)
+        k, _ = fill(pool, slots, 7)
+        node = c.insert(list(range(1, 9)), slots, state_slot=sp.alloc(1)).last_node
+        hc = c.hicache
+        assert hc is not None and hc.num_inflight == 1
+        hp = hc.host_kv.pool
+        with pytest.raises(AssertionError, match="before the event"):
+            hp.k_all[:, node.host_value]
+        torch.cuda.synchronize()
+        assert c.poll_transfers() == 1
+        assert torch.equal(hp.k_all[:, node.host_value], k)
+
+
 def test_the_kernel_backend_needs_cuda_and_unknown_names_are_refused() -> None:
     assert not torch.cuda.is_available()
     with pytest.raises(ValueError, match=r"hicache_io_backend.*'direct'"):

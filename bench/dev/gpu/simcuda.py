@@ -375,6 +375,7 @@ class SimCuda:
         if isinstance(out, DeviceTensor) and not written and out._base is None:
             written = [out]  # new data (a view writes nothing)
         self._check_streams(dev, written, func)
+        self._mapped_writes(written)
         return out
 
     def _host_call(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -565,6 +566,13 @@ class SimCuda:
             self._error("a device view of host memory that is not page-locked")
         raw = np.frombuffer(memoryview((ctypes.c_uint8 * nbytes).from_address(ptr)), dtype=np.uint8)
         return to_device(torch.from_numpy(raw))
+
+    def _mapped_writes(self, written: list[torch.Tensor]) -> None:
+        """A kernel writing mapped host memory (:meth:`_mapped`) is an asynchronous write of
+        that host memory: the host must not touch it before the event that covers it."""
+        for t in written:
+            if is_device(t) and t.untyped_storage().data_ptr() in self._pinned:
+                self._in_flight(t, "dst", self.current)
 
     def transfer_report(self) -> dict[str, dict[str, int]]:
         """Per tracked operation: ``cpu_copied_bytes``, ``link_bytes``, ``blocking_waits``."""
