@@ -12,7 +12,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-import setuptools
 
 from bench import cli
 from bench.cli import column_blocks
@@ -52,6 +51,7 @@ def test_in_a_checkout_the_instruments_are_registered_too() -> None:
 
 
 def test_the_wheel_finds_no_developer_instrument() -> None:
+    setuptools = pytest.importorskip("setuptools")
     find = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     packages = setuptools.find_packages(str(REPO), include=find["include"], exclude=find["exclude"])
     assert "bench.runs" in packages and "radix.lora" in packages and "components.eviction" in packages
