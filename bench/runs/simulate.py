@@ -87,10 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="tokens per hash id of a Mooncake-format file (default 512)")
     a("--max-requests", type=_positive, default=None, help="simulate only the first N requests")
     a("--policy", nargs="+", default=["lru", "gds"],
-      help="radix policies (lru, gds, gdsf, gds_adaptive, ...) and/or the replay baselines "
-           "marconi, seglen, belady, belady_state and the experimental walks idea:* of "
-           "bench/dev/policies/ideas.py "
-           "(default: lru gds)")
+      help="radix policies (lru, gds, gdsf, gds_adaptive, ...) and/or the replay baseline "
+           "belady_state; in a checkout (bench/dev) also marconi, seglen, belady and the "
+           "experimental walks idea:* (default: lru gds)")
     a("--kv-tokens", type=_positive, default=None,
       help="KV pool [tokens] (default 16M; not with --memory-gb)")
     a("--state-slots", type=parse_count, default=None,
