@@ -164,7 +164,10 @@ class RadixCache:
             built.append(self.swa)
         self.kv_events: KVEventRecorder | None = None
         if config.enable_kv_cache_events:
-            self.kv_events = KVEventRecorder(self.page_size, host_tier=hicache is not None)
+            self.kv_events = KVEventRecorder(self.page_size, host_tier=hicache is not None,
+                                             states=self.state is not None)
+            if self.state is not None:
+                self.state.on_state_change = self.kv_events.state_changed
             built.append(self.kv_events)
         self.core = core = CacheCore(self.page_size, tuple(built) + extra)
         self.hicache: HiCacheController | None = None
