@@ -109,12 +109,6 @@ class _ArrayCleared(_ArrayEvent, tag="AllBlocksCleared"):
     pass
 
 
-class _ArrayBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[_ArrayStored | _ArrayRemoved | _ArrayCleared]
-    dp_rank: int | None = None
-
-
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -181,8 +175,10 @@ def encode_batch(events: Sequence[KVEvent], *, ts: float | None = None,
         raise TypeError(f"state_group must be a bool, got {state_group!r}")
     wire: list[Any] = [w for w in (to_wire(e, shape, state_group) for e in events)
                        if w is not None]
-    batch = (_MapBatch if shape == "map" else _ArrayBatch)(float(ts), wire, dp_rank)
-    return _ENCODER.encode(batch)
+    if shape == "map":
+        return _ENCODER.encode(_MapBatch(float(ts), wire, dp_rank))
+    # the older schema's batch had no rank: write one only when given
+    return _ENCODER.encode([float(ts), wire] + ([] if dp_rank is None else [dp_rank]))
 
 
 def _check_shape(shape: str) -> None:
