@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+import msgspec
 import pytest
 import torch
 
-import msgspec
 from allocators import MambaStatePool, TokenAllocator
 from allocators.lora import LoraUid
 from components.event_wire import encode_batch
