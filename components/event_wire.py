@@ -45,20 +45,23 @@ except ImportError as _e:  # the optional dependency: a clear error, only when u
         "components.event_wire needs msgspec (pip install 'hybrid-prefix-cache[events]')"
     ) from _e
 
-from components.events import STATE_GROUP, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from components import events as lib
+from components.events import STATE_GROUP, KVEvent
 
-__all__ = ["SHAPES", "encode_batch", "to_wire"]
+__all__ = ["SHAPES", "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEventBatch",
+           "encode_batch", "to_wire"]
 
 #: The wire shapes :func:`encode_batch` writes.
 SHAPES = ("map", "array")
 
 
 # ------------------------------------------------------------------ the map shape
-class _MapEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    pass
+class KVCacheEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """An event in the map shape: SGLang 0.5.23's and vLLM's ``KVCacheEvent`` (a msgspec
+    struct tagged by its class name), so an engine's own msgspec encoder writes it as theirs."""
 
 
-class _MapStored(_MapEvent, tag="BlockStored"):
+class BlockStored(KVCacheEvent):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
@@ -70,19 +73,21 @@ class _MapStored(_MapEvent, tag="BlockStored"):
     group_idx: int | None = None
 
 
-class _MapRemoved(_MapEvent, tag="BlockRemoved"):
+class BlockRemoved(KVCacheEvent):
     block_hashes: list[int]
     medium: str | None
     group_idx: int | None = None
 
 
-class _MapCleared(_MapEvent, tag="AllBlocksCleared"):
+class AllBlocksCleared(KVCacheEvent):
     pass
 
 
-class _MapBatch(msgspec.Struct, array_like=True, gc=False):
+class KVEventBatch(msgspec.Struct, array_like=True, gc=False):
+    """A batch in the map shape: ``[ts, events, dp_rank]``."""
+
     ts: float
-    events: list[_MapStored | _MapRemoved | _MapCleared]
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
     dp_rank: int | None = None
 
 
@@ -121,22 +126,22 @@ def to_wire(ev: KVEvent, shape: str = "map", state_group: bool = True) -> msgspe
         ValueError: unknown ``shape``.
     """
     _check_shape(shape)
-    if isinstance(ev, (BlockStored, BlockRemoved)) and ev.group_idx == STATE_GROUP and (
+    if isinstance(ev, (lib.BlockStored, lib.BlockRemoved)) and ev.group_idx == STATE_GROUP and (
             shape == "array" or not state_group):
         return None
-    if isinstance(ev, BlockStored):
+    if isinstance(ev, lib.BlockStored):
         if shape == "map":
-            return _MapStored(list(ev.block_hashes), ev.parent_block_hash, list(ev.token_ids),
+            return BlockStored(list(ev.block_hashes), ev.parent_block_hash, list(ev.token_ids),
                               ev.block_size, ev.lora_id, ev.medium, ev.lora_name, ev.cache_salt,
                               ev.group_idx)
         return _ArrayStored(list(ev.block_hashes), ev.parent_block_hash, list(ev.token_ids),
                             ev.block_size, ev.lora_id, ev.medium)
-    if isinstance(ev, BlockRemoved):
+    if isinstance(ev, lib.BlockRemoved):
         if shape == "map":
-            return _MapRemoved(list(ev.block_hashes), ev.medium, ev.group_idx)
+            return BlockRemoved(list(ev.block_hashes), ev.medium, ev.group_idx)
         return _ArrayRemoved(list(ev.block_hashes), ev.medium)
-    if isinstance(ev, AllBlocksCleared):
-        return _MapCleared() if shape == "map" else _ArrayCleared()
+    if isinstance(ev, lib.AllBlocksCleared):
+        return AllBlocksCleared() if shape == "map" else _ArrayCleared()
     raise TypeError(f"events must hold BlockStored / BlockRemoved / AllBlocksCleared, "
                     f"got {type(ev).__name__}")
 
@@ -176,7 +181,7 @@ def encode_batch(events: Sequence[KVEvent], *, ts: float | None = None,
     wire: list[Any] = [w for w in (to_wire(e, shape, state_group) for e in events)
                        if w is not None]
     if shape == "map":
-        return _ENCODER.encode(_MapBatch(float(ts), wire, dp_rank))
+        return _ENCODER.encode(KVEventBatch(float(ts), wire, dp_rank))
     # the older schema's batch had no rank: write one only when given
     return _ENCODER.encode([float(ts), wire] + ([] if dp_rank is None else [dp_rank]))
 
