@@ -289,7 +289,7 @@ class KVEventRecorder(Component):
         self.page_size = page_size
         self.tag = tag
         self.host_tier = host_tier
-        self.lora_names: Mapping[Any, str] = dict(lora_names or {})
+        self._lora_names: Mapping[Any, str] = dict(lora_names or {})
         self.max_events = max_events
         #: Recurrent-state checkpoints are published (:meth:`state_changed` is the state
         #: component's observer).
@@ -305,6 +305,17 @@ class KVEventRecorder(Component):
         self.emitted = 0
         #: Optional observer called with every event as it is queued (tests, publishers).
         self.on_event: Callable[[KVEvent], None] | None = None
+
+    @property
+    def lora_names(self) -> Mapping[Any, str]:
+        """Namespace -> adapter name, published as ``lora_name`` (settable: later events use
+        the new names)."""
+        return self._lora_names
+
+    @lora_names.setter
+    def lora_names(self, names: Mapping[Any, str]) -> None:
+        self._lora_names = dict(names)
+        self._labels = {}
 
     # ----------------------------------------------------------------- queue
     def take(self) -> list[KVEvent]:
@@ -379,7 +390,7 @@ class KVEventRecorder(Component):
         k = (type(extra_key), extra_key)
         got = self._labels.get(k)
         if got is None:
-            got = self._labels[k] = namespace_labels(extra_key, self.lora_names)
+            got = self._labels[k] = namespace_labels(extra_key, self._lora_names)
         return got
 
     def _store(self, node: TreeNode, rec: _Pages, medium: str) -> None:

@@ -187,6 +187,11 @@ def test_a_cache_publishes_its_tenants() -> None:
         cache.insert([1, 2], kv.alloc(2), extra_key=ek)
     got = [(e.lora_id, e.lora_name, e.cache_salt) for e in cache.take_events()]
     assert got == [(None, None, "salt-1"), (2, "a", None), (2, "a", "salt-1")]
+    assert cache.kv_events is not None
+    cache.kv_events.lora_names = {"salt-1": "sql"}  # this namespace is an adapter's: later events
+    cache.insert([1, 2, 3], torch.cat([cache.match_prefix([1, 2], "salt-1").device_indices,
+                                       kv.alloc(1)]), extra_key="salt-1")
+    assert [(e.lora_name, e.cache_salt) for e in cache.take_events()] == [("sql", None)]
 
 
 # ---------------------------------------------------------------- a router on a hybrid model
