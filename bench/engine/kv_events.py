@@ -79,6 +79,28 @@ class EventConsumer:
                 "pages_removed": self.removed, "all_cleared": self.cleared,
                 "pages_held": len(self.pages), "redundant_events": self.redundant}
 
+    def usable_prefix(self, hashes: list[int], hybrid: bool) -> tuple[int, int]:
+        """What a router holding this page set predicts for a prompt whose page chain is
+        ``hashes``: ``(held, usable)`` pages, ``held`` the device KV pages from the start,
+        ``usable`` those up to the deepest page with a device state checkpoint (group 1)
+        when ``hybrid``, else all of them."""
+        pages = self.pages
+        held = 0
+        while held < len(hashes) and (hashes[held], GPU, KV_GROUP) in pages:
+            held += 1
+        usable = held
+        if hybrid:
+            while usable and (hashes[usable - 1], GPU, STATE_GROUP) not in pages:
+                usable -= 1
+        return held, usable
+
+
+def prompt_hashes(tokens: Any, page_size: int, tag: str = "") -> list[int]:
+    """The published hashes of the whole pages of ``tokens[:-1]`` (what the replay matches),
+    default namespace."""
+    n = (len(tokens) - 1) // page_size * page_size
+    return [block_hash(d) for d in page_hashes(event_seed(tag, None), tokens[:n], page_size)]
+
 
 @dataclass
 class EventCounter:
