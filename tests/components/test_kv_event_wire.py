@@ -345,6 +345,10 @@ kv = TokenAllocator(4)
 c = RadixCache(CacheConfig(enable_kv_cache_events=True), kv_allocator=kv)
 c.insert([1, 2], kv.alloc(2))
 assert c.take_events()[0].to_dict()['lora_id'] is None
+import radix.sglang as sg
+f = sg.RadixCache.create_simulated(enable_kv_cache_events=True)
+f.insert(sg.RadixKey([1, 2]), None)
+assert type(f.take_events()[0]).__module__ == 'components.events'  # the library's own
 try:
     import components.event_wire
 except ImportError as e:
