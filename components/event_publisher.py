@@ -313,7 +313,7 @@ class ZmqEventPublisher:
                 except Exception as e:
                     logger.warning("KV event replay failed: %s", e)
             try:
-                item = self._queue.get(timeout=0.01)
+                item = self._queue.get(timeout=0.05)
             except queue.Empty:
                 if not self._running:
                     return
