@@ -100,7 +100,7 @@ def test_a_subscriber_rebuilds_the_page_set_over_loopback() -> None:
         rng = random.Random("publisher")
         locks: list[Any] = []
         history: list[Any] = []
-        batches = events = 0
+        batches = events = peak = 0
         for i in range(300):
             step(cache, kv, sp, rng, locks, history, "reset" if i == 150 else None)
             evs = cache.take_events()
@@ -114,6 +114,7 @@ def test_a_subscriber_rebuilds_the_page_set_over_loopback() -> None:
             batches += 1
             events += apply(pages, payload)
             assert pages == tree_pages(cache), f"step {i}"
+            peak = max(peak, len(pages))
         # a late subscriber: everything from the replay socket
         late: set[tuple[int, str, int]] = set()
         replayed = replay(pub.replay_endpoint, 0)
@@ -126,7 +127,7 @@ def test_a_subscriber_rebuilds_the_page_set_over_loopback() -> None:
         assert st["kv_events_published_batches"] == seen + 1
         assert st["kv_events_dropped_batches"] == st["kv_events_send_failures"] == 0
         print(f"\nsubscriber: {batches} batches, {events} events, equal to the tree after "
-              f"every step; at the end {len(pages)} pages held "
+              f"every step (up to {peak} pages held); at the end {len(pages)} pages held "
               f"({sum(g == STATE_GROUP for _, _, g in pages)} state checkpoints); "
               f"replay: {len(replayed)} batches, equal: {late == want}")
     finally:
