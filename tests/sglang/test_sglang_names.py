@@ -5,7 +5,11 @@ of ``evict_policy`` (each ordering nodes as the cache's own eviction does), the 
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -119,3 +123,53 @@ def test_lora_get_eviction_policy() -> None:
         get_eviction_policy("random")
     with pytest.raises(TypeError, match="policy_name"):
         get_eviction_policy(cast(Any, 3))
+
+
+# ------------------------------------------------------------- SGLang's own classes (anchor)
+ANCHOR_PY = Path(os.environ.get("HPC_SGLANG_ANCHOR_PYTHON", "/tmp/sglang-anchor/bin/python"))
+ANCHOR_DIR = Path(os.environ.get("HPC_SGLANG_ANCHOR_DIR",
+                                 Path(__file__).resolve().parents[3] / "shared" / "anchors"))
+ANCHOR_PRIORITIES = """
+import json, sys
+from types import SimpleNamespace
+sys.path.insert(0, sys.argv[1])
+import sglang_cpu_shim
+from sglang.srt.mem_cache import evict_policy as ep
+classes = {"lru": ep.LRUStrategy, "lfu": ep.LFUStrategy, "fifo": ep.FIFOStrategy,
+           "mru": ep.MRUStrategy, "filo": ep.FILOStrategy, "priority": ep.PriorityStrategy,
+           "slru": ep.SLRUStrategy, "tlru": ep.TLRUStrategy}
+job = json.load(sys.stdin)
+out = {}
+for name, knobs in job["policies"].items():
+    s = classes[name](**knobs)
+    out[name] = [s.get_priority(SimpleNamespace(
+        key=[0] * n["len"], _tlru_history_len=n["history_len"],
+        _tlru_cached_prefix_len=n["start"] + n["len"], **n["fields"])) for n in job["nodes"]]
+print(json.dumps(out))
+"""
+
+
+def anchor_missing() -> str | None:
+    if not ANCHOR_PY.exists():
+        return (f"the SGLang anchor environment is not built ({ANCHOR_PY} missing: run "
+                "../shared/anchors/setup.sh)")
+    return None
+
+
+@pytest.mark.skipif(anchor_missing() is not None, reason=str(anchor_missing()))
+def test_priorities_equal_sglangs_own_strategies() -> None:
+    cache = sg.RadixCache.create_simulated()
+    drive(cache, random.Random(7))
+    nodes = [n for n in cache.cache.tree.iter_nodes() if n.parent is not None]
+    job = {"policies": {name: KNOBS.get(name, {}) for name in EVICTION_STRATEGIES},
+           "nodes": [{"len": len(n.key), "history_len": n.history_len, "start": n.start,
+                      "fields": {"last_access_time": n.last_access_time,
+                                 "hit_count": n.hit_count, "creation_time": n.creation_time,
+                                 "priority": n.priority}} for n in nodes]}
+    proc = subprocess.run([str(ANCHOR_PY), "-c", ANCHOR_PRIORITIES, str(ANCHOR_DIR)],
+                          input=json.dumps(job), text=True, capture_output=True, timeout=300,
+                          check=True)
+    theirs = json.loads(proc.stdout)
+    for name, cls in EVICTION_STRATEGIES.items():
+        ours = [cls(**KNOBS.get(name, {})).get_priority(n) for n in nodes]
+        assert [list(p) if isinstance(p, tuple) else p for p in ours] == theirs[name], name
