@@ -251,3 +251,24 @@ def test_bad_config_text_and_rank() -> None:
         KVEventsConfig.from_cli("[1]")
     with pytest.raises(ValueError, match="dp_rank"):
         ZmqEventPublisher({"publisher": "zmq", "endpoint": LOOPBACK}, dp_rank=-1)
+
+
+def test_without_pyzmq_only_the_publisher_refuses() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import sys
+sys.modules['zmq'] = None
+import components.event_wire
+try:
+    import components.event_publisher
+except ImportError as e:
+    print('refused:', e)
+"""
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo,
+                         env={**os.environ, "PYTHONPATH": str(repo)}, check=True).stdout
+    assert "refused: components.event_publisher needs pyzmq" in out
