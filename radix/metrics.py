@@ -29,8 +29,8 @@ Usage::
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 try:
     from prometheus_client.core import (
@@ -72,6 +72,14 @@ COUNTERS: dict[str, tuple[str, dict[str, str], str]] = {
     "kv_events_emitted": ("kv_events_emitted", {}, "KV events recorded"),
     "kv_events_dropped": ("kv_events_dropped", {}, "KV events dropped from a full queue"),
     "l3_prefetch_tokens": ("prefetched_tokens", {}, "Tokens prefetched from L3 storage"),
+    # components.event_publisher.ZmqEventPublisher.stats() (a ``sources`` entry)
+    "kv_events_published_batches": ("kv_events_published_batches", {}, "Event batches sent"),
+    "kv_events_dropped_batches": ("kv_events_dropped_batches", {},
+                                  "Event batches dropped (unencodable, queue full, closed)"),
+    "kv_events_dropped_events": ("kv_events_dropped_events", {}, "Events in dropped batches"),
+    "kv_events_send_failures": ("kv_events_send_failures", {},
+                                "Event batches the socket failed to send (kept for replay)"),
+    "kv_events_replays": ("kv_events_replays", {}, "Replay requests served"),
 }
 #: stats() key -> (exported name without prefix, help).
 GAUGES: dict[str, tuple[str, str]] = {
@@ -87,6 +95,8 @@ GAUGES: dict[str, tuple[str, str]] = {
     "num_nodes": ("num_nodes", "Radix tree nodes"),
     "l3_backend_stored_bytes": ("l3_backend_stored_bytes", "Bytes stored in L3"),
     "l3_backend_stored_pages": ("l3_backend_stored_pages", "Pages stored in L3"),
+    "kv_events_queued_batches": ("kv_events_queued_batches", "Event batches waiting to be sent"),
+    "kv_events_next_seq": ("kv_events_next_seq", "The next event batch's sequence number"),
 }
 #: Every other ``l3_*`` count is a counter under its own name.
 _L3_COUNTER = re.compile(r"l3_[a-z0-9_]+")
@@ -105,15 +115,22 @@ class CacheCollector:
         prefix: prepended to every name (``"sglang:"``; ``""`` for none): letters, digits,
             ``_`` and ``:``, not starting with a digit.
         labels: constant labels on every sample (e.g. ``{"engine": "0"}``).
+        sources: more objects whose ``stats()`` (a flat dict of numbers) is exported the same
+            way at each scrape, e.g. the KV event publisher
+            (``components.event_publisher.ZmqEventPublisher``: batches sent, dropped, failed).
 
     Raises:
         TypeError / ValueError: a bad ``prefix`` or ``labels``, naming it.
     """
 
     def __init__(self, cache: RadixCache, prefix: str = "sglang:",
-                 labels: Mapping[str, str] | None = None) -> None:
+                 labels: Mapping[str, str] | None = None, sources: Sequence[Any] = ()) -> None:
         if not callable(getattr(cache, "stats", None)):
             raise TypeError(f"cache must be a RadixCache, got {type(cache).__name__}")
+        for i, src in enumerate(sources):
+            if not callable(getattr(src, "stats", None)):
+                raise TypeError(f"sources[{i}] must have a stats() method, "
+                                f"got {type(src).__name__}")
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
         if prefix and not _PREFIX.fullmatch(prefix):
@@ -128,10 +145,13 @@ class CacheCollector:
         self.cache = cache
         self.prefix = prefix
         self.labels = labels
+        self.sources = tuple(sources)
 
     def collect(self) -> Iterator[Metric]:
         """The metric families of one scrape."""
         st = self.cache.stats()
+        for src in self.sources:
+            st.update(src.stats())
         p, names, values = self.prefix, list(self.labels), list(self.labels.values())
         counters: dict[str, CounterMetricFamily] = {}
         for key, value in st.items():

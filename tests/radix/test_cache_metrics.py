@@ -180,3 +180,25 @@ except ImportError as e:
                          env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
     assert "refused: radix.metrics needs prometheus-client" in out.stdout
 
+
+
+def test_the_event_publishers_counts_are_exported() -> None:
+    from components.event_publisher import ZmqEventPublisher
+    kv = TokenAllocator(8)
+    cache = RadixCache(CacheConfig(enable_kv_cache_events=True), kv_allocator=kv)
+    pub = ZmqEventPublisher({"publisher": "zmq", "endpoint": "inproc://hpc-metrics"})
+    try:
+        cache.insert([1, 2], kv.alloc(2))
+        pub.publish(cache.take_events())
+        pub.publish(cast(Any, [object()]))  # dropped
+        pub.close()
+        got = scrape(cache, sources=[pub])
+        assert got["sglang:kv_events_dropped_batches"] == (
+            "counter", {("sglang:kv_events_dropped_batches_total", ()): 1.0})
+        assert got["sglang:kv_events_published_batches"][1][
+            ("sglang:kv_events_published_batches_total", ())] == 1.0
+        assert got["sglang:kv_events_next_seq"][0] == "gauge"
+    finally:
+        pub.close()
+    with pytest.raises(TypeError, match="sources"):
+        CacheCollector(cache, sources=[object()])
