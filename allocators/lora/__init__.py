@@ -20,6 +20,7 @@ from .eviction_policy import (
     FifoLoraPolicy,
     LoraEvictionPolicy,
     LruLoraPolicy,
+    get_eviction_policy,
     make_lora_eviction_policy,
 )
 from .identity import BASE_MODEL, AdapterId, BaseModel, LoraUid, lora_extra_key
@@ -47,6 +48,7 @@ __all__ = [
     "leaf_name",
     "linear_module_shapes",
     "lora_extra_key",
+    "get_eviction_policy",
     "make_lora_eviction_policy",
     "matches_module_name",
 ]
