@@ -183,3 +183,38 @@ def test_the_simulator_restores_torch_cuda() -> None:
         assert torch.cuda.is_available()
     assert torch.cuda.is_available() == real
     assert torch.cuda.Stream.__name__ == "Stream"
+
+
+@pytest.mark.parametrize("filename", ["<string>", "gen.py", "/gen.py", "a\\b\\gen.py"])
+def test_a_sync_site_in_a_file_with_few_slashes_is_named(filename: str) -> None:
+    """Code compiled under a name with fewer than two '/' (``exec`` strings, pytest-xdist's
+    workers, a Windows path) is still a call site: it used to raise ``IndexError``."""
+    code = compile("int(t[0])\nt.numpy()\n", filename, "exec")
+    with SimCuda(strict=False) as sim:
+        t = torch.arange(3, device="cuda")
+        with pytest.raises(TypeError):
+            exec(code, {"t": t})
+    want = filename.replace("\\", "/").split("/")[-2:]
+    assert [site for (_, _, site) in sim.sites] == [f"{'/'.join(want)}:1 <module>"]
+    assert sim.errors == [f"numpy() of a device tensor (a real GPU raises: use cpu() first) at "
+                          f"{'/'.join(want)}:2 <module>"]
+
+
+def test_the_simulator_never_asks_the_real_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine with a GPU the simulated device must behave as on one without: nothing it
+    does may reach the real driver (here every entry to it raises)."""
+    def refuse(*a: object, **k: object) -> None:
+        raise AssertionError("the real CUDA was asked")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", refuse)
+    monkeypatch.setattr(torch.cuda, "current_stream", refuse)
+    with SimCuda() as sim:
+        t = torch.arange(4, device="cuda")
+        host = torch.empty(4, dtype=torch.int64, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream())
+        assert ev.query() and host.tolist() == [0, 1, 2, 3]
+        assert int(t[1]) == 1 and sim.total_syncs == 1
+    assert torch.cuda.current_stream is refuse  # restored to what it was before

@@ -241,11 +241,14 @@ class SimCuda:
         return s.total if s is not None else 0
 
     def _site(self) -> str:
+        """``dir/file.py:line function`` of the innermost frame outside torch and this module
+        (a frame of generated code, e.g. ``<string>``, is named as it is)."""
         f: Any = sys._getframe(2)
         while f is not None:
             fn = f.f_code.co_filename
-            if "/torch/" not in fn and not fn.endswith("simcuda.py"):
-                return f"{fn.rsplit('/', 2)[-2]}/{fn.rsplit('/', 1)[-1]}:{f.f_lineno} {f.f_code.co_name}"
+            parts = fn.replace("\\", "/").split("/")
+            if "torch" not in parts[:-1] and parts[-1] != "simcuda.py":
+                return f"{'/'.join(parts[-2:])}:{f.f_lineno} {f.f_code.co_name}"
             f = f.f_back
         return "?"
 
