@@ -38,6 +38,9 @@ CACHE_OPS = ("match_prefix", "insert", "inc_lock_ref", "dec_lock_ref", "evict", 
              "load_back", "poll_transfers")
 ALLOC_OPS = ("alloc", "free")
 STATE_OPS = ("alloc", "free", "copy")
+#: The host tier's data transfers (``HiCacheController``): their launches and memcpys are
+#: counted apart (``ApiCalls.excluded``), not in the per-request budget.
+TRANSFER_OPS = ("write", "save_state", "load", "poll")
 
 #: The models measured (EngineConfig fields beyond the common ones).
 MODELS: dict[str, dict[str, Any]] = {
@@ -86,20 +89,43 @@ class ModelCounts:
     def per_request(self) -> float:
         return self.sim.total_syncs / max(self.requests, 1)
 
+    @property
+    def launches_per_request(self) -> float:
+        """Kernel launches of the engine-facing calls per request (transfers excluded)."""
+        return self.sim.total_launches / max(self.requests, 1)
+
+    @property
+    def memcpys_per_request(self) -> float:
+        """Memcpys of the engine-facing calls per request (transfers excluded)."""
+        return self.sim.total_memcpys / max(self.requests, 1)
+
     def as_dict(self) -> dict[str, Any]:
-        ops = {op: {"calls": s.calls, "syncs": s.total, "kinds": dict(s.syncs)}
-               for op, s in sorted(self.sim.ops.items())}
+        sim = self.sim
+        ops = {op: {"calls": s.calls, "syncs": s.total, "kinds": dict(s.syncs),
+                    "launches": dict(sim.api_of(op).launches),
+                    "memcpys": dict(sim.api_of(op).memcpys),
+                    "excluded": dict(sim.api_of(op).excluded)}
+               for op, s in sorted(sim.ops.items())}
         sites = [{"op": op, "kind": kind, "site": site, "count": n}
                  for (op, kind, site), n in self.sim.sites.most_common()]
-        return {"model": self.model, "requests": self.requests, "syncs": self.sim.total_syncs,
-                "syncs_per_request": self.per_request, "ops": ops, "sites": sites,
-                "errors": list(self.sim.errors)}
+        api_sites = [{"op": op, "what": what, "kind": kind, "site": site, "count": n}
+                     for (op, what, kind, site), n in sim.api_sites.most_common()]
+        return {"model": self.model, "requests": self.requests, "syncs": sim.total_syncs,
+                "syncs_per_request": self.per_request,
+                "launches": sim.total_launches, "launches_per_request": self.launches_per_request,
+                "memcpys": sim.total_memcpys, "memcpys_per_request": self.memcpys_per_request,
+                "ops": ops, "sites": sites, "api_sites": api_sites,
+                "errors": list(sim.errors)}
 
 
 def track_engine(sim: SimCuda, engine: ReplayEngine) -> None:
-    """Charge syncs to the cache's engine-facing calls and the engine's pool calls."""
+    """Charge syncs, launches and memcpys to the cache's engine-facing calls and the engine's
+    pool calls; the host tier's data transfers (:data:`TRANSFER_OPS`) counted apart."""
     cache = engine.cache
     sim.track(cache, [op for op in CACHE_OPS if hasattr(cache, op)], "cache")
+    hicache = getattr(cache, "hicache", None)
+    if hicache is not None:
+        sim.exclude(hicache, [op for op in TRANSFER_OPS if hasattr(hicache, op)])
     sim.track(engine.kv_allocator, ALLOC_OPS, "kv_allocator")
     if engine.state_pool is not None:
         sim.track(engine.state_pool, STATE_OPS, "state_pool")
@@ -122,6 +148,7 @@ def run_model(model: str, trace: Sequence[TraceRequest], *, strict: bool = True,
         engine.drain()
         engine.cache.sanity_check()
         sim.ops.pop("checks.sanity_check", None)
+        sim.api.pop("checks.sanity_check", None)
     return ModelCounts(model, len(trace), sim, engine)
 
 
@@ -131,7 +158,11 @@ def table(results: Sequence[ModelCounts]) -> str:
     head = "| | " + " | ".join(r.model for r in results) + " |"
     rule = "|---|" + "---:|" * len(results)
     lines = [head, rule,
-             "| syncs per request | " + " | ".join(f"{r.per_request:.2f}" for r in results) + " |"]
+             "| syncs per request | " + " | ".join(f"{r.per_request:.2f}" for r in results) + " |",
+             "| launches per request | "
+             + " | ".join(f"{r.launches_per_request:.2f}" for r in results) + " |",
+             "| memcpys per request | "
+             + " | ".join(f"{r.memcpys_per_request:.2f}" for r in results) + " |"]
     for op in ops:
         cells = []
         for r in results:
