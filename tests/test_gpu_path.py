@@ -26,7 +26,6 @@ from allocators.host_mirror import MISSES, mirror_of
 from bench.gpu.simcuda import OUTSIDE, SimCuda
 from hicache import HiCacheConfig
 from radix import CacheConfig, CacheRequest, RadixCache
-from tests.cache_helpers import node_slots
 
 L, H, D = 3, 2, 4  # KV layers, heads, head dim of the pools below
 
@@ -104,7 +103,7 @@ def test_backup_and_load_back_are_bit_exact_ordered_and_never_wait(buffers: bool
             buf.zero_()
         sp.conv.zero_()
         assert c.load_back(node) == 48
-        got_k, got_v = device_rows(pool, node_slots(node))
+        got_k, got_v = device_rows(pool, c.kv.slots(node))
         assert torch.equal(got_k, k) and torch.equal(got_v, v)
         assert torch.equal(sp.conv[:, node.state_slot].cpu(), conv)
         c.sanity_check()

@@ -13,7 +13,6 @@ import torch
 
 from bench.engine.core import EngineConfig, ReplayEngine
 from bench.gpu.sync_counts import COMMON, MODELS, conversations
-from tests.cache_helpers import node_slots
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -68,6 +67,6 @@ def test_host_tier_round_trip_is_bit_exact_on_cuda() -> None:
     sp.conv.zero_()
     assert c.load_back(node) == 192
     torch.cuda.synchronize()
-    got_k, _ = pool.gather(node_slots(node))
+    got_k, _ = pool.gather(c.kv.slots(node))
     assert torch.equal(got_k.cpu(), k.cpu())
     assert torch.equal(sp.conv[:, node.state_slot].cpu(), conv[:, 0])

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 
-from allocators import alloc_all, host_int, slot_copy
+from allocators import alloc_all, host_int
 from components.base import Component, InsertPlan
 from components.ordered import OrderedNodeSet
 from radix.core import freed_counts
@@ -426,7 +426,7 @@ class HostTier(Component, Tier):
         now = core.tick()
         for c in chain:
             size = len(c.key)
-            self.kv.attach(c, slot_copy(dev_slots, off, off + size))
+            self.kv.attach(c, dev_slots[off:off + size])  # (kept as an array: its host mirror)
             off += size
             c.last_access_time = now
             self.refresh(c)
