@@ -142,6 +142,13 @@ class MambaStatePool(_FreeListAllocator):
             self.flush()
         return self._ssm
 
+    def overwrite(self, slot: int) -> None:
+        """The caller writes every layer of both states of handed-out ``slot`` before anything
+        reads it (e.g. a load from a host tier): the slot's pending zeroing or copy is dropped
+        (no kernel; a slot another pending copy reads from keeps its state until the flush,
+        which reads every source before it writes). No-op on the CPU."""
+        self._pending.pop(slot, None)
+
     def flush(self) -> None:
         """Issue the pending zeroing and copies (a device only; see the module docstring): a
         single one as two slice kernels; else one upload of the slot ids, then per tensor one

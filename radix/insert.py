@@ -228,10 +228,12 @@ def _revive(cache: RadixCache, path: list[TreeNode], plan: InsertPlan
             ) -> tuple[list[TreeNode], torch.Tensor]:
     """Matched nodes planned for revival take the caller's slots from the planned start (a
     node only partly covered is split there first); the component or tier that planned it
-    does the rest (``revive``). Returns the new path and the slots the nodes took (one new
-    tensor on the cache's device: ``KVComponent.device_slots``, one upload on a device)."""
+    does the rest (``revive``). Returns the new path and the slots the nodes took: a view of
+    the caller's ``value`` when they are one run of it (no CUDA call), else one new tensor on
+    the cache's device (``KVComponent.device_slots``: one upload on a device)."""
     out: list[TreeNode] = []
     revived: list[KVValue] = []
+    runs: list[tuple[int, int]] = []
     value, tree = plan.value, cache.core.tree
     revive = plan.revive
     assert revive is not None
@@ -246,9 +248,12 @@ def _revive(cache: RadixCache, path: list[TreeNode], plan: InsertPlan
         own = own_copy(value, t, n.depth)
         owner.revive(n, own)
         revived.append(own)
+        runs.append((t, n.depth))
         out.append(n)
     if not revived:
         return out, cache._empty
+    if all(runs[i][1] == runs[i + 1][0] for i in range(len(runs) - 1)):
+        return out, value[runs[0][0]:runs[-1][1]]
     return out, cache.kv.device_slots(revived)
 
 

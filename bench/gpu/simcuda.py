@@ -566,6 +566,25 @@ class SimCuda:
             fn = getattr(obj, name)
             setattr(obj, name, self._excluded(fn))
 
+    def include(self, obj: Any, names: tuple[str, ...] | list[str]) -> None:
+        """Count the launches and memcpys made inside ``obj``'s methods ``names`` as usual,
+        also when they run inside an excluded call (work of the engine's that a transfer
+        happens to issue, e.g. a pool's pending writes flushed by the transfer's read)."""
+        for name in names:
+            fn = getattr(obj, name)
+            setattr(obj, name, self._included(fn))
+
+    def _included(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def included(*args: Any, **kwargs: Any) -> Any:
+            saved, self._excluding = self._excluding, 0
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._excluding = saved
+
+        return included
+
     def _excluded(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def excluded(*args: Any, **kwargs: Any) -> Any:

@@ -475,7 +475,13 @@ class HostTier(Component, Tier):
             got = alloc_all(asks)
             if got is None:
                 return None
-        return got[0], (host_int(got[1], "state slot") if states else None)
+        if not states:
+            return got[0], None
+        slot = host_int(got[1], "state slot")
+        overwrite = getattr(asks[1][0], "overwrite", None)
+        if overwrite is not None:  # the load writes the whole slot: no zeroing first
+            overwrite(slot)
+        return got[0], slot
 
     def describe(self, node: TreeNode) -> str:
         where = ("dev+host" if node.host_value is not None else "dev") if (
