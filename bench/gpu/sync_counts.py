@@ -102,9 +102,9 @@ class Step:
         self.engine = engine
 
     def read(self) -> None:
-        pool = self.engine.state_pool
-        if pool is not None:
-            pool.flush()
+        flush = getattr(self.engine.state_pool, "flush", None)  # (a pool with pending work)
+        if flush is not None:
+            flush()
         getattr(self.engine.kv_allocator, "full_to_swa_device", None)
 
 
@@ -183,7 +183,7 @@ def track_engine(sim: SimCuda, engine: ReplayEngine) -> None:
     hicache = getattr(cache, "hicache", None)
     if hicache is not None:
         sim.exclude(hicache, [op for op in TRANSFER_OPS if hasattr(hicache, op)])
-        if engine.state_pool is not None:  # pending state work a transfer's read sends out
+        if hasattr(engine.state_pool, "flush"):  # pending state work a transfer's read sends
             sim.include(engine.state_pool, ["flush"])
     sim.track(engine.kv_allocator, ALLOC_OPS, "kv_allocator")
     if engine.state_pool is not None:
