@@ -67,3 +67,22 @@ def test_profiler_events_are_counted_by_where_they_ran() -> None:
                          ("step", "launch"): 1, ("step", "memcpy"): 1, ("other", "launch"): 1}
     assert real_device.classify("cudaLaunchKernelExC") == "launch"
     assert real_device.classify("aten::add") is None
+
+
+def test_the_real_device_mode_runs_on_the_simulated_device(capsys: pytest.CaptureFixture[str]
+                                                            ) -> None:
+    """Its replays, timing, profiling and stats comparison, on the simulated device (the
+    profiler sees no CUDA runtime calls there: the counts are zero, the rest is real)."""
+    from bench.gpu.simcuda import SimCuda
+    from bench.gpu.sync_counts import conversations
+
+    with SimCuda(strict=False):
+        rc = real_device.compare(["kv", "hybrid"], conversations(12), json_path="-")
+    out = capsys.readouterr().out
+    rows = json.loads(out[out.index("["):])
+    assert rc == 0 and [r["model"] for r in rows] == ["kv", "hybrid"]
+    for r in rows:
+        assert r["stats_equal"] is True and r["requests"] == 12
+        assert r["cpu_us_per_request"] > 0 and r["cuda_us_per_request"] > 0
+        assert r["launches_per_request"] == 0 and r["memcpys_per_request"] == 0
+    assert "| kv |" in out and "stats equal" in out

@@ -31,6 +31,9 @@ def sync_counts_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=1, help="tokens per KV page (1)")
     p.add_argument("--models", nargs="+", default=list(MODEL_NAMES), choices=MODEL_NAMES)
     p.add_argument("--policy", default="lru", help="radix eviction policy (lru)")
+    p.add_argument("--kv-tokens", type=int, default=None,
+                   help="KV pool size [tokens] (default: the models' 30,000; a trace's long "
+                        "prompts want more, e.g. 16000000)")
     p.add_argument("--json", nargs="?", const="-", default=None, type=output_path,
                    metavar="FILE",
                    help="write the counts as JSON to FILE (no FILE or '-': print them instead "

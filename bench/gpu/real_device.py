@@ -132,7 +132,8 @@ def _model(model: str, trace: Sequence[TraceRequest], **extra: Any) -> dict[str,
     gpu_cfg = EngineConfig(**{**base, "device": "cuda"})
     _replay(gpu_cfg, trace[:WARMUP])
     gpu, t_gpu = _replay(gpu_cfg, trace)
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    acts = [a for a in (torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA)
+            if a in torch.profiler.supported_activities()]
     with torch.profiler.profile(activities=acts) as prof:
         _replay(gpu_cfg, trace, ranges=True)
     counts = count_runtime(prof.events())
@@ -151,16 +152,24 @@ def _model(model: str, trace: Sequence[TraceRequest], **extra: Any) -> dict[str,
     return row
 
 
+def _device_name() -> str:
+    try:
+        return str(torch.cuda.get_device_name(0))
+    except (RuntimeError, AssertionError, AttributeError, NameError):  # (a simulated one)
+        return "cuda"
+
+
 def compare(models: Sequence[str], trace: Sequence[TraceRequest], *, json_path: str | None = None,
-            page_size: int = 1, policy: str = "lru") -> int:
-    """Run the comparison (see the module docstring); returns the exit status: 0, 1 when the
-    stats differ on a model, 2 without CUDA (nothing run)."""
+            **extra: Any) -> int:
+    """Run the comparison (see the module docstring; ``extra``: ``EngineConfig`` fields over
+    the models', e.g. ``policy``, ``page_size``, ``kv_tokens``); returns the exit status: 0, 1
+    when the stats differ on a model, 2 without CUDA (nothing run)."""
     if not torch.cuda.is_available():
         print("sync-counts --device cuda: no CUDA device (torch.cuda.is_available() is False); "
               "run it on a machine with a GPU, or without --device for the simulated device",
               file=sys.stderr)
         return 2
-    rows = [_model(m, trace, page_size=page_size, policy=policy) for m in models]
+    rows = [_model(m, trace, **extra) for m in models]
     head = ("| model | cpu us/req | cuda us/req | cuda/cpu | launches/req | memcpys/req | "
             "waits/req | step launches+memcpys/req | other launches+memcpys/req | stats equal |")
     lines = [head, "|---|" + "---:|" * 9]
@@ -173,7 +182,7 @@ def compare(models: Sequence[str], trace: Sequence[TraceRequest], *, json_path: 
             f"{r['other_launchs_per_request'] + r['other_memcpys_per_request']:.2f} | "
             f"{r['stats_equal']} |")
     print("\n".join(lines))
-    print(f"(device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+    print(f"(device {_device_name()}, torch {torch.__version__}, "
           f"{len(trace)} requests, transfers {', '.join(TRANSFER_OPS)} inside the api ranges)")
     if json_path is not None:
         text = json.dumps(rows, indent=1)

@@ -243,13 +243,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = sync_counts_parser().parse_args(argv)
     trace = (conversations(args.requests) if args.trace is None
              else load_trace(args.trace, max_requests=args.requests))
+    extra: dict[str, Any] = {"page_size": args.page_size, "policy": args.policy}
+    if args.kv_tokens is not None:
+        extra["kv_tokens"] = args.kv_tokens
     if args.device == "cuda":
         from bench.gpu.real_device import compare
 
-        return compare(args.models, trace, json_path=args.json, page_size=args.page_size,
-                       policy=args.policy)
-    results = [run_model(m, trace, strict=False, page_size=args.page_size, policy=args.policy)
-               for m in args.models]
+        return compare(args.models, trace, json_path=args.json, **extra)
+    results = [run_model(m, trace, strict=False, **extra) for m in args.models]
     if args.json is not None:
         text = json.dumps([r.as_dict() for r in results], indent=1)
         if args.json == "-":
