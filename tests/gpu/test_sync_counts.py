@@ -48,9 +48,16 @@ def test_the_real_device_mode_refuses_without_cuda(capsys: pytest.CaptureFixture
 
 
 @dataclass
+class Span:
+    start: float
+    end: float
+
+
+@dataclass
 class Ev:
     name: str
     cpu_parent: Ev | None = None
+    time_range: Span | None = None
 
 
 def test_profiler_events_are_counted_by_where_they_ran() -> None:
@@ -66,6 +73,13 @@ def test_profiler_events_are_counted_by_where_they_ran() -> None:
     assert dict(got) == {("api", "launch"): 1, ("api", "memcpy"): 1, ("api", "wait"): 1,
                          ("step", "launch"): 1, ("step", "memcpy"): 1, ("other", "launch"): 1}
     assert real_device.classify("cudaLaunchKernelExC") == "launch"
+    # runtime calls the profiler did not link to their op: placed by time
+    timed = [Ev("api:cache.insert", time_range=Span(10, 20)), Ev("step:read", time_range=Span(30, 40)),
+             Ev("cudaMemcpyAsync", time_range=Span(12, 13)),
+             Ev("cudaLaunchKernel", time_range=Span(31, 32)),
+             Ev("cudaLaunchKernel", time_range=Span(25, 26))]
+    assert dict(real_device.count_runtime(timed)) == {
+        ("api", "memcpy"): 1, ("step", "launch"): 1, ("other", "launch"): 1}
     assert real_device.classify("aten::add") is None
 
 

@@ -66,7 +66,13 @@ def count_runtime(events: Iterable[Any]) -> Counter[tuple[str, str]]:
     """(where, kind) -> count of the CUDA runtime calls among profiler ``events`` (objects with
     ``name`` and ``cpu_parent``, as ``torch.profiler``'s ``FunctionEvent``): ``where`` is
     ``"api"`` under a ``record_function`` range whose name starts with ``api:``, ``"step"``
-    under one starting with ``step:``, else ``"other"``; the outermost such range decides."""
+    under one starting with ``step:``, else ``"other"``; the outermost such range decides.
+    An event without such a parent is placed by time (``time_range``: the range that
+    contains its start), where the profiler did not link runtime calls to their op."""
+    events = list(events)
+    ranges = sorted((ev.time_range.start, ev.time_range.end, _where(str(ev.name)))
+                    for ev in events if _where(str(ev.name)) != "other"
+                    and getattr(ev, "time_range", None) is not None)
     out: Counter[tuple[str, str]] = Counter()
     for ev in events:
         kind = classify(str(ev.name))
@@ -75,14 +81,23 @@ def count_runtime(events: Iterable[Any]) -> Counter[tuple[str, str]]:
         where = "other"
         p = getattr(ev, "cpu_parent", None)
         while p is not None:
-            name = str(p.name)
-            if name.startswith("api:"):
-                where = "api"
-            elif name.startswith("step:"):
-                where = "step"
+            if _where(str(p.name)) != "other":
+                where = _where(str(p.name))
             p = getattr(p, "cpu_parent", None)
+        tr = getattr(ev, "time_range", None)
+        if where == "other" and tr is not None:
+            for start, end, w in ranges:  # (few: one per engine-facing call)
+                if start > tr.start:
+                    break
+                if tr.start < end:
+                    where = w
+                    break
         out[(where, kind)] += 1
     return out
+
+
+def _where(name: str) -> str:
+    return "api" if name.startswith("api:") else "step" if name.startswith("step:") else "other"
 
 
 def _ranged(obj: Any, names: Sequence[str], label: str) -> None:
