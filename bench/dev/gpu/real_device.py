@@ -40,7 +40,7 @@ from bench.dev.gpu.sync_counts import (
 from bench.engine.core import EngineConfig, ReplayEngine
 from bench.traces.loader import TraceRequest
 
-__all__ = ["classify", "compare", "count_runtime"]
+__all__ = ["classify", "compare", "count_runtime", "has_cuda"]
 
 #: Requests of the warm-up run on the device.
 WARMUP = 20
@@ -174,15 +174,22 @@ def _device_name() -> str:
         return "cuda"
 
 
+def has_cuda() -> bool:
+    """Whether a CUDA device is there; without one, says so on stderr."""
+    if torch.cuda.is_available():
+        return True
+    print("sync-counts --device cuda: no CUDA device (torch.cuda.is_available() is False); "
+          "run it on a machine with a GPU, or without --device for the simulated device",
+          file=sys.stderr)
+    return False
+
+
 def compare(models: Sequence[str], trace: Sequence[TraceRequest], *, json_path: str | None = None,
             **extra: Any) -> int:
     """Run the comparison (see the module docstring; ``extra``: ``EngineConfig`` fields over
     the models', e.g. ``policy``, ``page_size``, ``kv_tokens``); returns the exit status: 0, 1
     when the stats differ on a model, 2 without CUDA (nothing run)."""
-    if not torch.cuda.is_available():
-        print("sync-counts --device cuda: no CUDA device (torch.cuda.is_available() is False); "
-              "run it on a machine with a GPU, or without --device for the simulated device",
-              file=sys.stderr)
+    if not has_cuda():
         return 2
     rows = [_model(m, trace, **extra) for m in models]
     head = ("| model | cpu us/req | cuda us/req | cuda/cpu | launches/req | memcpys/req | "

@@ -241,6 +241,11 @@ def table(results: Sequence[ModelCounts]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = sync_counts_parser().parse_args(argv)
+    if args.device == "cuda":
+        from bench.dev.gpu.real_device import has_cuda
+
+        if not has_cuda():  # before the trace is read
+            return 2
     trace = (conversations(args.requests) if args.trace is None
              else load_trace(args.trace, max_requests=args.requests))
     extra: dict[str, Any] = {"page_size": args.page_size, "policy": args.policy}
