@@ -73,6 +73,12 @@ class MambaStatePool(_FreeListAllocator):
         device: ``str`` or ``torch.device``.
         pin_memory: page-lock the CPU tensors where they are allocated (a host pool mirroring
             a CUDA pool; see ``allocators.staging.pin_in_place``).
+        slot_first: keep a slot's state of every layer adjacent in memory (``conv_store`` is
+            ``[size + 1, num_layers, *conv_state_shape]``; ``conv`` a
+            ``[num_layers, size + 1, ...]`` view of it): one slot is then one contiguous range,
+            one copy (a host pool with ``hicache_mem_layout="page_first"``).
+        zero_on_alloc: zero the slots ``alloc`` / ``alloc_slot`` hand out (default); a host
+            mirror whose slots are always filled by a copy turns it off.
 
     Raises:
         TypeError / ValueError: a bad argument, naming it.
@@ -92,6 +98,8 @@ class MambaStatePool(_FreeListAllocator):
         device: str | torch.device = "cpu",
         *,
         pin_memory: bool = False,
+        slot_first: bool = False,
+        zero_on_alloc: bool = True,
     ) -> None:
         size = check_positive_int(size, "size")
         device = check_device(device, "device")
@@ -103,15 +111,22 @@ class MambaStatePool(_FreeListAllocator):
         self.ssm_state_shape = check_shape(ssm_state_shape, "ssm_state_shape")
         self.dtype = check_float_dtype(dtype, "dtype")
         rows = size + 1
-        self._conv = torch.zeros(
-            (self.num_layers, rows, *self.conv_state_shape), dtype=self.dtype, device=device
-        )
-        self._ssm = torch.zeros(
-            (self.num_layers, rows, *self.ssm_state_shape), dtype=self.dtype, device=device
-        )
+        #: ``alloc`` zeroes the slots it hands out (``False``: a host mirror, whose slots a copy
+        #: fills whole: zeroing them would be CPU work growing with the state's bytes)
+        self.zero_on_alloc = bool(zero_on_alloc)
+        self.slot_first = bool(slot_first)
+        lead = (rows, self.num_layers) if self.slot_first else (self.num_layers, rows)
+        #: the contiguous tensors holding the states (slot-first or layer-first), allocated once
+        #: (read or written directly only after :meth:`flush`)
+        self.conv_store = torch.zeros((*lead, *self.conv_state_shape), dtype=self.dtype, device=device)
+        self.ssm_store = torch.zeros((*lead, *self.ssm_state_shape), dtype=self.dtype, device=device)
         if pin_memory:
-            pin_in_place(self._conv)
-            pin_in_place(self._ssm)
+            pin_in_place(self.conv_store)
+            pin_in_place(self.ssm_store)
+        #: ``[num_layers, size + 1, *shape]`` views of the stores (:attr:`conv`, :attr:`ssm`
+        #: after the pending work)
+        self._conv = self.conv_store.transpose(0, 1) if self.slot_first else self.conv_store
+        self._ssm = self.ssm_store.transpose(0, 1) if self.slot_first else self.ssm_store
         #: On a device: slot written -> where its state comes from (a slot, or ``_ZERO``),
         #: work not yet issued (see the module docstring). Always empty on the CPU.
         self._pending: dict[int, int] = {}
@@ -245,15 +260,16 @@ class MambaStatePool(_FreeListAllocator):
         slot = self._pages.take_one()
         if slot is None:
             return None
-        views = self._views
-        if views is not None:
-            views[0][:, slot] = 0
-            views[1][:, slot] = 0
-        elif self.ids is not None:
-            self._pending[slot] = _ZERO
-        else:
-            self._conv[:, slot].zero_()
-            self._ssm[:, slot].zero_()
+        if self.zero_on_alloc:
+            views = self._views
+            if views is not None:
+                views[0][:, slot] = 0
+                views[1][:, slot] = 0
+            elif self.ids is not None:
+                self._pending[slot] = _ZERO
+            else:
+                self._conv[:, slot].zero_()
+                self._ssm[:, slot].zero_()
         return slot
 
     def free_slot(self, slot: int) -> None:
@@ -341,6 +357,8 @@ class MambaStatePool(_FreeListAllocator):
             self._pending[dst] = src
 
     def _on_alloc(self, slots: torch.Tensor) -> None:
+        if not self.zero_on_alloc:
+            return
         if self.ids is not None:
             for s in host_ids(slots, "slots").tolist():
                 self._pending[s] = _ZERO

@@ -5,7 +5,8 @@
 =================  ============================================================================
 ``compare/``       radix operations against SGLang's own caches (the anchor environment),
                    per-operation cost, evict cost against tree size
-``gpu/``           a CUDA device simulated on the CPU that counts host synchronisations
+``gpu/``           a CUDA device simulated on the CPU that counts host synchronisations;
+                   the host tier's bandwidth (``hicache-bandwidth``)
 ``model/``         tiny real hybrid models (transformers) served through the cache
 ``storage/``       L3 backend throughput, engines sharing one L3 store
 ``lora/``          LoRA adapter load cost from PEFT directories
@@ -37,6 +38,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                       "from", "bench.dev.policies.options:hit_breakdown_parser"),
     "sync-counts": ("bench.dev.gpu.sync_counts", "host syncs, kernel launches and memcpys per request on a "
                     "simulated CUDA device", "bench.dev.gpu.options:sync_counts_parser"),
+    "hicache-bandwidth": ("bench.dev.gpu.hicache_bandwidth", "host tier backup / load-back "
+                          "GB/s against the raw pinned copy, per io backend and layout",
+                          "bench.dev.gpu.options:hicache_bandwidth_parser"),
     "storage": ("bench.dev.storage.throughput", "L3 backend throughput (file, Redis, "
                 "Mooncake Store)", "bench.dev.storage.options:storage_parser"),
     "l3-share": ("bench.dev.storage.l3_share", "hit rates of engines sharing one L3 store",

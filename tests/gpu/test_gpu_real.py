@@ -37,7 +37,12 @@ def test_the_replay_runs_with_sync_debug_mode_error(model: str) -> None:
     assert engine.cache.stats() == cpu.cache.stats()
 
 
-def test_host_tier_round_trip_is_bit_exact_on_cuda() -> None:
+IO = [(io, layout) for io in ("direct", "kernel") for layout in ("page_first", "layer_first")]
+
+
+@pytest.mark.parametrize("io, layout", IO, ids=[f"{a}-{b}" for a, b in IO])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+def test_host_tier_round_trip_is_bit_exact_on_cuda(io: str, layout: str, layerwise: bool) -> None:
     from allocators import KVPool, MambaStatePool, TokenAllocator
     from hicache import HiCacheConfig
     from radix import CacheConfig, RadixCache
@@ -46,7 +51,8 @@ def test_host_tier_round_trip_is_bit_exact_on_cuda() -> None:
     kv = TokenAllocator(256, pool=pool, device="cuda")
     sp = MambaStatePool(8, 4, (64, 4), (8, 64, 64), device="cuda")
     c = RadixCache(CacheConfig(), kv_allocator=kv, state_allocator=sp,
-                   hicache=HiCacheConfig(load_back_threshold=1))
+                   hicache=HiCacheConfig(load_back_threshold=1, hicache_io_backend=io,
+                                         hicache_mem_layout=layout))
     slots = kv.alloc(192)
     assert slots is not None
     k = torch.randn(4, 192, 8, 128, device="cuda", dtype=torch.float16)
@@ -65,8 +71,15 @@ def test_host_tier_round_trip_is_bit_exact_on_cuda() -> None:
     c.evict(192)
     pool.k_all.zero_()
     sp.conv.zero_()
+    c.hicache.layerwise = layerwise
     assert c.load_back(node) == 192
-    torch.cuda.synchronize()
+    t = c.hicache.last_load
+    assert t is not None and len(t.layer_events) == 4
+    if layerwise:
+        for i in range(4):  # what an engine does before layer i's attention
+            t.wait_layer(i)
+    else:
+        torch.cuda.synchronize()
     got_k, _ = pool.gather(c.kv.slots(node))
     assert torch.equal(got_k.cpu(), k.cpu())
     assert torch.equal(sp.conv[:, node.state_slot].cpu(), conv[:, 0])

@@ -36,7 +36,8 @@ the offending call): an operation mixing device tensors with CPU tensors of dime
 real GPU raises there), ``.numpy()`` / ``__array__`` / ``data_ptr()`` of a device tensor read
 by host code, a host read or write of memory an asynchronous copy has not finished with (its
 destination before the event that covers it, or its pinned source while the copy reads it), and
-an operation on one stream touching device memory another stream wrote, without waiting for it.
+an operation on one stream touching device memory another stream wrote, without waiting for it
+(on the device, or on the host: an event of that stream seen complete covers its writes).
 
 :meth:`SimCuda.track` wraps methods of objects so that every sync is charged to the outermost
 tracked call it happened in (the engine-facing operation), with call counts per operation:
@@ -57,6 +58,7 @@ data transfers) are counted apart, in ``ApiCalls.excluded``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import sys
 import weakref
@@ -65,6 +67,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -73,6 +76,7 @@ from bench.dev.gpu.device import (
     CPU,
     DATA_SIZED,
     INDEXING,
+    METADATA,
     VALUE_READS,
     CudaRT,
     DeviceContext,
@@ -187,6 +191,7 @@ class SimCuda:
         self._mode = _Mode(self)
         self._saved: dict[str, Any] = {}
         self._init_api()
+        self._init_transfer_counters()
 
     # ------------------------------------------------------------------ install
     def __enter__(self) -> SimCuda:
@@ -329,16 +334,20 @@ class SimCuda:
         self.seq += 1
         self._regions.append(_Region(ptr, lo, hi, stream, self.seq, kind, weakref.ref(t)))
 
-    def _check_host(self, ts: list[torch.Tensor], func: Any, target: Any) -> None:
+    def _check_host(self, ts: list[torch.Tensor], func: Any, target: Any,
+                    dma: SimStream | None = None) -> None:
         """Flag host access to memory under an asynchronous copy: any access to a copy's
         destination, a write (``target``: the written tensor, or ``True`` for any) to its
-        source."""
+        source. ``dma``: the access is itself an asynchronous copy enqueued on that stream,
+        ordered after the copies of its own stream and of those it waited for."""
         for t in ts:
             if is_device(t) or t.numel() == 0:
                 continue
             ptr, lo, hi = _extent(t)
             for r in self._regions:
                 if r.kind == "src" and target is not True and t is not target:
+                    continue
+                if dma is not None and (r.stream is dma or dma.waited.get(r.stream, -1) >= r.seq):
                     continue
                 if r.ptr == ptr and r.lo < hi and lo < r.hi and r.ref() is not None:
                     what = ("read or write of a non_blocking copy's destination before the event "
@@ -355,7 +364,7 @@ class SimCuda:
             w = self._writers.get(t.untyped_storage().data_ptr())
             if w is None or w[0] is cur or w[2]() is None:
                 continue
-            if cur.waited.get(w[0], -1) < w[1]:
+            if cur.waited.get(w[0], -1) < w[1] and self._synced.get(w[0], -1) < w[1]:
                 self._error(f"{func_name(func)}: {cur} touches device memory {w[0]} wrote without "
                             "waiting for it")
                 return
@@ -370,7 +379,7 @@ class SimCuda:
         if self._regions and not no_access(func, args):
             target = (True if func in (T.numpy, T.__array__, T.data_ptr) else
                       args[0] if args and writes_first_arg(func) else None)
-            self._check_host(ts, func, target)
+            self._check_host(ts, func, target, self._dma_stream(func, args, kwargs))
         special = _SPECIAL.get(func)
         if special is not None:
             return special(self, args, kwargs)
@@ -397,6 +406,7 @@ class SimCuda:
         if isinstance(out, DeviceTensor) and not written and out._base is None:
             written = [out]  # new data (a view writes nothing)
         self._check_streams(dev, written, func)
+        self._mapped_writes(written)
         return out
 
     def _host_call(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -404,8 +414,12 @@ class SimCuda:
         tensor; ``pin_memory=True`` allocates pinned memory."""
         device = kwargs.get("device")
         pin = bool(kwargs.get("pin_memory", False))
+        if func is torch.as_tensor and args and hasattr(args[0], "__cuda_array_interface__"):
+            return self._mapped(args[0])
         if not is_cuda_device(device) and not pin:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            self._charge_cpu_copy(func, args, kwargs, out)
+            return out
         kw = dict(kwargs)
         if is_cuda_device(device):
             kw["device"] = CPU
@@ -465,6 +479,7 @@ class SimCuda:
                    dst: torch.Tensor | None) -> None:
         """Count or track one copy between host and device."""
         self._memcpy("D2H copy" if is_device(src) else "H2D copy", src)
+        self._charge_link(src)
         if is_device(src) and not to_dev:  # device -> host
             if non_blocking and dst is not None and self.is_pinned(dst):
                 self._in_flight(dst, "dst", self.current)
@@ -516,6 +531,8 @@ class SimCuda:
             self._copy_kind(src, is_device(dst), non_blocking, dst)
         elif is_device(dst):
             self._launch("Tensor.copy_", dst)
+        else:
+            self._charge_cpu_copy(T.copy_, args, kwargs, dst)
         self._check_streams([t for t in (dst, src) if is_device(t)], [dst], T.copy_)
         plain(dst).copy_(plain(src))
         return dst
@@ -674,9 +691,83 @@ class SimCuda:
         return "\n".join(lines)
 
 
+    # ------------------------------------------------------------------ transfer counters
+    # Per tracked operation: bytes of floating-point data the CPU itself copied (host-side
+    # torch calls: a gather, scatter or staging copy of pool data), bytes the device's copy
+    # engines moved between host and device (``link_bytes``), and the blocking waits (every
+    # host synchronisation, :attr:`ops`). What a transfer budget asserts:
+    # ``cpu_copied_bytes == 0`` per byte moved, and no blocking wait.
+    def _init_transfer_counters(self) -> None:
+        #: op -> bytes of floating-point data written by host-side torch calls
+        self.cpu_copied: Counter[str] = Counter()
+        #: op -> bytes of floating-point data copied between host and device (either way)
+        self.link_bytes: Counter[str] = Counter()
+
+    def _op(self) -> str:
+        return self._stack[0] if self._stack else OUTSIDE
+
+    def _charge_cpu_copy(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        n = host_copy_bytes(func, args, kwargs, out)
+        if n:
+            self.cpu_copied[self._op()] += n
+
+    def _charge_link(self, src: torch.Tensor) -> None:
+        if src.is_floating_point():  # data, not index uploads
+            self.link_bytes[self._op()] += src.numel() * src.element_size()
+
+    def _dma_stream(self, func: Any, args: Any, kwargs: dict[str, Any]) -> SimStream | None:
+        """The stream of an asynchronous copy between host and device (``copy_``), else None."""
+        if func is not T.copy_ or len(args) < 2:
+            return None
+        nb = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        return self.current if nb and is_device(args[0]) != is_device(args[1]) else None
+
+    def _mapped(self, obj: Any) -> torch.Tensor:
+        """``torch.as_tensor`` of a ``__cuda_array_interface__`` over pinned host memory (a
+        mapped host buffer): a device tensor over the same bytes."""
+        iface = obj.__cuda_array_interface__
+        ptr, nbytes = int(iface["data"][0]), int(iface["shape"][0])
+        if ptr not in self._pinned:
+            self._error("a device view of host memory that is not page-locked")
+        raw = np.frombuffer(memoryview((ctypes.c_uint8 * nbytes).from_address(ptr)), dtype=np.uint8)
+        return to_device(torch.from_numpy(raw))
+
+    def _mapped_writes(self, written: list[torch.Tensor]) -> None:
+        """A kernel writing mapped host memory (:meth:`_mapped`) is an asynchronous write of
+        that host memory: the host must not touch it before the event that covers it."""
+        for t in written:
+            if is_device(t) and t.untyped_storage().data_ptr() in self._pinned:
+                self._in_flight(t, "dst", self.current)
+
+    def transfer_report(self) -> dict[str, dict[str, int]]:
+        """Per tracked operation: ``cpu_copied_bytes``, ``link_bytes``, ``blocking_waits``."""
+        ops = set(self.cpu_copied) | set(self.link_bytes) | set(self.ops)
+        return {op: {"cpu_copied_bytes": self.cpu_copied[op], "link_bytes": self.link_bytes[op],
+                     "blocking_waits": self.syncs_of(op)} for op in sorted(ops)}
+
+
+def host_copy_bytes(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> int:
+    """Bytes of floating-point data a host-side torch call (no device operand) copied from
+    other floating-point data: an in-place call's largest float source, else its result (a
+    new tensor or ``out=``); 0 for metadata, views, factories and index arithmetic."""
+    if func in METADATA or no_access(func, args):
+        return 0
+    ins = [t for t in tensors_of(args, kwargs) if t.is_floating_point()]
+    if not ins or any(t.is_cuda for t in ins):
+        return 0
+    if args and isinstance(args[0], torch.Tensor) and writes_first_arg(func):
+        return max((t.numel() * t.element_size() for t in ins if t is not args[0]), default=0)
+    o = kwargs.get("out", out)
+    if not isinstance(o, torch.Tensor) or not o.is_floating_point() or (
+            o._base is not None and "out" not in kwargs):
+        return 0
+    return o.numel() * o.element_size()
+
+
 #: Factories on ``cuda`` that allocate without writing (no kernel).
 _NO_KERNEL_FACTORIES = {torch.empty, torch.empty_like, torch.empty_strided, T.new_empty,
                         T.new_empty_strided}
+
 
 _SPECIAL: dict[Any, Callable[[SimCuda, Any, dict[str, Any]], Any]] = {
     T.to: SimCuda._to,
