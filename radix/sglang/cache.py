@@ -68,7 +68,7 @@ class UnifiedRadixCache:
 
     Raises:
         TypeError / ValueError: a bad parameter (the library's messages), EAGLE bigram keys,
-            the Mamba extra buffer, or a GreedyDual-Size policy together with streaming
+            the Mamba extra buffer, ``page_size > 1`` with a state pool (as SGLang 0.5.23), or a GreedyDual-Size policy together with streaming
             sessions on a model with recurrent state (a session resumes from the state it
             holds outside the tree, which GDS's costs and stamps never see).
     """
@@ -98,6 +98,14 @@ class UnifiedRadixCache:
             offset = params.page_size
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         state_pool = getattr(params.req_to_token_pool, "mamba_pool", None)
+        if state_pool is not None and params.page_size != 1:
+            # A state is valid after the request's last token; at page > 1 the tree keeps
+            # only whole pages, so the node a state would land on ends before it. SGLang
+            # 0.5.23 refuses this combination too.
+            raise ValueError(
+                f"page_size={params.page_size} with a recurrent-state pool "
+                "(req_to_token_pool.mamba_pool): a hybrid cache needs page_size=1 (a state sits "
+                "at the request's last token, which a page > 1 may end past)")
         policy = "lru" if self.disable else params.eviction_policy
         config = CacheConfig(
             page_size=params.page_size,
