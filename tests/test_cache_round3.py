@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from allocators import MambaStatePool, PagedAllocator
-from radix import CacheConfig, RadixCache
+from radix import CacheConfig, CacheRequest, RadixCache
 
 
 def states(n: int = 8) -> MambaStatePool:
@@ -67,3 +68,93 @@ def test_a_state_after_a_partial_page_is_refused_over_a_cached_prefix_too() -> N
         cache.insert(list(range(1, 11)), mine[:10], state_slot=other)
     assert frozen(cache, kv, sp) == before
     cache.sanity_check()
+
+
+# ============================================================================ item 3
+def kv_only_paged(size: int = 64, ps: int = 4) -> tuple[RadixCache, PagedAllocator]:
+    kv = PagedAllocator(size, ps)
+    return RadixCache(CacheConfig(page_size=ps), kv_allocator=kv), kv
+
+
+def new_req(cache: RadixCache, kv: PagedAllocator, n: int) -> tuple[CacheRequest, torch.Tensor]:
+    """A request of ``n`` tokens holding whole pages, its row the first ``n`` slots."""
+    pages = kv.alloc(-(-n // kv.page_size) * kv.page_size)
+    assert pages is not None
+    key = list(range(1, n + 1))
+    return CacheRequest(key=key, kv_indices=pages[:n], cached_len=0, last_node=cache.root), pages
+
+
+def test_finished_request_whose_row_ends_inside_a_page_frees_that_whole_page() -> None:
+    """A 10-token row at page 4 (the request holds 3 pages): the tree keeps 8 tokens and the
+    request's third page (slots 9..12 of its allocation) goes back whole. Before: the tree
+    kept 8 tokens, then ``partial page: 2 slots`` was raised with the tree already changed."""
+    cache, kv = kv_only_paged()
+    req, pages = new_req(cache, kv, 10)
+    assert kv.available_size() == 64 - 12
+    res = cache.cache_finished_req(req)
+    assert (res.prefix_len, res.inserted_len) == (0, 8)
+    assert kv.available_size() == 64 - 8
+    assert kv.is_free(pages).tolist() == [False] * 8 + [True] * 4
+    m = cache.match_prefix(list(range(1, 11)))
+    assert m.prefix_len == 8 and m.device_indices.tolist() == pages[:8].tolist()
+    assert (req.cached_len, len(req.kv_indices), req.last_node) == (0, 0, cache.root)
+    cache.sanity_check()
+    kv.check()
+
+
+def test_unfinished_then_finished_with_a_partial_last_page() -> None:
+    """The running request keeps its partial page [8, 10); finishing it frees that page whole."""
+    cache, kv = kv_only_paged()
+    req, pages = new_req(cache, kv, 10)
+    res = cache.cache_unfinished_req(req)
+    assert (res.inserted_len, req.cached_len, req.kv_indices.tolist()) == (8, 8, pages[:10].tolist())
+    assert req.last_node.depth == 8 and req.last_node.lock_ref == 1
+    cache.cache_finished_req(req)
+    assert kv.available_size() == 64 - 8 and cache.protected_size() == 0
+    cache.sanity_check()
+
+
+def test_hybrid_finished_request_ending_inside_a_page_is_refused_before_anything_changes() -> None:
+    """Page 4 with states: a finished 10-token request with its end state cannot be cached at
+    token 8 (the state holds tokens 9 and 10): refused, tree, pools and request unchanged.
+    Before: the tree took 8 tokens and the state, then the tail free raised."""
+    cache, kv, sp = paged_hybrid()
+    req, pages = new_req(cache, kv, 10)
+    slot = int(sp.alloc(1)[0])
+    before = frozen(cache, kv, sp)
+    fields = (req.cached_len, req.kv_indices.tolist(), req.last_node, req.lock)
+    with pytest.raises(ValueError, match="state_slot"):
+        cache.cache_finished_req(req, state_slot=slot)
+    assert frozen(cache, kv, sp) == before
+    assert (req.cached_len, req.kv_indices.tolist(), req.last_node, req.lock) == fields
+    # the request's state after token 8 (a checkpoint) is what the tree takes
+    res = cache.cache_finished_req(req, state_slot=slot, upto=8)
+    assert (res.inserted_len, res.state_adopted) == (8, True)
+    assert kv.available_size() == 64 - 8 and res.last_node.state_slot == slot
+    cache.sanity_check()
+
+
+@pytest.mark.parametrize("helper", ["cache_finished_req", "cache_unfinished_req"])
+def test_requests_that_cannot_be_freed_in_pages_are_refused_first(helper: str) -> None:
+    """A ``cached_len`` inside a page, or a last page not starting at a page boundary: the
+    duplicates' or the tail's free would raise after the insert; both are refused first."""
+    cache, kv = kv_only_paged()
+    held, _ = new_req(cache, kv, 8)
+    cache.cache_unfinished_req(held)  # [1..8] cached, locked by ``held``
+    req, pages = new_req(cache, kv, 10)
+    call = getattr(cache, helper)
+    m = cache.match_prefix(list(range(1, 11)))
+    before = frozen(cache, kv)
+    req.last_node, req.cached_len = m.last_device_node, 6
+    req.lock = cache.inc_lock_ref(m.last_device_node)
+    locked = frozen(cache, kv)
+    with pytest.raises(ValueError, match=r"req.cached_len must be whole pages of page_size=4"):
+        call(req)
+    assert frozen(cache, kv) == locked
+    req.cached_len = 0
+    req.kv_indices = torch.cat([pages[:8], pages[9:11]])  # last "page" from its second slot
+    with pytest.raises(ValueError, match=r"req.kv_indices must be whole pages .* \[.*\]"):
+        call(req)
+    assert frozen(cache, kv) == locked
+    cache.dec_lock_ref(req.lock)
+    assert frozen(cache, kv) == before

@@ -3,10 +3,13 @@ calls validated before anything changes, errors that name the argument."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import torch
 
 from allocators import MambaStatePool, PagedAllocator, TokenAllocator
-from radix.sglang import CacheInitParams, ReqToTokenPool, UnifiedRadixCache
+from radix.sglang import CacheInitParams, EvictParams, Req, ReqToTokenPool, UnifiedRadixCache
 
 
 def states(n: int = 8) -> MambaStatePool:
@@ -32,3 +35,119 @@ def test_a_hybrid_cache_at_page_4_is_refused_as_sglang_refuses_it() -> None:
                                       page_size=1))
     UnifiedRadixCache(CacheInitParams(disable=False, token_to_kv_pool_allocator=kv,
                                       req_to_token_pool=ReqToTokenPool(2, 16), page_size=4))
+
+
+def hybrid(window: int | None = None) -> tuple[UnifiedRadixCache, TokenAllocator, MambaStatePool,
+                                               ReqToTokenPool]:
+    kv, sp = TokenAllocator(64), states()
+    rtp = ReqToTokenPool(4, 32, mamba_pool=sp)
+    fe = UnifiedRadixCache(CacheInitParams(disable=False, req_to_token_pool=rtp,
+                                           token_to_kv_pool_allocator=kv, page_size=1))
+    return fe, kv, sp, rtp
+
+
+def running(fe: UnifiedRadixCache, kv: TokenAllocator, rtp: ReqToTokenPool, prompt: list[int],
+            rid: int = 0) -> tuple[Req, torch.Tensor]:
+    req = Req(rid=rid, origin_input_ids=prompt)
+    assert rtp.alloc([req]) is not None
+    slots = kv.alloc(len(prompt))
+    assert slots is not None and req.kv.req_pool_idx is not None
+    rtp.write((req.kv.req_pool_idx, slice(0, len(prompt))), slots)
+    req.kv.kv_committed_len = req.kv.kv_allocated_len = len(prompt)
+    req.last_node = fe.root_node
+    return req, slots
+
+
+def frozen(fe: UnifiedRadixCache, *pools: Any) -> tuple[Any, ...]:
+    c = fe.cache
+    return (c.pretty_print(), c.evictable_size(), c.protected_size(),
+            *(p.snapshot() for p in pools))
+
+
+# ============================================================================ items 3, 6
+def test_request_calls_validate_the_request_before_anything_changes() -> None:
+    """Bad requests are refused naming the field, the tree and both pools unchanged. Before: a
+    request without a row released silently (its state freed), ``object()`` raised
+    ``AttributeError``, an ``up_to`` past the row's slots was cut to the key silently."""
+    fe, kv, sp, rtp = hybrid()
+    req, _ = running(fe, kv, rtp, [1, 2, 3, 4, 5])
+    before = frozen(fe, kv, sp)
+    with pytest.raises(TypeError, match=r"req must be a scheduler request with a kv record"):
+        fe.cache_finished_req(object())
+    with pytest.raises(TypeError, match=r"req must be .* got int"):
+        fe.checkpoint(7, up_to=1)
+    with pytest.raises(ValueError, match=r"up_to must be in \[0, req.kv.kv_allocated_len = 5\]"):
+        fe.checkpoint(req, up_to=6)
+    with pytest.raises(TypeError, match=r"up_to must be an int"):
+        fe.checkpoint(req, up_to=2.0)
+    req.kv.cache_protected_len = 6
+    with pytest.raises(ValueError, match=r"cache_protected_len <= kv_committed_len"):
+        fe.release_kv_cache(req)
+    req.kv.cache_protected_len = 0
+    req.lock = "lock"
+    with pytest.raises(TypeError, match=r"req.lock must be a TreeLock"):
+        fe.release_kv_cache(req)
+    req.lock = None
+    req.last_node = "root"
+    with pytest.raises(TypeError, match=r"req.last_node must be a TreeNode .* got str"):
+        fe.cache_unfinished_req(req)
+    req.last_node = fe.root_node
+    assert frozen(fe, kv, sp) == before
+    # a request whose row was given back
+    row = req.kv.req_pool_idx
+    rtp.free(req)
+    with pytest.raises(ValueError, match=r"req.kv.req_pool_idx is None: request 0 holds no "
+                                         r"req_to_token_pool row"):
+        fe.release_kv_cache(req)
+    assert frozen(fe, kv, sp) == before and req.kv.mamba_pool_idx is not None
+    req.kv.req_pool_idx = row  # (its row back, as it was)
+    rtp._free_rows.remove(row)
+    req.finished_reason = "stop"
+    fe.release_kv_cache(req)
+    assert fe.match_prefix([1, 2, 3, 4, 5]).device_prefix_len == 5
+    fe.sanity_check()
+
+
+def test_a_checkpoint_whose_insert_is_refused_gives_its_state_copy_back() -> None:
+    """A running request's checkpoint copies its state into a fresh slot for the tree; when
+    the insert refuses the row (a slot free in the KV allocator) that copy goes back too.
+    Before: the state pool lost one slot per refused checkpoint."""
+    fe, kv, sp, rtp = hybrid()
+    req, slots = running(fe, kv, rtp, [1, 2, 3, 4])
+    kv.free(slots[2:])  # the row now holds two slots it does not own
+    before = frozen(fe, kv, sp)
+    with pytest.raises(ValueError, match="free"):
+        fe.checkpoint(req, up_to=4)
+    assert frozen(fe, kv, sp) == before
+    assert sp.available_size() == 8 - 1  # only the request's own slot is out
+
+
+def test_front_end_errors_name_the_argument() -> None:
+    """The seven calls that raised ``KeyError`` / ``AttributeError`` or truncated, and a
+    negative ``EvictParams`` that was ignored."""
+    fe, kv, sp, rtp = hybrid()
+    req, _ = running(fe, kv, rtp, [1, 2, 3])
+    req.finished_reason = "stop"
+    fe.release_kv_cache(req)
+    before = frozen(fe, kv, sp)
+    with pytest.raises(TypeError, match=r"node must be a TreeNode this cache handed out or a node "
+                                        r"id \(int\), got str"):
+        fe.inc_lock_ref("x")
+    with pytest.raises(TypeError, match=r"node must be .* got NoneType"):
+        fe.dec_lock_ref(None)
+    with pytest.raises(ValueError, match=r"node: no node with id 12345 in this cache"):
+        fe.inc_lock_ref(12345)
+    with pytest.raises(TypeError, match=r"params must be the DecLockRefParams"):
+        fe.dec_lock_ref(fe.root_node, "receipt")
+    with pytest.raises(TypeError, match=r"params must be an InitLoadBackParams, got str"):
+        fe.init_load_back("x")
+    with pytest.raises(TypeError, match=r"num_tokens must be an int >= 0, got float"):
+        fe.evict(1.5)
+    with pytest.raises(ValueError, match=r"params.num_tokens must be an int >= 0, got -1"):
+        fe.evict(EvictParams(num_tokens=-1))
+    with pytest.raises(ValueError, match=r"params.mamba_num must be an int >= 0, got -2"):
+        fe.evict(EvictParams(mamba_num=-2))
+    with pytest.raises(TypeError, match=r"swa_num_tokens must be an int >= 0, got str"):
+        fe.evict(swa_num_tokens="3")
+    assert frozen(fe, kv, sp) == before
+    assert fe.evict(EvictParams(num_tokens=1)).num_tokens_evicted == 3
