@@ -158,3 +158,34 @@ def test_requests_that_cannot_be_freed_in_pages_are_refused_first(helper: str) -
     assert frozen(cache, kv) == locked
     cache.dec_lock_ref(req.lock)
     assert frozen(cache, kv) == before
+
+
+# ============================================================================ item 5
+@pytest.mark.parametrize("ns", [torch.tensor([7]), object(), (1, torch.tensor(2)),
+                                frozenset({1, object()})], ids=["tensor", "object", "tuple",
+                                                                "frozenset"])
+def test_an_identity_hashed_namespace_is_refused_naming_extra_key(ns: Any) -> None:
+    """A tensor (or any object hashed by identity) as ``extra_key``: an engine that builds it
+    per request never got a hit, silently. Now a ``TypeError`` naming ``extra_key``, on the
+    match, the insert and the ``RadixKey``; nothing changes."""
+    from radix import RadixKey
+
+    cache, kv = kv_only_paged(ps=1)
+    slots = kv.alloc(4)
+    assert slots is not None
+    before = frozen(cache, kv)
+    with pytest.raises(TypeError, match=r"extra_key must be a value .* got (Tensor|object)"):
+        cache.insert([1, 2, 3, 4], slots, ns)
+    with pytest.raises(TypeError, match=r"extra_key must be a value"):
+        cache.match_prefix([1, 2, 3, 4], ns)
+    with pytest.raises(TypeError, match=r"extra_key must be a value"):
+        RadixKey([1, 2, 3, 4], ns)
+    assert frozen(cache, kv) == before
+    # values are namespaces: one built again per request hits
+    for value in ((1, "a"), frozenset({1, 2}), 2.5):
+        cache.insert([1, 2, 3, 4], slots, value)
+        again = value if not isinstance(value, tuple) else tuple(list(value))
+        assert cache.match_prefix([1, 2, 3, 4], again).prefix_len == 4
+        cache.evict(4)
+        slots = kv.alloc(4)
+        assert slots is not None

@@ -230,6 +230,8 @@ def put(cache: RadixCache, kv: Any, sp: MambaStatePool | None, key: list[int],
     """Match, lock, allocate the rest (evicting when short), insert, free what the tree did
     not take of the caller's own slots, unlock."""
     ps = cache.page_size
+    if sp is not None:
+        key = key[: len(key) // ps * ps]  # the state is valid at a page end
     m = cache.match_prefix(key, extra_key)
     lock = cache.inc_lock_ref(m.last_device_node)
     need = -(-(len(key) - m.prefix_len) // ps) * ps
