@@ -93,7 +93,7 @@ def _check_full(cache: RadixCache, req: Any, upto: Any) -> int:
         raise ValueError(
             f"need upto ({upto}) <= len(req.kv_indices) ({n}) <= len(req.key) ({key_len})"
         )
-    node = check_node(cache.core, req.last_node)
+    node = check_node(cache.core, req.last_node, name="req.last_node")
     if node is not cache.root:
         lock = req.lock
         if lock is not None and lock is not node and not (

@@ -189,3 +189,25 @@ def test_an_identity_hashed_namespace_is_refused_naming_extra_key(ns: Any) -> No
         cache.evict(4)
         slots = kv.alloc(4)
         assert slots is not None
+
+
+# ============================================================================ item 8
+def test_a_request_whose_last_node_is_not_a_node_names_req_last_node() -> None:
+    cache, kv = kv_only_paged(ps=1)
+    req, _ = new_req(cache, kv, 3)
+    root: Any = "root"
+    req.last_node = root
+    with pytest.raises(TypeError, match=r"^req.last_node must be a TreeNode .* got str$"):
+        cache.cache_finished_req(req)
+
+
+def test_from_namespace_with_a_bad_policy_config_json_names_it() -> None:
+    import argparse
+
+    ns = argparse.Namespace(radix_eviction_policy="gds", radix_eviction_policy_config="{d: 1")
+    with pytest.raises(ValueError, match=r"^radix_eviction_policy_config is not valid JSON .* "
+                                         r"got '\{d: 1'$"):
+        CacheConfig.from_namespace(ns)
+    ns.radix_eviction_policy_config = '{"d": 2.0, "e": 1.0}'
+    assert dict(CacheConfig.from_namespace(ns).radix_eviction_policy_config or {}) == {"d": 2.0,
+                                                                                        "e": 1.0}
