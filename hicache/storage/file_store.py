@@ -164,19 +164,21 @@ class FileStore(StorageBackend):
                 self._note(key, len(data))  # most recently used now
                 try:
                     os.utime(path)
-                except OSError:
-                    pass
+                except OSError:  # (recency only: the page is served; counted)
+                    self._count("touch_errors")
                 out.append(data)
         return out
 
-    def _set_nx_raw(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
-        out = []
+    def _set_nx_raw(self, items: Sequence[tuple[str, bytes]]) -> list[bool | None]:
+        out: list[bool | None] = []
         with self._io:
             for key, record in items:
                 out.append(self._write_one(key, record))
         return out
 
-    def _write_one(self, key: str, record: bytes) -> bool:
+    def _write_one(self, key: str, record: bytes) -> bool | None:
+        """Written (``True``), present (``False``), or ``None``: larger than ``max_bytes``
+        (refused: it could never be stored, counted ``refused``, not ``already_present``)."""
         path = self._path(key)
         if key in self._index:
             return False
@@ -186,7 +188,7 @@ class FileStore(StorageBackend):
         size = len(record)
         if self.max_bytes is not None:
             if size > self.max_bytes:
-                return False
+                return None
             self._make_room(size)
         path.parent.mkdir(exist_ok=True)
         tmp = path.parent / f"{TMP_PREFIX}{os.getpid()}.{next(self._tmp_seq)}.{key}"
