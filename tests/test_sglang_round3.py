@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from allocators import MambaStatePool, PagedAllocator, TokenAllocator
-from radix.sglang import CacheInitParams, EvictParams, Req, ReqToTokenPool, UnifiedRadixCache
+from radix.sglang import (
+    CacheInitParams,
+    EvictParams,
+    InsertParams,
+    RadixCache,
+    RadixKey,
+    Req,
+    ReqToTokenPool,
+    UnifiedRadixCache,
+)
 
 
 def states(n: int = 8) -> MambaStatePool:
@@ -151,3 +160,114 @@ def test_front_end_errors_name_the_argument() -> None:
         fe.evict(swa_num_tokens="3")
     assert frozen(fe, kv, sp) == before
     assert fe.evict(EvictParams(num_tokens=1)).num_tokens_evicted == 3
+
+
+# ============================================================== missing assertions (front end)
+def kv_paged(ps: int = 4, size: int = 64) -> tuple[UnifiedRadixCache, PagedAllocator,
+                                                   ReqToTokenPool]:
+    kv = PagedAllocator(size, ps)
+    rtp = ReqToTokenPool(4, 32)
+    fe = UnifiedRadixCache(CacheInitParams(disable=False, req_to_token_pool=rtp,
+                                           token_to_kv_pool_allocator=kv, page_size=ps))
+    return fe, kv, rtp
+
+
+def test_release_at_page_4_with_a_partial_last_page_frees_exactly_the_requests_pages() -> None:
+    """10 tokens computed in 3 pages (12 slots allocated): the tree keeps 8 tokens (2 pages);
+    exactly the third page goes back, each slot once (a double free raises)."""
+    fe, kv, rtp = kv_paged()
+    req = Req(rid=1, origin_input_ids=list(range(1, 11)))
+    assert rtp.alloc([req]) is not None
+    slots = kv.alloc(12)
+    assert slots is not None and req.kv.req_pool_idx is not None
+    rtp.write((req.kv.req_pool_idx, slice(0, 12)), slots)
+    req.kv.kv_committed_len, req.kv.kv_allocated_len = 10, 12
+    req.last_node, req.finished_reason = fe.root_node, "stop"
+    fe.release_kv_cache(req)
+    assert kv.available_size() == 64 - 8
+    assert kv.is_free(slots).tolist() == [False] * 8 + [True] * 4
+    assert fe.match_prefix(list(range(1, 11))).device_prefix_len == 8
+    kv.check()
+
+
+def test_a_shorter_second_checkpoint_keeps_cache_protected_len_and_abort_frees_only_own() -> None:
+    fe, kv, rtp = kv_paged(ps=1)
+    req = Req(rid=1, origin_input_ids=[1, 2, 3, 4, 5, 6])
+    assert rtp.alloc([req]) is not None
+    slots = kv.alloc(6)
+    assert slots is not None and req.kv.req_pool_idx is not None
+    rtp.write((req.kv.req_pool_idx, slice(0, 6)), slots)
+    req.kv.kv_committed_len = req.kv.kv_allocated_len = 6
+    req.last_node = fe.root_node
+    fe.checkpoint(req, up_to=5)
+    assert req.kv.cache_protected_len == 5
+    fe.checkpoint(req, up_to=3)  # shorter: the tree already owns [0, 5)
+    assert req.kv.cache_protected_len == 5
+    req.finished_reason = "abort"
+    fe.release_kv_cache(req, checkpoint=False)
+    assert kv.is_free(slots).tolist() == [False] * 5 + [True]  # only its own slot 5
+    assert fe.match_prefix([1, 2, 3, 4, 5, 6]).device_prefix_len == 5
+    assert fe.protected_size() == 0
+    kv.check()
+
+
+def test_lock_deltas_are_the_tokens_newly_protected() -> None:
+    fe, kv, rtp = kv_paged(ps=1)
+    a = kv.alloc(6)
+    assert a is not None
+    fe.insert(InsertParams(key=RadixKey([1, 2, 3, 4, 5, 6]), value=a))
+    b = kv.alloc(2)
+    assert b is not None
+    fe.insert(InsertParams(key=RadixKey([1, 2, 3, 4, 9, 9]),
+                           value=torch.cat([a[:4], b])))
+    m = fe.match_prefix([1, 2, 3, 4, 5, 6])
+    r1 = fe.inc_lock_ref(m.last_device_node)
+    assert r1.delta == -6  # [1..4] and [5, 6] newly protected
+    m2 = fe.match_prefix([1, 2, 3, 4, 9, 9])
+    r2 = fe.inc_lock_ref(m2.last_device_node)
+    assert r2.delta == -2  # [1..4] was protected already
+    assert fe.dec_lock_ref(m.last_device_node, r1.to_dec_params()).delta == 2
+    assert fe.dec_lock_ref(m2.last_device_node, r2.to_dec_params()).delta == 6
+    assert fe.evictable_size() == 8 and fe.protected_size() == 0
+
+
+def test_radix_cache_insert_over_a_cached_key_frees_nothing_of_the_callers() -> None:
+    """SGLang's ``RadixCache.insert`` leaves the caller's duplicate slots to the caller."""
+    kv = TokenAllocator(32)
+    fe = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None,
+                                    token_to_kv_pool_allocator=kv, page_size=1))
+    a = kv.alloc(4)
+    assert a is not None
+    fe.insert(InsertParams(key=RadixKey([1, 2, 3, 4]), value=a))
+    mine = kv.alloc(4)
+    assert mine is not None
+    before = kv.snapshot()
+    res = fe.insert(InsertParams(key=RadixKey([1, 2, 3, 4]), value=mine))
+    assert res.prefix_len == 4 and kv.snapshot() == before
+    assert not bool(kv.is_free(mine).any())
+
+
+def test_evict_counts_a_state_freed_by_the_kv_walk_towards_mamba_num() -> None:
+    """``evict(num_tokens=1, mamba_num=2)``: the KV walk removes the oldest leaf [1, 2, 3]
+    and its state; the state walk then frees one more state, not two (the oldest left, on
+    leaf [4, 5, 6], which leaves whole): exactly 2 states and 6 tokens in all."""
+    fe, kv, sp, rtp = hybrid()
+    for key in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
+        req, _ = running(fe, kv, rtp, key, rid=key[0])
+        req.finished_reason = "stop"
+        fe.release_kv_cache(req)
+    assert fe.mamba_evictable_size() == 3
+    r = fe.evict(EvictParams(num_tokens=1, mamba_num=2))
+    assert (r.num_tokens_evicted, r.mamba_num_evicted) == (6, 2)
+    assert fe.mamba_evictable_size() == 1
+    assert [fe.match_prefix(k).device_prefix_len for k in ([1, 2, 3], [4, 5, 6], [7, 8, 9])] \
+        == [0, 0, 3]
+    fe.sanity_check()
+
+
+def test_cache_init_params_defaults_are_sglang_0_5_23s() -> None:
+    p = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None,
+                        page_size=1)
+    assert (p.state_recency, p.stateless_leaf, p.match_recency) == ("consumed", "keep", "usable")
+    assert (p.eviction_policy, p.is_eagle, p.enable_mamba_extra_buffer,
+            p.enable_kv_cache_events, p.sliding_window_size) == ("lru", False, False, False, None)
