@@ -211,3 +211,60 @@ def test_from_namespace_with_a_bad_policy_config_json_names_it() -> None:
     ns.radix_eviction_policy_config = '{"d": 2.0, "e": 1.0}'
     assert dict(CacheConfig.from_namespace(ns).radix_eviction_policy_config or {}) == {"d": 2.0,
                                                                                         "e": 1.0}
+
+
+# ============================================================== missing assertions (core)
+def test_with_limit_live_rids_the_oldest_is_forgotten_not_the_newest() -> None:
+    from radix.insert import RidDepths
+
+    d = RidDepths(limit=2)
+    assert d.counted("a", 4) == 0 and d.counted("b", 6) == 0
+    assert d.counted("c", 8) == 0  # a third rid: "a" (the oldest) is forgotten
+    assert d.counted("b", 7) == 6 and d.counted("c", 9) == 8  # the newer two are kept
+    assert d.counted("a", 5) == 0  # counts again, as a new request
+
+
+def test_a_locked_leaf_left_without_a_state_is_pruned_on_its_last_unlock() -> None:
+    """``stateless_leaf="prune"``: a leaf whose state went while it was locked (a
+    ``evict_states`` skips it while locked, so the state is removed by a forced path: its
+    request released it) stays while locked and leaves at its last unlock."""
+    from allocators import TokenAllocator
+
+    sp = states(4)
+    kv = TokenAllocator(32)
+    cache = RadixCache(CacheConfig(), kv_allocator=kv, state_allocator=sp)
+    slot = int(sp.alloc(1)[0])
+    res = cache.insert([1, 2, 3], kv.alloc(3), state_slot=slot)
+    leaf = res.last_node
+    lock1 = cache.inc_lock_ref(leaf)
+    lock2 = cache.inc_lock_ref(leaf)
+    assert cache.state is not None
+    # the state leaves while the leaf is locked (as a demotion would: remove_state needs an
+    # unlocked state, so the state lock is dropped and taken back around it)
+    leaf.state_lock -= 2
+    cache.state._protected -= 1
+    cache.state._evictable += 1
+    cache.state.remove_state(leaf)
+    leaf.state_lock += 2
+    cache.dec_lock_ref(lock1)
+    assert leaf.parent is not None and cache.tree.is_attached(leaf)  # still locked once
+    cache.dec_lock_ref(lock2)
+    assert not cache.tree.is_attached(leaf) and kv.available_size() == 32
+    cache.sanity_check()
+
+
+def test_history_len_rises_when_a_longer_key_walks_the_path_again() -> None:
+    from allocators import TokenAllocator
+
+    kv = TokenAllocator(32)
+    cache = RadixCache(CacheConfig(), kv_allocator=kv)
+    a = kv.alloc(4)
+    assert a is not None
+    node = cache.insert([1, 2, 3, 4], a).last_node
+    assert node.history_len == 4
+    b = kv.alloc(3)
+    assert b is not None
+    cache.insert([1, 2, 3, 4, 5, 6, 7], torch.cat([a, b]))
+    assert node.history_len == 7  # the re-walk reached token 7 through it
+    cache.insert([1, 2, 3, 4], a)
+    assert node.history_len == 7  # a shorter one never lowers it
