@@ -11,7 +11,8 @@ probed once (``INFO cluster``) and used as a cluster when the node has cluster m
   redis-py sends as one round trip per node. On one node: ``MGET`` in chunks of 512 keys.
 * ``SET ... NX``: a page is written once; a second writer of the same key changes nothing.
 * Timeouts: ``timeout_s`` for connecting and for every socket read/write; one retry on a
-  connection error (which reconnects), then the fault is a miss and the backend rests for
+  connection error (which reconnects), none on a timeout (a frozen server costs one
+  ``timeout_s`` per call, not two); then the fault is a miss and the backend rests for
   ``cooldown_s`` (:class:`~hicache.storage.base.StorageBackend`). The client is made on first
   use, so an engine starts while its storage is down and picks it up when it comes back.
 * Credentials (user names and passwords in the URLs) are never in ``repr``, logs or stats:
@@ -206,12 +207,15 @@ class RedisStore(StorageBackend):
     # -------------------------------------------------------------- client
     def _common(self) -> dict[str, Any]:
         from redis.backoff import NoBackoff
+        from redis.exceptions import ConnectionError as RedisConnectionError
         from redis.retry import Retry
 
         return {
             "socket_timeout": self.timeout_s,
             "socket_connect_timeout": self.timeout_s,
-            "retry": Retry(NoBackoff(), 1),
+            # one retry on a lost connection (it reconnects), none on a timeout: a frozen
+            # server would cost a second full timeout before the backend rests
+            "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         }
 
     def _client(self) -> Any:
