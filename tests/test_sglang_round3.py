@@ -271,3 +271,36 @@ def test_cache_init_params_defaults_are_sglang_0_5_23s() -> None:
     assert (p.state_recency, p.stateless_leaf, p.match_recency) == ("consumed", "keep", "usable")
     assert (p.eviction_policy, p.is_eagle, p.enable_mamba_extra_buffer,
             p.enable_kv_cache_events, p.sliding_window_size) == ("lru", False, False, False, None)
+
+
+def test_evict_sliding_windows_frees_only_the_requests_own_tokens_out_of_its_window() -> None:
+    """Window 2: the tree owns [0, 6) (a checkpoint), the request computed [6, 12). Releasing
+    the window at 12 frees the SWA KV of its own tokens [6, 12 - keep) only, never the
+    tree's, and a second call frees nothing more."""
+    from allocators import SWAAllocator
+    from radix.config import SWA_RELEASE_EXTRA_PAGES
+
+    kv = SWAAllocator(64, 64)
+    rtp = ReqToTokenPool(2, 32)
+    fe = UnifiedRadixCache(CacheInitParams(disable=False, req_to_token_pool=rtp,
+                                           token_to_kv_pool_allocator=kv, page_size=1,
+                                           sliding_window_size=2))
+    req = Req(rid=1, origin_input_ids=list(range(1, 13)))
+    assert rtp.alloc([req]) is not None
+    slots = kv.alloc(12)
+    assert slots is not None and req.kv.req_pool_idx is not None
+    rtp.write((req.kv.req_pool_idx, slice(0, 12)), slots)
+    req.kv.kv_committed_len = req.kv.kv_allocated_len = 6
+    req.last_node = fe.root_node
+    fe.checkpoint(req, up_to=6)
+    assert req.kv.cache_protected_len == 6
+    req.kv.kv_committed_len = req.kv.kv_allocated_len = 12
+    fe.evict_sliding_windows(req, 12)
+    keep = 2 + SWA_RELEASE_EXTRA_PAGES
+    row = rtp.req_to_token[req.kv.req_pool_idx, :12]
+    live = kv.has_swa(row).tolist()
+    assert live == [True] * 6 + [False] * (6 - keep) + [True] * keep
+    assert req.kv.swa_evicted_seqlen == 12 - keep
+    fe.evict_sliding_windows(req, 12)
+    assert kv.has_swa(row).tolist() == live
+    fe.sanity_check()

@@ -218,7 +218,8 @@ def _need_pools(fe: UnifiedRadixCache) -> Any:
 _LENGTHS = ("cache_protected_len", "kv_committed_len", "kv_allocated_len")
 
 
-def check_request(fe: UnifiedRadixCache, req: Any, up_to: int | None = None) -> Any:
+def check_request(fe: UnifiedRadixCache, req: Any, up_to: int | None = None,
+                  name: str = "up_to") -> Any:
     """Validate a request before a request call changes anything; returns the
     ``req_to_token`` pool.
 
@@ -266,9 +267,9 @@ def check_request(fe: UnifiedRadixCache, req: Any, up_to: int | None = None) -> 
         fe.check_node(req.last_node, "req.last_node")
     if up_to is not None:
         if isinstance(up_to, bool) or not isinstance(up_to, int):
-            raise TypeError(f"up_to must be an int [tokens], got {type(up_to).__name__}")
+            raise TypeError(f"{name} must be an int [tokens], got {type(up_to).__name__}")
         if not 0 <= up_to <= lens[2]:
-            raise ValueError(f"up_to must be in [0, req.kv.kv_allocated_len = {lens[2]}] (row "
+            raise ValueError(f"{name} must be in [0, req.kv.kv_allocated_len = {lens[2]}] (row "
                              f"positions with slots), got {up_to}")
     return pool
 
@@ -457,6 +458,7 @@ def release_out_of_window(fe: UnifiedRadixCache, req: Any, pre_len: int) -> None
     swa = fe.cache.swa
     if swa is None:
         return
+    check_request(fe, req, pre_len, "pre_len")
     kv = req.kv
     row = fe.req_to_token_pool.req_to_token[kv.req_pool_idx]
     start = max(kv.swa_evicted_seqlen, kv.cache_protected_len)
