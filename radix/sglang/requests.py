@@ -250,10 +250,10 @@ def check_request(fe: UnifiedRadixCache, req: Any, up_to: int | None = None,
         raise ValueError(f"req.kv.req_pool_idx must be a row of req_to_token_pool in [0, {rows}), "
                          f"got {row!r}")
     lens = []
-    for name in _LENGTHS:
-        v = getattr(kv, name)
+    for field in _LENGTHS:
+        v = getattr(kv, field)
         if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"req.kv.{name} must be an int [tokens], got {type(v).__name__}")
+            raise TypeError(f"req.kv.{field} must be an int [tokens], got {type(v).__name__}")
         lens.append(v)
     width = pool.req_to_token.shape[1]
     if not 0 <= lens[0] <= lens[1] <= lens[2] <= width:
