@@ -295,3 +295,18 @@ def test_swallowed_errors_are_counted(tmp_path: Path, monkeypatch: pytest.Monkey
     r._client_obj = Broken()
     r.close()
     assert r.stats["close_errors"] == 1
+
+
+def test_a_size_cap_below_one_page_record_is_refused_when_the_cache_is_built(
+        tmp_path: Path) -> None:
+    """``hicache_storage_max_bytes`` below one KV page's record (only known once the pools
+    are): the startup probe refuses it. Before: accepted, then every page refused at the write
+    and counted ``already_present``."""
+    from tests.test_storage_common import make
+
+    record = HEADER_SIZE + 2 * 2 * 1 * 1 * 2 * 4  # K and V: 2 layers x 1 token x 1 head x 2 dims, f32
+    with pytest.raises(ValueError, match=rf"^hicache_storage_max_bytes={record - 1} is smaller "
+                                         rf"than one KV page record \({record} bytes"):
+        make("file", where=str(tmp_path / "a"), max_bytes=record - 1)
+    ok = make("file", where=str(tmp_path / "b"), max_bytes=record)
+    ok.close()

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hicache.storage.base import StorageBackend
+from hicache.storage.page import HEADER_SIZE, KIND_KV
 
 TMP_PREFIX = ".tmp."
 
@@ -69,6 +70,22 @@ class FileStore(StorageBackend):
         self._tmp_seq = itertools.count()
         self.evicted = 0
         self._scan()
+
+    def expect_sections(self, kv: tuple[int, int], state: tuple[int, int]) -> None:
+        """As :meth:`StorageBackend.expect_sections`; the startup probe of ``max_bytes``,
+        which only now meets the record size.
+
+        Raises:
+            ValueError: ``max_bytes`` (``hicache_storage_max_bytes``) below one KV page's
+                record: no page could ever be stored.
+        """
+        super().expect_sections(kv, state)
+        need = self.record_bytes[KIND_KV]
+        if self.max_bytes is not None and self.max_bytes < need:
+            raise ValueError(
+                f"hicache_storage_max_bytes={self.max_bytes} is smaller than one KV page record "
+                f"({need} bytes: {HEADER_SIZE} of header and {sum(kv)} of K and V): no page "
+                "could ever be stored")
 
     def __repr__(self) -> str:
         return (f"FileStore(root={str(self.root)!r}, max_bytes={self.max_bytes}, "
