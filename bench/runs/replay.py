@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from bench.traces.loader import TraceRequest
 
 # The parser imports no torch (``--help`` stays fast): the engine, the cache and the reports
-# are imported where they run. ``tests/test_bench_cli.py`` checks these two against the
+# are imported where they run. ``tests/bench/test_bench_cli.py`` checks these two against the
 # library's ``hicache.WRITE_POLICIES`` and ``radix.config.SWA_RELEASE_EXTRA_PAGES``.
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 SWA_RELEASE_EXTRA_PAGES = 0

@@ -223,17 +223,23 @@ class HostTier(Component, Tier):
             if got is None:
                 return False
         host_slots, host_state = got
+        flight = _Flight(node.start, size, int(node.state_slot is not None), demote_after)
+        try:  # the copy is enqueued first: one that cannot start changes nothing
+            hc.write(self.kv.slots(node), host_slots, node.state_slot if with_state else None,
+                     host_state, lambda: self._on_write_done(node, flight))
+        except BaseException:
+            hc.host_kv.free_owned(host_slots)
+            if host_state is not None and hc.host_state is not None:
+                hc.host_state.free_owned(host_state)
+            raise
         node.host_value = host_slots
         node.host_state_slot = host_state
         self.host_tokens += size
         self.kv.lock(node)  # until the copy has landed
         self.core.refresh(node)
-        flight = _Flight(node.start, size, int(node.state_slot is not None), demote_after)
         if demote_after:  # the write-back victim's units are freed when the copy lands
             self.core.pending[0] += flight.tokens
             self.core.pending[1] += flight.states
-        hc.write(self.kv.slots(node), host_slots, node.state_slot if with_state else None, host_state,
-                 lambda: self._on_write_done(node, flight))
         self.counters["backup_tokens"] += size
         return True
 
@@ -419,9 +425,15 @@ class HostTier(Component, Tier):
             return 0
         dev_slots, dev_state = got
         host_slots = torch.cat([c.host_value for c in chain if c.host_value is not None])
+        try:  # a copy that cannot start gives the device units back
+            self.controller.load(host_slots, dev_slots,
+                                 node.host_state_slot if want_state else None, dev_state)
+        except BaseException:
+            self.kv.allocator.free(dev_slots)
+            if dev_state is not None and self.state is not None:
+                self.state.allocator.free(torch.tensor([dev_state]))
+            raise
         self.kv.claim(dev_slots)  # fresh from the allocator: marked held (its host mirror)
-        self.controller.load(host_slots, dev_slots,
-                             node.host_state_slot if want_state else None, dev_state)
         off = 0
         now = core.tick()
         for c in chain:
