@@ -313,3 +313,25 @@ def test_the_adaptive_watermark_never_decreases_across_victims_and_leader_switch
     assert all(b >= a for a, b in zip(marks, marks[1:], strict=False)), marks
     assert marks[-1] > 0.0
     cache.sanity_check()
+
+
+def test_an_excluded_state_that_a_match_consumes_charges_the_orders_that_excluded_it() -> None:
+    """The setup of the test above: signals (leading) evicts the spine at 100; gds and gdsf
+    (all hits 0: the same order) would each have evicted the end state at 320 (cost 20 over
+    the live state at 300, the least) and excluded it. A match then consumes that state: each
+    is charged what it would have lost, 320 - 300 = 20 tokens; the leader nothing."""
+    cache, kv, pool = make(policy="gds_adaptive", states=4)
+    walk = cache.state.gds
+    assert isinstance(walk, AdaptiveGDSStrategy)
+    D = list(range(1, 321))
+    for n in (100, 200, 300):
+        put(cache, kv, pool, D[:n])
+    walk.exposure[SPINE] += 5000.0
+    e, _ = put(cache, kv, pool, D)
+    assert cache.evict_states(1).num_states == 1
+    assert [o.name for o in walk.orders] == ["signals", "gds", "gdsf"]
+    assert [sorted(o.excluded) for o in walk.orders] == [[], [e.id], [e.id]]
+    m = cache.match_prefix(D + [999])
+    assert (m.prefix_len, m.state_slot) == (320, e.state_slot)
+    assert walk.regret == [0.0, pytest.approx(20.0), pytest.approx(20.0)]
+    cache.sanity_check()
