@@ -277,6 +277,7 @@ class UnifiedRadixCache:
 
     def touch_prefix(self, key: RadixKey) -> None:
         """Refresh recency along ``key``'s cached path (a match whose answer is dropped)."""
+        key = as_radix_key(key)
         if not self.disable and len(key):
             self.cache.match_prefix(key.tokens(), key.namespace)
 
@@ -345,11 +346,21 @@ class UnifiedRadixCache:
         value = value[: len(tokens)].to(torch.int64)
         slots = value + self.views.slot_offset if self.views.slot_offset else value
         state = None
-        if params.mamba_value is not None:
-            state = int(params.mamba_value.reshape(-1)[0])
+        mv = params.mamba_value
+        if mv is not None:
+            if not isinstance(mv, torch.Tensor) or mv.numel() != 1 or mv.dtype not in _SLOT_DTYPES:
+                shown = type(mv).__name__ if not isinstance(mv, torch.Tensor) else (
+                    f"{mv.dtype} of {mv.numel()} elements")
+                raise TypeError(f"params.mamba_value must be tensor([slot]) (one int64 state "
+                                f"slot) or None, got {shown}")
+            state = int(mv.reshape(-1)[0])
+        prev = check_count(params.prev_prefix_len, "params.prev_prefix_len")
+        priority = params.priority or 0
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"params.priority must be an int, got {type(priority).__name__}")
         res = self.cache.insert(tokens, slots.to(self.device), key.namespace, state_slot=state,
-                                priority=int(params.priority or 0))
-        p0 = min(max(int(params.prev_prefix_len), 0), res.prefix_len)
+                                priority=priority)
+        p0 = min(prev, res.prefix_len)
         if self.frees_duplicates and p0 < res.prefix_len:
             caller = slots[p0:res.prefix_len]
             tree = (cat_values(res.tree_values)[p0:res.prefix_len] if res.tree_values
@@ -401,8 +412,12 @@ class UnifiedRadixCache:
         return TreeLock(node, self.inc_lock_ref(node).to_dec_params())
 
     def unlock(self, lock: TreeLock | None) -> None:
-        if lock is not None:
-            self.dec_lock_ref(lock.node, lock.receipt)
+        """Release a :meth:`lock` (``None``: nothing). Raises ``TypeError`` for anything else."""
+        if lock is None:
+            return
+        if not isinstance(lock, TreeLock):
+            raise TypeError(f"lock must be a TreeLock from lock() or None, got {type(lock).__name__}")
+        self.dec_lock_ref(lock.node, lock.receipt)
 
     # ================================================================ eviction
     def evict(self, params: EvictParams | int | None = None, *,

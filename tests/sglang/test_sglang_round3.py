@@ -304,3 +304,33 @@ def test_evict_sliding_windows_frees_only_the_requests_own_tokens_out_of_its_win
     fe.evict_sliding_windows(req, 12)
     assert kv.has_swa(row).tolist() == live
     fe.sanity_check()
+
+
+def test_insert_arguments_are_checked_before_the_tree_changes() -> None:
+    """A bad ``prev_prefix_len`` was read after the library insert (the tree took the key and
+    the state, then ``int('a')`` raised); a bad ``mamba_value`` raised ``AttributeError``."""
+    fe, kv, sp, rtp = hybrid()
+    slots = kv.alloc(3)
+    assert slots is not None
+    state = sp.alloc(1)
+    assert state is not None
+    before = frozen(fe, kv, sp)
+    key = RadixKey([1, 2, 3])
+    bad: list[tuple[dict[str, Any], type[Exception], str]] = [
+        ({"prev_prefix_len": "a"}, TypeError, r"params.prev_prefix_len must be an int >= 0"),
+        ({"prev_prefix_len": -1}, ValueError, r"params.prev_prefix_len must be an int >= 0"),
+        ({"mamba_value": "x"}, TypeError, r"params.mamba_value must be tensor\(\[slot\]\) .* got str"),
+        ({"mamba_value": torch.tensor([1.0])}, TypeError, r"params.mamba_value .* got torch.float32"),
+        ({"priority": "hi"}, TypeError, r"params.priority must be an int, got str"),
+    ]
+    for kw, err, match in bad:
+        args: dict[str, Any] = {"mamba_value": state, **kw}
+        with pytest.raises(err, match=match):
+            fe.insert(InsertParams(key=key, value=slots, **args))
+        assert frozen(fe, kv, sp) == before
+    with pytest.raises(TypeError, match=r"lock must be a TreeLock from lock\(\) or None, got str"):
+        fe.unlock("x")
+    with pytest.raises(TypeError, match=r"key"):
+        fe.touch_prefix(object())
+    res = fe.insert(InsertParams(key=key, value=slots, mamba_value=state, priority=2))
+    assert (res.prefix_len, res.total_len, res.mamba_exist) == (0, 3, False)
