@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
@@ -35,6 +36,7 @@ from allocators import alloc_all, host_int, slot_copy
 from components.base import Component, InsertPlan
 from components.ordered import OrderedNodeSet
 from radix.core import freed_counts
+from radix.durations import Durations
 from radix.tiers.base import Tier
 
 if TYPE_CHECKING:
@@ -65,6 +67,8 @@ class HostTier(Component, Tier):
     def __init__(self, core: CacheCore, controller: HiCacheController) -> None:
         self.core = core
         self.controller = controller
+        #: Where backup durations go (``RadixCache.durations``), ``None`` to record none.
+        self.durations: Durations | None = None
         self.kv = cast("KVComponent", core.by_name["kv"])
         self.state = cast("StateComponent | None", core.by_name.get("state"))
         self.storage: StorageTier | None = None
@@ -196,17 +200,22 @@ class HostTier(Component, Tier):
     def backup_chain(self, node: TreeNode, demote_after: bool = False) -> bool:
         """Back up ``node`` and every ancestor not yet on host, root first. Returns whether
         ``node`` is backed up (or its copy is in flight) afterwards."""
+        t0 = perf_counter()
         chain = []
         n: TreeNode | None = node
         while n is not None and n.parent is not None and n.host_value is None:
             chain.append(n)
             n = n.parent
+        ok = True
         for n in reversed(chain):
             if not self._backup_node(n, demote_after and n is node):
-                return False
-        if node.host_value is not None:
+                ok = False
+                break
+        if ok and node.host_value is not None:
             self.backup_state(node)
-        return node.host_value is not None
+        if chain and self.durations is not None:
+            self.durations.observe("backup", perf_counter() - t0)
+        return ok and node.host_value is not None
 
     def _backup_node(self, node: TreeNode, demote_after: bool) -> bool:
         hc = self.controller

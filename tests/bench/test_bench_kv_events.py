@@ -38,6 +38,13 @@ def test_the_rebuilt_page_set_equals_the_tree_at_every_check(trace: list, kw: di
     assert ev["pages_removed"] > 0  # the pool is small: pages left and the router saw it
     assert ev["pages_held"] == ev["pages_stored"] - ev["pages_removed"]
     assert run.cache_stats["kv_events_emitted"] >= ev["events"]
+    # a router's usable hits from the events alone (state checkpoints as group 1)
+    assert ev["router_kv_tokens"] >= ev["router_usable_tokens"]
+    if "hicache_ratio" in kw:  # load-backs change the device set before the match: not compared
+        assert ev["router_compared"] == 0
+    else:
+        assert ev["router_compared"] == ev["router_agreements"] == run.metrics.requests
+        assert ev["router_usable_tokens"] == run.metrics.usable_tokens
 
 
 def test_on_mode_counts_what_the_check_mode_sees(trace: list) -> None:

@@ -47,8 +47,9 @@ def ref_chain(tokens: list[int], ps: int, extra_key: Any = None) -> list[int]:
     return out
 
 
-def tree_pages(cache: RadixCache) -> set[tuple[int, str]]:
-    """(hash, medium) of every page the tree holds, from a walk of the tree."""
+def tree_pages(cache: RadixCache) -> set[tuple[int, str, int]]:
+    """(hash, medium, group) of every page the tree holds, from a walk of the tree: KV pages
+    in group 0, the last page of a node holding a recurrent state in group 1."""
     ps = cache.page_size
     out = set()
     stack = [(c, []) for c in cache.root.children.values()]
@@ -57,9 +58,11 @@ def tree_pages(cache: RadixCache) -> set[tuple[int, str]]:
         toks = above + node.key.tolist()
         mine = ref_chain(toks, ps, node.extra_key)[len(above) // ps:]
         if node.kv_value is not None:
-            out |= {(h, GPU) for h in mine}
+            out |= {(h, GPU, 0) for h in mine}
         if node.host_value is not None:
-            out |= {(h, CPU) for h in mine}
+            out |= {(h, CPU, 0) for h in mine}
+        if node.state_slot is not None:
+            out.add((mine[-1], GPU, 1))
         stack.extend((c, toks) for c in node.children.values())
     return out
 
@@ -68,7 +71,7 @@ class Router:
     """A strict consumer: applies events to a page set, refusing any redundant one."""
 
     def __init__(self) -> None:
-        self.pages: set[tuple[int, str]] = set()
+        self.pages: set[tuple[int, str, int]] = set()
         self.events = 0
 
     def apply(self, events: list[Any]) -> None:
@@ -79,17 +82,19 @@ class Router:
             elif isinstance(ev, BlockStored):
                 assert ev.block_size * len(ev.block_hashes) == len(ev.token_ids)
                 parent = ev.parent_block_hash
+                g = ev.group_idx
                 for h in ev.block_hashes:
-                    assert parent is None or any((parent, m) in self.pages for m in (GPU, CPU)), (
+                    assert g == 1 or parent is None or any(
+                        (parent, m, 0) in self.pages for m in (GPU, CPU)), (
                         f"store of {h} whose parent {parent} is not held")
-                    assert (h, ev.medium) not in self.pages, f"page {h} stored twice"
-                    self.pages.add((h, ev.medium))
+                    assert (h, ev.medium, g) not in self.pages, f"page {h} stored twice"
+                    self.pages.add((h, str(ev.medium), g))
                     parent = h
             else:
                 assert isinstance(ev, BlockRemoved)
                 for h in ev.block_hashes:
-                    assert (h, ev.medium) in self.pages, f"removal of {h} not held"
-                    self.pages.discard((h, ev.medium))
+                    assert (h, ev.medium, ev.group_idx) in self.pages, f"removal of {h} not held"
+                    self.pages.discard((h, str(ev.medium), ev.group_idx))
 
 
 def t64(*xs: int) -> torch.Tensor:
@@ -103,9 +108,11 @@ def test_stores_chain_from_the_namespace_and_a_split_is_invisible() -> None:
     a = kv.alloc(6)
     cache.insert([1, 2, 3, 4, 5, 6, 7], torch.cat([a, t64(0)]))  # the partial page is not cached
     h = ref_chain([1, 2, 3, 4, 5, 6], 2)
+    # every field the engines declare without a default is written, None included
     assert [e.to_dict() for e in cache.take_events()] == [{
         "type": "BlockStored", "block_hashes": h, "parent_block_hash": None,
-        "token_ids": [1, 2, 3, 4, 5, 6], "block_size": 2, "medium": "GPU"}]
+        "token_ids": [1, 2, 3, 4, 5, 6], "block_size": 2, "lora_id": None, "medium": "GPU",
+        "lora_name": None, "group_idx": 0}]
     assert cache.match_prefix([1, 2, 9, 9]).prefix_len == 2  # splits [0,6) at 2: no event
     assert cache.take_events() == []
     b = kv.alloc(4)
@@ -159,7 +166,7 @@ def test_hicache_publishes_each_medium() -> None:
     evs = cache.take_events()
     assert [(type(e).__name__, e.medium) for e in evs] == [("BlockStored", GPU)]
     router.apply(evs)
-    assert router.pages == tree_pages(cache) == {(x, m) for x in h for m in (GPU, CPU)}
+    assert router.pages == tree_pages(cache) == {(x, m, 0) for x in h for m in (GPU, CPU)}
     cache.evict(4)
     cache.evict_host(4)
     router.apply(cache.take_events())
@@ -384,11 +391,11 @@ def test_pages_an_l3_prefetch_brings_back_are_published_on_host(tmp_path: Any) -
         evs = cache.take_events()
         assert [(type(e).__name__, e.medium) for e in evs] == [("BlockStored", CPU)]
         router.apply(evs)
-        assert router.pages == tree_pages(cache) == {(h, CPU) for h in ref_chain(key, 1)}
+        assert router.pages == tree_pages(cache) == {(h, CPU, 0) for h in ref_chain(key, 1)}
         assert cache.load_back(m.last_host_node) == 16
         router.apply(cache.take_events())
         assert router.pages == tree_pages(cache)
-        assert {m for _, m in router.pages} == {GPU, CPU}
+        assert {m for _, m, _ in router.pages} == {GPU, CPU}
         cache.sanity_check()
     finally:
         cache.close_storage()

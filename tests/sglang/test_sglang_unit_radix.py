@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-from components.events import BlockRemoved, BlockStored
 from radix.sglang import MatchPrefixParams, RadixCache, RadixKey, TreeNode
+from radix.sglang.kv_events import BlockRemoved, BlockStored
 
 T = torch.tensor
 

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
+import subprocess
+import sys
 from array import array
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import xxhash
 
 from allocators import KVPool, MambaStatePool
 from allocators.lora import LoraUid
@@ -20,7 +26,17 @@ from hicache.storage import (
     page_key,
     state_key,
 )
-from hicache.storage.page import HEADER_SIZE, KIND_KV, KIND_STATE, decode, encode, tag_digest
+from hicache.storage.page import (
+    HEADER_SIZE,
+    KIND_KV,
+    KIND_STATE,
+    decode,
+    default_checksum,
+    encode,
+    encode_into,
+    mac_state,
+    tag_digest,
+)
 
 
 def ref_seed(tag: str, ns: bytes) -> bytes:
@@ -93,15 +109,75 @@ H = hashlib.sha256(b"page").digest()
 TAG = tag_digest("tag")
 
 
-def test_record_header_layout_and_round_trip() -> None:
-    rec = encode(KIND_KV, TAG, H, b"K" * 10, b"V" * 6)
+def _sha256_16(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()[:16]
+
+
+def _xxh3_128(data: bytes) -> bytes:
+    return xxhash.xxh3_128(data).digest()  # canonical: big-endian, 16 bytes
+
+
+@pytest.mark.parametrize(("checksum", "version", "seal"), [
+    ("sha256", 1, _sha256_16), ("xxh3_128", 3, _xxh3_128)])
+def test_record_header_layout_and_round_trip(checksum: str, version: int, seal: Any) -> None:
+    rec = encode(KIND_KV, TAG, H, b"K" * 10, b"V" * 6, checksum=checksum)
     assert len(rec) == HEADER_SIZE + 16 == 104
-    assert rec[:4] == b"HPC3" and struct.unpack_from("<HH", rec, 4) == (1, KIND_KV)
+    assert rec[:4] == b"HPC3" and struct.unpack_from("<HH", rec, 4) == (version, KIND_KV)
     assert rec[8:24] == TAG and rec[24:56] == H
     assert struct.unpack_from("<QQ", rec, 56) == (10, 6)
-    assert rec[72:88] == hashlib.sha256(rec[:72] + rec[88:]).digest()[:16]
-    a, b = decode(rec, KIND_KV, TAG, H)
+    assert rec[72:88] == seal(rec[:72] + rec[88:])
+    a, b = decode(rec, KIND_KV, TAG, H)  # a client reads either checksum: the record says
     assert bytes(a) == b"K" * 10 and bytes(b) == b"V" * 6
+    out = bytearray(200)
+    assert encode_into(memoryview(out), KIND_KV, TAG, H, b"K" * 10, b"V" * 6,
+                       checksum=checksum) == 104 and bytes(out[:104]) == rec
+
+
+def test_records_are_written_with_xxh3_when_installed_and_refused_checksums() -> None:
+    assert default_checksum() == "xxh3_128"
+    rec = encode(KIND_KV, TAG, H, b"K", b"V")
+    assert struct.unpack_from("<H", rec, 4) == (3,)
+    with pytest.raises(ValueError, match="checksum"):
+        encode(KIND_KV, TAG, H, b"K", b"V", checksum="crc32")
+    # a MAC client: the seal is the MAC whatever the checksum; checksummed records are foreign
+    mac = mac_state(b"s" * 16)
+    sealed = encode(KIND_KV, TAG, H, b"K", b"V", mac=mac, checksum="xxh3_128")
+    assert struct.unpack_from("<H", sealed, 4) == (2,)
+    for version_rec in (rec, encode(KIND_KV, TAG, H, b"K", b"V", checksum="sha256")):
+        with pytest.raises(CorruptPage, match="not authenticated") as e:
+            decode(version_rec, KIND_KV, TAG, H, mac)
+        assert e.value.foreign
+    # the algorithm a record names is the one checked: a seal swapped to the other fails
+    swapped = bytearray(rec)
+    struct.pack_into("<H", swapped, 4, 1)
+    with pytest.raises(CorruptPage, match="checksum mismatch"):
+        decode(bytes(swapped), KIND_KV, TAG, H)
+
+
+def test_without_xxhash_records_are_sha256_and_xxh3_ones_are_foreign() -> None:
+    xxh3_rec = encode(KIND_KV, TAG, H, b"K" * 3, b"V").hex()
+    code = f"""
+import sys
+sys.modules['xxhash'] = None
+from hicache.storage.page import (KIND_KV, CorruptPage, decode, default_checksum, encode)
+tag, h = bytes.fromhex({TAG.hex()!r}), bytes.fromhex({H.hex()!r})
+assert default_checksum() == 'sha256'
+rec = encode(KIND_KV, tag, h, b'K' * 3, b'V')
+assert rec[4] == 1 and bytes(decode(rec, KIND_KV, tag, h)[0]) == b'KKK'
+try:
+    decode(bytes.fromhex({xxh3_rec!r}), KIND_KV, tag, h)
+except CorruptPage as e:
+    print('foreign' if e.foreign else 'damaged', e)
+try:
+    encode(KIND_KV, tag, h, b'K', b'V', checksum='xxh3_128')
+except ValueError as e:
+    print('refused:', e)
+"""
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo,
+                         env={**os.environ, "PYTHONPATH": str(repo)}, check=True).stdout
+    assert "foreign XXH3-128 checksum" in out
+    assert "refused: checksum='xxh3_128' needs the xxhash package" in out
 
 
 def test_every_damaged_or_misfiled_record_is_refused() -> None:
