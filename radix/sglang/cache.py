@@ -248,6 +248,10 @@ class UnifiedRadixCache:
         empty). The copy is done here: there is no forward stream to defer it to."""
         if not isinstance(params, MatchPrefixParams):
             params = MatchPrefixParams(key=as_radix_key(params))
+        if params.cow_mamba and self.cache.state is not None and not isinstance(
+                getattr(params.req, "kv", None), requests.ReqKvInfo):
+            raise TypeError("cow_mamba=True needs params.req: the request (with its kv record) "
+                            f"whose state slot receives the copy, got {type(params.req).__name__}")
         if self.session is not None:
             lent = self.session.try_match_prefix(params)
             if lent is not None:

@@ -13,6 +13,7 @@ from radix.sglang import (
     CacheInitParams,
     EvictParams,
     InsertParams,
+    MatchPrefixParams,
     RadixCache,
     RadixKey,
     Req,
@@ -334,3 +335,13 @@ def test_insert_arguments_are_checked_before_the_tree_changes() -> None:
         fe.touch_prefix(object())
     res = fe.insert(InsertParams(key=key, value=slots, mamba_value=state, priority=2))
     assert (res.prefix_len, res.total_len, res.mamba_exist) == (0, 3, False)
+
+
+def test_cow_mamba_without_a_request_is_refused_even_when_nothing_matches() -> None:
+    """Before: accepted silently whenever no state matched (the copy was never reached), and
+    ``ValueError`` / ``AttributeError`` only when one did."""
+    fe, kv, sp, rtp = hybrid()
+    for req in (None, "x"):
+        with pytest.raises(TypeError, match=r"cow_mamba=True needs params.req"):
+            fe.match_prefix(MatchPrefixParams(key=RadixKey([1, 2]), cow_mamba=True, req=req))
+    fe.match_prefix(MatchPrefixParams(key=RadixKey([1, 2]), cow_mamba=False, req=None))
