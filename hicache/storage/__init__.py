@@ -78,8 +78,9 @@ def make_backend(config: HiCacheConfig, tag: str) -> StorageBackend | None:
         ConnectionError: ``check_server`` and the backend did not answer.
         TypeError / ValueError: a registered factory's bad result, a backend instance or
             factory backend built with another layout tag (:mod:`hicache.storage.registry`).
-        ImportError: ``redis`` without redis-py, ``mooncake`` without the Mooncake client
-            (``pip install .[storage]``).
+        ImportError: ``redis`` without redis-py (``pip install .[redis]``), ``mooncake``
+            without the Mooncake client (``.[mooncake]``, or ``.[mooncake-cuda]`` beside a GPU
+            engine).
         ValueError: ``mooncake`` options that do not resolve (see ``MooncakeOptions.resolve``).
         OSError: the file store's directory cannot be created.
     """
