@@ -31,8 +31,9 @@ IO_BACKENDS = ("direct", "kernel")
 #: range: one copy per run and direction).
 MEM_LAYOUTS = ("layer_first", "page_first")
 
-#: L3 storage backends (``hicache_storage_backend``) and prefetch policies.
-STORAGE_BACKENDS = (None, "file", "redis", "mooncake")
+#: The built-in L3 storage backends (``hicache_storage_backend``; more by
+#: ``hicache.storage.register_backend``) and the prefetch policies.
+STORAGE_BACKENDS = (None, "file", "redis", "mooncake", "dynamic")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 #: Host memory modes (SGLang ``--hicache-host-memory-mode``): ``cache`` (the host pools are a
@@ -77,7 +78,9 @@ class HiCacheConfig:
             :mod:`hicache.storage.registry` (an engine's own via
             ``hicache.storage.register_backend``, built with ``factory(config, tag)``), a
             ``hicache.storage.StorageBackend`` instance (built with the cache's layout tag), or
-            ``None`` (off), ``"file"`` (pages as
+            ``"dynamic"`` (as SGLang's: the extra config's ``module_path`` and ``class_name``
+            name a factory ``(config, tag) -> StorageBackend``, e.g. a backend class taking
+            them; ``backend_name`` names it in messages), ``None`` (off), ``"file"`` (pages as
             files in ``hicache_storage_dir``), ``"redis"`` (``hicache_storage_url``) or
             ``"mooncake"`` (Mooncake Store: ``hicache_storage_url="mooncake://host:port"`` of
             its master, or the extra config / ``MOONCAKE_*`` environment, as SGLang reads them:
@@ -240,7 +243,7 @@ class HiCacheConfig:
             from hicache.storage.redis_store import split_urls
 
             split_urls(url, "hicache_storage_url")  # ValueError with credentials masked
-        elif url is not None and backend in (None, "file"):
+        elif url is not None and (not isinstance(backend, str) or backend == "file"):
             raise ValueError(f"hicache_storage_url is for the redis backend (redis://) or the mooncake "
                              f"backend (mooncake://); hicache_storage_backend is {backend!r}")
         for name in ("hicache_storage_timeout_s", "hicache_prefetch_timeout_s"):
@@ -360,6 +363,10 @@ class HiCacheConfig:
             from hicache.storage.mooncake_options import MooncakeOptions
 
             MooncakeOptions.resolve(self.hicache_storage_url, extra)
+        elif self.hicache_storage_backend == "dynamic":
+            from hicache.storage.registry import load_dynamic
+
+            load_dynamic(extra)
         elif extra and self.hicache_storage_backend in ("file", "redis"):
             raise ValueError(f"hicache_storage_backend_extra_config keys {sorted(extra)} are not "
                              f"accepted by hicache_storage_backend={self.hicache_storage_backend!r}")

@@ -37,6 +37,7 @@ from hicache.storage.redis_store import RedisStore, redact_url
 from hicache.storage.registry import (
     BUILTIN_BACKENDS,
     backend_names,
+    build_dynamic,
     build_registered,
     check_tag,
     register_backend,
@@ -98,6 +99,8 @@ def _build(config: HiCacheConfig, tag: str) -> StorageBackend | None:
         check_tag(name, tag, "the hicache_storage_backend instance")
         return name
     secret = config.storage_secret
+    if name == "dynamic":
+        return build_dynamic(config, tag)
     if name not in BUILTIN_BACKENDS:
         return build_registered(name, config, tag)
     if name == "file":

@@ -6,6 +6,9 @@
 the cache's layout tag, :func:`hicache.storage.keys.layout_tag`, so a record of another layout is
 refused).
 
+``"dynamic"`` loads the factory as SGLang's ``dynamic`` backend loads its class: the extra
+config's ``module_path`` and ``class_name`` (and ``backend_name``, for messages) name it.
+
 A factory is called as ``factory(config, tag)`` with the cache's
 :class:`~hicache.config.HiCacheConfig` (its backend options: ``config.extra_config()``, the
 extra config less SGLang's generic keys) and the layout tag, and must return a
@@ -14,9 +17,10 @@ extra config less SGLang's generic keys) and the layout tag, and must return a
 
 from __future__ import annotations
 
+import importlib
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 from hicache.storage.base import StorageBackend
 
@@ -27,7 +31,10 @@ if TYPE_CHECKING:
 BackendFactory = Callable[["HiCacheConfig", str], StorageBackend]
 
 #: Names with their own checks in ``HiCacheConfig`` (they cannot be registered again).
-BUILTIN_BACKENDS = ("file", "redis", "mooncake")
+BUILTIN_BACKENDS = ("file", "redis", "mooncake", "dynamic")
+
+#: Extra-config keys of the ``dynamic`` backend (SGLang's names).
+DYNAMIC_KEYS = ("backend_name", "module_path", "class_name")
 
 _lock = threading.Lock()
 _factories: dict[str, BackendFactory] = {}
@@ -94,6 +101,52 @@ def build_registered(name: str, config: HiCacheConfig, tag: str) -> StorageBacke
         raise TypeError(f"the factory registered as {name!r} returned {type(backend).__name__}, "
                         "not a hicache.storage.StorageBackend")
     check_tag(backend, tag, f"the factory registered as {name!r}")
+    return backend
+
+
+def load_dynamic(extra: Mapping[str, Any]) -> BackendFactory:
+    """The factory the ``dynamic`` backend's extra config names: ``getattr(import_module(
+    module_path), class_name)``, a callable ``(config, tag) -> StorageBackend`` (a backend
+    class taking those two arguments, or a function).
+
+    Raises:
+        ValueError: a key missing or not a non-empty str, a module that does not import, a
+            name it lacks, an object that is not callable (naming the key).
+    """
+    for key in DYNAMIC_KEYS:
+        v = extra.get(key)
+        if not isinstance(v, str) or not v:
+            raise ValueError(f'hicache_storage_backend="dynamic" needs extra config {key} (a '
+                             f"non-empty str), got {v!r}")
+    module_path, class_name = extra["module_path"], extra["class_name"]
+    try:
+        module = importlib.import_module(module_path)
+    except ImportError as exc:
+        raise ValueError(f"hicache_storage_backend_extra_config module_path {module_path!r} "
+                         f"does not import ({exc})") from exc
+    factory = getattr(module, class_name, None)
+    if factory is None or not callable(factory):
+        raise ValueError(f"hicache_storage_backend_extra_config class_name {class_name!r}: "
+                         f"{module_path} has no callable of that name")
+    if isinstance(factory, type) and not issubclass(factory, StorageBackend):
+        raise ValueError(f"hicache_storage_backend_extra_config class_name {class_name!r} is a "
+                         "class that is not a hicache.storage.StorageBackend")
+    return cast(BackendFactory, factory)
+
+
+def build_dynamic(config: HiCacheConfig, tag: str) -> StorageBackend:
+    """The ``dynamic`` backend: :func:`load_dynamic`'s factory called with ``(config, tag)``.
+
+    Raises:
+        ValueError / TypeError: as :func:`load_dynamic` and :func:`build_registered`.
+    """
+    extra = config.extra_config()
+    backend = load_dynamic(extra)(config, tag)
+    what = f"the dynamic backend {extra['backend_name']!r}"
+    if not isinstance(backend, StorageBackend):
+        raise TypeError(f"{what} returned {type(backend).__name__}, not a "
+                        "hicache.storage.StorageBackend")
+    check_tag(backend, tag, what)
     return backend
 
 

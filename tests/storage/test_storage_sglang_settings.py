@@ -283,3 +283,54 @@ def test_check_server_fails_the_build_when_the_store_does_not_answer(tmp_path: A
     caches.append(make("down", where=str(tmp_path), extra={"check_server": False}))  # not asked
     ok = make("file", where=str(tmp_path / "f"), extra={"check_server": True})
     caches.append(ok)
+
+
+# ====================================================================== dynamic (by module path)
+class ConfigStore(FileStore):
+    """A backend class taking ``(config, tag)``, as the dynamic backend calls it."""
+
+    def __init__(self, config: HiCacheConfig, tag: str) -> None:
+        options = config.extra_config()
+        super().__init__(options["root"], tag=tag)
+
+
+def make_dynamic(config: HiCacheConfig, tag: str) -> Any:
+    return config.extra_config()["answer"]
+
+
+def test_the_dynamic_backend_loads_a_factory_by_module_path(tmp_path: Any, caches: list[L3]) -> None:
+    extra = {"backend_name": "mine", "module_path": __name__, "class_name": "ConfigStore",
+             "root": str(tmp_path)}
+    where, model = str(tmp_path), fresh_model()
+    gen = torch.Generator().manual_seed(8)
+    a = make("dynamic", where=where, page_size=2, model=model, extra=extra)
+    b = make("dynamic", where=where, page_size=2, model=model, extra=extra)
+    caches += [a, b]
+    assert a.cache.storage is not None and type(a.cache.storage.backend) is ConfigStore
+    key = list(range(300, 306))
+    put_random(a, key, gen)
+    assert a.cache.flush_storage(10)
+    assert b.cache.match_prefix(key).host_hit_length == 6
+
+
+@pytest.mark.parametrize("extra,err,match", [
+    ({"module_path": "m", "class_name": "c"}, ValueError, "needs extra config backend_name"),
+    ({"backend_name": "x", "module_path": "no.such.module", "class_name": "c"}, ValueError,
+     "module_path 'no.such.module' does not import"),
+    ({"backend_name": "x", "module_path": "json", "class_name": "Nope"}, ValueError,
+     "class_name 'Nope': json has no callable"),
+    ({"backend_name": "x", "module_path": "json", "class_name": "JSONDecoder"}, ValueError,
+     "is a class that is not a hicache.storage.StorageBackend"),
+])
+def test_the_dynamic_backend_refuses_bad_module_paths(extra: dict[str, Any], err: type,
+                                                      match: str) -> None:
+    with pytest.raises(err, match=match):
+        HiCacheConfig(hicache_storage_backend="dynamic",
+                      hicache_storage_backend_extra_config=json.dumps(extra))
+
+
+def test_the_dynamic_backend_refuses_a_bad_factory_result(tmp_path: Any) -> None:
+    extra = {"backend_name": "x", "module_path": __name__, "class_name": "make_dynamic",
+             "answer": 42}
+    with pytest.raises(TypeError, match="the dynamic backend 'x' returned int"):
+        make("dynamic", where=str(tmp_path), extra=extra)
