@@ -31,6 +31,7 @@ threads wraps the cache in ``radix.locked.LockedCache`` (one lock around every c
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from operator import attrgetter
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, cast
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
-from allocators.host_mirror import cat_slots, host_int, register
+from allocators.host_mirror import cat_mirrored, host_int, register
 from components.base import Component
 from components.events import KVEvent, KVEventRecorder
 from components.gds import GDS_WALKS
@@ -194,8 +195,11 @@ class RadixCache:
         #: The KV slots live on the CPU (an insert's checked ``value`` is then a CPU tensor).
         self._on_cpu = self.device.type == "cpu"
         #: ``torch.cat`` of slot tensors (node values are joined by ``components.kv.cat_values``);
-        #: on a device it keeps their host mirrors.
-        self._cat = torch.cat if self._on_cpu else cat_slots
+        #: on a device joined on the host and uploaded once, mirrored.
+        self._cat = torch.cat if self._on_cpu else partial(cat_mirrored, device=self.device)
+        #: Node values joined into one slot tensor on the KV device (``cat_values`` on the CPU;
+        #: on a device one upload, ``KVComponent.device_slots``).
+        self._join = cat_values if self._on_cpu else self.kv.device_slots
         self._adopt_kv_order()
         self._init_counters()
 
@@ -320,7 +324,7 @@ class RadixCache:
                 indices = self.kv.slots(last)
             else:
                 # (one C pass over the nodes: no comprehension frame, no slice when whole)
-                indices = cat_values(list(map(_KV_VALUE, path if usable == len(path)
+                indices = self._join(list(map(_KV_VALUE, path if usable == len(path)
                                               else path[:usable])))
             state_slot = last.state_slot
         else:

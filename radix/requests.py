@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from allocators.host_mirror import register
-from allocators.staging import upload
 from radix.checks import check_count, check_lock, check_node
 from radix.node import TreeNode
 from radix.results import CacheRequest, InsertResult, LockRef
@@ -25,14 +23,18 @@ from radix.tree import RadixKey
 if TYPE_CHECKING:
     from radix.cache import RadixCache
 
+#: No slots, on the host.
+_NONE = torch.empty(0, dtype=torch.int64)
+
 
 def _path_indices(cache: RadixCache, node: TreeNode) -> torch.Tensor:
-    """The tree's KV slots on the path from the root to ``node`` [one per token]."""
+    """The tree's KV slots on the path from the root to ``node`` [one per token], on the host
+    (``KVComponent.host_path_slots``: a CPU tensor on every device)."""
     path = node.path_to_root()
     if not path:
-        return cache._empty
+        return _NONE
     path.reverse()
-    return cache.kv.path_slots(path)
+    return cache.kv.host_path_slots(path)
 
 
 def _check_req(cache: RadixCache, req: Any, upto: Any) -> int:
@@ -130,8 +132,10 @@ def _insert_req(cache: RadixCache, req: CacheRequest, state_slot: int | torch.Te
                 unfinished: bool) -> tuple[InsertResult, torch.Tensor | None]:
     """Insert ``req.key[:upto]``; free the request's duplicate slots and an unadopted state.
 
-    Returns the insert result and, when the request's slots below ``prefix_len`` changed,
-    what they must become (the tree's slots, except the request's own copies it keeps).
+    Returns the insert result and, when the request's slots below ``prefix_len`` changed and
+    it is ``unfinished``, what they must become (the tree's slots, except the request's own
+    copies it keeps; a CPU tensor on every device: the caller joins it with the rest of the
+    request's row in one upload, ``RadixCache._cat``).
 
     Fast path (no SWA, no HiCache): the request's slots in ``[cached_len, prefix_len)`` are
     its own copies of tokens the tree already holds (its slots below ``cached_len`` came
@@ -151,21 +155,22 @@ def _insert_req(cache: RadixCache, req: CacheRequest, state_slot: int | torch.Te
         if p <= req.cached_len:
             return res, None
         alloc.free(req.kv_indices[req.cached_len:p])
-        return res, _path_indices(cache, res.last_node)[:p]
+        return res, _path_indices(cache, res.last_node)[:p] if unfinished else None
     if p == 0:
         return res, None
     tree = _path_indices(cache, res.last_node)[:p]
     caller_h = cache.kv.host_slots(req.kv_indices)[:p]
     tree_h = cache.kv.host_slots(tree)
     dup = caller_h != tree_h
+    if not dup.any():  # the request holds the tree's slots already: its row is unchanged
+        return res, None
     merged = tree
-    if unfinished and cache.swa is not None and dup.any():
+    if unfinished and cache.swa is not None:
         keep = cache.swa.request_keeps(caller_h, tree_h, dup)
         if keep.any():
             dup &= ~keep
             merged_h = np.where(keep, caller_h, tree_h)
-            merged = torch.from_numpy(merged_h) if tree.is_cpu else register(
-                upload(merged_h, tree.device), merged_h)
+            merged = torch.from_numpy(merged_h)
     if dup.any():
         alloc.free(torch.from_numpy(caller_h[dup]))
     return res, merged

@@ -25,7 +25,6 @@ from typing import Any, cast
 import torch
 
 from components.gds import GDS_WALKS
-from components.kv import cat_values
 from hicache.storage.keys import chain_seed, page_hashes
 from radix.cache import RadixCache as LibraryCache
 from radix.config import CacheConfig
@@ -125,7 +124,8 @@ class UnifiedRadixCache:
             self.cache.kv_events.lora_names = dict(params.kv_event_lora_names)
         self._alloc = alloc
         self.device = self.cache.device
-        self.views = NodeViews(params.page_size, offset, self._page_hashes)
+        self.views = NodeViews(params.page_size, offset, self._page_hashes,
+                               self.cache.kv.device_slots)
         self.session = session.StreamingSessions(self) if params.enable_streaming_session else None
         self.cache_controller = None
         self.metrics_collector = None
@@ -257,7 +257,7 @@ class UnifiedRadixCache:
         """The device KV slots on the path from the root to ``node``."""
         lib = self.lib_node(node)
         vals = [n.kv_value for n in reversed(lib.path_to_root()) if n.kv_value is not None]
-        out = cat_values(vals) if vals else _EMPTY
+        out = self.cache.kv.device_slots(vals) if vals else _EMPTY
         return cast("torch.Tensor", self.views.out_slots(out))
 
     def prefix_device_indices(self, req: Any) -> torch.Tensor:
@@ -325,7 +325,8 @@ class UnifiedRadixCache:
         p0 = min(max(int(params.prev_prefix_len), 0), res.prefix_len)
         if self.frees_duplicates and p0 < res.prefix_len:
             caller = slots[p0:res.prefix_len]
-            tree = (cat_values(res.tree_values)[p0:res.prefix_len] if res.tree_values
+            tree = (self.cache.kv.device_slots(res.tree_values)[p0:res.prefix_len]
+                    if res.tree_values
                     else caller)
             mask = caller != tree
             if keep_live_swa:
@@ -433,7 +434,8 @@ class UnifiedRadixCache:
     def all_values_flatten(self) -> torch.Tensor:
         """Every device KV slot the tree holds (parents before children)."""
         vals = [n.kv_value for n in self.cache.tree.iter_nodes() if n.kv_value is not None]
-        return cast("torch.Tensor", self.views.out_slots(cat_values(vals) if vals else _EMPTY))
+        return cast("torch.Tensor", self.views.out_slots(
+            self.cache.kv.device_slots(vals) if vals else _EMPTY))
 
     def all_mamba_values_flatten(self) -> torch.Tensor:
         slots = [n.state_slot for n in self.cache.tree.iter_nodes() if n.state_slot is not None]

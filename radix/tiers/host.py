@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 
-from allocators import alloc_all, host_int, slot_copy
+from allocators import alloc_all, host_int
 from components.base import Component, InsertPlan
 from components.ordered import OrderedNodeSet
 from radix.core import freed_counts
@@ -447,7 +447,7 @@ class HostTier(Component, Tier):
         now = core.tick()
         for c in chain:
             size = len(c.key)
-            self.kv.attach(c, slot_copy(dev_slots, off, off + size))
+            self.kv.attach(c, dev_slots[off:off + size])  # (kept as an array: its host mirror)
             off += size
             c.last_access_time = now
             self.refresh(c)
@@ -496,7 +496,13 @@ class HostTier(Component, Tier):
             got = alloc_all(asks)
             if got is None:
                 return None
-        return got[0], (host_int(got[1], "state slot") if states else None)
+        if not states:
+            return got[0], None
+        slot = host_int(got[1], "state slot")
+        overwrite = getattr(asks[1][0], "overwrite", None)
+        if overwrite is not None:  # the load writes the whole slot: no zeroing first
+            overwrite(slot)
+        return got[0], slot
 
     def describe(self, node: TreeNode) -> str:
         where = ("dev+host" if node.host_value is not None else "dev") if (
