@@ -87,7 +87,12 @@ def make_backend(config: HiCacheConfig, tag: str) -> StorageBackend | None:
     """
     backend = _build(config, tag)
     if backend is not None and config.generic_extra()["check_server"]:
-        backend.check_server()
+        try:
+            backend.check_server()
+        except ConnectionError:
+            if backend is not config.hicache_storage_backend:  # ours to close, not the caller's
+                backend.close()
+            raise
     return backend
 
 
