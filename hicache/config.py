@@ -232,6 +232,8 @@ class HiCacheConfig:
             raise ValueError(f"hicache_storage_max_bytes must be a positive int or None, got {cap!r}")
         if backend == "file" and not d:
             raise ValueError('hicache_storage_backend="file" needs hicache_storage_dir (a directory)')
+        if backend == "file" and d:
+            check_storage_dir(d, "hicache_storage_dir")
         if backend != "file" and (d is not None or cap is not None):
             raise ValueError(
                 "hicache_storage_dir / hicache_storage_max_bytes are for the file backend; "
@@ -370,3 +372,35 @@ class HiCacheConfig:
         elif extra and self.hicache_storage_backend in ("file", "redis"):
             raise ValueError(f"hicache_storage_backend_extra_config keys {sorted(extra)} are not "
                              f"accepted by hicache_storage_backend={self.hicache_storage_backend!r}")
+
+
+def check_storage_dir(path: str, name: str) -> None:
+    """``ValueError`` naming ``name`` unless ``path`` can be the file store's directory: no NUL,
+    within the system's path and name length limits, not an existing non-directory, and the
+    directory (or, when it does not exist yet, its nearest existing parent, where it will be
+    made) writable and searchable by this process. A probe of the filesystem as it is when the
+    config is built (permissions may still change later: writes then count as faults)."""
+    if "\0" in path:
+        raise ValueError(f"{name} must not contain a NUL character, got {path!r}")
+    raw = os.fsencode(path)
+    p = os.path.abspath(path)
+    probe = p
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    try:
+        path_max = os.pathconf(probe, "PC_PATH_MAX")
+        name_max = os.pathconf(probe, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):
+        path_max, name_max = 4096, 255
+    if len(os.fsencode(p)) >= path_max or any(len(part) > name_max for part in raw.split(b"/")):
+        raise ValueError(f"{name} is too long for this filesystem (at most {path_max - 1} bytes, "
+                         f"{name_max} per name), got {len(raw)} bytes")
+    if not os.path.isdir(probe):
+        where = "" if probe == p else f" (its parent {probe!r} is not one)"
+        raise ValueError(f"{name} must be a directory{where}, got {path!r}: an existing file")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        what = "it" if probe == p else f"its parent {probe!r}, where it would be made,"
+        raise ValueError(f"{name}={path!r}: {what} is not writable by this process")

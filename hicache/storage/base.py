@@ -68,6 +68,8 @@ COUNTERS = (
     "skipped_in_cooldown",
     "bytes_read",
     "bytes_written",
+    "close_errors",
+    "touch_errors",
 )
 
 
@@ -169,8 +171,9 @@ class StorageBackend(ABC):
         """The stored record of each key, or ``None``."""
 
     @abstractmethod
-    def _set_nx_raw(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
-        """Store each record unless its key exists; whether each was written."""
+    def _set_nx_raw(self, items: Sequence[tuple[str, bytes]]) -> Sequence[bool | None]:
+        """Store each record unless its key exists; for each: written (``True``), already
+        present (``False``) or refused for want of space (``None``)."""
 
     @abstractmethod
     def _delete_raw(self, key: str, record: bytes) -> None:

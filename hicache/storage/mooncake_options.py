@@ -204,6 +204,9 @@ class MooncakeOptions:
             raise ValueError(f"local_buffer_size must be >= 1 MiB, got {self.local_buffer_size}")
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
+        if self.protocol == "rdma" and not self.device_name:
+            raise ValueError("protocol='rdma' needs device_name (MOONCAKE_DEVICE: the RDMA NIC, "
+                             "e.g. 'mlx5_0'); the client would fail only when it connects")
         if isinstance(self.zero_copy_min_bytes, bool) or not isinstance(self.zero_copy_min_bytes, int):
             raise ValueError(f"zero_copy_min_bytes must be bytes, got {self.zero_copy_min_bytes!r}")
         if not isinstance(self.zero_copy, bool):

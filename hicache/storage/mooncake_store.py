@@ -228,11 +228,13 @@ class MooncakeStore(StorageBackend):
             store.unregister_buffer(self._send_buf.data_ptr())
         self._send_buf = None
         if self._busy:
+            self._count("close_errors")
             log.warning("L3 mooncake: %d calls still running; client left open", self._busy)
             return
         try:
             store.close()
         except Exception as exc:
+            self._count("close_errors")
             log.warning("L3 mooncake: close failed (%s)", exc)
 
     def _full(self, keys: Sequence[str]) -> list[str]:
