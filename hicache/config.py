@@ -246,8 +246,9 @@ class HiCacheConfig:
 
             split_urls(url, "hicache_storage_url")  # ValueError with credentials masked
         elif url is not None and (not isinstance(backend, str) or backend == "file"):
-            raise ValueError(f"hicache_storage_url is for the redis backend (redis://) or the mooncake "
-                             f"backend (mooncake://); hicache_storage_backend is {backend!r}")
+            raise ValueError(f"hicache_storage_url is for the redis backend (redis://), the mooncake "
+                             f"backend (mooncake://) or a registered / dynamic backend; "
+                             f"hicache_storage_backend is {backend!r}")
         for name in ("hicache_storage_timeout_s", "hicache_prefetch_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
