@@ -179,6 +179,19 @@ class StorageBackend(ABC):
     def _delete_raw(self, key: str, record: bytes) -> None:
         """Remove ``key`` if it still holds ``record`` (a corrupt record seen by ``get``)."""
 
+    def check_server(self) -> None:
+        """Ask the store one presence question directly (no fault handling, no cooldown):
+        SGLang's ``check_server`` extra-config key, at build time.
+
+        Raises:
+            ConnectionError: the store did not answer (the cause chained).
+        """
+        try:
+            self._exists_raw(["0" * 64])
+        except Exception as exc:
+            raise ConnectionError(f"check_server: the {self.name} storage backend did not answer "
+                                  f"({type(exc).__name__}: {self.redact(str(exc))})") from exc
+
     def close(self) -> None:
         """Release connections / handles (the backend may be used again: it reopens). The
         default holds none."""

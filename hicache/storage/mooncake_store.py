@@ -93,7 +93,8 @@ class MooncakeStore(StorageBackend):
         setup_timeout_s: the longest wait for the client's setup (connect, mount) [s].
 
     Raises:
-        ImportError: the Mooncake client is not installed (``pip install .[storage]``).
+        ImportError: the Mooncake client is not installed (``pip install .[mooncake]``, or
+            ``.[mooncake-cuda]`` beside a GPU engine).
     """
 
     name = "mooncake"

@@ -175,7 +175,7 @@ class RedisStore(StorageBackend):
         super().__init__(tag, cooldown_s, secret)
         if importlib.util.find_spec("redis") is None:  # fail at construction, not on a call
             raise ModuleNotFoundError(
-                "RedisStore needs redis-py: pip install 'hybrid-prefix-cache[storage]'")
+                "RedisStore needs redis-py: pip install 'hybrid-prefix-cache[redis]'")
 
         self._urls = split_urls(urls)
         self.timeout_s = check_seconds(timeout_s, "timeout_s")
