@@ -369,10 +369,12 @@ class RadixCache:
             value: 1-D int64 tensor of KV slots, ``len(value) == len(key)``, on the allocator's
                 device.
             extra_key: namespace (LoRA adapter id, cache salt).
-            state_slot: a state slot valid after ``inserted_len`` tokens, owned by the caller
-                until adopted: an ``int``, or the one-element tensor the state pool's ``alloc``
-                returned (read through its host mirror: no host synchronisation). Required on
-                a hybrid cache when new tokens are added (a leaf never stays without a state).
+            state_slot: a state slot valid after the key's last token (``len(key)``, so at
+                ``page_size > 1`` the key must be whole pages: the state lands on the node
+                ending there), owned by the caller until adopted: an ``int``, or the
+                one-element tensor the state pool's ``alloc`` returned (read through its host
+                mirror: no host synchronisation). Required on a hybrid cache when new tokens
+                are added (a leaf never stays without a state).
             priority: request priority (``priority`` policy: a node keeps the max).
             rid: request id: a request counts once per node in ``hit_count``, also across its
                 chunked-prefill re-inserts (the cache remembers how deep each rid counted until
@@ -387,7 +389,8 @@ class RadixCache:
             TypeError / ValueError: bad key or value; a slot the tree would adopt (the new
                 tail, or what revival takes) that is outside the pool, free in the allocator,
                 held by a node, repeated, or (paged) not whole pages in order; a
-                ``state_slot`` that is free in the pool or held by the tree; an unhashable
+                ``state_slot`` that is free in the pool or held by the tree, or given with a
+                key that ends inside a page (``ValueError`` naming ``state_slot``); an unhashable
                 ``rid``; a missing state. Nothing changed then.
 
         Complexity: O(key length) in C (the walk, ``radix/_match.c``; the adopted slots'

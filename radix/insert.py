@@ -58,6 +58,12 @@ def insert_key(cache: RadixCache, key: Tokens, key_len: int, value: torch.Tensor
     end = key_len
     if ps != 1:
         end -= end % ps
+        if state_slot is not None and end != key_len:
+            raise ValueError(
+                f"state_slot is the state after the key's {key_len} tokens, but the insert ends "
+                f"at token {end} (whole pages of page_size={ps}): a state must sit at the end of "
+                f"the node it lands on; insert key[:{end}] with the state valid after {end} "
+                "tokens")
     tree = core.tree
     walk = tree.walk(key, end, extra_key, trusted)
     if core.unplanned_inserts:  # the plain KV cache: the plan would be the walk's

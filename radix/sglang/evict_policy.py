@@ -3,7 +3,7 @@
 
 ``get_priority(node)`` gives the key SGLang's strategy gives (smaller: evicted first), in
 SGLang's shape (a number for ``lru`` / ``fifo`` / ``mru`` / ``filo``, a tuple otherwise). It is
-computed by the library policy of the same name (``radix.policies.POLICY_REGISTRY``), the order
+computed by the library policy of the same name (``components.eviction.registry.POLICY_REGISTRY``), the order
 the cache's own eviction follows, so ordering nodes by it is ordering them as the cache does.
 ``node``: a ``radix.sglang`` node view or a library ``TreeNode``.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from components.eviction.registry import POLICY_REGISTRY
 from radix.node import TreeNode as LibNode
-from radix.policies import POLICY_REGISTRY
 
 __all__ = [
     "EVICTION_STRATEGIES",

@@ -469,3 +469,18 @@ def test_an_in_place_write_invalidates_the_mirror() -> None:
         assert slots is not None and mirror_of(slots) is not None
         slots[0:1].fill_(9)  # the engine rewrote it: the host copy is stale
         assert mirror_of(slots) is None and mirror_of(slots[1:]) is None
+
+
+def test_a_strided_views_mirror_equals_the_view_on_the_host() -> None:
+    """``mirror_of(t[::2])`` is the host copy of the strided view itself (every other slot,
+    from the view's offset), not of the tensor it views."""
+    with cuda():
+        kv = TokenAllocator(16, device="cuda")
+        slots = kv.alloc(8)
+        assert slots is not None
+        host = slots.cpu().tolist()
+        views = (slots[::2], slots[1::2], slots[1:7:3], slots[5:6])
+        expected = (host[::2], host[1::2], host[1:7:3], host[5:6])
+        for view, want in zip(views, expected, strict=True):
+            got = mirror_of(view)
+            assert got is not None and got.tolist() == want
