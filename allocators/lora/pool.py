@@ -342,7 +342,10 @@ class LoraMemoryPool:
 
         Args:
             module: a target module name.
-            x: ``[T, in_features]`` of the pool's dtype and device.
+            x: ``[T, in_features]`` of the pool's dtype and device; or, for an embedding
+                module (``embed_tokens``, ``in_features`` = vocabulary size), ``[T]``
+                ``torch.int64`` token ids in ``[0, in_features)``: ``A[s] @ x[t]`` is then the
+                lookup ``A[s][:, x[t]]`` (PEFT's and SGLang's embedding LoRA).
             weight_indices: ``[T]`` ``torch.int64`` slots (from :meth:`prepare_batch`).
 
         Returns:
