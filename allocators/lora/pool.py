@@ -85,8 +85,9 @@ class LoraMemoryPool:
 
     Args:
         target_modules: module name -> ``(in_features, out_features)`` of the base model's
-            linear layers that adapters may target (SGLang's ``lora_target_modules``, resolved
-            to shapes).
+            layers that adapters may target (SGLang's ``lora_target_modules``, resolved to
+            shapes): linear layers (``lm_head``: ``(hidden, vocab)``) and embeddings
+            (``embed_tokens``: ``(vocab, hidden)``, applied to token ids).
         max_lora_rank: rank of every slot buffer, ``>= 1``; adapters of rank up to this.
         max_loras_per_batch: device slots ``K``, ``>= 1`` (SGLang's default 8).
         max_loaded_loras: host-tier capacity, ``>= K``, or ``None`` (unlimited; ``2 * K``
