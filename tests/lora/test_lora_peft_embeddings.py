@@ -148,7 +148,7 @@ def test_one_batch_of_every_adapter_matches_peft(dirs, input_ids, reference) -> 
         worst = max(worst, (got[i] - reference[name][i]).abs().max().item())
         if name != "base":  # the adapter changes the output
             assert not torch.allclose(reference[name][i], reference["base"][i], atol=1e-3)
-    assert worst < 1e-5, worst
+    assert worst < 2e-6, worst  # measured 2.4e-7 (float32)
 
 
 def test_refills_under_eviction_and_merged_forward_agree(dirs, input_ids, reference) -> None:
