@@ -127,6 +127,17 @@ class HiCacheController:
         self.backup_tokens = 0
         self.load_tokens = 0
 
+    def add_pool(self, name: str, device: SlotAllocator, host: SlotAllocator) -> PoolPair:
+        """Register the pool pair ``name`` (a component's device pool and its host mirror),
+        unless one of that name is registered already; returns the registered pair. A pair
+        other than ``"kv"`` and ``"state"`` holds KV-layout pools (``KVStorage``: gather /
+        scatter) or state pools (``MambaStatePool``), copied by :meth:`write_parts` /
+        :meth:`load_parts`."""
+        pair = self.pools.get(name)
+        if pair is None:
+            pair = self.pools[name] = PoolPair(name, device, host)
+        return pair
+
     @property
     def host_kv(self) -> SlotAllocator:
         return self.pools["kv"].host
@@ -158,6 +169,11 @@ class HiCacheController:
         if got is None:
             return None
         return got[0], (int(got[1][0]) if num_states else None)
+
+    def alloc_parts(self, asks: list[tuple[SlotAllocator, int]]) -> list[torch.Tensor] | None:
+        """``alloc`` from several pools (``(allocator, n)``), all or nothing (``None``: every
+        pool exactly as before)."""
+        return alloc_all(asks)
 
     # ------------------------------------------------------------------ copies
     def write(self, device_slots: torch.Tensor, host_slots: torch.Tensor,
@@ -212,6 +228,40 @@ class HiCacheController:
         self.last_load = t
         self.load_tokens += len(host_slots)
         return t
+
+    # ------------------------------------------------------- copies by pool name
+    def write_parts(self, parts: list[tuple[str, torch.Tensor, torch.Tensor]],
+                    on_done: Callable[[], None] | None) -> Transfer:
+        """Copy device -> host, per registered pool pair: ``(name, device indices, host
+        indices)``; ``on_done`` runs at ``poll`` once every part is in the host pools. The
+        ``"kv"`` and ``"state"`` parts go through :meth:`write` (asynchronous on a GPU); the
+        other pairs are copied in the call (their own pool's gather / scatter)."""
+        kv_d = kv_h = _EMPTY
+        st_d = st_h = None
+        for name, dev, host in parts:
+            if name == "kv":
+                kv_d, kv_h = dev, host
+            elif name == "state":
+                st_d, st_h = int(dev[0]), int(host[0])
+            else:
+                pair = self.pools[name]
+                _copy(pair.device, dev, pair.host, host)
+        return self.write(kv_d, kv_h, st_d, st_h, on_done)
+
+    def load_parts(self, parts: list[tuple[str, torch.Tensor, torch.Tensor]]) -> Transfer:
+        """Copy host -> device, per registered pool pair: ``(name, host indices, device
+        indices)`` (see :meth:`write_parts`, :meth:`load`)."""
+        kv_h = kv_d = _EMPTY
+        st_h = st_d = None
+        for name, host, dev in parts:
+            if name == "kv":
+                kv_h, kv_d = host, dev
+            elif name == "state":
+                st_h, st_d = int(host[0]), int(dev[0])
+            else:
+                pair = self.pools[name]
+                _copy(pair.host, host, pair.device, dev)
+        return self.load(kv_h, kv_d, st_h, st_d)
 
     # ------------------------------------------------------------- GPU copies
     def _chunk_tokens(self) -> int:
@@ -413,3 +463,16 @@ def _put_rows(rows: torch.Tensor, slots: torch.Tensor, data: torch.Tensor) -> No
 def _put_slot(rows: torch.Tensor, slot: int, data: torch.Tensor) -> None:
     """Host state pool slot ``slot`` (of every layer) <- ``data`` (a landed region)."""
     rows[:, slot].copy_(data)
+
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def _copy(src: Any, src_idx: torch.Tensor, dst: Any, dst_idx: torch.Tensor) -> None:
+    """Copy slots ``src_idx -> dst_idx`` between the pools of two allocators of one pair,
+    synchronously: state pools slot by slot, KV-layout pools (their ``pool``) at once."""
+    if isinstance(src, MambaStatePool):
+        for a, b in zip(src_idx.tolist(), dst_idx.tolist(), strict=True):
+            copy_state(src, a, dst, b)
+    else:
+        copy_kv(src, src_idx, dst, dst_idx)

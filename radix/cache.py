@@ -134,8 +134,6 @@ class RadixCache:
             )
         if hicache is not None and not isinstance(hicache, HiCacheConfig):
             raise TypeError(f"hicache must be a HiCacheConfig or None, got {type(hicache).__name__}")
-        if hicache is not None and config.sliding_window_size is not None:
-            raise ValueError("hicache with sliding_window_size is not supported yet (no host SWA pool)")
         extra = tuple(components)
         for c in extra:
             if not isinstance(c, Component):
@@ -469,13 +467,12 @@ class RadixCache:
         """
         if type(num_tokens) is not int or num_tokens < 0:
             check_count(num_tokens, "num_tokens")
-        tokens = states = 0
-        if self._host is not None:
-            tokens, states = self._host.collect_landed()
+        if self._host is None:
+            return self.core.evict(self.kv, num_tokens)
+        landed = self._host.collect_landed()
         res = self.core.evict(self.kv, num_tokens)
-        if tokens or states:
-            return EvictResult(res.num_tokens + tokens, res.num_states + states,
-                               res.num_swa_tokens)
+        if any(landed):
+            return EvictResult(*(a + b for a, b in zip(res, landed, strict=True)))
         return res
 
     def evict_states(self, num_states: int) -> EvictResult:

@@ -66,6 +66,9 @@ class CacheCore:
         self._remove_leaf = self.free_leaf  # (what :meth:`evict` compares ``free_leaf`` with)
         #: Units whose freeing is in flight (write-back copies), per ``EVICT_FIELDS``.
         self.pending = [0] * len(EVICT_FIELDS)
+        #: Called with an internal victim before an eviction drops one component's value
+        #: from it (a write-back host tier backs the value up first), or ``None``.
+        self.before_internal: Callable[[TreeNode], None] | None = None
         self._build_hooks()
 
     def add_per_node(self, holder: Component) -> None:
@@ -314,12 +317,14 @@ class CacheCore:
         freed = [0, 0, 0, 0]
         pending = self.pending
         start = pending[idx]
-        pop, free_leaf = comp.pop_victim, self.free_leaf
+        pop, free_leaf, before = comp.pop_victim, self.free_leaf, self.before_internal
         while freed[idx] + pending[idx] - start < target:
             node = pop()
             if node is None:
                 break
             if internal is not None and node.children:
+                if before is not None:
+                    before(node)
                 freed[idx] += internal(node)
                 continue
             free_leaf(node, freed)

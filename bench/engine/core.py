@@ -134,8 +134,6 @@ class EngineConfig:
             raise ValueError(f"kv_events must be 'off', 'on' or 'check', got {self.kv_events!r}")
         if self.hicache_ratio:
             self.hicache_config()  # validates ratio and write policy (ValueError / TypeError)
-            if self.sliding_window:
-                raise ValueError("hicache_ratio with a sliding window is not supported")
 
     def hicache_config(self) -> HiCacheConfig | None:
         """The cache's host tier, or ``None`` when ``hicache_ratio`` is 0."""
