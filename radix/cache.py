@@ -176,16 +176,17 @@ class RadixCache:
             if hicache.hicache_storage_backend is not None:
                 self._storage = host.storage = StorageTier(core, host)
         #: The tier hook an insert ends with (the host tier's write policy), or ``None``.
-        self._after_insert = self._host.after_insert if self._host is not None else None
+        self.after_insert = self._host.after_insert if self._host is not None else None
         #: ``match_recency="usable"``: a match stamps only its usable prefix.
         self._stamp_usable = config.match_recency == "usable"
-        self._empty = register(torch.empty(0, dtype=torch.int64, device=self.device),
+        #: A 0-slot index tensor on the KV device (mirrored): what an empty result holds.
+        self.empty_slots = register(torch.empty(0, dtype=torch.int64, device=self.device),
                                np.empty(0, dtype=np.int64))
         #: The KV slots live on the CPU (an insert's checked ``value`` is then a CPU tensor).
-        self._on_cpu = self.device.type == "cpu"
+        self.on_cpu = self.device.type == "cpu"
         #: ``torch.cat`` of slot tensors (node values are joined by ``components.kv.cat_values``);
         #: on a device it keeps their host mirrors.
-        self._cat = torch.cat if self._on_cpu else cat_slots
+        self.cat_slots = torch.cat if self.on_cpu else cat_slots
         self._adopt_kv_order()
         self._init_counters()
 
@@ -200,7 +201,8 @@ class RadixCache:
 
     def _init_counters(self) -> None:
         self._match = {"match_calls": 0, "match_tokens": 0, "hit_tokens": 0, "kv_hit_tokens": 0}
-        self._last_watermark = 0.0
+        #: The watermark the last ``sanity_check`` saw (it never falls).
+        self.checked_watermark = 0.0
         self.rid_depths = RidDepths(MAX_TRACKED_RIDS)
 
     # ================================================================= views
@@ -316,7 +318,7 @@ class RadixCache:
         else:
             last = tree.root
             prefix_len = 0
-            indices = self._empty
+            indices = self.empty_slots
             state_slot = None
         last_host, host_hit = last, 0
         if host is not None:

@@ -30,7 +30,7 @@ def _path_indices(cache: RadixCache, node: TreeNode) -> torch.Tensor:
     """The tree's KV slots on the path from the root to ``node`` [one per token]."""
     path = node.path_to_root()
     if not path:
-        return cache._empty
+        return cache.empty_slots
     path.reverse()
     return cache.kv.path_slots(path)
 
@@ -195,7 +195,7 @@ def cache_unfinished_req(cache: RadixCache, req: CacheRequest,
     res, merged = _insert_req(cache, req, state_slot, upto, unfinished=True)
     n = res.inserted_len
     if merged is not None:
-        req.kv_indices = cache._cat([merged, req.kv_indices[res.prefix_len:]])
+        req.kv_indices = cache.cat_slots([merged, req.kv_indices[res.prefix_len:]])
     lock = cache.inc_lock_ref(res.last_node)
     cache.dec_lock_ref(req.last_node if req.lock is None else req.lock)
     req.last_node = res.last_node
@@ -232,7 +232,7 @@ def cache_finished_req(cache: RadixCache, req: CacheRequest,
     req.last_node = cache.root
     req.lock = None
     req.cached_len = 0
-    req.kv_indices = cache._empty
+    req.kv_indices = cache.empty_slots
     return res
 
 

@@ -225,7 +225,7 @@ class ReplayEngine:
             state_walk=self.state_walk,
         )
         self._running: deque[_Running] = deque()
-        self._empty = self.cache._empty
+        self._empty = self.cache.empty_slots
         self._on_cpu = self.kv_allocator.device.type == "cpu"
 
     # ------------------------------------------------------------------ public

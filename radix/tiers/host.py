@@ -301,6 +301,7 @@ class HostTier(Component, Tier):
         storage = self.storage
         # the parts join the node's pages once they are on host; never raises
         self.controller.write_parts(parts, None if storage is None else lambda: storage.backup(node))
+        self.poll()  # (on the CPU the copy has landed: nothing stays in flight)
 
     def save_before_drop(self, node: TreeNode) -> None:
         """``write_back``: an eviction is about to drop one component's value from internal
@@ -310,6 +311,7 @@ class HostTier(Component, Tier):
             self.backup_chain(node)
         else:
             self.backup_rest(node)
+        self.poll()  # copies that landed (every one, on the CPU) finish now
 
     def _on_write_done(self, node: TreeNode, flight: _Flight) -> None:
         """The copy of ``node``'s span (``flight``) landed. Splits while it was in flight cut

@@ -350,7 +350,6 @@ class StorageTier:
 
     def stats(self) -> dict[str, Any]:
         st = self.controller
-        with st._lock:
-            out = {f"l3_{k}": v for k, v in st.counters.items()}
+        out = {f"l3_{k}": v for k, v in st.counters_now().items()}
         out.update({f"l3_backend_{k}": v for k, v in st.backend.stats.items()})
         return out
