@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from components.base import Component, hooks
+from components.base import Component, hooks, tier_components
 from radix.results import EvictResult, LockRef
 from radix.tree import RadixTree, new_tuple
 
@@ -85,6 +85,16 @@ class CacheCore:
         if len(set(names)) != len(names):
             raise ValueError(f"component names must be unique, got {names}")
         self.by_name: dict[str, Component] = {c.name: c for c in everything}
+        fields: dict[str, str] = {}
+        for c in comps:
+            f = c.evict_field
+            if f is not None:
+                if f in fields:
+                    raise ValueError(
+                        f"components {fields[f]!r} and {c.name!r} both claim the eviction "
+                        f"field {f!r}; each EvictResult field belongs to one component")
+                fields[f] = c.name
+        tier_components(comps)  # a component with only some tier hooks is refused, named
         self._split_hooks = hooks(everything, "on_split")
         self.refreshers = hooks(everything, "refresh")
         self.device_removers = tuple(

@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 import torch
 
-from allocators import KVPool, MambaStatePool, SWAAllocator
+from allocators import KVPool, MambaStatePool, SWAAllocator, TokenAllocator
+from components.base import Component
 from hicache import HiCacheConfig
 from radix import CacheConfig, RadixCache
 from tests.cache_helpers import bits, node_slots, random_bits
@@ -309,3 +310,37 @@ def test_write_back_backs_up_a_state_evict_states_drops_from_an_internal_node() 
     c.load_back(p)  # the state alone comes back
     assert p.state_slot is not None and read_state(h.sp, p.state_slot) == 1234
     c.sanity_check()
+
+
+# ======================================================================== bad components
+class BacksUpOnly(Component):
+    """Has host copies (``host_pool``, ``backup``) but cannot restore them."""
+
+    name = "half"
+
+    def host_pool(self, config: Any) -> tuple[Any, Any]:
+        raise AssertionError("never asked: the cache is refused first")
+
+    def backup_size(self, node: Any) -> int:
+        return 0
+
+
+class ClaimsTokens(Component):
+    name = "tokens_too"
+    evict_field = "num_tokens"
+
+    def pop_victim(self) -> Any:
+        return None
+
+
+@pytest.mark.parametrize("hicache", [None, HiCacheConfig()])
+def test_a_component_with_partial_tier_hooks_is_refused_naming_it(hicache: Any) -> None:
+    kv = TokenAllocator(8)
+    with pytest.raises(ValueError, match=r"component 'half' implements the tier hooks .*restore"):
+        RadixCache(kv_allocator=kv, hicache=hicache, components=[BacksUpOnly()])
+    assert kv.available_size() == 8
+
+
+def test_two_components_claiming_one_evict_field_are_refused_naming_both() -> None:
+    with pytest.raises(ValueError, match=r"'kv' and 'tokens_too' both claim .*'num_tokens'"):
+        RadixCache(kv_allocator=TokenAllocator(8), components=[ClaimsTokens()])
