@@ -4,7 +4,7 @@
 pass). ``radix/_match.c``: the walk's loop (one memcmp and one child lookup per node).
 ``allocators/_release.c``: frees of slots (checks, ring and free-mask writes in one pass). All
 are ``optional``: without a compiler the install still succeeds and the numpy / pure-Python
-code they are tested against (``tests/test_compiled.py``, ``tests/test_allocators_release.py``)
+code they are tested against (``tests/radix/test_compiled.py``, ``tests/allocators/test_allocators_release.py``)
 runs instead, with the same results, slower.
 """
 

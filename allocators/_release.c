@@ -12,7 +12,7 @@
  * with its length; the ring and the mask are numpy arrays passed as buffers,
  * so every id is checked against their lengths here before anything is written. The numpy
  * path of FreeList.release_owned is the reference this must agree with
- * (tests/test_compiled.py runs both on the same inputs).
+ * (tests/radix/test_compiled.py runs both on the same inputs).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

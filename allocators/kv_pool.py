@@ -38,7 +38,10 @@ from ._checks import (
 )
 from .staging import pin_in_place, upload
 
-__all__ = ["KVBuffers", "KVPool", "KVStorage"]
+__all__ = ["LAYOUTS", "KVBuffers", "KVPool", "KVStorage"]
+
+#: Memory layouts of a :class:`KVPool` (SGLang's ``hicache_mem_layout`` names).
+LAYOUTS = ("layer_first", "page_first")
 
 
 class _KVLayout:
@@ -119,11 +122,17 @@ class KVPool(_KVLayout):
         pin_memory: page-lock the CPU tensors where they are allocated (``cudaHostRegister``:
             no pageable copy pinned afterwards, no rounding up), so copies to and from a GPU
             can be asynchronous; a host pool mirroring a CUDA pool is built so.
+        layout: where the memory of one slot lies: ``"layer_first"`` (default: ``k_store`` is
+            ``[num_layers, num_slots, num_heads, head_dim]``, a slot's rows one per layer) or
+            ``"page_first"`` (``k_store`` is ``[num_slots, num_layers, num_heads, head_dim]``:
+            a run of consecutive slots, every layer, is one contiguous range: what a host pool
+            takes so that a run is one copy). ``k_all`` / ``v_all`` are
+            ``[num_layers, num_slots, ...]`` views either way.
 
     Raises:
         TypeError: an argument of the wrong type (names it).
-        ValueError: a non-positive size, non-float dtype or unavailable device (names it);
-            ``pin_memory`` on a device other than the CPU.
+        ValueError: a non-positive size, non-float dtype, unavailable device or unknown
+            layout (names it); ``pin_memory`` on a device other than the CPU.
     """
 
     def __init__(
@@ -137,7 +146,10 @@ class KVPool(_KVLayout):
         page_size: int = 1,
         *,
         pin_memory: bool = False,
+        layout: str = "layer_first",
     ) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout={layout!r} is unknown; expected one of {list(LAYOUTS)}")
         self.size = check_positive_int(size, "size")
         self.num_layers = check_positive_int(num_layers, "num_layers")
         self.num_heads = check_positive_int(num_heads, "num_heads")
@@ -148,12 +160,21 @@ class KVPool(_KVLayout):
             raise ValueError(f"pin_memory is for a host pool, this one is on {self.device}")
         self.page_size = check_positive_int(page_size, "page_size")
         self.num_slots = self.size + self.page_size
-        shape = (self.num_layers, self.num_slots, self.num_heads, self.head_dim)
-        self.k_all = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_all = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.layout = layout
+        #: ``page_first``: a slot's rows of every layer are adjacent (``k_store[slot]``)
+        self.slot_first = layout == "page_first"
+        dims = [self.num_layers, self.num_slots, self.num_heads, self.head_dim]
+        if self.slot_first:
+            dims[0], dims[1] = dims[1], dims[0]
+        #: the contiguous tensors holding the data (``layout`` order), allocated once
+        self.k_store = torch.zeros(dims, dtype=self.dtype, device=self.device)
+        self.v_store = torch.zeros(dims, dtype=self.dtype, device=self.device)
         if pin_memory:
-            pin_in_place(self.k_all)
-            pin_in_place(self.v_all)
+            pin_in_place(self.k_store)
+            pin_in_place(self.v_store)
+        #: ``[num_layers, num_slots, num_heads, head_dim]`` views of the stores
+        self.k_all = self.k_store.transpose(0, 1) if self.slot_first else self.k_store
+        self.v_all = self.v_store.transpose(0, 1) if self.slot_first else self.v_store
 
     # ------------------------------------------------------------------ access
     def k_buffer(self, layer: int) -> torch.Tensor:
@@ -219,7 +240,8 @@ class KVPool(_KVLayout):
         return (
             f"KVPool(size={self.size}, num_layers={self.num_layers}, num_heads={self.num_heads},"
             f" head_dim={self.head_dim}, dtype={self.dtype}, device={self.device},"
-            f" page_size={self.page_size})"
+            f" page_size={self.page_size}"
+            + (f", layout={self.layout!r})" if self.slot_first else ")")
         )
 
     # ------------------------------------------------------------------ helpers

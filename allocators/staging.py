@@ -197,3 +197,28 @@ def pin_in_place(t: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"cudaHostRegister of {size} bytes failed (error {rc})")
     weakref.finalize(t, cudart.cudaHostUnregister, ptr)
     return t
+
+
+class _DeviceArray:
+    """A ``__cuda_array_interface__`` over ``nbytes`` bytes at ``ptr`` (device-addressable)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+def mapped_on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Pinned host tensor ``t`` (contiguous, page-locked: ``pin_in_place`` or
+    ``pin_memory=True``) as a tensor on CUDA ``device`` over the same memory, so GPU kernels read
+    and write it directly (over the link). Page-locked memory is mapped into the device's
+    address space at the same address on a system with unified addressing (64-bit Linux).
+    ``t`` must outlive the result (the result does not own the memory).
+
+    Raises:
+        ValueError: ``t`` is not a contiguous CPU tensor.
+    """
+    if not t.is_cpu or not t.is_contiguous():
+        raise ValueError("mapped_on_device needs a contiguous pinned CPU tensor")
+    nbytes = t.numel() * t.element_size()
+    raw = torch.as_tensor(_DeviceArray(t.data_ptr(), nbytes), device=device)
+    return raw.view(t.dtype).view(t.shape)

@@ -59,6 +59,12 @@ class MambaStatePool(_FreeListAllocator):
         device: ``str`` or ``torch.device``.
         pin_memory: page-lock the CPU tensors where they are allocated (a host pool mirroring
             a CUDA pool; see ``allocators.staging.pin_in_place``).
+        slot_first: keep a slot's state of every layer adjacent in memory (``conv_store`` is
+            ``[size + 1, num_layers, *conv_state_shape]``; ``conv`` a
+            ``[num_layers, size + 1, ...]`` view of it): one slot is then one contiguous range,
+            one copy (a host pool with ``hicache_mem_layout="page_first"``).
+        zero_on_alloc: zero the slots ``alloc`` / ``alloc_slot`` hand out (default); a host
+            mirror whose slots are always filled by a copy turns it off.
 
     Raises:
         TypeError / ValueError: a bad argument, naming it.
@@ -78,6 +84,8 @@ class MambaStatePool(_FreeListAllocator):
         device: str | torch.device = "cpu",
         *,
         pin_memory: bool = False,
+        slot_first: bool = False,
+        zero_on_alloc: bool = True,
     ) -> None:
         size = check_positive_int(size, "size")
         device = check_device(device, "device")
@@ -89,15 +97,20 @@ class MambaStatePool(_FreeListAllocator):
         self.ssm_state_shape = check_shape(ssm_state_shape, "ssm_state_shape")
         self.dtype = check_float_dtype(dtype, "dtype")
         rows = size + 1
-        self.conv = torch.zeros(
-            (self.num_layers, rows, *self.conv_state_shape), dtype=self.dtype, device=device
-        )
-        self.ssm = torch.zeros(
-            (self.num_layers, rows, *self.ssm_state_shape), dtype=self.dtype, device=device
-        )
+        #: ``alloc`` zeroes the slots it hands out (``False``: a host mirror, whose slots a copy
+        #: fills whole: zeroing them would be CPU work growing with the state's bytes)
+        self.zero_on_alloc = bool(zero_on_alloc)
+        self.slot_first = bool(slot_first)
+        lead = (rows, self.num_layers) if self.slot_first else (self.num_layers, rows)
+        #: the contiguous tensors holding the states (slot-first or layer-first), allocated once
+        self.conv_store = torch.zeros((*lead, *self.conv_state_shape), dtype=self.dtype, device=device)
+        self.ssm_store = torch.zeros((*lead, *self.ssm_state_shape), dtype=self.dtype, device=device)
         if pin_memory:
-            pin_in_place(self.conv)
-            pin_in_place(self.ssm)
+            pin_in_place(self.conv_store)
+            pin_in_place(self.ssm_store)
+        #: ``[num_layers, size + 1, *shape]`` views of the stores
+        self.conv = self.conv_store.transpose(0, 1) if self.slot_first else self.conv_store
+        self.ssm = self.ssm_store.transpose(0, 1) if self.slot_first else self.ssm_store
         #: numpy views of ``conv`` and ``ssm`` (same memory) for one-slot copies and zeroing
         #: on the CPU: a numpy row assignment costs ~1 us, a torch view and ``copy_`` ~5 us.
         #: ``None`` on a device, or for a dtype numpy lacks (``bfloat16``): torch views then.
@@ -165,13 +178,14 @@ class MambaStatePool(_FreeListAllocator):
         slot = self._pages.take_one()
         if slot is None:
             return None
-        views = self._views
-        if views is not None:
-            views[0][:, slot] = 0
-            views[1][:, slot] = 0
-        else:
-            self.conv[:, slot].zero_()
-            self.ssm[:, slot].zero_()
+        if self.zero_on_alloc:
+            views = self._views
+            if views is not None:
+                views[0][:, slot] = 0
+                views[1][:, slot] = 0
+            else:
+                self.conv[:, slot].zero_()
+                self.ssm[:, slot].zero_()
         return slot
 
     def free_slot(self, slot: int) -> None:
@@ -248,6 +262,8 @@ class MambaStatePool(_FreeListAllocator):
             self.ssm[:, dst].copy_(self.ssm[:, src])
 
     def _on_alloc(self, slots: torch.Tensor) -> None:
+        if not self.zero_on_alloc:
+            return
         self.conv.index_fill_(1, slots, 0)
         self.ssm.index_fill_(1, slots, 0)
 

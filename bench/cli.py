@@ -59,7 +59,8 @@ def _command(module: str, summary: str, parser: str = "build_parser") -> Command
     return Command(module, summary, parser if ":" in parser else f"{module}:{parser}")
 
 
-#: Command -> how it runs, what it does, where its parser is. Core tools first.
+#: Command -> how it runs, what it does, where its parser is: the user's tools, then the
+#: developer instruments of :mod:`bench.dev` when the checkout has them (:func:`_dev_commands`).
 COMMANDS: dict[str, Command] = {
     "replay": _command("bench.runs.replay", "trace replay in the engine model: hit rates, "
                        "state misses, memory, per policy and pool size (the main job)"),
@@ -71,27 +72,19 @@ COMMANDS: dict[str, Command] = {
                           "agentic, multiturn, sysprompt, mix), print its reuse"),
     "trace-stats": _command("bench.traces.stats", "reuse statistics of a trace file"),
     "convert": _command("bench.traces.convert", "convert a TraceLab trace to the Mooncake format"),
-    "compare": _command("bench.compare.sglang", "radix operations against SGLang's own caches "
-                        "(needs the anchor environment)"),
-    "radix-ops": _command("bench.compare.radix_ops", "per-operation cost of match / insert / "
-                          "evict / locks", "bench.compare.options:radix_ops_parser"),
-    "evict-scaling": _command("bench.compare.evict_scaling", "per-node evict cost against tree "
-                              "size (10k to 1M nodes)", "bench.compare.options:evict_scaling_parser"),
-    "state-budget": _command("bench.policies.budget", "slot-time budget model: what the "
-                             "prompt-end states can save, offline and by an online rule"),
-    "hit-breakdown": _command("bench.policies.hit_breakdown", "where a state policy's hits come "
-                              "from", "bench.policies.options:hit_breakdown_parser"),
-    "sync-counts": _command("bench.gpu.sync_counts", "host synchronisations per request on a "
-                            "simulated CUDA device", "bench.gpu.options:sync_counts_parser"),
-    "storage": _command("bench.storage.throughput", "L3 backend throughput (file, Redis, "
-                        "Mooncake Store)", "bench.storage.options:storage_parser"),
-    "l3-share": _command("bench.storage.l3_share", "hit rates of engines sharing one L3 store",
-                         "bench.storage.options:l3_share_parser"),
-    "lora-load": _command("bench.lora.load", "LoRA adapter load cost from PEFT directories",
-                          "bench.lora.options:lora_load_parser"),
-    "model": _command("bench.model.driver", "a tiny real hybrid model served through the cache, "
-                      "every request checked against the uncached model", "bench.model.options:model_parser"),
 }
+
+def _dev_commands() -> dict[str, Command]:
+    """The developer instruments' commands (:data:`bench.dev.COMMANDS`: module, summary,
+    parser), or none when :mod:`bench.dev` is absent: it lives in the repository only, never in
+    the wheel."""
+    if importlib.util.find_spec("bench.dev") is None:
+        return {}
+    dev = importlib.import_module("bench.dev")
+    return {name: _command(*spec) for name, spec in dev.COMMANDS.items()}
+
+
+COMMANDS.update(_dev_commands())
 
 #: Seconds between two progress lines when stderr is not a terminal.
 PROGRESS_INTERVAL_S = 5.0

@@ -12,7 +12,7 @@
  * int64: its length is checked here; about 64 bytes of header per node, against about 450
  * for a tensor). The marks
  * and the free mask are numpy arrays passed as buffers, so their lengths are checked here.
- * The numpy claim in kv.py is the reference this must agree with (tests/test_compiled.py
+ * The numpy claim in kv.py is the reference this must agree with (tests/radix/test_compiled.py
  * runs both on the same inputs).
  */
 #define PY_SSIZE_T_CLEAN

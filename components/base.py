@@ -33,8 +33,8 @@ its per-node value on the host implements every hook of :data:`TIER_HOOKS` (the 
 one that implements only some, naming it); the first such component (KV) is the *primary*:
 its copy says where a node lives (device, host, both) and its units are the host tier's::
 
-    built          host_pool(config) -> (device allocator, host allocator); the tier sets
-                   ``host_allocator`` (the controller copies between the two by this name)
+    built          host_pool(config) -> (device allocator, host allocator, lanes); the tier
+                   registers the pair by this name and sets ``host_allocator``
     backup         backup_size(node) units -> the tier allocates them on host (all parts
                    at once; the primary's part first, the others dropped when short) ->
                    backup(node, host) -> device indices to copy from
@@ -242,11 +242,13 @@ class Component:
     #: :meth:`host_pool`).
     host_allocator: Any = None
 
-    def host_pool(self, config: Any) -> tuple[Any, Any] | None:
-        """``(device allocator, host allocator)`` whose pools hold this component's values and
-        their host copies (the host one mirroring the device one; ``config`` is the
-        ``hicache.HiCacheConfig``), or ``None``: no host copies. The host tier's controller
-        copies between the two pools under this component's name."""
+    def host_pool(self, config: Any) -> tuple[Any, Any, Any] | None:
+        """``(device allocator, host allocator, lanes)``: the pools holding this component's
+        values and their host copies (the host one mirroring the device one; ``config`` is the
+        ``hicache.HiCacheConfig``) and the tensors a copy moves
+        (``hicache.host_pools.kv_lanes`` / ``state_lanes``), or ``None``: no host copies. The
+        host tier registers the pair in its controller under this component's name
+        (``HiCacheController.register_pair``)."""
         return None
 
     def has_device(self, node: TreeNode) -> bool:

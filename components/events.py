@@ -2,11 +2,26 @@
 
 A router (SGLang's router, NVIDIA Dynamo, llm-d) keeps, per engine instance, the set of pages
 the instance holds, and sends a request where its prefix already is. It learns that set from
-three events, in the shapes SGLang and vLLM publish (``KVCacheEvent`` subclasses there)::
+three events, with the fields SGLang 0.5.23 and vLLM declare (``KVCacheEvent`` subclasses
+there)::
 
-    BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium)
-    BlockRemoved(block_hashes, medium)
+    BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+                lora_name, cache_salt, group_idx)
+    BlockRemoved(block_hashes, medium, group_idx)
     AllBlocksCleared()
+
+``to_dict()`` gives the tagged map the engines encode; ``components.event_wire`` (msgspec, an
+optional dependency) encodes whole batches in either engine wire shape, and
+``components.event_publisher`` publishes them over ZMQ as the engines do. The tenant of a page
+is published as ``lora_id`` / ``lora_name`` / ``cache_salt`` (:func:`namespace_labels`, for
+every namespace kind the library accepts).
+
+On a hybrid model a match is usable only up to a recurrent-state checkpoint, so the page set
+alone overstates what a request can reuse. Checkpoints are published as their own cache group
+(vLLM's ``group_idx``): KV pages are group :data:`KV_GROUP` (0); a state valid after a node's
+last page is a ``BlockStored`` of that one page in group :data:`STATE_GROUP` (1), and a
+``BlockRemoved`` of it when the state is freed (device states, ``medium="GPU"``). A router's
+usable hit is then the longest chain of held KV pages that ends at a page held in group 1.
 
 Block hashes form a chain over whole pages, seeded by the namespace, so a page's hash names
 its whole prefix and is the same wherever and whenever the prefix is cached (a split of a
@@ -30,12 +45,14 @@ When events are emitted (``medium``: ``"GPU"`` device pool, ``"CPU_PINNED"`` hos
     a node gets a host copy (HiCache backup, L3 prefetch)  -> BlockStored  CPU_PINNED
     a node's device KV leaves (eviction, demotion)         -> BlockRemoved GPU
     a node's host copy leaves (host eviction)              -> BlockRemoved CPU_PINNED
+    a node's device state is cached / freed                -> BlockStored / BlockRemoved
+                                                              GPU, group 1 (last page)
     reset()                                                -> AllBlocksCleared
 
 A sliding-window tombstone keeps the node's full-attention KV: no event (the pages are still
 held; a match only cannot *end* there). Consecutive events that continue each other are
 merged, as SGLang does: a store whose first parent is the previous store's last hash (same
-medium and LoRA) extends it, consecutive removals of one medium become one.
+medium, group and tenant) extends it, consecutive removals of one medium and group become one.
 
 Differences from SGLang 0.5.23's recorder: one event covers a node's pages (SGLang emits one
 per page and then merges them the same way); a host copy is published when its host slots are
@@ -46,6 +63,7 @@ library's (the L3 key chain), not SGLang's.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -64,6 +82,10 @@ if TYPE_CHECKING:
 GPU = "GPU"
 #: ``medium`` of a host (L2) page, as SGLang names it.
 CPU = "CPU_PINNED"
+#: ``group_idx`` of KV pages (vLLM's KV cache group id).
+KV_GROUP = 0
+#: ``group_idx`` of recurrent-state checkpoints (hybrid models).
+STATE_GROUP = 1
 
 _DIGEST = 32  # bytes of one SHA-256 digest
 
@@ -78,9 +100,12 @@ class BlockStored:
             of its namespace).
         token_ids: the pages' token ids, ``len == block_size * len(block_hashes)``.
         block_size: tokens per page (the cache's ``page_size``).
-        lora_id: the namespace when it is an int (vLLM's LoRA id), else ``None``.
+        lora_id: the adapter's int id (:func:`namespace_labels`), else ``None``.
         medium: ``"GPU"`` or ``"CPU_PINNED"``.
-        lora_name: the adapter name the cache was given for this namespace, or ``None``.
+        lora_name: the adapter's name (:func:`namespace_labels`), or ``None``.
+        cache_salt: the namespace's salt (:func:`namespace_labels`), or ``None``.
+        group_idx: :data:`KV_GROUP` (KV pages) or :data:`STATE_GROUP` (a recurrent-state
+            checkpoint valid at the end of the one page named).
     """
 
     block_hashes: list[int]
@@ -90,22 +115,31 @@ class BlockStored:
     lora_id: int | None = None
     medium: str | None = GPU
     lora_name: str | None = None
+    cache_salt: str | None = None
+    group_idx: int = KV_GROUP
 
     def to_dict(self) -> dict[str, Any]:
-        """The tagged map SGLang and vLLM encode (``type`` + fields; ``None`` optionals left
-        out)."""
-        return _tagged(self, ("lora_id", "medium", "lora_name"))
+        """The tagged map SGLang 0.5.23 and vLLM encode: ``type``, then every field the
+        engines declare without a default (``lora_id``, ``medium``, ``lora_name`` included,
+        ``None`` when unset), then ``cache_salt`` when set and ``group_idx``."""
+        out = _tagged(self, _STORED_REQUIRED)
+        if self.cache_salt is not None:
+            out["cache_salt"] = self.cache_salt
+        out["group_idx"] = self.group_idx
+        return out
 
 
 @dataclass
 class BlockRemoved:
-    """Pages no longer held in ``medium`` (SGLang / vLLM ``BlockRemoved``)."""
+    """Pages no longer held in ``medium`` (SGLang / vLLM ``BlockRemoved``), of ``group_idx``."""
 
     block_hashes: list[int]
     medium: str | None = GPU
+    group_idx: int = KV_GROUP
 
     def to_dict(self) -> dict[str, Any]:
-        return _tagged(self, ("medium",))
+        """The tagged map (``type``, ``block_hashes``, ``medium``, ``group_idx``)."""
+        return _tagged(self, ("block_hashes", "medium", "group_idx"))
 
 
 @dataclass
@@ -118,14 +152,70 @@ class AllBlocksCleared:
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
+_STORED_REQUIRED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                    "medium", "lora_name")
 
-def _tagged(ev: Any, optional: tuple[str, ...]) -> dict[str, Any]:
+
+def _tagged(ev: Any, fields: tuple[str, ...]) -> dict[str, Any]:
     out: dict[str, Any] = {"type": type(ev).__name__}
-    for k, v in ev.__dict__.items():
-        if v is None and k in optional:
-            continue
+    for k in fields:
+        v = getattr(ev, k)
         out[k] = list(v) if isinstance(v, list) else v
     return out
+
+
+def namespace_labels(extra_key: Any, lora_names: Mapping[Any, str] | None = None
+                     ) -> tuple[int | None, str | None, str | None]:
+    """``(lora_id, lora_name, cache_salt)`` published for a namespace (``extra_key``).
+
+    The block hashes already separate namespaces; these labels tell a router *which* tenant
+    a page belongs to. Every namespace kind the library accepts maps to them:
+
+    * ``None``: no labels;
+    * an ``int`` (not ``bool``): vLLM's LoRA id, ``lora_id``;
+    * a ``LoraUid`` (``allocators.lora``; any frozen dataclass with ``name: str`` and
+      ``serial: int``): ``lora_name = name``, ``lora_id = serial`` (unique per load);
+    * a ``str``: SGLang's ``cache_salt``; any other value (``bytes`` as hex, ``bool``,
+      ``float``, a dataclass: its ``repr``) a salt too;
+    * a tuple: its parts, each as above; the first int or adapter names the adapter, the
+      remaining parts (in order, joined by ``"/"``) form the salt.
+
+    ``lora_names`` (namespace -> adapter name, ``KVEventRecorder(lora_names=)``, as the
+    ``radix.sglang`` front end's ``kv_event_lora_names``): a namespace it lists is that
+    adapter's, ``lora_name`` the name given and no salt.
+    """
+    lora_id: int | None = None
+    lora_name: str | None = None
+    salts: list[str] = []
+    for part in (extra_key if type(extra_key) is tuple else (extra_key,)):
+        if part is None:
+            continue
+        name, serial = getattr(part, "name", None), getattr(part, "serial", None)
+        if lora_id is None and lora_name is None:
+            if isinstance(part, int) and not isinstance(part, bool):
+                lora_id = int(part)
+                continue
+            if (dataclasses.is_dataclass(part) and isinstance(name, str)
+                    and isinstance(serial, int)):
+                lora_id, lora_name = serial, name
+                continue
+        salts.append(_salt_text(part))
+    if lora_names:
+        try:
+            listed = lora_names.get(extra_key)
+        except TypeError:  # an unhashable namespace is never listed
+            listed = None
+        if listed is not None:
+            return lora_id, listed, None
+    return lora_id, lora_name, "/".join(salts) if salts else None
+
+
+def _salt_text(part: Any) -> str:
+    if isinstance(part, str):
+        return str(part)
+    if isinstance(part, bytes):
+        return part.hex()
+    return repr(part)
 
 
 def _hashes(rec: _Pages) -> list[int]:
@@ -160,6 +250,7 @@ class _Pages:
     digests: bytes
     gpu: bool = False
     cpu: bool = False
+    state: bool = False
 
 
 class KVEventRecorder(Component):
@@ -175,6 +266,8 @@ class KVEventRecorder(Component):
         max_events: events kept until :meth:`take`; when more accumulate, the oldest are
             dropped and ``dropped`` counts them (a router that falls that far behind must
             resynchronise). ``None``: unbounded.
+        states: the cache has a recurrent-state component whose observer is
+            :meth:`state_changed`: checkpoints are published as :data:`STATE_GROUP`.
 
     Raises:
         TypeError / ValueError: a bad argument, naming it.
@@ -184,7 +277,7 @@ class KVEventRecorder(Component):
 
     def __init__(self, page_size: int, *, tag: str = "", host_tier: bool = False,
                  lora_names: Mapping[Any, str] | None = None,
-                 max_events: int | None = None) -> None:
+                 max_events: int | None = None, states: bool = False) -> None:
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         if not isinstance(tag, str):
@@ -196,11 +289,15 @@ class KVEventRecorder(Component):
         self.page_size = page_size
         self.tag = tag
         self.host_tier = host_tier
-        self.lora_names: Mapping[Any, str] = dict(lora_names or {})
+        self._lora_names: Mapping[Any, str] = dict(lora_names or {})
         self.max_events = max_events
+        #: Recurrent-state checkpoints are published (:meth:`state_changed` is the state
+        #: component's observer).
+        self.states = states
         if not host_tier:
             self.skip_hooks = frozenset({"refresh", "on_detach"})
         self._seeds: dict[tuple[type, Any], bytes] = {}
+        self._labels: dict[tuple[type, Any], tuple[int | None, str | None, str | None]] = {}
         self._pages: dict[int, _Pages] = {}
         self._queue: list[KVEvent] = []
         self._clearing = False
@@ -208,6 +305,17 @@ class KVEventRecorder(Component):
         self.emitted = 0
         #: Optional observer called with every event as it is queued (tests, publishers).
         self.on_event: Callable[[KVEvent], None] | None = None
+
+    @property
+    def lora_names(self) -> Mapping[Any, str]:
+        """Namespace -> adapter name, published as ``lora_name`` (settable: later events use
+        the new names)."""
+        return self._lora_names
+
+    @lora_names.setter
+    def lora_names(self, names: Mapping[Any, str]) -> None:
+        self._lora_names = dict(names)
+        self._labels = {}
 
     # ----------------------------------------------------------------- queue
     def take(self) -> list[KVEvent]:
@@ -227,12 +335,13 @@ class KVEventRecorder(Component):
         if q:
             tail = q[-1]
             if isinstance(ev, BlockRemoved) and isinstance(tail, BlockRemoved):
-                if tail.medium == ev.medium:
+                if tail.medium == ev.medium and tail.group_idx == ev.group_idx:
                     tail.block_hashes.extend(ev.block_hashes)
                     return
             elif isinstance(ev, BlockStored) and isinstance(tail, BlockStored):
                 if (tail.medium == ev.medium and tail.lora_id == ev.lora_id
-                        and tail.lora_name == ev.lora_name and tail.block_size == ev.block_size
+                        and tail.lora_name == ev.lora_name and tail.cache_salt == ev.cache_salt
+                        and tail.group_idx == ev.group_idx and tail.block_size == ev.block_size
                         and ev.parent_block_hash == tail.block_hashes[-1]):
                     tail.block_hashes.extend(ev.block_hashes)
                     tail.token_ids.extend(ev.token_ids)
@@ -275,14 +384,44 @@ class KVEventRecorder(Component):
             return None
         return block_hash(self._record(parent).digests[-_DIGEST:])
 
+    def labels(self, extra_key: Any) -> tuple[int | None, str | None, str | None]:
+        """``(lora_id, lora_name, cache_salt)`` of a namespace (:func:`namespace_labels`,
+        cached)."""
+        k = (type(extra_key), extra_key)
+        got = self._labels.get(k)
+        if got is None:
+            got = self._labels[k] = namespace_labels(extra_key, self._lora_names)
+        return got
+
     def _store(self, node: TreeNode, rec: _Pages, medium: str) -> None:
-        ek = node.extra_key
+        lora_id, lora_name, salt = self.labels(node.extra_key)
         self._enqueue(BlockStored(
             _hashes(rec), self._parent_hash(node), node.key.tolist(), self.page_size,
-            ek if type(ek) is int else None, medium, self.lora_names.get(ek)))
+            lora_id, medium, lora_name, salt))
 
     def _remove(self, rec: _Pages, medium: str) -> None:
         self._enqueue(BlockRemoved(_hashes(rec), medium))
+
+    def state_changed(self, node: TreeNode, held: bool) -> None:
+        """A recurrent state was cached on ``node`` (``held``) or freed from it (the state
+        component's observer): one :data:`STATE_GROUP` event naming the node's last page,
+        the page whose end the checkpoint is valid at."""
+        if self._clearing or node.parent is None or held == self._record(node).state:
+            return
+        rec = self._record(node)
+        rec.state = held
+        last = rec.digests[-_DIGEST:]
+        if not held:
+            self._enqueue(BlockRemoved([block_hash(last)], GPU, STATE_GROUP))
+            return
+        if len(rec.digests) > _DIGEST:
+            parent: int | None = block_hash(rec.digests[-2 * _DIGEST:-_DIGEST])
+        else:
+            parent = self._parent_hash(node)
+        lora_id, lora_name, salt = self.labels(node.extra_key)
+        self._enqueue(BlockStored(
+            [block_hash(last)], parent, node.key[-self.page_size:].tolist(), self.page_size,
+            lora_id, GPU, lora_name, salt, STATE_GROUP))
 
     # ----------------------------------------------------------------- hooks
     def on_new_node(self, node: TreeNode, plan: InsertPlan, lo: int, hi: int) -> None:
@@ -362,6 +501,8 @@ class KVEventRecorder(Component):
                 assert n.kv_value is None, f"device node without an event record: {n}"
                 continue
             assert rec.gpu == (n.kv_value is not None), f"published GPU state wrong: {n}"
+            if self.states:
+                assert rec.state == (n.state_slot is not None), f"published checkpoint wrong: {n}"
             if self.host_tier:
                 assert rec.cpu == (n.host_value is not None), f"published CPU state wrong: {n}"
             p = n.parent

@@ -586,10 +586,11 @@ class KVComponent(Component):
     # ------------------------------------------------------------------- tiers
     # The primary component of a host tier (``components.base``): ``node.host_value`` holds
     # the host KV slots of a backed-up node, one per token of its key.
-    def host_pool(self, config: Any) -> tuple[Any, Any]:
-        from hicache.host_pools import mirror_kv
+    def host_pool(self, config: Any) -> tuple[Any, Any, Any]:
+        from hicache.host_pools import kv_lanes, mirror_kv
 
-        return self.allocator, mirror_kv(self.allocator, config)
+        host = mirror_kv(self.allocator, config)
+        return self.allocator, host, kv_lanes(self.allocator, host)
 
     def has_device(self, node: TreeNode) -> bool:
         return node.kv_value is not None

@@ -190,6 +190,9 @@ class StateComponent(Component):
         self.slot_to_node: dict[int, TreeNode] = {}
         self._evictable = self._protected = self.evicted = self.inserted = 0
         self._on_match: Callable[..., None] | None = None
+        #: Observer of every state cached on (``True``) or freed from (``False``) a node,
+        #: called after the node's ``state_slot`` changed (the KV event recorder).
+        self.on_state_change: Callable[[TreeNode, bool], None] | None = None
         self.reset()
         if self._on_match is None:
             self.skip_hooks = self.skip_hooks | {"on_match"}
@@ -241,6 +244,8 @@ class StateComponent(Component):
         assert node.state_slot is None and node.parent is not None, node
         node.state_slot = slot
         node.state_access_time = clock
+        if self.on_state_change is not None:
+            self.on_state_change(node, True)
         self.slot_to_node[slot] = node
         if node.state_lock == 0:
             self._evictable += 1
@@ -268,6 +273,8 @@ class StateComponent(Component):
             self.gds.on_remove(node)
         del self.slot_to_node[slot]
         node.state_slot = None
+        if self.on_state_change is not None:
+            self.on_state_change(node, False)
         self._evictable -= 1
         self.evicted += 1
         free_owned = getattr(self.allocator, "free_owned", None)
@@ -403,10 +410,11 @@ class StateComponent(Component):
     # keeps it as the record at the end of the node's last page (``l3_end_record``).
     l3_end_record = True
 
-    def host_pool(self, config: Any) -> tuple[Any, Any]:
-        from hicache.host_pools import mirror_state
+    def host_pool(self, config: Any) -> tuple[Any, Any, Any]:
+        from hicache.host_pools import mirror_state, state_lanes
 
-        return self.allocator, mirror_state(self.allocator, config)
+        host = mirror_state(self.allocator, config)
+        return self.allocator, host, state_lanes(self.allocator, host)
 
     def has_device(self, node: TreeNode) -> bool:
         return node.state_slot is not None

@@ -337,11 +337,12 @@ class SWAComponent(Component):
     # nodes: what the window rule reads); a tombstone has none to back up. Host-only, a node
     # is live (``swa_tombstone`` false) exactly when it has that copy; a load-back gives it
     # SWA slots again (``restore``), a node without one comes back a tombstone.
-    def host_pool(self, config: Any) -> tuple[Any, Any]:
-        from hicache.host_pools import mirror_kv
+    def host_pool(self, config: Any) -> tuple[Any, Any, Any]:
+        from hicache.host_pools import kv_lanes, mirror_kv
 
         side = self.allocator.swa_side
-        return side, mirror_kv(side, config)
+        host = mirror_kv(side, config)
+        return side, host, kv_lanes(side, host)
 
     def has_device(self, node: TreeNode) -> bool:
         return node.kv_value is not None and not node.swa_tombstone

@@ -15,6 +15,19 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 #: The environment variable a deployment secret for L3 pages may come from.
 SECRET_ENV = "HICACHE_STORAGE_SECRET"
 
+#: How rows move between the device and the pinned host pools (SGLang ``--hicache-io-backend``):
+#: ``direct``: ``cudaMemcpyAsync`` (``copy_(non_blocking=True)``) between one contiguous run of
+#: host slots and a device temporary the GPU gathers / scatters; ``kernel``: a GPU kernel
+#: (torch's own index kernels) reads and writes the pinned host pool directly through its
+#: mapped device address (needs CUDA).
+IO_BACKENDS = ("direct", "kernel")
+
+#: Host pool layouts (SGLang ``--hicache-mem-layout``): ``layer_first`` ``[layers, slots, ...]``
+#: (a run of slots is one contiguous range per layer: load-back lands layer by layer);
+#: ``page_first`` ``[slots, layers, ...]`` (a run of slots, every layer, is one contiguous
+#: range: one copy per run and direction).
+MEM_LAYOUTS = ("layer_first", "page_first")
+
 #: L3 storage backends (``hicache_storage_backend``) and prefetch policies.
 STORAGE_BACKENDS = (None, "file", "redis", "mooncake")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -35,6 +48,12 @@ class HiCacheConfig:
             when it is evicted from device).
         load_back_threshold: host-only chains shorter than this are not loaded back [tokens]
             (SGLang's default 10: reloading a few tokens costs more than recomputing them).
+        hicache_io_backend: how rows move between the device pools and the pinned host pools
+            (:data:`IO_BACKENDS`): ``direct`` (default) or ``kernel``. Neither copies on the
+            CPU. ``kernel`` needs CUDA.
+        hicache_mem_layout: the host pools' layout (:data:`MEM_LAYOUTS`): ``page_first``
+            (default: the fewest, largest copies) or ``layer_first`` (load-back lands layer by
+            layer; see ``hicache.controller``).
         hicache_storage_backend: L3 below the host tier: ``None`` (off), ``"file"`` (pages as
             files in ``hicache_storage_dir``), ``"redis"`` (``hicache_storage_url``) or
             ``"mooncake"`` (Mooncake Store: ``hicache_storage_url="mooncake://host:port"`` of
@@ -77,6 +96,8 @@ class HiCacheConfig:
     hicache_size: float = 0
     hicache_write_policy: str = "write_through"
     load_back_threshold: int = 10
+    hicache_io_backend: str = "direct"
+    hicache_mem_layout: str = "page_first"
     hicache_storage_backend: str | None = None
     hicache_storage_dir: str | None = None
     hicache_storage_max_bytes: int | None = None
@@ -106,7 +127,24 @@ class HiCacheConfig:
         t = self.load_back_threshold
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise ValueError(f"load_back_threshold must be an int >= 0 [tokens], got {t!r}")
+        self._check_io()
         self._check_storage()
+
+    def _check_io(self) -> None:
+        """``hicache_io_backend`` / ``hicache_mem_layout``: known names; ``kernel`` only where
+        CUDA is."""
+        for name, choices in (("hicache_io_backend", IO_BACKENDS), ("hicache_mem_layout", MEM_LAYOUTS)):
+            v = getattr(self, name)
+            if not isinstance(v, str) or v not in choices:
+                raise ValueError(f"{name}={v!r} is unknown; expected one of {list(choices)}")
+        if self.hicache_io_backend == "kernel":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    "hicache_io_backend='kernel' needs CUDA (a GPU kernel reading the pinned host "
+                    f"pool) and this machine has none; expected one of {list(IO_BACKENDS)} "
+                    "('direct' works everywhere)")
 
     def _check_storage(self) -> None:
         """L3 fields (``hicache_storage_*``, ``hicache_prefetch_*``); errors name the field and

@@ -2,27 +2,33 @@
 
 Writes (device -> host backups) return a :class:`Transfer`; the cache keeps the node locked
 until the transfer is done and then runs its callback (``poll``). Loads (host -> device) return
-one too. On the CPU every copy finishes inside the call. On a GPU nothing waits on the host:
+one too. On the CPU every copy finishes inside the call. On a GPU every call enqueues its
+copies and returns; the host never copies a byte of pool data and never waits:
 
-    write  current stream: gather the device rows (KV of every layer, the state) into device
-           temporaries, a snapshot ordered before any later reuse of those slots
-           write stream (waits for the current one): each temporary -> a region of the pinned
-           staging ring (``non_blocking``), then an event
-           poll, once the event completed: the region -> the host pool rows (a host copy),
-           region released, callback
-    load   host: the host pool rows -> a pinned region (a host gather)
-           load stream (waits for the current one): region -> device temporary ->
-           the device rows, then an event; the current stream waits for that event (a wait
-           on the GPU, not the host), so whatever the engine runs next sees the data;
-           ``last_load`` is the transfer, for engines computing on other streams
+    write  current stream: the GPU gathers each lane's device rows (K and V of every layer,
+           conv and SSM state: :class:`hicache.host_pools.Lane`) into a device temporary in
+           the host layout's order (the snapshot, ordered before any later reuse of the slots)
+           write stream (waits for the current one): ``direct``: one ``cudaMemcpyAsync`` per run
+           of consecutive host slots (per run and layer with ``layer_first``) from the
+           temporary into the pinned host pool; ``kernel``: one GPU scatter into the host
+           pool's mapped device address; then an event. ``poll`` runs the callback once the
+           event completed (the data is in the host pool then).
+    load   load stream (waits for the current one, and on the GPU for a write still filling a
+           host state it reads): ``direct``: one copy per host run into a device temporary,
+           then a GPU scatter into the device rows; ``kernel``: a GPU gather from the mapped
+           host pool. ``layer_first``: layer by layer, an event after each layer
+           (``Transfer.layer_events``); ``page_first``: every layer at once, one event. Then
+           the current stream waits for the last event (on the GPU, not the host), so whatever
+           the engine runs next sees the data; with ``layerwise = True`` it does not, and the
+           engine waits for layer i alone (``last_load.wait_layer(i)``) before layer i's
+           attention, while later layers are still in flight.
 
-The event of a write covers the whole path into the host pool: the host never reads a region
-before its event, and the pool rows are written only then. The staging ring
-(``allocators.staging.PinnedRing``) is allocated once and reused; copies larger than a quarter
-of it go in chunks. The host waits only when the ring is too small for what is in flight (a
-region to reuse whose write has not landed: its event is synchronised and the write finished
-first) and when a load needs a host state whose write is still in flight. Streams are created
-on the device of the pools.
+Every pool pair (``pools``: ``"kv"``, ``"state"``, and any other a component registers with
+:meth:`HiCacheController.register_pair`) moves through the same two routines:
+``write_rows([(pair, device rows, host rows), ...], on_done)`` and ``load_rows([...])`` (what
+``write`` / ``load`` call for KV + state). Host pools are pinned once where they are allocated; nothing is
+staged, and the engine thread's work per call grows with the number of host runs, never with
+the bytes moved. Streams are created on the device of the pools.
 
 ``hold_completions`` (tests, simulations): completed transfers are reported only after
 ``release_held()``, which is how a test reproduces an in-flight backup on the CPU.
@@ -30,52 +36,94 @@ on the device of the pools.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
-from collections.abc import Callable
-from functools import partial
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
+import numpy as np
 import torch
 
-from allocators import KVStorage, MambaStatePool, SlotAllocator, alloc_all, resolve_device
-from allocators.staging import PinnedRing, Region, upload
+from allocators import (
+    KVStorage,
+    MambaStatePool,
+    SlotAllocator,
+    alloc_all,
+    host_ids,
+    host_int,
+    resolve_device,
+)
+from allocators.staging import mapped_on_device, upload
 from hicache.config import HiCacheConfig
-from hicache.host_pools import PoolPair, copy_kv, copy_state, mirror_kv, mirror_state
+from hicache.host_pools import (
+    Lane,
+    PoolPair,
+    copy_kv,
+    copy_state,
+    kv_lanes,
+    mirror_kv,
+    mirror_state,
+    state_lanes,
+)
 
-#: Bytes of the pinned staging ring of a GPU controller (grown when one chunk needs more).
-STAGING_BYTES = 64 << 20
+#: Device rows of one pair in a transfer: device slot ids (a tensor on the device) or one
+#: contiguous range (a state slot).
+Rows = torch.Tensor | slice
+
+#: One pair's part of a transfer: ``(pair name, device rows, host rows)``, rows an index tensor
+#: or one ``int`` slot.
+Move = tuple[str, torch.Tensor | int, torch.Tensor | int]
 
 
 class Transfer:
     """One copy between the device and the host; ``done()`` once it has finished (a write:
-    its data is in the host pool; a load: on the device)."""
+    its data is in the host pool; a load: on the device).
 
-    __slots__ = ("event", "released", "chunks")
+    ``layer_events`` (a GPU load): one event per KV layer, completed once that layer's rows
+    (and every non-KV pair's) are on the device; ``wait_layer(i)`` makes a stream wait for it
+    on the GPU (the host does not wait)."""
 
-    def __init__(self, event: Any, chunks: int = 0) -> None:
+    __slots__ = ("event", "released", "layer_events", "keep")
+
+    def __init__(self, event: Any, layer_events: tuple[Any, ...] = ()) -> None:
         self.event = event
         self.released = True
-        #: staged chunks not yet finished (a GPU write: copied into the host pool at ``poll``)
-        self.chunks = chunks
+        self.layer_events = layer_events
+        #: device temporaries the copies still read (dropped once done)
+        self.keep: list[torch.Tensor] = []
 
     def done(self) -> bool:
-        if not self.released or self.chunks:
+        if not self.released:
             return False
         return self.event is None or bool(self.event.query())
 
+    def layer_done(self, layer: int) -> bool:
+        """Whether layer ``layer``'s rows are on the device (a query: the host does not wait)."""
+        ev = self._layer_event(layer)
+        return ev is None or bool(ev.query())
 
-class _Chunk:
-    """One staged piece of a GPU write: done when ``event`` is, then ``finish`` copies the
-    regions into the host pool and releases them."""
+    def wait_layer(self, layer: int, stream: Any = None) -> None:
+        """Make ``stream`` (default: the current one) wait on the GPU for layer ``layer``."""
+        ev = self._layer_event(layer)
+        if ev is not None:
+            (stream if stream is not None else torch.cuda.current_stream()).wait_event(ev)
 
-    __slots__ = ("event", "finish", "regions", "transfer")
+    def wait(self, stream: Any = None) -> None:
+        """Make ``stream`` (default: the current one) wait on the GPU for the whole transfer."""
+        if self.event is not None:
+            (stream if stream is not None else torch.cuda.current_stream()).wait_event(self.event)
 
-    def __init__(self, event: Any, regions: list[Region], finish: Callable[[], None],
-                 transfer: Transfer) -> None:
-        self.event = event
-        self.regions = regions
-        self.finish = finish
-        self.transfer = transfer
+    def synchronize(self) -> None:
+        """Block the host until the transfer has finished (only when the caller asks)."""
+        if self.event is not None:
+            self.event.synchronize()
+
+    def _layer_event(self, layer: int) -> Any:
+        if not self.layer_events:
+            return self.event
+        if not 0 <= layer < len(self.layer_events):
+            raise ValueError(f"layer={layer} is out of range for {len(self.layer_events)} layers")
+        return self.layer_events[layer]
 
 
 class HiCacheController:
@@ -85,8 +133,7 @@ class HiCacheController:
         kv_device: the device KV allocator (its ``pool``, if any, holds the tensors: a
             ``KVPool`` or the engine's own ``KVBuffers``).
         state_device: the device state pool, or ``None`` (no recurrent layers).
-        config: sizes and policies.
-        staging_bytes: size of the pinned staging ring on a GPU [bytes].
+        config: sizes, policies, ``hicache_io_backend`` and ``hicache_mem_layout``.
 
     Raises:
         ValueError: a host pool not larger than its device pool, or a GPU KV allocator
@@ -95,48 +142,52 @@ class HiCacheController:
     Attributes:
         pools: ``{"kv": PoolPair, "state": PoolPair}`` (state only with recurrent layers).
         last_load: the last load's :class:`Transfer` (``None`` before the first).
+        layerwise: a GPU load leaves the current stream free: the engine waits per layer
+            (``last_load.wait_layer(i)``). ``False`` (default): the current stream waits for
+            the whole load.
     """
 
     def __init__(self, kv_device: SlotAllocator, state_device: MambaStatePool | None,
-                 config: HiCacheConfig, *, staging_bytes: int = STAGING_BYTES) -> None:
+                 config: HiCacheConfig) -> None:
         self.config = config
-        self.pools: dict[str, PoolPair] = {"kv": PoolPair("kv", kv_device, mirror_kv(kv_device, config))}
+        kv_host = mirror_kv(kv_device, config)
+        self.pools: dict[str, PoolPair] = {
+            "kv": PoolPair("kv", kv_device, kv_host, kv_lanes(kv_device, kv_host))}
         if state_device is not None:
-            self.pools["state"] = PoolPair("state", state_device, mirror_state(state_device, config))
+            state_host = mirror_state(state_device, config)
+            self.pools["state"] = PoolPair("state", state_device, state_host,
+                                           state_lanes(state_device, state_host))
         dev_pool: KVStorage | None = getattr(kv_device, "pool", None)
         where = dev_pool.device if dev_pool is not None else (
             state_device.device if state_device is not None else kv_device.device)
         self.device = resolve_device(torch.device(where))
         self._cuda = self.device.type == "cuda"
+        self._kernel = self._cuda and config.hicache_io_backend == "kernel"
         self._write_stream: Any = None
         self._load_stream: Any = None
-        self._ring: PinnedRing | None = None
         if self._cuda:
             self._write_stream = torch.cuda.Stream(device=self.device)
             self._load_stream = torch.cuda.Stream(device=self.device)
-            self._ring = PinnedRing(staging_bytes, on_full=self._finish_oldest_chunk)
+        if self._kernel:  # the GPU addresses the pinned host pools directly
+            for name, pair in self.pools.items():
+                lanes = tuple(dataclasses.replace(ln, mapped=mapped_on_device(ln.host_store, self.device))
+                              for ln in pair.lanes)
+                self.pools[name] = dataclasses.replace(pair, lanes=lanes)
         self._pending: deque[tuple[Transfer, Callable[[], None] | None]] = deque()
-        self._chunks: deque[_Chunk] = deque()
-        #: host state slot -> the write in flight that fills it (a load must wait for it)
-        self._state_writes: dict[int, Transfer] = {}
+        self._loads: deque[Transfer] = deque()
+        #: (pair, host slot) -> the write in flight that fills it (a load is ordered after
+        #: it): one-slot moves (states); a KV node's rows stay locked on device meanwhile
+        self._host_writes: dict[tuple[str, int], Transfer] = {}
         self.last_load: Transfer | None = None
-        self._full_waits = 0
-        #: times a load waited for the write of the host state it reads
+        self.layerwise = False
+        #: loads ordered (on the GPU) after the write of a host state they read
         self.load_waits = 0
         self.hold_completions = False
         self.backup_tokens = 0
         self.load_tokens = 0
-
-    def add_pool(self, name: str, device: SlotAllocator, host: SlotAllocator) -> PoolPair:
-        """Register the pool pair ``name`` (a component's device pool and its host mirror),
-        unless one of that name is registered already; returns the registered pair. A pair
-        other than ``"kv"`` and ``"state"`` holds KV-layout pools (``KVStorage``: gather /
-        scatter) or state pools (``MambaStatePool``), copied by :meth:`write_parts` /
-        :meth:`load_parts`."""
-        pair = self.pools.get(name)
-        if pair is None:
-            pair = self.pools[name] = PoolPair(name, device, host)
-        return pair
+        #: bytes enqueued device -> host and host -> device [bytes]
+        self.bytes_written = 0
+        self.bytes_loaded = 0
 
     @property
     def host_kv(self) -> SlotAllocator:
@@ -151,12 +202,6 @@ class HiCacheController:
         """The device and host state pools (only with recurrent layers)."""
         pair = self.pools["state"]
         return cast("MambaStatePool", pair.device), cast("MambaStatePool", pair.host)
-
-    @property
-    def staging_waits(self) -> int:
-        """Times the host waited for the staging ring (it was smaller than the copies in
-        flight); 0 on the CPU."""
-        return self._ring.waits + self._full_waits if self._ring is not None else 0
 
     # ------------------------------------------------------------------ alloc
     def alloc_host(self, num_tokens: int, num_states: int) -> tuple[torch.Tensor, int | None] | None:
@@ -175,23 +220,35 @@ class HiCacheController:
         pool exactly as before)."""
         return alloc_all(asks)
 
+
     # ------------------------------------------------------------------ copies
+    def register_pair(self, name: str, device: SlotAllocator, host: SlotAllocator,
+                      lanes: tuple[Lane, ...]) -> PoolPair:
+        """Add a pool pair (a component's own device pool and its host mirror) whose rows
+        :meth:`write_rows` / :meth:`load_rows` move the way they move ``"kv"`` and
+        ``"state"``. ``lanes`` name its tensors (``hicache.host_pools.Lane``; host stores
+        pinned where they were allocated when the device is a GPU).
+
+        Raises:
+            ValueError: ``name`` is taken.
+        """
+        if name in self.pools:
+            raise ValueError(f"pool pair {name!r} is registered already; have {sorted(self.pools)}")
+        if self._kernel:
+            lanes = tuple(dataclasses.replace(ln, mapped=mapped_on_device(ln.host_store, self.device))
+                          for ln in lanes)
+        pair = self.pools[name] = PoolPair(name, device, host, lanes)
+        return pair
+
     def write(self, device_slots: torch.Tensor, host_slots: torch.Tensor,
               device_state: int | None, host_state: int | None,
               on_done: Callable[[], None] | None) -> Transfer:
         """Copy device -> host (KV slots, and a state when both are given); ``on_done`` runs at
         ``poll`` once the data is in the host pool (see the module docstring)."""
-        if self._cuda:
-            t = self._write_gpu(device_slots, host_slots, device_state, host_state)
-        else:
-            kv = self.pools["kv"]
-            copy_kv(kv.device, device_slots, kv.host, host_slots)
-            if device_state is not None and host_state is not None:
-                sd, sh = self._states()
-                copy_state(sd, device_state, sh, host_state)
-            t = Transfer(None)
-        t.released = not self.hold_completions
-        self._pending.append((t, on_done))
+        moves: list[Move] = [("kv", device_slots, host_slots)]
+        if device_state is not None and host_state is not None:
+            moves.append(("state", device_state, host_state))
+        t = self.write_rows(moves, on_done)
         self.backup_tokens += len(host_slots)
         return t
 
@@ -205,241 +262,206 @@ class HiCacheController:
             if on_done is not None:
                 on_done()
             return Transfer(None)
-        t = self._write_gpu(None, None, device_state, host_state)
-        self._pending.append((t, on_done))
-        return t
+        return self.write_rows([("state", device_state, host_state)], on_done)
 
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor,
              host_state: int | None, device_state: int | None) -> Transfer:
-        """Copy host -> device (KV slots, and a state when both are given). On a GPU the copy
-        is enqueued on the load stream and the current stream waits for it (no host wait;
-        see the module docstring); the returned transfer is also ``last_load``."""
-        if not self._cuda:
-            kv = self.pools["kv"]
-            copy_kv(kv.host, host_slots, kv.device, device_slots)
-            if host_state is not None and device_state is not None:
-                sd, sh = self._states()
-                copy_state(sh, host_state, sd, device_state)
-            t = Transfer(None)
-        else:
-            if host_state is not None:
-                self._land_state(host_state)
-            t = self._load_gpu(host_slots, device_slots, host_state, device_state)
-        self.last_load = t
+        """Copy host -> device (KV slots, and a state when both are given). On a GPU the copies
+        are enqueued on the load stream and the current stream waits for them on the GPU
+        (unless ``layerwise``; see the module docstring); the returned transfer is also
+        ``last_load``."""
+        moves: list[Move] = []
+        if host_state is not None and device_state is not None:
+            moves.append(("state", device_state, host_state))
+        moves.append(("kv", device_slots, host_slots))
+        t = self.load_rows(moves)
         self.load_tokens += len(host_slots)
         return t
 
-    # ------------------------------------------------------- copies by pool name
-    def write_parts(self, parts: list[tuple[str, torch.Tensor, torch.Tensor]],
-                    on_done: Callable[[], None] | None) -> Transfer:
-        """Copy device -> host, per registered pool pair: ``(name, device indices, host
-        indices)``; ``on_done`` runs at ``poll`` once every part is in the host pools. The
-        ``"kv"`` and ``"state"`` parts go through :meth:`write` (asynchronous on a GPU); the
-        other pairs are copied in the call (their own pool's gather / scatter)."""
-        kv_d = kv_h = _EMPTY
-        st_d = st_h = None
-        for name, dev, host in parts:
-            if name == "kv":
-                kv_d, kv_h = dev, host
-            elif name == "state":
-                st_d, st_h = int(dev[0]), int(host[0])
-            else:
-                pair = self.pools[name]
-                _copy(pair.device, dev, pair.host, host)
-        return self.write(kv_d, kv_h, st_d, st_h, on_done)
+    def write_rows(self, moves: Sequence[Move], on_done: Callable[[], None] | None) -> Transfer:
+        """Copy device -> host, for each ``(pair name, device rows, host rows)`` (rows: an index
+        tensor, or one ``int`` slot), every pair the same way; ``on_done`` runs at ``poll`` once
+        all of it is in the host pools. On the CPU the copies run now.
 
-    def load_parts(self, parts: list[tuple[str, torch.Tensor, torch.Tensor]]) -> Transfer:
-        """Copy host -> device, per registered pool pair: ``(name, host indices, device
-        indices)`` (see :meth:`write_parts`, :meth:`load`)."""
-        kv_h = kv_d = _EMPTY
-        st_h = st_d = None
-        for name, host, dev in parts:
-            if name == "kv":
-                kv_h, kv_d = host, dev
-            elif name == "state":
-                st_h, st_d = int(host[0]), int(dev[0])
-            else:
-                pair = self.pools[name]
-                _copy(pair.host, host, pair.device, dev)
-        return self.load(kv_h, kv_d, st_h, st_d)
-
-    # ------------------------------------------------------------- GPU copies
-    def _chunk_tokens(self) -> int:
-        """Tokens per staged chunk: a quarter of the ring at most (at least one page)."""
-        kv_pool: KVStorage | None = getattr(self.pools["kv"].device, "pool", None)
-        assert self._ring is not None
-        per = kv_pool.bytes_per_token if kv_pool is not None else 1
-        ps = self.pools["kv"].device.page_size
-        n = max(ps, self._ring.capacity // 4 // max(per, 1))
-        return n - n % ps
-
-    def _write_gpu(self, device_slots: torch.Tensor | None, host_slots: torch.Tensor | None,
-                   device_state: int | None, host_state: int | None) -> Transfer:
-        ring, side = self._ring, self._write_stream
-        assert ring is not None
-        cur = torch.cuda.current_stream(self.device)
-        kv = self.pools["kv"]
-        dev_pool: KVStorage | None = getattr(kv.device, "pool", None)
-        host_pool: Any = getattr(kv.host, "pool", None)
-        # each span is one chunk (its regions, one event): K and V of up to a quarter of the ring,
-        # or one state tensor (never two regions that together could wrap onto each other)
-        spans: list[list[tuple[torch.Tensor, Callable[[torch.Tensor], None]]]] = []
-        if device_slots is not None and host_slots is not None and dev_pool is not None \
-                and host_pool is not None and host_slots.numel():
-            d = device_slots if device_slots.device == self.device else upload(
-                device_slots.numpy(), self.device)
-            step = self._chunk_tokens()
-            for lo in range(0, host_slots.numel(), step):
-                k, v = dev_pool.gather(d[lo:lo + step])  # current stream: the snapshot
-                h = host_slots[lo:lo + step]
-                spans.append([(k, partial(_put_rows, host_pool.k_all, h)),
-                              (v, partial(_put_rows, host_pool.v_all, h))])
-        if device_state is not None and host_state is not None:
-            sd, sh = self._states()
-            spans.append([(sd.conv[:, device_state].clone(), partial(_put_slot, sh.conv, host_state))])
-            spans.append([(sd.ssm[:, device_state].clone(), partial(_put_slot, sh.ssm, host_state))])
-        t = Transfer(None, chunks=len(spans))
-        side.wait_stream(cur)
-        for span in spans:
-            regions: list[Region] = []
-            targets: list[tuple[torch.Tensor, Callable[[torch.Tensor], None]]] = []
-            for src, put in span:
-                region = ring.take(src.numel() * src.element_size(), held=True)
-                dst = region.view(src.dtype, tuple(src.shape))
-                with torch.cuda.stream(side):
-                    dst.copy_(src, non_blocking=True)
-                regions.append(region)
-                targets.append((dst, put))
-            ev = torch.cuda.Event()
-            ev.record(side)
-            for region in regions:
-                region.event = ev
-
-            # ``span`` keeps the device snapshots alive until the copies have landed (then the
-            # caching allocator may hand their memory out again: no record_stream needed)
-            def finish(targets: list[tuple[torch.Tensor, Callable[[torch.Tensor], None]]] = targets,
-                       regions: list[Region] = regions, span: list[Any] = span) -> None:
-                for dst, put in targets:
-                    put(dst)
-                for region in regions:
-                    ring.release(region)
-                span.clear()
-
-            self._chunks.append(_Chunk(ev, regions, finish, t))
-            t.event = ev
-        if host_state is not None and device_state is not None:
-            self._state_writes[host_state] = t
+        Raises:
+            KeyError: a pair that is not registered (nothing is enqueued).
+        """
+        if self._cuda:
+            resolved = self._resolve(moves)
+            t = self._write_gpu(resolved)
+            for pair, _, hs in resolved:
+                if pair.name != "kv" and len(hs) == 1:
+                    self._host_writes[(pair.name, int(hs[0]))] = t
+        else:
+            for name, d, h in moves:
+                self._copy_cpu(self.pools[name], d, h, to_host=True)
+            t = Transfer(None)
+        t.released = not self.hold_completions
+        self._pending.append((t, on_done))
         return t
 
-    def _load_gpu(self, host_slots: torch.Tensor, device_slots: torch.Tensor,
-                  host_state: int | None, device_state: int | None) -> Transfer:
-        ring, side = self._ring, self._load_stream
-        assert ring is not None
-        cur = torch.cuda.current_stream(self.device)
-        kv = self.pools["kv"]
-        dev_pool: KVStorage | None = getattr(kv.device, "pool", None)
-        host_pool: Any = getattr(kv.host, "pool", None)
-        steps: list[Callable[[], list[Region]]] = []  # each stages its part, copies it on side
-        if dev_pool is not None and host_pool is not None and host_slots.numel():
-            d = device_slots if device_slots.device == self.device else upload(
-                device_slots.numpy(), self.device)
-            step = self._chunk_tokens()
-            for lo in range(0, host_slots.numel(), step):
-                steps.append(partial(self._load_kv_chunk, host_pool, dev_pool,
-                                     host_slots[lo:lo + step], d[lo:lo + step]))
-        if host_state is not None and device_state is not None:
+    def load_rows(self, moves: Sequence[Move]) -> Transfer:
+        """Copy host -> device, for each ``(pair name, device rows, host rows)`` (as
+        :meth:`write_rows`); non-KV pairs land first, then the KV pair layer by layer
+        (``layer_first``). The transfer is also ``last_load``.
+
+        Raises:
+            KeyError: a pair that is not registered (nothing is enqueued).
+        """
+        if self._cuda:
+            resolved = self._resolve(moves)
+            after = [w for pair, _, hs in resolved
+                     if len(hs) == 1 and (w := self._host_writes.get((pair.name, int(hs[0])))) is not None]
+            t = self._load_gpu(resolved, after)
+            self._loads.append(t)
+        else:
+            for name, d, h in moves:
+                self._copy_cpu(self.pools[name], d, h, to_host=False)
+            t = Transfer(None)
+        self.last_load = t
+        return t
+
+    def _copy_cpu(self, pair: PoolPair, d: torch.Tensor | int, h: torch.Tensor | int,
+                  to_host: bool) -> None:
+        """The synchronous copies of a CPU controller (the KV and state pairs through their
+        pools' own routines, any other pair lane by lane)."""
+        if pair.name == "kv":
+            assert isinstance(d, torch.Tensor) and isinstance(h, torch.Tensor)
+            if to_host:
+                copy_kv(pair.device, d, pair.host, h)
+            else:
+                copy_kv(pair.host, h, pair.device, d)
+            return
+        if pair.name == "state":
             sd, sh = self._states()
-            for rows, drows in ((sh.conv, sd.conv), (sh.ssm, sd.ssm)):
-                steps.append(partial(self._load_state, rows, drows, host_state, device_state))
-        side.wait_stream(cur)  # earlier work on the device rows is done before they change
-        ev = None
-        for stage in steps:
-            regions = stage()
-            ev = torch.cuda.Event()
-            ev.record(side)
-            for region in regions:
-                region.event = ev
-        if ev is not None:
-            cur.wait_event(ev)  # what the engine enqueues next sees the loaded data
-        return Transfer(ev)
+            ds, hs = host_int(d, "device state"), host_int(h, "host state")
+            if to_host:
+                copy_state(sd, ds, sh, hs)
+            else:
+                copy_state(sh, hs, sd, ds)
+            return
+        di = torch.tensor([d]) if isinstance(d, int) else d
+        hi = torch.tensor([h]) if isinstance(h, int) else h
+        for lane in pair.lanes:
+            rows = lane.host_store.transpose(0, 1) if lane.slot_first else lane.host_store
+            for i, dev in enumerate(lane.device):
+                if to_host:
+                    rows[i].index_copy_(0, hi, dev.index_select(0, di))
+                else:
+                    dev.index_copy_(0, di, rows[i].index_select(0, hi))
 
-    def _load_kv_chunk(self, host_pool: Any, dev_pool: KVStorage, h: torch.Tensor,
-                       d: torch.Tensor) -> list[Region]:
-        """Host rows ``h`` of every layer -> pinned regions (host gathers) -> the device rows
-        ``d`` (on the load stream)."""
-        assert self._ring is not None
-        regions, staged = [], []
-        for rows in (host_pool.k_all, host_pool.v_all):
-            shape = (rows.shape[0], h.numel(), *rows.shape[2:])
-            region = self._ring.take(rows[:, :1].numel() * h.numel() * rows.element_size())
-            buf = region.view(rows.dtype, shape)
-            torch.index_select(rows, 1, h, out=buf)
-            regions.append(region)
-            staged.append(buf)
-        with torch.cuda.stream(self._load_stream):
-            k, v = (b.to(self.device, non_blocking=True) for b in staged)
-            dev_pool.scatter(d, k, v)
-        return regions
+    def _resolve(self, moves: Sequence[Move]) -> list[tuple[PoolPair, Rows, np.ndarray]]:
+        """Moves as (pair, device rows on the device, host slots); empty ones dropped."""
+        out: list[tuple[PoolPair, Rows, np.ndarray]] = []
+        for name, d, h in moves:
+            pair = self.pools[name]
+            if isinstance(h, int):
+                hs = np.array([h], dtype=np.int64)
+            else:
+                hs = np.ascontiguousarray(host_ids(h, "host rows"), dtype=np.int64)
+            if not len(hs):
+                continue
+            rows: Rows = slice(d, d + 1) if isinstance(d, int) else self._device_rows(d)
+            out.append((pair, rows, hs))
+        return out
 
-    def _load_state(self, rows: torch.Tensor, drows: torch.Tensor, host_state: int,
-                    device_state: int) -> list[Region]:
-        """One state tensor (conv or SSM, every layer): host slot -> a pinned region -> the
-        device slot (on the load stream)."""
-        assert self._ring is not None
-        src = rows[:, host_state]
-        region = self._ring.take(src.numel() * src.element_size())
-        buf = region.view(src.dtype, tuple(src.shape))
-        buf.copy_(src)
-        with torch.cuda.stream(self._load_stream):
-            drows[:, device_state].copy_(buf, non_blocking=True)
-        return [region]
+    # ------------------------------------------------------------- GPU copies
+    def _device_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Device slot ids on the device (a host tensor is uploaded: no host synchronisation)."""
+        if slots.device == self.device:
+            return slots
+        return upload(np.ascontiguousarray(host_ids(slots, "device_slots"), dtype=np.int64), self.device)
 
-    def _finish_oldest_chunk(self) -> bool:
-        """The staging ring needs the oldest held region: wait for its write (a host
-        synchronisation: the ring is too small for what is in flight) and finish it."""
-        if not self._chunks:
-            return False
-        if self._finish_one():
-            self._full_waits += 1
-        return True
+    def _write_gpu(self, moves: list[tuple[PoolPair, Rows, np.ndarray]]) -> Transfer:
+        side = self._write_stream
+        cur = torch.cuda.current_stream(self.device)
+        t = Transfer(None)
+        staged = []
+        for pair, rows, h in moves:  # the snapshot, on the current stream
+            hdev = upload(h, self.device) if self._kernel else None
+            # made on the current stream, read on the write stream: alive until the event
+            t.keep.extend(x for x in (rows, hdev) if isinstance(x, torch.Tensor))
+            for lane in pair.lanes:
+                tmp = _gather(lane, rows)
+                t.keep.append(tmp)
+                staged.append((lane, tmp, h, hdev))
+        side.wait_stream(cur)
+        nbytes = 0
+        with torch.cuda.stream(side):
+            for lane, tmp, h, hdev in staged:
+                nbytes += lane.row_bytes * len(h)
+                if hdev is not None and lane.mapped is not None:
+                    lane.mapped.index_copy_(0 if lane.slot_first else 1, hdev, tmp)
+                    continue
+                for h0, off, n in _runs(h):
+                    if lane.slot_first:
+                        lane.host_store[h0:h0 + n].copy_(tmp[off:off + n], non_blocking=True)
+                    else:
+                        for i in range(lane.num_layers):
+                            lane.host_store[i, h0:h0 + n].copy_(tmp[i, off:off + n], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(side)
+        t.event = ev
+        self.bytes_written += nbytes
+        return t
 
-    def _finish_one(self) -> bool:
-        """Finish the oldest staged chunk, waiting for its copy if it has not landed; returns
-        whether the host waited."""
-        chunk = self._chunks.popleft()
-        waited = not chunk.event.query()
-        if waited:
-            chunk.event.synchronize()
-        self._complete(chunk)
-        return waited
-
-    def _complete(self, chunk: _Chunk) -> None:
-        chunk.finish()
-        chunk.transfer.chunks -= 1
-
-    def _land_state(self, host_state: int) -> None:
-        """A load reads ``host_state``: finish the write that fills it first (waiting for it
-        when its copy has not landed yet: the one host wait of a load)."""
-        t = self._state_writes.get(host_state)
-        while t is not None and t.chunks and self._chunks:
-            if self._finish_one():
+    def _load_gpu(self, moves: list[tuple[PoolPair, Rows, np.ndarray]],
+                  after: list[Transfer]) -> Transfer:
+        side = self._load_stream
+        cur = torch.cuda.current_stream(self.device)
+        hdevs = [upload(h, self.device) if self._kernel else None for _, _, h in moves]
+        side.wait_stream(cur)  # earlier work on the device rows (and the ids) is done first
+        for w in after:
+            if w.event is not None and not w.done():
+                side.wait_event(w.event)  # host rows still being written: a wait on the GPU
                 self.load_waits += 1
-        self._state_writes.pop(host_state, None)
+        kv = self.pools["kv"]
+        layers = kv.lanes[0].num_layers if kv.lanes else 0
+        layer_events: list[Any] = []
+        nbytes = 0
+        with torch.cuda.stream(side):
+            for (pair, rows, h), hdev in zip(moves, hdevs, strict=True):
+                nbytes += sum(lane.row_bytes for lane in pair.lanes) * len(h)
+                if pair is kv and kv.lanes and not kv.lanes[0].slot_first:
+                    continue  # layer by layer below
+                for lane in pair.lanes:
+                    _scatter_all(lane, rows, _fetch_all(lane, h, hdev))
+            for pair, rows, h in moves:
+                if pair is not kv or not kv.lanes or kv.lanes[0].slot_first:
+                    continue
+                for i in range(layers):
+                    for lane in pair.lanes:
+                        _scatter_layer(lane, i, rows, _fetch_layer(lane, i, h, hdev))
+                    ev = torch.cuda.Event()
+                    ev.record(side)
+                    layer_events.append(ev)
+        last = torch.cuda.Event()
+        last.record(side)
+        if not layer_events:
+            layer_events = [last] * layers
+        t = Transfer(last, tuple(layer_events))
+        # ids made on the current stream, read on the load stream: alive until the event
+        t.keep.extend(x for x in (*hdevs, *(r for _, r, _ in moves)) if isinstance(x, torch.Tensor))
+        if not self.layerwise:
+            cur.wait_event(last)  # what the engine enqueues next sees the loaded data
+        self.bytes_loaded += nbytes
+        return t
 
     # -------------------------------------------------------------- completion
     def poll(self) -> int:
-        """Finish the staged chunks whose copies have landed, then run the callbacks of
-        finished writes, in issue order; return how many callbacks ran."""
-        chunks = self._chunks
-        while chunks and chunks[0].event.query():
-            self._complete(chunks.popleft())
+        """Run the callbacks of finished writes, in issue order; return how many ran. (Finished
+        loads are forgotten.)"""
+        loads = self._loads
+        while loads and loads[0].done():
+            loads.popleft().keep.clear()
         n = 0
         pending = self._pending
         while pending and pending[0][0].done():
             t, cb = pending.popleft()
-            if self._state_writes:
-                for slot in [s for s, w in self._state_writes.items() if w is t]:
-                    del self._state_writes[slot]
+            t.keep.clear()
+            if self._host_writes:
+                for key in [k for k, w in self._host_writes.items() if w is t]:
+                    del self._host_writes[key]
             if cb is not None:
                 cb()
                 n += 1
@@ -455,24 +477,76 @@ class HiCacheController:
         return len(self._pending)
 
 
-def _put_rows(rows: torch.Tensor, slots: torch.Tensor, data: torch.Tensor) -> None:
-    """Host pool rows ``slots`` (of every layer, dim 1) <- ``data`` (a landed region)."""
-    rows.index_copy_(1, slots, data)
+def _runs(h: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(first host slot, offset in h, length)`` of each run of consecutive host slots."""
+    if len(h) == 1:
+        return [(int(h[0]), 0, 1)]
+    cut = np.flatnonzero(np.diff(h) != 1) + 1
+    starts = np.concatenate(([0], cut))
+    ends = np.concatenate((cut, [len(h)]))
+    return [(int(h[a]), int(a), int(b - a)) for a, b in zip(starts, ends, strict=True)]
 
 
-def _put_slot(rows: torch.Tensor, slot: int, data: torch.Tensor) -> None:
-    """Host state pool slot ``slot`` (of every layer) <- ``data`` (a landed region)."""
-    rows[:, slot].copy_(data)
+def _gather(lane: Lane, rows: Rows) -> torch.Tensor:
+    """A new contiguous device tensor of ``lane``'s rows ``rows`` in the host store's order:
+    ``[n, layers, *row]`` (slot-first) or ``[layers, n, *row]``. One or two GPU kernels."""
+    sf = lane.slot_first
+    if lane.device_all is not None:
+        every = lane.device_all
+        if isinstance(rows, slice):
+            part = every[:, rows]
+            return (part.transpose(0, 1) if sf else part).contiguous()
+        return every.transpose(0, 1).index_select(0, rows) if sf else every.index_select(1, rows)
+    parts = [t[rows] if isinstance(rows, slice) else t.index_select(0, rows) for t in lane.device]
+    return torch.stack(parts, dim=1 if sf else 0)
 
 
-_EMPTY = torch.empty(0, dtype=torch.int64)
+def _fetch_all(lane: Lane, h: np.ndarray, hdev: torch.Tensor | None) -> torch.Tensor:
+    """``lane``'s host rows ``h`` of every layer as a new device tensor in the store's order
+    (on the current stream: the load stream)."""
+    dim = 0 if lane.slot_first else 1
+    if hdev is not None and lane.mapped is not None:
+        return lane.mapped.index_select(dim, hdev)
+    store = lane.host_store
+    shape = list(store.shape)
+    shape[dim] = len(h)
+    tmp = torch.empty(shape, dtype=store.dtype, device=lane.device[0].device)
+    for h0, off, n in _runs(h):
+        if lane.slot_first:
+            tmp[off:off + n].copy_(store[h0:h0 + n], non_blocking=True)
+        else:
+            for i in range(lane.num_layers):
+                tmp[i, off:off + n].copy_(store[i, h0:h0 + n], non_blocking=True)
+    return tmp
 
 
-def _copy(src: Any, src_idx: torch.Tensor, dst: Any, dst_idx: torch.Tensor) -> None:
-    """Copy slots ``src_idx -> dst_idx`` between the pools of two allocators of one pair,
-    synchronously: state pools slot by slot, KV-layout pools (their ``pool``) at once."""
-    if isinstance(src, MambaStatePool):
-        for a, b in zip(src_idx.tolist(), dst_idx.tolist(), strict=True):
-            copy_state(src, a, dst, b)
+def _fetch_layer(lane: Lane, layer: int, h: np.ndarray, hdev: torch.Tensor | None) -> torch.Tensor:
+    """Layer ``layer`` of ``lane``'s host rows ``h`` (a layer-first store) on the device."""
+    store = lane.host_store[layer]
+    if hdev is not None and lane.mapped is not None:
+        return lane.mapped[layer].index_select(0, hdev)
+    tmp = torch.empty((len(h), *store.shape[1:]), dtype=store.dtype, device=lane.device[0].device)
+    for h0, off, n in _runs(h):
+        tmp[off:off + n].copy_(store[h0:h0 + n], non_blocking=True)
+    return tmp
+
+
+def _scatter_all(lane: Lane, rows: Rows, tmp: torch.Tensor) -> None:
+    """Write :func:`_fetch_all`'s ``tmp`` into ``lane``'s device rows ``rows``."""
+    by_layer = tmp.transpose(0, 1) if lane.slot_first else tmp  # [layers, n, *row]
+    if lane.device_all is not None:
+        if isinstance(rows, slice):
+            lane.device_all[:, rows].copy_(by_layer)
+        else:
+            lane.device_all.index_copy_(1, rows, by_layer)
+        return
+    for i in range(lane.num_layers):
+        _scatter_layer(lane, i, rows, by_layer[i])
+
+
+def _scatter_layer(lane: Lane, layer: int, rows: Rows, tmp: torch.Tensor) -> None:
+    dst = lane.device[layer]
+    if isinstance(rows, slice):
+        dst[rows].copy_(tmp)
     else:
-        copy_kv(src, src_idx, dst, dst_idx)
+        dst.index_copy_(0, rows, tmp)

@@ -11,6 +11,11 @@ or ``hicache_size`` GB.
              KVBuffers (the engine's own K/V tensors)      KVPool on the CPU
     "state"  MambaStatePool                                MambaStatePool, host size, CPU
 
+``hicache_mem_layout`` sets how the host tensors lie (``page_first``: a slot's rows of every
+layer adjacent, so a run of consecutive host slots is one contiguous range; ``layer_first``: one
+range per layer). Each pair names its tensors as :class:`Lane` s (``"kv"``: K and V;
+``"state"``: conv and SSM): what the transfers move, the same way for every pair.
+
 A KV allocator without a pool is an index-only model (replays that count slots and move no
 data): allowed on the CPU, refused for a device allocator, whose KV data would silently not
 be copied.
@@ -18,7 +23,7 @@ be copied.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,12 +39,69 @@ from hicache.config import HiCacheConfig
 
 
 @dataclass(frozen=True)
+class Lane:
+    """One tensor of a pool pair, as the transfers move it.
+
+    ``device``: one tensor per layer, ``[device_slots, *row]`` (views of the device pool, or an
+    engine's own per-layer tensors); ``device_all``: ``[layers, device_slots, *row]`` when one
+    tensor holds every layer (a gather is then one kernel), else ``None``; ``host_store``: the
+    pinned host tensor itself, contiguous, ``[host_slots, layers, *row]`` (``slot_first``) or
+    ``[layers, host_slots, *row]``; ``mapped``: ``host_store`` as a device tensor over the same
+    memory (``hicache_io_backend="kernel"``), else ``None``."""
+
+    name: str
+    device: tuple[torch.Tensor, ...]
+    device_all: torch.Tensor | None
+    host_store: torch.Tensor
+    slot_first: bool
+    mapped: torch.Tensor | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.device)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one slot over every layer."""
+        s = self.host_store
+        return s[0, 0].numel() * s.element_size() * self.num_layers
+
+
+@dataclass(frozen=True)
 class PoolPair:
-    """One device pool and its host mirror (allocators; their ``pool`` holds the tensors)."""
+    """One device pool and its host mirror (allocators; their ``pool`` holds the tensors),
+    and the lanes a transfer moves (none for an index-only KV allocator)."""
 
     name: str
     device: SlotAllocator
     host: SlotAllocator
+    lanes: tuple[Lane, ...] = field(default=(), compare=False)
+
+
+def kv_lanes(device: SlotAllocator, host: SlotAllocator) -> tuple[Lane, ...]:
+    """K and V of a KV pair (none when the allocators hold no tensors)."""
+    dp: KVStorage | None = getattr(device, "pool", None)
+    hp: KVPool | None = getattr(host, "pool", None)
+    if dp is None or hp is None:
+        return ()
+    out = []
+    for name, store in (("k", hp.k_store), ("v", hp.v_store)):
+        if isinstance(dp, KVPool):
+            every = dp.k_all if name == "k" else dp.v_all
+            layers = tuple(every[i] for i in range(dp.num_layers))
+            out.append(Lane(name, layers, every, store, hp.slot_first))
+        else:
+            bufs = dp.k_buffers if name == "k" else dp.v_buffers
+            out.append(Lane(name, tuple(bufs), None, store, hp.slot_first))
+    return tuple(out)
+
+
+def state_lanes(device: MambaStatePool, host: MambaStatePool) -> tuple[Lane, ...]:
+    """Conv and SSM state of a state pair."""
+    return tuple(
+        Lane(name, tuple(every[i] for i in range(device.num_layers)), every, store, host.slot_first)
+        for name, every, store in (("conv", device.conv, host.conv_store),
+                                   ("ssm", device.ssm, host.ssm_store)))
 
 
 def _host_size(device_size: int, page_size: int, cfg: HiCacheConfig, bytes_per_unit: int) -> int:
@@ -77,18 +139,22 @@ def mirror_kv(device: SlotAllocator, cfg: HiCacheConfig) -> SlotAllocator:
     host_pool = None
     if pool is not None:
         host_pool = KVPool(size, pool.num_layers, pool.num_heads, pool.head_dim, pool.dtype,
-                           "cpu", page_size=ps, pin_memory=pool.device.type == "cuda")
+                           "cpu", page_size=ps, pin_memory=pool.device.type == "cuda",
+                           layout=cfg.hicache_mem_layout)
     if ps == 1:
         return TokenAllocator(size, pool=host_pool)
     return PagedAllocator(size, ps, pool=host_pool)
 
 
 def mirror_state(device: MambaStatePool, cfg: HiCacheConfig) -> MambaStatePool:
-    """A host state pool of the same shapes, ``hicache_ratio`` x the device slots."""
+    """A host state pool of the same shapes, ``hicache_ratio`` x the device slots (a slot's
+    layers adjacent with ``hicache_mem_layout="page_first"``); its slots are not zeroed on
+    ``alloc`` (a copy fills each one whole)."""
     size = _host_size(device.size, 1, cfg, 0)
     return MambaStatePool(size, device.num_layers, device.conv_state_shape,
                           device.ssm_state_shape, dtype=device.dtype, device="cpu",
-                          pin_memory=device.device.type == "cuda")
+                          pin_memory=device.device.type == "cuda",
+                          slot_first=cfg.hicache_mem_layout == "page_first", zero_on_alloc=False)
 
 
 def copy_kv(src: SlotAllocator, src_slots: torch.Tensor, dst: SlotAllocator,

@@ -4,7 +4,7 @@
  * that is an array slice (a copy) and an element-wise comparison, plus a binary search over
  * more slices when they differ. Here it is one memcmp over the two buffers, and a scan for the
  * first difference only when there is one. radix.tree._common_prefix_len_py is the Python
- * reference (used when this module is not built; tests/test_compiled.py runs both).
+ * reference (used when this module is not built; tests/radix/test_compiled.py runs both).
  *
  * walk_from runs the walk's whole loop below the root: per node one attribute read of its key,
  * one memcmp, and one dict lookup of the next page among its children, with no Python frame.

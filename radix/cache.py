@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from operator import attrgetter
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -49,6 +50,7 @@ from radix import diagnostics, requests
 from radix.checks import check_count, check_lock, check_node
 from radix.config import CacheConfig
 from radix.core import NO_PARTS, CacheCore
+from radix.durations import Durations
 from radix.insert import RidDepths, insert_key
 from radix.node import TreeNode
 from radix.results import CacheRequest, EvictResult, InsertResult, LockRef, MatchResult
@@ -160,9 +162,14 @@ class RadixCache:
                                     config.sliding_window_size, self.kv,
                                     config.swa_release_extra_pages)
             built.append(self.swa)
+        #: Wall time of eviction passes, load-backs and backups (``radix.durations``).
+        self.durations = Durations()
         self.kv_events: KVEventRecorder | None = None
         if config.enable_kv_cache_events:
-            self.kv_events = KVEventRecorder(self.page_size, host_tier=hicache is not None)
+            self.kv_events = KVEventRecorder(self.page_size, host_tier=hicache is not None,
+                                             states=self.state is not None)
+            if self.state is not None:
+                self.state.on_state_change = self.kv_events.state_changed
             built.append(self.kv_events)
         self.core = core = CacheCore(self.page_size, tuple(built) + extra)
         self.hicache: HiCacheController | None = None
@@ -171,6 +178,7 @@ class RadixCache:
         if hicache is not None:
             self.hicache = HiCacheController(kv_allocator, state_allocator, hicache)
             self._host = host = HostTier(core, self.hicache)
+            host.durations = self.durations
             core.add_per_node(host)
             core.free_leaf = host.free_leaf
             if hicache.hicache_storage_backend is not None:
@@ -469,11 +477,11 @@ class RadixCache:
         """
         if type(num_tokens) is not int or num_tokens < 0:
             check_count(num_tokens, "num_tokens")
-        if self._host is None:
-            return self.core.evict(self.kv, num_tokens)
-        landed = self._host.collect_landed()
+        t0 = perf_counter()
+        landed = self._host.collect_landed() if self._host is not None else None
         res = self.core.evict(self.kv, num_tokens)
-        if any(landed):
+        self.durations.observe("eviction", perf_counter() - t0)
+        if landed is not None and any(landed):
             return EvictResult(*(a + b for a, b in zip(res, landed, strict=True)))
         return res
 
@@ -488,7 +496,10 @@ class RadixCache:
         check_count(num_states, "num_states")
         if self.state is None:
             raise ValueError("evict_states on a cache without a recurrent-state component")
-        return self.core.evict(self.state, num_states)
+        t0 = perf_counter()
+        res = self.core.evict(self.state, num_states)
+        self.durations.observe("eviction", perf_counter() - t0)
+        return res
 
     def evict_swa(self, num_tokens: int) -> EvictResult:
         """Free at least ``num_tokens`` SWA KV tokens, least recently used live nodes first:
@@ -500,7 +511,10 @@ class RadixCache:
         check_count(num_tokens, "num_tokens")
         if self.swa is None:
             raise ValueError("evict_swa on a cache without a sliding-window component")
-        return self.core.evict(self.swa, num_tokens)
+        t0 = perf_counter()
+        res = self.core.evict(self.swa, num_tokens)
+        self.durations.observe("eviction", perf_counter() - t0)
+        return res
 
     # ================================================================ sizes
     def evictable_size(self) -> int:
@@ -559,7 +573,12 @@ class RadixCache:
             ValueError: without HiCache, or ``node`` not in this cache.
         """
         host = self._need_host("load_back")
-        return host.load_back(check_node(self.core, node, device=False))
+        checked = check_node(self.core, node, device=False)
+        t0 = perf_counter()
+        got = host.load_back(checked)
+        if got:
+            self.durations.observe("load_back", perf_counter() - t0)
+        return got
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host KV tokens: host-only leaves, least recently used

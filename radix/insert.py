@@ -130,7 +130,7 @@ def _insert_unplanned(cache: RadixCache, key: Tokens, value: torch.Tensor, extra
     adopts anything at its end (``CacheCore.unplanned_inserts``: the plain KV cache). The plan
     would be the walk's (the new tail ``key[matched_len:end]``, no cuts, no revival), so none is
     built: the same claim, the same mutations in the same order, the same result (tested
-    against the planned path, ``tests/test_insert_unplanned.py``)."""
+    against the planned path, ``tests/radix/test_insert_unplanned.py``)."""
     core = cache.core
     lo = walk.matched_len
     own = None

@@ -22,6 +22,7 @@ from .eviction_policy import (
     FifoLoraPolicy,
     LoraEvictionPolicy,
     LruLoraPolicy,
+    get_eviction_policy,
     make_lora_eviction_policy,
 )
 from .identity import BASE_MODEL, AdapterId, BaseModel, LoraUid, lora_extra_key
@@ -75,6 +76,7 @@ __all__ = [
     "leaf_name",
     "linear_module_shapes",
     "lora_extra_key",
+    "get_eviction_policy",
     "make_lora_eviction_policy",
     "parse_lora_path",
     "parse_lora_paths",

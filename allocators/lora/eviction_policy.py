@@ -40,6 +40,7 @@ __all__ = [
     "FifoLoraPolicy",
     "LoraEvictionPolicy",
     "LruLoraPolicy",
+    "get_eviction_policy",
     "make_lora_eviction_policy",
 ]
 
@@ -168,3 +169,13 @@ def make_lora_eviction_policy(
         raise ValueError(
             f"{arg} must be one of {sorted(LORA_EVICTION_POLICIES)}, got {name!r}"
         ) from None
+
+
+def get_eviction_policy(policy_name: str) -> LoraEvictionPolicy:
+    """SGLang's factory name (``sglang.srt.lora.eviction_policy``): a fresh policy for
+    ``policy_name`` (``"lru"`` or ``"fifo"``).
+
+    Raises:
+        TypeError / ValueError: as :func:`make_lora_eviction_policy`, naming ``policy_name``.
+    """
+    return make_lora_eviction_policy(policy_name, "policy_name")

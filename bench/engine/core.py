@@ -87,6 +87,7 @@ class EngineConfig:
             the window when a request releases its out-of-window SWA KV).
         hicache_ratio: host (L2) pools of this many times the device pools; 0 = no host tier.
         hicache_write_policy: ``write_through``, ``write_through_selective`` or ``write_back``.
+        hicache_mem_layout: the host pools' layout (``HiCacheConfig.hicache_mem_layout``).
         device: where the pools and slot tensors live (``"cpu"``, ``"cuda"``); with a host tier
             on a device the KV allocator gets a one-layer, one-head KV pool so that backups
             and load-backs move real data.
@@ -108,6 +109,7 @@ class EngineConfig:
     swa_release_extra_pages: int = SWA_RELEASE_EXTRA_PAGES
     hicache_ratio: float = 0.0
     hicache_write_policy: str = "write_through"
+    hicache_mem_layout: str = "page_first"
     device: str = "cpu"
     kv_events: str = "off"
 
@@ -140,7 +142,8 @@ class EngineConfig:
         if not self.hicache_ratio:
             return None
         return HiCacheConfig(
-            hicache_ratio=self.hicache_ratio, hicache_write_policy=self.hicache_write_policy
+            hicache_ratio=self.hicache_ratio, hicache_write_policy=self.hicache_write_policy,
+            hicache_mem_layout=self.hicache_mem_layout,
         )
 
 

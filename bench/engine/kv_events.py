@@ -6,7 +6,8 @@ from ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``. :class:`EventCon
 same, strictly: a store of a page already held, a store whose parent is not held, or a
 removal of a page not held is a disagreement. :func:`tree_pages` recomputes the page set
 from the tree itself (every node's pages hashed from the root, device KV as ``GPU``, host
-copies as ``CPU_PINNED``), independently of the recorder's incremental bookkeeping;
+copies as ``CPU_PINNED``, in group 0; the last page of a node holding a recurrent state as
+``GPU`` in group 1), independently of the recorder's incremental bookkeeping;
 :func:`disagreements` counts the pages the two sets do not share.
 """
 
@@ -18,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 from components.events import (
     CPU,
     GPU,
+    KV_GROUP,
+    STATE_GROUP,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -29,7 +32,8 @@ from hicache.storage.keys import page_hashes
 if TYPE_CHECKING:
     from radix import RadixCache
 
-Page = tuple[int, str]
+#: ``(block hash, medium, group_idx)``.
+Page = tuple[int, str, int]
 
 
 @dataclass
@@ -51,11 +55,12 @@ class EventConsumer:
                 self.pages = set()
             elif isinstance(ev, BlockStored):
                 parent = ev.parent_block_hash
+                g = ev.group_idx
                 for h in ev.block_hashes:
-                    if parent is not None and (parent, GPU) not in self.pages and (
-                            parent, CPU) not in self.pages:
+                    if g == KV_GROUP and parent is not None and (
+                            parent, GPU, g) not in self.pages and (parent, CPU, g) not in self.pages:
                         self.redundant += 1  # an orphan page: its parent is not held
-                    page = (h, str(ev.medium))
+                    page = (h, str(ev.medium), g)
                     if page in self.pages:
                         self.redundant += 1
                     self.pages.add(page)
@@ -63,7 +68,7 @@ class EventConsumer:
                     parent = h
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
-                    page = (h, str(ev.medium))
+                    page = (h, str(ev.medium), ev.group_idx)
                     if page not in self.pages:
                         self.redundant += 1
                     self.pages.discard(page)
@@ -73,6 +78,28 @@ class EventConsumer:
         return {"events": self.events, "pages_stored": self.stored,
                 "pages_removed": self.removed, "all_cleared": self.cleared,
                 "pages_held": len(self.pages), "redundant_events": self.redundant}
+
+    def usable_prefix(self, hashes: list[int], hybrid: bool) -> tuple[int, int]:
+        """What a router holding this page set predicts for a prompt whose page chain is
+        ``hashes``: ``(held, usable)`` pages, ``held`` the device KV pages from the start,
+        ``usable`` those up to the deepest page with a device state checkpoint (group 1)
+        when ``hybrid``, else all of them."""
+        pages = self.pages
+        held = 0
+        while held < len(hashes) and (hashes[held], GPU, KV_GROUP) in pages:
+            held += 1
+        usable = held
+        if hybrid:
+            while usable and (hashes[usable - 1], GPU, STATE_GROUP) not in pages:
+                usable -= 1
+        return held, usable
+
+
+def prompt_hashes(tokens: Any, page_size: int, tag: str = "") -> list[int]:
+    """The published hashes of the whole pages of ``tokens[:-1]`` (what the replay matches),
+    default namespace."""
+    n = (len(tokens) - 1) // page_size * page_size
+    return [block_hash(d) for d in page_hashes(event_seed(tag, None), tokens[:n], page_size)]
 
 
 @dataclass
@@ -110,9 +137,11 @@ def tree_pages(cache: RadixCache, tag: str = "") -> set[Page]:
         digests = page_hashes(prev, node.key, ps)
         hashes = [block_hash(d) for d in digests]
         if node.kv_value is not None:
-            out.update((h, GPU) for h in hashes)
+            out.update((h, GPU, KV_GROUP) for h in hashes)
         if node.host_value is not None:
-            out.update((h, CPU) for h in hashes)
+            out.update((h, CPU, KV_GROUP) for h in hashes)
+        if node.state_slot is not None and hashes:
+            out.add((hashes[-1], GPU, STATE_GROUP))
         last = digests[-1] if digests else prev
         stack.extend((c, last) for c in node.children.values())
     return out

@@ -44,7 +44,7 @@ tokens from ``U``, and the branch point), not the step boundaries of the budget.
 Policies: every ``radix.policies`` name, plus the replay baselines ``marconi``, ``seglen``,
 ``belady`` and ``belady_state`` (run on the ``gds`` policy with a replay-side state walk;
 ``marconi``, ``seglen`` and ``belady`` also order the KV leaves: :mod:`bench.policies.strategies`,
-:mod:`bench.policies.utility`, :mod:`bench.policies.offline`).
+:mod:`bench.dev.policies.utility`, :mod:`bench.dev.policies.offline`).
 Marconi's alpha is tuned as in the paper: alpha 0 until the first state eviction, at request
 ``k``; the first ``W = min(10 (k+1), max(k+1, n/4))`` requests are then replayed once per alpha
 of the grid, the alpha with the highest token hit rate wins (ties: the smaller), and the run

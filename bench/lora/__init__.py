@@ -1,1 +1,1 @@
-"""LoRA adapters in the bench: load cost, the LoRA-aware scheduler and the replay with adapters."""
+"""LoRA adapters in the bench: the LoRA-aware scheduler and the replay with adapters."""

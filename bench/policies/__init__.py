@@ -1,1 +1,2 @@
-"""Replay-only state and KV-leaf policies: the baselines and experiments registered by name, the offline reference, utility baselines, and the hit breakdown."""
+"""Replay-only state and KV-leaf policies: the registry of baselines by name and the state walks the
+simulator runs (``marconi``'s, ``belady_state``); the other baselines register from :mod:`bench.dev`."""

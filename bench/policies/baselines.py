@@ -4,13 +4,16 @@ walk on top of the library's ``gds`` policy.
 
 Each is registered by the module that defines it (:func:`register`); the simulator only looks
 names up here (:func:`get`, :func:`names`), and the defining modules are imported on the first
-lookup (:data:`PROVIDERS`), so the core never imports an experiment. A new baseline is one
-:class:`Baseline` registered from its own module, plus its module name in :data:`PROVIDERS`.
+lookup (:data:`PROVIDERS`, then :data:`bench.dev.BASELINES` when the checkout has the developer
+instruments), so the core never imports an experiment. A new baseline is one :class:`Baseline`
+registered from its own module, plus its module name in :data:`PROVIDERS` (or
+:data:`bench.dev.BASELINES`).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,7 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["PROVIDERS", "Baseline", "BaselineContext", "get", "names", "register"]
 
 #: Modules that register baselines, imported on the first lookup.
-PROVIDERS = ("bench.policies.strategies", "bench.policies.utility", "bench.policies.offline", "bench.policies.ideas")
+PROVIDERS: tuple[str, ...] = ("bench.policies.strategies",)
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,10 @@ def _load() -> None:
     global _loaded
     if not _loaded:
         _loaded = True
-        for module in PROVIDERS:
+        modules = list(PROVIDERS)
+        if importlib.util.find_spec("bench.dev") is not None:
+            modules += importlib.import_module("bench.dev").BASELINES
+        for module in modules:
             importlib.import_module(module)
 
 

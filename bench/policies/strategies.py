@@ -22,7 +22,7 @@ as Marconi considers only those; branch points go only when nothing else can.
 ``alpha = 0`` is LRU on state stamps. How alpha is tuned: :mod:`bench.engine.simulator`.
 
 ``belady_state`` (the offline reference of the earlier tables; ``belady``, in
-:mod:`bench.policies.offline`, supersedes it): evict the state whose prefix is next needed farthest
+:mod:`bench.dev.policies.offline`, supersedes it): evict the state whose prefix is next needed farthest
 in the future, states never needed again first (oldest first among those); KV leaves stay LRU. *Needed by request j*
 means that request j's match key (its prompt minus the last token, page-aligned) starts with
 the node's whole prefix. Next uses come from a trie over the trace's blocks

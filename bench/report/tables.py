@@ -174,6 +174,12 @@ def render_table(
                 line += (f"; rebuilt page set checked {ev['checks']}x against the tree "
                          f"({ev['pages_held']:,} pages at the end): {ev['disagreements']} "
                          f"disagreements, {ev['redundant_events']} redundant events")
+            if "router_usable_tokens" in ev:
+                line += (f"; a router predicts {ev['router_kv_tokens']:,} KV-hit tokens, "
+                         f"{ev['router_usable_tokens']:,} usable (state group)")
+                if ev["router_compared"]:
+                    line += (f", equal to the cache's usable hit on {ev['router_agreements']:,} "
+                             f"of {ev['router_compared']:,} requests")
             lines.append(line)
     return "\n".join(lines)
 

@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from bench.traces.loader import TraceRequest
 
 # The parser imports no torch (``--help`` stays fast): the engine, the cache and the reports
-# are imported where they run. ``tests/test_bench_cli.py`` checks these two against the
+# are imported where they run. ``tests/bench/test_bench_cli.py`` checks these two against the
 # library's ``hicache.WRITE_POLICIES`` and ``radix.config.SWA_RELEASE_EXTRA_PAGES``.
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 SWA_RELEASE_EXTRA_PAGES = 0
@@ -287,7 +287,7 @@ def replay_one(
         survived the replay.
     """
     from bench.engine.core import ReplayEngine
-    from bench.engine.kv_events import EventConsumer, EventCounter, disagreements
+    from bench.engine.kv_events import EventConsumer, EventCounter, disagreements, prompt_hashes
     from bench.engine.metrics import summarize
     from bench.report.tables import RunResult
 
@@ -300,11 +300,26 @@ def replay_one(
     counter = EventCounter()
     checks = bad = 0
     cache = engine.cache
+    # the router's prediction of each request's hit from the events alone (check mode): device
+    # KV pages held from the start, and of those the usable ones (up to a state checkpoint)
+    hybrid = cache.state is not None
+    ps = cache.page_size
+    router = {"router_kv_tokens": 0, "router_usable_tokens": 0, "router_agreements": 0,
+              "router_compared": 0}
     start = time.perf_counter()
     cpu0 = time.process_time()
     with Progress(len(trace), desc, "req", progress) as bar:
         for i, tr in enumerate(trace):
+            if consumer is not None:
+                held, usable = consumer.usable_prefix(prompt_hashes(tr.token_array, ps), hybrid)
+                logged = len(engine.log)
             engine.admit(tr, rid=i)
+            if consumer is not None and len(engine.log) > logged:
+                router["router_kv_tokens"] += held * ps
+                router["router_usable_tokens"] += usable * ps
+                if cache.hicache is None:  # (a load-back would change the device set first)
+                    router["router_compared"] += 1
+                    router["router_agreements"] += usable * ps == engine.log.usable_len[-1]
             if events != "off":
                 got = cache.take_events()
                 counter.apply(got)
@@ -326,7 +341,7 @@ def replay_one(
             consumer.apply(got)
             bad += disagreements(consumer, cache)
             checks += 1
-            report = {**consumer.summary(), "checks": checks, "disagreements": bad}
+            report = {**consumer.summary(), "checks": checks, "disagreements": bad, **router}
     engine.cache.sanity_check()
     if engine.cache.protected_size():
         raise AssertionError(

@@ -16,10 +16,10 @@ Examples::
 
 ``--plot FILE`` (needs a sweep) writes the figure and a CSV beside it (``FILE`` with
 ``.csv``); ``--csv FILE`` writes the CSV alone. Runs of a sweep go to ``--jobs`` processes.
-Baselines ``marconi``, ``seglen`` (:mod:`bench.policies.utility`: both order KV leaves too),
-``belady`` (the offline reference of states and KV leaves, :mod:`bench.policies.offline`) and
+Baselines ``marconi``, ``seglen`` (:mod:`bench.dev.policies.utility`: both order KV leaves too),
+``belady`` (the offline reference of states and KV leaves, :mod:`bench.dev.policies.offline`) and
 ``belady_state`` (the earlier, states-only reference) exist only here, as do the
-experimental walks ``idea:*`` (:mod:`bench.policies.ideas`); ``gdsf`` and ``gds_adaptive`` are
+experimental walks ``idea:*`` (:mod:`bench.dev.policies.ideas`); ``gdsf`` and ``gds_adaptive`` are
 library policies.
 """
 
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--policy", nargs="+", default=["lru", "gds"],
       help="radix policies (lru, gds, gdsf, gds_adaptive, ...) and/or the replay baselines "
            "marconi, seglen, belady, belady_state and the experimental walks idea:* of "
-           "bench/policies/ideas.py "
+           "bench/dev/policies/ideas.py "
            "(default: lru gds)")
     a("--kv-tokens", type=_positive, default=16_000_000, help="KV pool [tokens] (default 16M)")
     a("--state-slots", type=parse_count, default=512, help="state pool [slots] (default 512)")

@@ -4,15 +4,16 @@ Layout (little-endian; ``HEADER_SIZE`` = 88 bytes, then the body)::
 
     offset size  field
      0      4    magic      b"HPC3"
-     4      2    version    1
+     4      2    version    1, 2 or 3 (the seal's kind, below)
      6      2    kind       1 = KV page, 2 = state record
      8     16    tag        first 16 bytes of SHA-256(layout tag)
     24     32    key        the page hash the record belongs to
     56      8    len_a      KV page: K bytes of every layer; state: conv bytes
     64      8    len_b      KV page: V bytes of every layer; state: SSM bytes
-    72     16    seal       version 1: SHA-256 over bytes [0, 72) and the body (a checksum);
-                            version 2: HMAC-SHA256 under the deployment secret over the same
-                            bytes (a MAC), both cut to their first 16 bytes
+    72     16    seal       over bytes [0, 72) and the body: version 3: XXH3-128 (a
+                            checksum, the 16 bytes of its canonical big-endian digest);
+                            version 1: SHA-256 (a checksum); version 2: HMAC-SHA256 under
+                            the deployment secret (a MAC); SHA-256's cut to 16 bytes
     88   a + b   body       section a, then section b
 
 A KV page's sections are ``k[:, page_slots]`` and ``v[:, page_slots]`` of the host pool
@@ -20,6 +21,13 @@ A KV page's sections are ``k[:, page_slots]`` and ``v[:, page_slots]`` of the ho
 and ``ssm[:, slot]`` (``[num_layers, *shape]``). :func:`decode` refuses a record whose length,
 magic, version, kind, tag, key or checksum is not exactly right (:class:`CorruptPage`): a
 truncated, torn, bit-flipped or misfiled record is never handed to the engine.
+
+Checksums (no secret): a record says which it carries. Records are written with XXH3-128
+(version 3) when the ``xxhash`` package is installed (the ``checksums`` extra; about 20-30x
+SHA-256's throughput on 64 KiB - 1 MiB pages), else with SHA-256 (version 1); every client
+reads both, and one without ``xxhash`` refuses a version-3 record as ``foreign`` (well formed,
+left in place for the clients that can check it). A checksum detects damage, not forgery: the
+page keys stay SHA-256 chains (:mod:`hicache.storage.keys`) and the MAC HMAC-SHA256.
 
 Authenticated records (version 2, :func:`mac_state`): a client with a deployment secret writes
 and accepts only records whose seal is the HMAC of header and body under that secret (RFC 2104,
@@ -34,12 +42,26 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from collections.abc import Callable
 from typing import Any
 
+_xxh3_128: Callable[[bytes], Any] | None
+try:
+    from xxhash import xxh3_128
+
+    _xxh3_128 = xxh3_128
+except ImportError:  # the optional dependency: records are checksummed with SHA-256
+    _xxh3_128 = None
+
 MAGIC = b"HPC3"
+#: The version of a record checksummed with SHA-256.
 VERSION = 1
 #: The version of a record sealed with a keyed MAC instead of the checksum.
 VERSION_MAC = 2
+#: The version of a record checksummed with XXH3-128.
+VERSION_XXH3 = 3
+#: Checksum name -> record version.
+CHECKSUMS = {"sha256": VERSION, "xxh3_128": VERSION_XXH3}
 #: Shortest deployment secret accepted [bytes].
 MIN_SECRET_BYTES = 16
 KIND_KV = 1
@@ -84,9 +106,37 @@ def mac_state(secret: bytes) -> Any:
     return hmac.new(secret, digestmod=hashlib.sha256)
 
 
-def _seal(head: bytes, a: bytes | memoryview, b: bytes | memoryview, mac: Any) -> bytes:
-    # SHA-256: hardware-accelerated in OpenSSL on current CPUs (about 1.5x BLAKE2b, measured);
-    # HMAC-SHA256 costs the same pass over the bytes plus one short outer hash.
+def default_checksum() -> str:
+    """The checksum records are written with when no secret is set: ``"xxh3_128"`` with the
+    ``xxhash`` package installed, else ``"sha256"``."""
+    return "sha256" if _xxh3_128 is None else "xxh3_128"
+
+
+def _version(mac: Any, checksum: str | None) -> int:
+    if mac is not None:
+        return VERSION_MAC
+    if checksum is None:
+        return VERSION if _xxh3_128 is None else VERSION_XXH3
+    version = CHECKSUMS.get(checksum)
+    if version is None:
+        raise ValueError(f"checksum must be one of {sorted(CHECKSUMS)} or None, got {checksum!r}")
+    if version == VERSION_XXH3 and _xxh3_128 is None:
+        raise ValueError("checksum='xxh3_128' needs the xxhash package "
+                         "(pip install 'hybrid-prefix-cache[checksums]')")
+    return version
+
+
+def _seal(version: int, head: bytes, a: bytes | memoryview, b: bytes | memoryview,
+          mac: Any) -> bytes:
+    # XXH3-128: a non-cryptographic checksum at memory speed; SHA-256: hardware-accelerated in
+    # OpenSSL (about 1.5x BLAKE2b, measured); HMAC-SHA256 costs the same pass over the bytes
+    # plus one short outer hash.
+    if version == VERSION_XXH3:
+        assert _xxh3_128 is not None
+        x = _xxh3_128(head)
+        x.update(a)
+        x.update(b)
+        return x.digest()
     h = hashlib.sha256(head) if mac is None else mac.copy()
     if mac is not None:
         h.update(head)
@@ -95,27 +145,34 @@ def _seal(head: bytes, a: bytes | memoryview, b: bytes | memoryview, mac: Any) -
     return h.digest()[:CHECKSUM_SIZE]
 
 
-def encode(kind: int, tag: bytes, page_hash: bytes, a: bytes, b: bytes, mac: Any = None) -> bytes:
-    """One record: header, seal (checksum, or the MAC under ``mac``: :func:`mac_state`),
-    sections ``a`` and ``b``."""
-    head = _HEAD.pack(MAGIC, VERSION if mac is None else VERSION_MAC, kind, tag, page_hash,
-                      len(a), len(b))
-    return b"".join((head, _seal(head, a, b, mac), a, b))
+def encode(kind: int, tag: bytes, page_hash: bytes, a: bytes, b: bytes, mac: Any = None,
+           checksum: str | None = None) -> bytes:
+    """One record: header, seal (the checksum, or the MAC under ``mac``: :func:`mac_state`),
+    sections ``a`` and ``b``. ``checksum``: ``"xxh3_128"`` / ``"sha256"`` (``None``:
+    :func:`default_checksum`; ignored under ``mac``).
+
+    Raises:
+        ValueError: an unknown ``checksum``, or ``"xxh3_128"`` without the xxhash package.
+    """
+    version = _version(mac, checksum)
+    head = _HEAD.pack(MAGIC, version, kind, tag, page_hash, len(a), len(b))
+    return b"".join((head, _seal(version, head, a, b, mac), a, b))
 
 
 def encode_into(out: memoryview, kind: int, tag: bytes, page_hash: bytes, a: bytes | memoryview,
-                b: bytes | memoryview, mac: Any = None) -> int:
+                b: bytes | memoryview, mac: Any = None, checksum: str | None = None) -> int:
     """Write the record of :func:`encode` into ``out`` (writable, at least
     ``HEADER_SIZE + len(a) + len(b)`` bytes) without building it first; returns its length."""
     la, lb = len(a), len(b)
     n = HEADER_SIZE + la + lb
     if len(out) < n:
         raise ValueError(f"record of {n} bytes does not fit a buffer of {len(out)}")
-    head = _HEAD.pack(MAGIC, VERSION if mac is None else VERSION_MAC, kind, tag, page_hash, la, lb)
+    version = _version(mac, checksum)
+    head = _HEAD.pack(MAGIC, version, kind, tag, page_hash, la, lb)
     out[: _HEAD.size] = head
     out[HEADER_SIZE : HEADER_SIZE + la] = a
     out[HEADER_SIZE + la : n] = b
-    out[_HEAD.size : HEADER_SIZE] = _seal(head, a, b, mac)
+    out[_HEAD.size : HEADER_SIZE] = _seal(version, head, a, b, mac)
     return n
 
 
@@ -134,15 +191,19 @@ def decode(record: bytes | memoryview, kind: int, tag: bytes, page_hash: bytes,
     magic, version, rkind, rtag, rkey, len_a, len_b = _HEAD.unpack_from(record, 0)
     if magic != MAGIC:
         raise CorruptPage("bad magic")
-    want = VERSION if mac is None else VERSION_MAC
-    if version != want:
-        if version == VERSION and mac is not None:
+    if mac is not None and version != VERSION_MAC:
+        if version in (VERSION, VERSION_XXH3):
             raise CorruptPage("not authenticated (no MAC; written without the deployment secret)",
                               foreign=True)
-        if version == VERSION_MAC and mac is None:
+        raise CorruptPage(f"version {version}, expected {VERSION_MAC}")
+    if mac is None and version not in (VERSION, VERSION_XXH3):
+        if version == VERSION_MAC:
             raise CorruptPage("authenticated record (MAC); this client has no secret to check it",
                               foreign=True)
-        raise CorruptPage(f"version {version}, expected {want}")
+        raise CorruptPage(f"version {version}, expected {VERSION} or {VERSION_XXH3}")
+    if version == VERSION_XXH3 and _xxh3_128 is None:
+        raise CorruptPage("XXH3-128 checksum; this client has no xxhash package to check it",
+                          foreign=True)
     if rkind != kind:
         raise CorruptPage(f"kind {rkind}, expected {kind}")
     if rtag != tag:
@@ -154,7 +215,7 @@ def decode(record: bytes | memoryview, kind: int, tag: bytes, page_hash: bytes,
     view = memoryview(record)
     a = view[HEADER_SIZE : HEADER_SIZE + len_a]
     b = view[HEADER_SIZE + len_a :]
-    seal = _seal(view[: _HEAD.size].tobytes(), a, b, mac)
+    seal = _seal(version, view[: _HEAD.size].tobytes(), a, b, mac)
     if mac is None:
         if seal != record[_HEAD.size : HEADER_SIZE]:
             raise CorruptPage("checksum mismatch")

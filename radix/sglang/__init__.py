@@ -22,6 +22,9 @@ call shapes:
   ``cache_unfinished_req(req, chunked=False)`` / ``cache_finished_req(req, is_insert=True)``.
 * list-like :class:`RadixKey`, SGLang-shaped :class:`TreeNode` views, ``take_events()``
   (the library's KV events), streaming sessions (``enable_streaming_session``).
+* ``evict_policy`` (SGLang's eviction-strategy classes, ordering as the library's policies),
+  ``common.available_and_evictable_str``, and SGLang 0.5.12's class names ``MambaRadixCache``
+  / ``SWARadixCache`` (aliases of ``UnifiedRadixCache``).
 
 What the engine provides: a duck-typed ``Req`` (``radix.sglang.requests.Req`` lists the
 attributes read and written) and a ``req_to_token_pool``
@@ -64,6 +67,10 @@ from radix.sglang.requests import Req, ReqKvInfo, ReqToTokenPool
 #: The SGLang release whose interface this package mirrors.
 SGLANG_VERSION = "0.5.23"
 
+#: SGLang 0.5.12's class names for the hybrid caches the unified cache replaced.
+MambaRadixCache = UnifiedRadixCache
+SWARadixCache = UnifiedRadixCache
+
 __all__ = [
     "SGLANG_VERSION",
     "CacheInitParams",
@@ -75,6 +82,7 @@ __all__ = [
     "InitLoadBackParams",
     "InsertParams",
     "InsertResult",
+    "MambaRadixCache",
     "MatchPrefixParams",
     "MatchResult",
     "RadixCache",
@@ -82,6 +90,7 @@ __all__ = [
     "Req",
     "ReqKvInfo",
     "ReqToTokenPool",
+    "SWARadixCache",
     "TreeLock",
     "TreeNode",
     "UnifiedRadixCache",

@@ -464,8 +464,19 @@ class UnifiedRadixCache:
 
     def take_events(self) -> list[Any]:
         """KV events since the last call (``BlockStored`` / ``BlockRemoved`` /
-        ``AllBlocksCleared``); ``[]`` unless built with ``enable_kv_cache_events``."""
-        return self.cache.take_events()
+        ``AllBlocksCleared``); ``[]`` unless built with ``enable_kv_cache_events``.
+
+        With msgspec installed (as with SGLang), SGLang's msgspec structs
+        (``radix.sglang.kv_events``), which SGLang's own publisher encodes as its decoders
+        require, state checkpoints left out; without it, the library's events
+        (``components.events``)."""
+        events = self.cache.take_events()
+        try:
+            from components.event_wire import to_wire
+        except ImportError:
+            return list(events)
+        return [w for w in (to_wire(e, "map", state_group=False) for e in events)
+                if w is not None]
 
     def reset(self) -> None:
         """Empty the tree (every slot back to its allocator); one ``AllBlocksCleared``."""

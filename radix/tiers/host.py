@@ -31,8 +31,9 @@ The tier names no component: it loops over the components with host copies
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -41,6 +42,7 @@ from allocators import alloc_all
 from components.base import Component, InsertPlan, hooks, tier_components
 from components.ordered import OrderedNodeSet
 from radix.core import EVICT_FIELDS, freed_counts
+from radix.durations import Durations
 from radix.tiers.base import Tier
 
 if TYPE_CHECKING:
@@ -77,6 +79,8 @@ class HostTier(Component, Tier):
     def __init__(self, core: CacheCore, controller: HiCacheController) -> None:
         self.core = core
         self.controller = controller
+        #: Where backup durations go (``RadixCache.durations``), ``None`` to record none.
+        self.durations: Durations | None = None
         parts = tier_components(core.components)
         if not parts or parts[0] is not core.components[0]:
             raise ValueError("a host tier needs the first component (KV) to keep host copies")
@@ -87,7 +91,7 @@ class HostTier(Component, Tier):
             if pair is None:
                 got = c.host_pool(controller.config)
                 assert got is not None
-                pair = controller.add_pool(c.name, *got)
+                pair = controller.register_pair(c.name, *got)
             c.host_allocator = pair.host
         self._on_device = self.primary.has_device
         self._evictable_leaf = self.primary.is_candidate
@@ -233,18 +237,23 @@ class HostTier(Component, Tier):
     def backup_chain(self, node: TreeNode, demote_after: bool = False) -> bool:
         """Back up ``node`` and every ancestor not yet on host, root first. Returns whether
         ``node`` is backed up (or its copy is in flight) afterwards."""
+        t0 = perf_counter()
         chain = []
         n: TreeNode | None = node
         host_copy = self._host_copy
         while n is not None and n.parent is not None and host_copy(n) is None:
             chain.append(n)
             n = n.parent
+        ok = True
         for n in reversed(chain):
             if not self._backup_node(n, demote_after and n is node):
-                return False
-        if host_copy(node) is not None:
+                ok = False
+                break
+        if ok and host_copy(node) is not None:
             self.backup_rest(node)
-        return host_copy(node) is not None
+        if chain and self.durations is not None:
+            self.durations.observe("backup", perf_counter() - t0)
+        return ok and host_copy(node) is not None
 
     def _alloc_host(self, node: TreeNode, components: tuple[Component, ...],
                     evict: int) -> tuple[list[tuple[Component, int]], list[torch.Tensor]] | None:
@@ -271,36 +280,57 @@ class HostTier(Component, Tier):
             return False
         parts: Parts = []
         units = [0] * len(EVICT_FIELDS)
+        taken = [c for c, _ in got[0]]
         for (c, _), host in zip(*got, strict=True):
             parts.append((c.name, c.backup(node, host), host))
             if c.evict_field in EVICT_FIELDS:
                 units[EVICT_FIELDS.index(c.evict_field)] += len(host)
+        flight = _Flight(node.start, tuple(units), demote_after)
+        try:  # the copy is enqueued before anything else changes: one that cannot start
+            self._write(parts, lambda: self._on_write_done(node, flight))
+        except BaseException:  # gives its host units back and leaves the node as it was
+            for c in taken:
+                c.drop_host(node)
+            raise
         self.host_tokens += size
         primary = self.primary
         primary.lock(node)  # until the copy has landed
         core.refresh(node)
-        flight = _Flight(node.start, tuple(units), demote_after)
         if demote_after:  # the write-back victim's units are freed when the copy lands
             for i, u in enumerate(units):
                 core.pending[i] += u
-        self.controller.write_parts(parts, lambda: self._on_write_done(node, flight))
         self.counters["backup_tokens"] += size
         return True
+
+    def _write(self, parts: Parts, on_done: Callable[[], None] | None) -> None:
+        """Enqueue one device -> host copy of ``parts`` (``(pool pair, device rows, host
+        rows)``, the pairs named as their components)."""
+        hc = self.controller
+        hc.write_rows(parts, on_done)
+        for name, _, host in parts:
+            if name == self.primary.name:
+                hc.backup_tokens += len(host)
 
     def backup_rest(self, node: TreeNode) -> None:
         """Give a backed-up node's other device values host copies too (a state set after
         its KV, SWA KV live again); each part on its own, skipped when its pool is short."""
         parts: Parts = []
+        taken = []
         for c in self.parts[1:]:
             got = self._alloc_host(node, (c,), 0)
             if got is not None:
                 host = got[1][0]
                 parts.append((c.name, c.backup(node, host), host))
+                taken.append(c)
         if not parts:
             return
         storage = self.storage
-        # the parts join the node's pages once they are on host; never raises
-        self.controller.write_parts(parts, None if storage is None else lambda: storage.backup(node))
+        try:  # the parts join the node's pages once they are on host (never raises)
+            self._write(parts, None if storage is None else lambda: storage.backup(node))
+        except BaseException:
+            for c in taken:
+                c.drop_host(node)
+            raise
         self.poll()  # (on the CPU the copy has landed: nothing stays in flight)
 
     def save_before_drop(self, node: TreeNode) -> None:
@@ -486,19 +516,28 @@ class HostTier(Component, Tier):
                 core.refresh(anchor)
         if got is None:
             return 0
+        parts: Parts = []
+        for j, (c, sz) in enumerate(wanted):
+            hosts = [h for t, k in zip(targets, sz, strict=True)
+                     if k and (h := c.host_copy(t)) is not None]
+            parts.append((c.name, got[j], torch.cat(hosts) if len(hosts) > 1 else hosts[0]))
+        hc = self.controller
+        try:  # the copy is enqueued first: one that cannot start gives the device units back
+            hc.load_rows(parts)
+        except BaseException:
+            for (c, _), dev in zip(wanted, got, strict=True):
+                c.restore_allocator.free(dev)
+            raise
+        hc.load_tokens += tokens
         now = core.tick()
         offsets = [0] * len(wanted)
-        hosts: list[list[torch.Tensor]] = [[] for _ in wanted]
         for i, t in enumerate(targets):
             for j, (c, sz) in enumerate(wanted):
                 k = sz[i]
                 if k:
                     o = offsets[j]
-                    hosts[j].append(c.restore(t, got[j][o:o + k], now))
+                    c.restore(t, got[j][o:o + k], now)
                     offsets[j] = o + k
-        parts: Parts = [(c.name, torch.cat(h) if len(h) > 1 else h[0], got[j])
-                        for j, ((c, _), h) in enumerate(zip(wanted, hosts, strict=True))]
-        self.controller.load_parts(parts)
         for c in chain:
             c.last_access_time = now
             self.refresh(c)

@@ -1,0 +1,68 @@
+"""The options of ``python -m bench sync-counts``.
+
+Parsers only, without torch: ``python -m bench COMMAND --help`` builds them alone
+(:data:`bench.cli.COMMANDS`); the commands' modules import the library where they run."""
+
+from __future__ import annotations
+
+import argparse
+
+from bench.cli import prog
+
+__all__ = ["MODEL_NAMES", "sync_counts_parser"]
+
+MODEL_NAMES = ("kv", "hybrid", "swa", "hicache")
+"""The engine models of :data:`bench.dev.gpu.sync_counts.MODELS` (checked equal by the tests)."""
+
+
+def sync_counts_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog("sync-counts"),
+        description=(
+            "Host synchronisations per request and per operation of the replay's "
+            "engine on a simulated CUDA device."
+        ),
+    )
+    p.add_argument("--requests", type=int, default=160, help="requests per model (160)")
+    p.add_argument("--trace", default=None,
+                   help="replay this trace file's first --requests instead of the seeded "
+                        "conversations (e.g. bench/traces/...jsonl)")
+    p.add_argument("--page-size", type=int, default=1, help="tokens per KV page (1)")
+    p.add_argument("--models", nargs="+", default=list(MODEL_NAMES), choices=MODEL_NAMES)
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return p
+
+
+def hicache_bandwidth_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog("hicache-bandwidth"),
+        description=(
+            "The host tier at the speed of the link: raw pinned host <-> device copy bandwidth "
+            "and the library's backup (insert, write_through) and load_back of whole nodes, "
+            "per hicache_io_backend / hicache_mem_layout and node size: GB/s, share of the "
+            "raw bandwidth, engine-thread time per call, CPU-copied bytes, blocking waits, "
+            "bit-exactness. On a machine without CUDA it runs the same paths on a small pool "
+            "on the simulated device (bench/gpu/simcuda.py): those figures are not a GPU's."
+        ),
+    )
+    p.add_argument("--node-tokens", type=int, nargs="+", default=None,
+                   help="tokens per node (GPU default: 16384 256; simulated: 256 16)")
+    p.add_argument("--gib", type=float, default=None,
+                   help="GiB of K+V moved per measurement, as nodes of --node-tokens "
+                        "(GPU default 2; simulated: 1/256)")
+    p.add_argument("--layers", type=int, default=None, help="KV layers (GPU 32, simulated 4)")
+    p.add_argument("--heads", type=int, default=None, help="KV heads (GPU 8, simulated 2)")
+    p.add_argument("--head-dim", type=int, default=None, help="head dim (GPU 128, simulated 16)")
+    p.add_argument("--io-backends", nargs="+", default=["direct", "kernel"],
+                   choices=["direct", "kernel"])
+    p.add_argument("--mem-layouts", nargs="+", default=["page_first", "layer_first"],
+                   choices=["page_first", "layer_first"])
+    p.add_argument("--simulate", action="store_true",
+                   help="use the simulated device even where CUDA is available")
+    p.add_argument("--replay", action="store_true",
+                   help="instead: the seeded HiCache replay (bench.gpu.sync_counts) on the "
+                        "simulated device per write policy, page size 1 / 16 and events that "
+                        "complete or never do: bytes moved, CPU-copied bytes, blocking waits")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="write one record per backend / layout and node size ('-': stdout)")
+    return p

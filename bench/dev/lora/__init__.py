@@ -1,0 +1,1 @@
+"""LoRA adapter load cost from PEFT directories."""

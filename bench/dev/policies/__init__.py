@@ -1,0 +1,1 @@
+"""Replay baselines, the offline reference, experimental walks and the state-slot budget model."""

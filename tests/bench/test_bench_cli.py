@@ -1,0 +1,190 @@
+"""The bench as one tool (``python -m bench COMMAND``, ``bench/cli.py``): the command list
+without imports, each command's usage under its own name, arguments checked before a run,
+progress lines off a terminal, fixed plot styles, trace names in reports."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import cli
+from bench.report.plot import POLICY_STYLES, policy_style
+from bench.traces.loader import SHIPPED_TRACE, trace_label
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_help_lists_every_command_without_importing_torch() -> None:
+    code = ("import sys; from bench.cli import main; main(['--help']); "
+            "print('torch' in sys.modules, 'radix' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.splitlines()[-1] == "False False"
+    for name in cli.COMMANDS:
+        assert f"\n  {name} " in out
+
+
+def test_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["replays"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'replays'" in err and "replay " in err
+
+
+@pytest.mark.parametrize("name", sorted(cli.COMMANDS))
+def test_each_command_shows_its_usage_under_its_name(
+        name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    module = importlib.import_module(cli.COMMANDS[name].module)
+    assert callable(module.main)
+    with pytest.raises(SystemExit) as exc:
+        cli.main([name, "--help"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: python -m bench {name} ")
+
+
+def test_every_commands_help_imports_no_torch() -> None:
+    """``COMMAND --help`` builds the parser alone: in a fresh interpreter, building every
+    command's parser leaves torch (and the library's packages) unimported."""
+    code = ("import sys; from bench import cli\n"
+            "for name in cli.COMMANDS: cli.command_parser(name).format_help()\n"
+            "heavy = sorted(m for m in ('torch', 'radix', 'hicache', 'allocators') "
+            "if m in sys.modules)\n"
+            "print(','.join(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == ""
+
+
+def test_parser_choices_are_the_librarys() -> None:
+    """The torch-free parsers spell some library constants out; they must not drift."""
+    from bench.dev.gpu.options import MODEL_NAMES
+    from bench.dev.gpu.sync_counts import MODELS
+    from bench.dev.model.options import ARCHITECTURE_NAMES
+    from bench.dev.model.options import WRITE_POLICIES as MODEL_WRITE_POLICIES
+    from bench.runs import replay
+    from hicache import WRITE_POLICIES
+    from radix.config import SWA_RELEASE_EXTRA_PAGES
+
+    assert replay.WRITE_POLICIES == WRITE_POLICIES == MODEL_WRITE_POLICIES
+    assert replay.SWA_RELEASE_EXTRA_PAGES == SWA_RELEASE_EXTRA_PAGES
+    assert replay.build_parser().parse_args([]).swa_release_extra_pages == SWA_RELEASE_EXTRA_PAGES
+    assert tuple(MODELS) == MODEL_NAMES
+    pytest.importorskip("transformers", reason="the model command needs the model extra")
+    from bench.dev.model.adapter import ARCHITECTURES
+
+    assert sorted(ARCHITECTURES) == list(ARCHITECTURE_NAMES)
+
+
+def test_help_is_the_parser_the_command_runs_with(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help`` through the registry prints what the command's own parser prints."""
+    from bench.dev.compare import radix_ops
+
+    with pytest.raises(SystemExit):
+        cli.main(["radix-ops", "--help"])
+    via_cli = capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        radix_ops.main(["--help"])
+    assert capsys.readouterr().out == via_cli
+
+
+def test_count_types() -> None:
+    assert [cli.parse_count(t) for t in ("16000000", "16e6", "16M", "512K", "1_000")] == [
+        16_000_000, 16_000_000, 16_000_000, 512_000, 1000]
+    for bad in ("x", "-1", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cli.parse_count(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match=">= 1"):
+        cli.positive("0")
+    with pytest.raises(argparse.ArgumentTypeError, match="> 0"):
+        cli.positive_float("inf")
+
+
+def test_output_path_checked_before_the_run(tmp_path: Path) -> None:
+    assert cli.output_path("-") == "-"
+    assert cli.output_path(str(tmp_path / "x.json")) == str(tmp_path / "x.json")
+    with pytest.raises(argparse.ArgumentTypeError, match="does not exist"):
+        cli.output_path(str(tmp_path / "missing" / "x.json"))
+    with pytest.raises(argparse.ArgumentTypeError, match="is a folder"):
+        cli.output_path(str(tmp_path))
+    # The replay refuses a bad --json path at once (no trace read, no run).
+    from bench.runs.replay import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--json", str(tmp_path / "missing" / "x.json")])
+    assert exc.value.code == 2
+
+
+def test_progress_prints_lines_when_not_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(cli, "PROGRESS_INTERVAL_S", 0.0)
+    with cli.Progress(3, "lru kv=16", "req") as bar:
+        for _ in range(3):
+            bar.update()
+    lines = err.getvalue().splitlines()
+    assert [ln.split(" (")[0] for ln in lines[:3]] == [
+        "lru kv=16: 1/3 req", "lru kv=16: 2/3 req", "lru kv=16: 3/3 req"]
+    err.truncate(0)
+    with cli.Progress(3, "off", "req", enabled=False) as bar:
+        bar.update(3)
+    assert err.getvalue() == ""
+
+
+def test_policy_styles_are_fixed_and_distinct() -> None:
+    colours = [s["color"] for s in POLICY_STYLES.values()]
+    assert len(set(colours)) == len(colours) - 1  # the two offline references share black
+    assert policy_style("gds") == POLICY_STYLES["gds"] == policy_style("gds")
+    assert policy_style("gds:variant") == POLICY_STYLES["gds"]  # the name before ':'
+    spare = policy_style("a_policy_nobody_knows")
+    assert spare["color"] not in colours and spare == policy_style("a_policy_nobody_knows")
+
+
+def test_reports_name_traces_by_their_repository_path(tmp_path: Path) -> None:
+    assert trace_label(SHIPPED_TRACE) == "bench/traces/" + SHIPPED_TRACE.name
+    outside = tmp_path / "t.jsonl"
+    outside.write_text("")
+    assert trace_label(outside) == "t.jsonl"
+
+
+@pytest.mark.parametrize("argv, says", [
+    # refused when the command line is read (argparse)
+    (["replay", "--plot", "out.txt"], "must end in a figure format"),
+    (["simulate", "--sweep", "state-slots=64,x"], "--sweep state-slots: not a number: 'x'"),
+    (["simulate", "--sweep", "nosuch=1"], "AXIS one of"),
+    (["robustness", "--kv-tokens", "-1"], "not a whole non-negative count"),
+    (["robustness", "--jobs", "0"], "must be >= 1"),
+    (["replay", "--max-requests", "0"], "--max-requests: must be >= 1"),
+    # refused by the command before its run starts
+    (["robustness", "--policies", "nosuch"], "--policies: radix_eviction_policy='nosuch' is unknown"),
+    (["robustness", "--from-csv", "/nonexistent.csv"], "--from-csv: no such file"),
+    (["robustness", "--sources", "gmi", "--traces-dir", "/nonexistent", "--policies", "lru"],
+     "no source could be loaded"),
+    (["replay", "--trace", "/"], "is a folder, not a trace file"),
+    (["replay", "--policy-config", "nosuch={}"], "--policy-config names ['nosuch'], not in --policy"),
+])
+def test_bad_input_is_refused_before_a_run_starts(argv: list[str], says: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and f"python -m bench {argv[0]}: error: " in err
+
+
+def test_a_replay_that_serves_nothing_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["replay", "--max-requests", "5", "--kv-tokens", "10", "--policy", "lru",
+                     "--no-progress"]) == 0
+    assert "lru kv=10: every request was skipped" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_ends_the_tool_quietly() -> None:
+    """``python -m bench | head -1``: no BrokenPipeError traceback."""
+    proc = subprocess.run(f"{sys.executable} -m bench | head -1", shell=True, cwd=REPO,
+                          capture_output=True, text=True, check=True)
+    assert proc.stdout.startswith("usage: python -m bench COMMAND")
+    assert "Traceback" not in proc.stderr

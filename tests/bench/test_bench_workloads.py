@@ -1,0 +1,122 @@
+"""The generated workloads (bench/workloads) and the robustness table's bookkeeping
+(bench/robustness): determinism, the sharing structure each shape promises, the errors at the
+boundary, a trace slice re-timed from 0, and the verdict computed by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.runs.robustness import ALL_SOURCES, HOLDOUT, SOURCES, Source, verdict
+from bench.traces.loader import TraceRequest, load_trace
+from bench.workloads import generate, parse_spec
+
+
+def shared_blocks(a: TraceRequest, b: TraceRequest) -> int:
+    n = 0
+    for x, y in zip(a.block_ids, b.block_ids, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def test_generators_are_deterministic_per_seed() -> None:
+    for spec in ("docqa:docs=3", "agentic:sessions=4", "multiturn:sessions=5",
+                 "sysprompt:requests=20", "mix:docqa=0.05,agentic=0.05,multiturn=0.05,sysprompt=0.05"):
+        a, b = generate(spec, seed=3), generate(spec, seed=3)
+        assert a == b and a, spec
+        assert generate(spec, seed=4) != a, spec
+        times = [r.timestamp_s for r in a]
+        assert times == sorted(times) and times[0] == 0.0, spec
+        for r in a:
+            assert r.block_size == 64 and r.input_length == sum(n for _, n in r.runs)
+            assert len(r.block_ids) == -(-r.input_length // 64)
+
+
+def test_docqa_questions_share_their_document_and_all_share_the_system_prompt() -> None:
+    """Two documents, questions on them, no follow-ups: the 768-token system prompt is
+    12 blocks shared by every request; the questions on one document share all of its
+    blocks (the document is a whole number of blocks), the two documents nothing past the
+    system prompt."""
+    reqs = generate("docqa:docs=2,questions=6,followup_p=0", seed=0)
+    by_doc: dict[str | None, list[TraceRequest]] = {}
+    for r in reqs:
+        by_doc.setdefault(r.session, []).append(r)
+    assert set(by_doc) <= {"doc0", "doc1"} and len(reqs) == sum(map(len, by_doc.values()))
+    firsts = [v[0] for v in by_doc.values()]
+    assert len(firsts) == 2 and shared_blocks(*firsts) == 12
+    multi = [qs for qs in by_doc.values() if len(qs) >= 2]  # questions: geometric, mean 6
+    assert multi
+    for qs in multi:
+        doc = {shared_blocks(a, b) for a in qs for b in qs if a is not b}
+        assert len(doc) == 1  # every question leaves the document where it ends
+        (blocks,) = doc
+        assert blocks >= 12 + 2_000 // 64  # a document has at least 2,000 tokens
+        for q in qs:  # then the question, 8 - 1,500 fresh tokens
+            assert 8 <= q.input_length - 64 * blocks <= 1_500
+
+
+def test_spec_errors_name_the_parameter() -> None:
+    assert parse_spec("docqa:docs=20,questions=8") == ("docqa", {"docs": 20, "questions": 8.0})
+    with pytest.raises(ValueError, match="unknown workload 'nope'"):
+        parse_spec("nope")
+    with pytest.raises(ValueError, match="no parameter 'foo'"):
+        parse_spec("docqa:foo=1")
+    with pytest.raises(ValueError, match="must be KEY=VALUE"):
+        parse_spec("docqa:docs")
+    with pytest.raises(ValueError, match="docs='2.5' is not a"):
+        parse_spec("docqa:docs=2.5")
+    with pytest.raises(ValueError, match="docs must be >= 0"):
+        generate("docqa:docs=-1")
+
+
+def test_holdout_sources_are_apart_and_a_trace_slice_is_retimed() -> None:
+    assert not set(SOURCES) & set(HOLDOUT) and set(ALL_SOURCES) == set(SOURCES) | set(HOLDOUT)
+    whole = load_trace(None, max_requests=8)
+    part = Source("slice", None, None, 5, skip=3).load(Path("."))
+    assert part is not None and len(part) == 5
+    t0 = whole[3].timestamp_s
+    for got, want in zip(part, whole[3:], strict=True):
+        assert got.block_ids == want.block_ids
+        assert got.timestamp_s == pytest.approx(want.timestamp_s - t0)
+
+
+def test_verdict_by_hand() -> None:
+    """Point 1: adaptive 0.30, best baseline gdsf 0.31 (margin -0.01, a failure), belady
+    0.40 (share 0.75, a failure). Point 2: adaptive 0.50 over gds 0.49 (+0.01), belady 0.52
+    (share 0.9615)."""
+    def rows(slots: int, hits: dict[str, float]) -> list[dict[str, object]]:
+        return [{"source": "s", "state_slots": slots, "kv_tokens": 16_000_000,
+                 "concurrency": 16, "policy": p, "token_hit_rate": h} for p, h in hits.items()]
+
+    v = verdict(rows(64, {"lru": 0.2, "gds": 0.25, "gdsf": 0.31, "gds_adaptive": 0.30,
+                          "belady": 0.40})
+                + rows(256, {"lru": 0.45, "gds": 0.49, "gdsf": 0.48, "gds_adaptive": 0.50,
+                             "belady": 0.52}))
+    assert v["points"] == 2
+    assert v["worst_margin"][0] == pytest.approx(-0.01) and v["worst_margin"][1][1] == 64
+    assert [m[1][1] for m in v["margin_failures"]] == [64]
+    assert v["worst_share"][0] == pytest.approx(0.75)
+    assert [s[1][1] for s in v["share_failures"]] == [64]
+
+
+def test_the_reduced_grid_is_the_committed_tables_grid() -> None:
+    """``--grid reduced`` plans exactly the points of ``bench/results/robustness_reduced.csv``
+    (the table in bench/README.md), so one command reproduces it."""
+    import csv
+    from pathlib import Path
+
+    from bench.runs.robustness import build_parser, plan
+
+    committed = Path(__file__).resolve().parents[2] / "bench/results/robustness_reduced.csv"
+    with committed.open(encoding="utf-8") as f:
+        want = {(r["source"], int(r["state_slots"]), int(r["kv_tokens"]), int(r["concurrency"]))
+                for r in csv.DictReader(f)}
+    planned = plan(build_parser().parse_args(["--grid", "reduced", "--slots", "7"]))
+    got = {(name, *point) for name, points in planned for point in points}
+    assert got == want and len(want) == 34
+    full = plan(build_parser().parse_args(["--sources", "mix", "--slots", "64", "256",
+                                           "--kv-tokens", "4000000", "--concurrency", "16"]))
+    assert full == [("mix", [(64, 4_000_000, 16), (256, 4_000_000, 16)])]

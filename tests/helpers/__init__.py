@@ -1,0 +1,1 @@
+"""Shared test helpers: reference models, harnesses and builders used by several layers."""

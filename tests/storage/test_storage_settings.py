@@ -1,0 +1,198 @@
+"""Every L3 setting is checked when the config (or the backend) is built, with an error that
+names the setting; misuse of a backend's public calls raises naming the argument; a fault that
+concerns one key is a miss for that key only, never a rest period for the whole backend."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hicache import HiCacheConfig
+from hicache.storage import FileStore, MooncakeOptions, RedisStore
+from hicache.storage.page import HEADER_SIZE
+from tests.storage.test_storage_common import Flaky, RedisServer, need_env
+
+GOOD = "ab" * 32  # a page key: 64 hex digits
+
+
+def redis_cfg(url: Any, **kw: Any) -> HiCacheConfig:
+    return HiCacheConfig(hicache_storage_backend="redis", hicache_storage_url=url, **kw)
+
+
+@pytest.mark.parametrize(
+    "url,match",
+    [
+        ("redis://h:notaport", r"hicache_storage_url.*port"),
+        ("redis://h:99999", r"hicache_storage_url.*port"),
+        ("redis://h:0", r"hicache_storage_url.*port"),
+        ("redis://h:1/abc", r"hicache_storage_url.*database"),
+        ("redis://h:1/-1", r"hicache_storage_url.*database"),
+        ("redis://h:1/0/1", r"hicache_storage_url.*database"),
+        ("redis://h:1,,redis://g:2", r"hicache_storage_url.*empty"),
+        ("redis://h:1/0,redis://g:2/3", r"hicache_storage_url.*database 0"),
+        ("redis://h:1,rediss://g:2", r"hicache_storage_url.*scheme"),
+        ("redis://h:1,redis://h:1", r"hicache_storage_url.*twice"),
+        ("redis://:pw@h:notaport", r"hicache_storage_url.*port"),
+    ],
+)
+def test_bad_redis_urls_are_refused_when_the_config_is_built(url: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match) as info:
+        redis_cfg(url)
+    assert "pw" not in str(info.value)
+
+
+def test_good_redis_urls_are_accepted() -> None:
+    for url in ("redis://h", "redis://h:6379", "redis://u:p@h:1/15", "rediss://h:1/0?ssl_cert_reqs=none",
+                "redis://h:1,redis://g:2", "redis://[::1]:7000"):
+        redis_cfg(url)
+
+
+@pytest.mark.parametrize(
+    "kwargs,err,match",
+    [
+        ({"hicache_storage_timeout_s": -1}, ValueError, "hicache_storage_timeout_s"),
+        ({"hicache_storage_timeout_s": float("nan")}, ValueError, "hicache_storage_timeout_s"),
+        ({"hicache_storage_timeout_s": "1"}, ValueError, "hicache_storage_timeout_s"),
+        ({"hicache_prefetch_timeout_s": float("inf")}, ValueError, "hicache_prefetch_timeout_s"),
+        ({"hicache_storage_url": ["redis://h:1"]}, TypeError, "hicache_storage_url"),
+        ({"hicache_storage_model": None}, TypeError, "hicache_storage_model"),
+    ],
+)
+def test_bad_numbers_and_types_are_refused(kwargs: dict[str, Any], err: type, match: str) -> None:
+    kwargs.setdefault("hicache_storage_url", "redis://h:1")
+    with pytest.raises(err, match=match):
+        HiCacheConfig(hicache_storage_backend="redis", **kwargs)
+
+
+# --------------------------------------------------------------------- backends
+@pytest.mark.parametrize(
+    "kwargs,err,match",
+    [
+        ({"urls": ["redis://h:1", 5]}, TypeError, r"urls\[1\]"),
+        ({"urls": 5}, TypeError, "urls"),
+        ({"urls": "redis://h:1", "timeout_s": -1}, ValueError, "timeout_s"),
+        ({"urls": "redis://h:1", "timeout_s": float("nan")}, ValueError, "timeout_s"),
+        ({"urls": "redis://h:1", "prefix": None}, TypeError, "prefix"),
+        ({"urls": "redis://h:1", "prefix": ""}, ValueError, "prefix"),
+        ({"urls": "redis://h:1", "cooldown_s": -1}, ValueError, "cooldown_s"),
+        ({"urls": "redis://h:1", "tag": 3}, TypeError, "tag"),
+        ({"urls": "redis://h:99999"}, ValueError, "port"),
+    ],
+)
+def test_redis_store_arguments(kwargs: dict[str, Any], err: type, match: str) -> None:
+    pytest.importorskip("redis", reason="redis-py is the storage extra")
+    with pytest.raises(err, match=match):
+        RedisStore(**kwargs)
+
+
+def test_file_store_arguments(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="root"):
+        FileStore(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cooldown_s"):
+        FileStore(tmp_path, cooldown_s=float("inf"))
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        ({"master_server_address": "h:0"}, "master_server_address"),
+        ({"master_server_address": "h:65536"}, "master_server_address"),
+        ({"master_server_address": "h:1", "metadata_server": "h:99999"}, "metadata_server"),
+        ({"master_server_address": "h:1", "metadata_server": "http://h:notaport/metadata"},
+         "metadata_server"),
+        ({"master_server_address": "h:1", "key_prefix": ""}, "key_prefix"),
+        ({"master_server_address": "h:1", "zero_copy_min_bytes": -1}, "zero_copy_min_bytes"),
+    ],
+)
+def test_mooncake_options_are_checked(extra: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        MooncakeOptions.resolve(None, extra, environ={})
+    with pytest.raises(ValueError, match=match):
+        HiCacheConfig(hicache_storage_backend="mooncake",
+                      hicache_storage_backend_extra_config=json.dumps(extra))
+
+
+def test_mooncake_url_port_is_checked() -> None:
+    with pytest.raises(ValueError, match="hicache_storage_url"):
+        HiCacheConfig(hicache_storage_backend="mooncake", hicache_storage_url="mooncake://h:0")
+
+
+# --------------------------------------------------------------- keys named
+@pytest.mark.parametrize("bad,err", [("zz" * 32, ValueError), ("ab", ValueError),
+                                     ("../" + GOOD, ValueError), (GOOD + ".x", ValueError),
+                                     (GOOD.upper(), ValueError), (5, TypeError)])
+def test_a_malformed_key_is_refused_naming_it(tmp_path: Path, bad: Any, err: type) -> None:
+    store = FileStore(tmp_path)
+    with pytest.raises(err, match=r"\bkey\b"):
+        store.get(bad)
+    with pytest.raises(err, match=r"\bkey\b"):
+        store.set(bad, b"a", b"b")
+    with pytest.raises(err, match=r"\bkey\b"):
+        store.exists(bad)
+    with pytest.raises(err, match=r"keys\[1\]"):
+        store.batch_get([GOOD, bad])
+    with pytest.raises(err, match=r"items\[1\]"):
+        store.batch_set([(GOOD, b"a", b"b"), (bad, b"a", b"b")])
+    assert store.stats["get_calls"] == 0 and store.stats["set_calls"] == 0  # refused first
+    assert not store.exists(GOOD)  # nothing was written by the refused batch
+    assert store.exists(GOOD + ".s") is False  # a state key is a key
+
+
+# ----------------------------------------------------- per-key faults, no poison
+def test_one_unreadable_page_is_a_miss_for_that_key_only(tmp_path: Path) -> None:
+    store = FileStore(tmp_path, cooldown_s=60.0)
+    other = "cd" * 32
+    assert store.set(other, b"a", b"b")
+    bad = tmp_path / GOOD[:2] / GOOD
+    bad.mkdir(parents=True)  # reading it fails (a directory) for this key only
+    pages = store.batch_get([GOOD, other])
+    assert pages[0] is None and pages[1] is not None
+    assert bytes(pages[1].a) == b"a"
+    st = store.stats
+    assert st["errors"] == 1 and st["skipped_in_cooldown"] == 0
+    assert store.get(other) is not None  # no rest period: the next call is served
+    assert store.stats["skipped_in_cooldown"] == 0
+
+
+def test_a_refused_record_whose_delete_fails_does_not_rest_the_backend(tmp_path: Path) -> None:
+    inner = FileStore(tmp_path)
+    other = "cd" * 32
+    assert inner.set(GOOD, b"a", b"b") and inner.set(other, b"a", b"b")
+    path = tmp_path / GOOD[:2] / GOOD
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_SIZE] ^= 1  # a flipped body bit: refused on read
+    path.write_bytes(bytes(raw))
+    store = Flaky(inner, fail=[2])  # raw call 1 reads, call 2 deletes the refused record: fails
+    store.cooldown_s = 60.0
+    assert store.get(GOOD) is None
+    assert store.stats["corrupt"] == 1 and store.stats["errors"] == 1
+    assert store.get(other) is not None and store.stats["skipped_in_cooldown"] == 0
+
+
+def test_a_per_key_error_reply_from_redis_is_a_miss_for_that_key_only(tmp_path: Path) -> None:
+    """An ACL user may touch only keys ``hpc:0*`` .. ``hpc:7*``: the server answers NOPERM for
+    the others, key by key, while the connection is fine. Those keys are misses; the backend
+    keeps serving the allowed ones at once (no rest period)."""
+    pytest.importorskip("redis", reason="redis-py is the storage extra")
+    need_env("HPC_REDIS_URL")  # the servers of .ci/redis-up are there (and redis-server)
+    server = RedisServer(str(tmp_path))
+    try:
+        import redis
+
+        admin = redis.Redis(port=server.port)
+        admin.execute_command("ACL", "SETUSER", "eng", "on", ">engine-pw", "resetkeys",
+                              "~hpc:[0-7]*", "+@all")
+        store = RedisStore(f"redis://eng:engine-pw@127.0.0.1:{server.port}/0", cooldown_s=60.0)
+        allowed, denied = "0a" * 32, "fa" * 32
+        assert store.set(allowed, b"a", b"b")
+        assert store.exists_mask([allowed, denied]) == [True, False]
+        assert store.stats["errors"] >= 1 and store.stats["skipped_in_cooldown"] == 0
+        assert store.get(allowed) is not None
+        assert store.batch_set([(denied, b"a", b"b")]) == 0
+        assert store.get(allowed) is not None and store.stats["skipped_in_cooldown"] == 0
+        store.close()
+    finally:
+        server.kill()
