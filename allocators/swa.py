@@ -55,7 +55,7 @@ import torch
 
 from ._checks import as_index_tensor, check_device, check_positive_int, check_range
 from .base import AllocatorSnapshot, SlotAllocator
-from .host_mirror import register
+from .host_mirror import host_ids, register
 from .kv_pool import KVStorage
 from .staging import upload
 from .token_allocator import PagedAllocator, TokenAllocator, _check_pool, _FreeListAllocator
@@ -220,8 +220,8 @@ class SWAAllocator(SlotAllocator):
             ValueError: different lengths, a full slot that is free or already mapped. Nothing
                 changes then.
         """
-        f = as_index_tensor(full, "full").cpu()
-        w = as_index_tensor(swa, "swa").cpu()
+        f, w = (torch.from_numpy(np.ascontiguousarray(host_ids(as_index_tensor(x, name), name)))
+                for x, name in ((full, "full"), (swa, "swa")))  # their host mirrors: no sync
         if f.numel() != w.numel():
             raise ValueError(f"map_swa: {f.numel()} full slots for {w.numel()} SWA slots")
         if f.numel() == 0:

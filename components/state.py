@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from allocators.host_mirror import host_int
 from components.base import Component, InsertPlan
 from components.gds import GDS_WALKS, GDSFStrategy, GDSStrategy
 from components.gds_adaptive import AdaptiveGDSStrategy
@@ -441,7 +442,7 @@ class StateComponent(Component):
         """``node`` takes the fresh device slot ``device[0]`` (stamped at the watermark
         under GDS)."""
         assert node.host_state_slot is not None
-        self.set_state(node, int(device[0]), now)
+        self.set_state(node, host_int(device, "state slot"), now)  # (its host mirror)
         return _slot_tensor(node.host_state_slot)
 
     def drop_host(self, node: TreeNode) -> None:

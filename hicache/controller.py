@@ -426,7 +426,7 @@ class HiCacheController:
                     continue  # layer by layer below
                 for lane in pair.lanes:
                     _scatter_all(lane, rows, _fetch_all(lane, h, hdev))
-            for pair, rows, h in moves:
+            for (pair, rows, h), hdev in zip(moves, hdevs, strict=True):
                 if pair is not kv or not kv.lanes or kv.lanes[0].slot_first:
                     continue
                 for i in range(layers):
