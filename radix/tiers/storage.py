@@ -84,6 +84,14 @@ class StorageTier:
         #: The primary component (its host copy: a record per page) and the component with a
         #: record at a node's end, if any (``components.base``: ``l3_end_record``).
         self.primary = host.primary
+        lacking = [c.name for c in host.parts[1:] if not c.l3_end_record]
+        if lacking:  # e.g. sliding-window KV: L3 records carry KV pages and a state at page
+            # ends, not a window's SWA KV, so a reader could never end a match on them
+            raise ValueError(
+                f"hicache_storage_backend with components {lacking} that keep host copies L3 "
+                "records cannot carry (a record holds the KV pages and one record at a page's "
+                "end: a sliding window's SWA KV is not stored, and without it no match could "
+                "end on the pages read back); use the host tier without L3")
         ends = [c for c in host.parts if c.l3_end_record]
         if len(ends) > 1:
             raise ValueError(f"components {[c.name for c in ends]} each keep an L3 record at a "

@@ -344,3 +344,43 @@ def test_a_component_with_partial_tier_hooks_is_refused_naming_it(hicache: Any) 
 def test_two_components_claiming_one_evict_field_are_refused_naming_both() -> None:
     with pytest.raises(ValueError, match=r"'kv' and 'tokens_too' both claim .*'num_tokens'"):
         RadixCache(kv_allocator=TokenAllocator(8), components=[ClaimsTokens()])
+
+
+def test_l3_storage_with_a_sliding_window_is_refused_saying_why(tmp_path: Any) -> None:
+    kv = SWAAllocator(16, 8, 1)
+    cfg = HiCacheConfig(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"components \['swa'\] .* SWA KV is not stored"):
+        RadixCache(CacheConfig(sliding_window_size=4), kv_allocator=kv, hicache=cfg)
+
+
+def test_the_sglang_front_end_takes_swa_with_hicache() -> None:
+    """``UnifiedRadixCache`` over an SWA allocator with a host tier: a prompt evicted from
+    device is a host hit, ``init_load_back`` brings it back, and it matches on device."""
+    from radix.sglang import (
+        CacheInitParams,
+        InitLoadBackParams,
+        MatchPrefixParams,
+        ReqToTokenPool,
+        UnifiedRadixCache,
+    )
+    from radix.sglang import RadixKey as SKey
+
+    alloc = SWAAllocator(64, 32)
+    tree = UnifiedRadixCache(CacheInitParams(
+        disable=False, req_to_token_pool=ReqToTokenPool(4, 64), token_to_kv_pool_allocator=alloc,
+        page_size=1, sliding_window_size=4,
+        hicache=HiCacheConfig(hicache_ratio=2.0, load_back_threshold=1)))
+    toks = list(range(1, 9))
+    value = alloc.alloc(8)
+    assert value is not None
+    tree.insert(SKey(toks), value)
+    tree.evict(full_num_tokens=8)
+    assert alloc.full_available_size() == 64 and alloc.swa_available_size() == 32
+    m = tree.match_prefix(MatchPrefixParams(key=SKey(toks)))
+    assert (m.device_prefix_len, m.host_hit_length) == (0, 8)
+    got = tree.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
+                                                 host_hit_length=m.host_hit_length))
+    assert got is not None and got[0] == 8
+    m = tree.match_prefix(MatchPrefixParams(key=SKey(toks)))
+    assert m.device_prefix_len == 8 and bool(alloc.has_swa(m.device_indices).all())
+    tree.sanity_check()
