@@ -516,6 +516,27 @@ class RadixCache:
         self.durations.observe("eviction", perf_counter() - t0)
         return res
 
+    def evict_component(self, name: str, n: int) -> EvictResult:
+        """Free at least ``n`` of component ``name``'s units in its own eviction order (the
+        component's ``evict_field`` names them; ``evict``, ``evict_states`` and ``evict_swa``
+        are this for ``"kv"``, ``"state"`` and ``"swa"``).
+
+        Raises:
+            ValueError: a bad count, no component ``name``, or one without an eviction walk
+                (its ``evict_field`` is not an ``EvictResult`` field).
+        """
+        check_count(n, "n")
+        if name == "kv":
+            return self.evict(n)
+        comp = self.core.by_name.get(name)
+        if comp is None or comp not in self.core.components:
+            raise ValueError(f"evict_component: no component {name!r}; have "
+                             f"{[c.name for c in self.core.components]}")
+        t0 = perf_counter()
+        res = self.core.evict(comp, n)  # raises naming a component without an eviction walk
+        self.durations.observe("eviction", perf_counter() - t0)
+        return res
+
     # ================================================================ sizes
     def evictable_size(self) -> int:
         """KV tokens held by the tree that no request locks."""

@@ -384,3 +384,22 @@ def test_the_sglang_front_end_takes_swa_with_hicache() -> None:
     m = tree.match_prefix(MatchPrefixParams(key=SKey(toks)))
     assert m.device_prefix_len == 8 and bool(alloc.has_swa(m.device_indices).all())
     tree.sanity_check()
+
+
+def test_evict_component_is_each_components_own_eviction_by_name() -> None:
+    h = SWAH(1, states=4)
+    c = h.cache
+    h.insert(KEY[:4])
+    h.insert(KEY[:8], prefix=c.match_prefix(KEY[:4]).device_indices)
+    p = node_at(c, KEY[:4])
+    res = c.evict_component("state", 1)  # the oldest state: P's, an internal node
+    assert res.num_states == 1 and p.state_slot is None and p.kv_value is not None
+    res = c.evict_component("swa", 4)  # P (least recently used) becomes a tombstone
+    assert res.num_swa_tokens == 4 and p.swa_tombstone
+    assert c.evict_component("kv", 4).num_tokens == 4  # the leaf leaves (demoted)
+    c.sanity_check()
+    with pytest.raises(ValueError, match="no component 'cross'"):
+        c.evict_component("cross", 1)
+    with pytest.raises(ValueError, match="component 'host' of this cache has no eviction walk|"
+                                         "no component 'host'"):
+        c.evict_component("host", 1)
