@@ -391,6 +391,8 @@ class HostTier(Component, Tier):
             if self.backup_chain(node, demote_after=True):  # raises ``core.pending`` meanwhile
                 self.poll()
                 return
+            if not self.core.tree.is_attached(node):  # making host room removed it (a dead
+                return  # leaf once its host-only children went): its units are counted
         if has_copy:
             self.backup_rest(node)
             self._demote(node)
