@@ -35,7 +35,10 @@ from functools import partial
 import numpy as np
 import torch
 
-__all__ = ["MISSES", "cat_slots", "host_ids", "host_int", "mirror_of", "register", "slot_copy"]
+from .staging import upload
+
+__all__ = ["MISSES", "cat_mirrored", "cat_slots", "host_ids", "host_int", "mirror_of", "mirrored",
+           "register", "slot_copy"]
 
 
 class _Mirror:
@@ -139,6 +142,26 @@ def host_int(t: int | torch.Tensor, name: str) -> int:
     if isinstance(t, bool) or not isinstance(t, int):
         raise TypeError(f"{name} must be an int or a one-element integer tensor, got {type(t).__name__}")
     return t
+
+
+def mirrored(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``host`` (a 1-D int64 numpy array, owned by the result from now on: the caller must not
+    write it) as a tensor on ``device``: on the CPU a zero-copy tensor of it; on a device one
+    upload (``allocators.staging.upload``: a ``non_blocking`` copy through pinned staging, no
+    host synchronisation) with ``host`` as its mirror. An empty array uploads nothing."""
+    if device.type == "cpu":
+        return torch.from_numpy(host)
+    return register(upload(host, device), host)
+
+
+def cat_mirrored(parts: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                 device: torch.device) -> torch.Tensor:
+    """``torch.cat(parts)`` of 1-D int64 slot tensors (CPU ones, or device ones with host
+    mirrors) as a new tensor on ``device``: joined on the host and uploaded once
+    (:func:`mirrored`: one memcpy, no kernel, no host synchronisation), mirrored. A device
+    part without a mirror is read once (:func:`host_ids`)."""
+    hosts = [host_ids(p, "parts") for p in parts]
+    return mirrored(np.concatenate(hosts) if hosts else np.empty(0, dtype=np.int64), device)
 
 
 def cat_slots(parts: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:

@@ -13,7 +13,10 @@ handed out in ring order, each region tied to the event of the copies that use i
              ``on_full`` is asked to finish its owner's oldest copy first)
 
 Regions are reused in the order they were taken (FIFO), so a copy that finished long ago is
-never waited for, and the buffer only grows (doubling) when one region is larger than it.
+never waited for. The buffer grows (doubling; a new buffer, the old one kept alive by the
+regions still in flight in it) when one region is larger than it, and when the region to reuse
+is still in flight and the ring is below ``max_bytes`` (what is in flight outgrew it); only a
+ring at ``max_bytes`` waits.
 
 :func:`upload` is the one host -> device copy of index tensors the allocators make (a fresh
 ``alloc`` result, ids for a device-side map): the ids go into the device's shared ring and are
@@ -62,7 +65,10 @@ class PinnedRing:
     """One pinned host buffer handed out in ring order (see the module docstring).
 
     Args:
-        nbytes: initial size [bytes]; the buffer doubles when one region does not fit.
+        nbytes: initial size [bytes]; the buffer doubles when one region does not fit, or
+            when the region to reuse is still in flight (up to ``max_bytes``).
+        max_bytes: the size [bytes] past which the ring waits for a copy in flight instead of
+            growing (64 MiB).
         on_full: called when a region to reuse is still held: must finish (and release) the
             owner's oldest held region and return True, or return False (then ``take`` raises
             ``RuntimeError``).
@@ -71,8 +77,9 @@ class PinnedRing:
     """
 
     def __init__(self, nbytes: int = 1 << 20,
-                 on_full: Callable[[], bool] | None = None) -> None:
+                 on_full: Callable[[], bool] | None = None, max_bytes: int = 64 << 20) -> None:
         self._cap = max(_ALIGN, nbytes)
+        self.max_bytes = max_bytes
         self._buf = torch.empty(self._cap, dtype=torch.uint8, pin_memory=True)
         self._cursor = 0
         self._busy: deque[Region] = deque()
@@ -108,7 +115,13 @@ class PinnedRing:
             if ev is None:
                 raise RuntimeError("staging ring: a region taken earlier has no event recorded")
             if not ev.query():
-                ev.synchronize()  # the ring is smaller than what is in flight: wait
+                if self._cap < self.max_bytes:  # what is in flight outgrew the ring: grow it
+                    self._cap *= 2
+                    self._buf = torch.empty(self._cap, dtype=torch.uint8, pin_memory=True)
+                    self._cursor = 0
+                    start, end = 0, size
+                    continue
+                ev.synchronize()  # the ring is at its largest and all in flight: wait
                 self.waits += 1
             self._busy.remove(clash)
         self._cursor = end

@@ -14,13 +14,23 @@ Allocator behaviour (free-list order, errors, ``snapshot``) is that of
 :class:`~allocators.token_allocator.TokenAllocator`, with one addition: ``alloc`` zeroes the
 conv and ssm state of every slot it hands out, so a fresh request starts from zero state.
 
-On a CUDA device ``alloc``, ``free`` and ``copy`` do no host synchronisation: the free list is
-on the host, slot arguments are read as ints or through their host mirrors
-(``allocators.host_mirror``), zeroing is ``index_fill_`` with the uploaded ids (a scalar
-written through an index would be copied to the device first and block), and ``copy``
-between two single slots is a copy between views (no index tensor at all). On the CPU a
-one-slot copy or zeroing goes through numpy views of the same memory (``alloc_slot``,
-``free_slot`` and ``copy`` of two ints build no tensor: the per-request path of an engine).
+On the CPU a one-slot copy or zeroing goes through numpy views of the same memory
+(``alloc_slot``, ``free_slot`` and ``copy`` of two ints build no tensor: the per-request path
+of an engine), at once.
+
+On a CUDA device ``alloc``, ``free`` and ``copy`` issue no CUDA call and no host
+synchronisation: the free list is on the host, slot arguments are read as ints or through
+their host mirrors (``allocators.host_mirror``), ``alloc`` hands out a view of an id table
+uploaded once (``ids``: read-only, like every slot tensor the library hands out), and the
+zeroing and copies are *pending* work kept on the host: per slot written, where its state
+comes from (zero, or a slot's state as it was when the pending work began; a copy from a slot
+with pending work takes that slot's source, a copy into a slot replaces its pending work, so a
+checkpoint's zeroing followed by its copy is one copy). The pending work is issued when the
+states are next read, by :meth:`flush` (a forward step's first read of ``conv`` / ``ssm``
+calls it): all copies in one gather and one scatter per tensor and all zeroing in one
+``index_fill_`` per tensor, with one upload of the slot ids (a single copy or zeroing: two
+slice kernels, no upload): at most 1 memcpy and 6 kernel launches per step, whatever the
+number of requests.
 """
 
 from __future__ import annotations
@@ -38,10 +48,14 @@ from ._checks import (
     check_positive_int,
     check_shape,
 )
+from .host_mirror import host_ids, mirrored
 from .staging import pin_in_place, upload
 from .token_allocator import _FreeListAllocator
 
 __all__ = ["MambaStatePool"]
+
+#: A pending write's source meaning zeros (see the module docstring).
+_ZERO = -1
 
 #: Pool dtypes with a numpy counterpart (``torch.Tensor.numpy`` views them).
 _NUMPY_DTYPES = frozenset((torch.float16, torch.float32, torch.float64))
@@ -103,20 +117,82 @@ class MambaStatePool(_FreeListAllocator):
         self.slot_first = bool(slot_first)
         lead = (rows, self.num_layers) if self.slot_first else (self.num_layers, rows)
         #: the contiguous tensors holding the states (slot-first or layer-first), allocated once
+        #: (read or written directly only after :meth:`flush`)
         self.conv_store = torch.zeros((*lead, *self.conv_state_shape), dtype=self.dtype, device=device)
         self.ssm_store = torch.zeros((*lead, *self.ssm_state_shape), dtype=self.dtype, device=device)
         if pin_memory:
             pin_in_place(self.conv_store)
             pin_in_place(self.ssm_store)
-        #: ``[num_layers, size + 1, *shape]`` views of the stores
-        self.conv = self.conv_store.transpose(0, 1) if self.slot_first else self.conv_store
-        self.ssm = self.ssm_store.transpose(0, 1) if self.slot_first else self.ssm_store
+        #: ``[num_layers, size + 1, *shape]`` views of the stores (:attr:`conv`, :attr:`ssm`
+        #: after the pending work)
+        self._conv = self.conv_store.transpose(0, 1) if self.slot_first else self.conv_store
+        self._ssm = self.ssm_store.transpose(0, 1) if self.slot_first else self.ssm_store
+        #: On a device: slot written -> where its state comes from (a slot, or ``_ZERO``),
+        #: work not yet issued (see the module docstring). Always empty on the CPU.
+        self._pending: dict[int, int] = {}
+        #: On a device: ids ``0 .. size`` on the device (``alloc`` hands out views), mirrored.
+        self.ids: torch.Tensor | None = None
+        if device.type != "cpu":
+            self.ids = mirrored(np.arange(rows, dtype=np.int64), device)
         #: numpy views of ``conv`` and ``ssm`` (same memory) for one-slot copies and zeroing
         #: on the CPU: a numpy row assignment costs ~1 us, a torch view and ``copy_`` ~5 us.
         #: ``None`` on a device, or for a dtype numpy lacks (``bfloat16``): torch views then.
         self._views: tuple[np.ndarray, np.ndarray] | None = None
         if device.type == "cpu" and self.dtype in _NUMPY_DTYPES:
-            self._views = (self.conv.numpy(), self.ssm.numpy())
+            self._views = (self._conv.numpy(), self._ssm.numpy())
+
+    @property
+    def conv(self) -> torch.Tensor:
+        """Conv states ``[num_layers, size + 1, *conv_state_shape]`` (pending work issued
+        first: :meth:`flush`)."""
+        if self._pending:
+            self.flush()
+        return self._conv
+
+    @property
+    def ssm(self) -> torch.Tensor:
+        """SSM states ``[num_layers, size + 1, *ssm_state_shape]`` (pending work issued
+        first: :meth:`flush`)."""
+        if self._pending:
+            self.flush()
+        return self._ssm
+
+    def overwrite(self, slot: int) -> None:
+        """The caller writes every layer of both states of handed-out ``slot`` before anything
+        reads it (e.g. a load from a host tier): the slot's pending zeroing or copy is dropped
+        (no kernel; a slot another pending copy reads from keeps its state until the flush,
+        which reads every source before it writes). No-op on the CPU."""
+        self._pending.pop(slot, None)
+
+    def flush(self) -> None:
+        """Issue the pending zeroing and copies (a device only; see the module docstring): a
+        single one as two slice kernels; else one upload of the slot ids, then per tensor one
+        gather and one scatter for the copies (every source read before any slot is written)
+        and one ``index_fill_`` for the zeroing. No host synchronisation."""
+        pending = self._pending
+        if not pending:
+            return
+        items = list(pending.items())
+        pending.clear()
+        tensors = (self._conv, self._ssm)
+        if len(items) == 1:
+            dst, src = items[0]
+            for t in tensors:
+                if src == _ZERO:
+                    t[:, dst].zero_()
+                else:
+                    t[:, dst].copy_(t[:, src])
+            return
+        copies = [(d, s) for d, s in items if s != _ZERO]
+        zeros = [d for d, s in items if s == _ZERO]
+        k = len(copies)
+        ids = np.array([s for _, s in copies] + [d for d, _ in copies] + zeros, dtype=np.int64)
+        dev = upload(ids, self.device)
+        for t in tensors:
+            if k:
+                t.index_copy_(1, dev[k:2 * k], t.index_select(1, dev[:k]))
+            if zeros:
+                t.index_fill_(1, dev[2 * k:], 0)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -164,9 +240,15 @@ class MambaStatePool(_FreeListAllocator):
             return
         if torch.unique(dst_idx).numel() != dst_idx.numel():
             raise ValueError("dst repeats a slot; the copy result would be unspecified")
-        src_dev, dst_dev = self._on(src, src_idx), self._on(dst, dst_idx)
-        self.conv.index_copy_(1, dst_dev, self.conv.index_select(1, src_dev))
-        self.ssm.index_copy_(1, dst_dev, self.ssm.index_select(1, src_dev))
+        if self.ids is not None:  # a device: pending, every source as it is before the call
+            pending = self._pending
+            pairs = [(d, pending.get(s, s)) for s, d in zip(src_idx.tolist(), dst_idx.tolist(),
+                                                             strict=True) if s != d]
+            for d, s in pairs:
+                self._put(d, s)
+            return
+        self._conv.index_copy_(1, dst_idx, self._conv.index_select(1, src_idx))
+        self._ssm.index_copy_(1, dst_idx, self._ssm.index_select(1, src_idx))
 
     def alloc_slot(self) -> int | None:
         """One slot as a Python ``int``: ``int(alloc(1)[0])`` without building a tensor.
@@ -183,9 +265,11 @@ class MambaStatePool(_FreeListAllocator):
             if views is not None:
                 views[0][:, slot] = 0
                 views[1][:, slot] = 0
+            elif self.ids is not None:
+                self._pending[slot] = _ZERO
             else:
-                self.conv[:, slot].zero_()
-                self.ssm[:, slot].zero_()
+                self._conv[:, slot].zero_()
+                self._ssm[:, slot].zero_()
         return slot
 
     def free_slot(self, slot: int) -> None:
@@ -257,22 +341,40 @@ class MambaStatePool(_FreeListAllocator):
             conv, ssm = views
             conv[:, dst] = conv[:, src]
             ssm[:, dst] = ssm[:, src]
+        elif self.ids is not None:
+            if src != dst:
+                self._put(dst, self._pending.get(src, src))
         else:
-            self.conv[:, dst].copy_(self.conv[:, src])
-            self.ssm[:, dst].copy_(self.ssm[:, src])
+            self._conv[:, dst].copy_(self._conv[:, src])
+            self._ssm[:, dst].copy_(self._ssm[:, src])
+
+    def _put(self, dst: int, src: int) -> None:
+        """Pending: slot ``dst`` gets ``src``'s state as it was when the pending work began
+        (``_ZERO``: zeros); a slot given its own state again has nothing pending."""
+        if src == dst:
+            self._pending.pop(dst, None)
+        else:
+            self._pending[dst] = src
 
     def _on_alloc(self, slots: torch.Tensor) -> None:
         if not self.zero_on_alloc:
             return
-        self.conv.index_fill_(1, slots, 0)
-        self.ssm.index_fill_(1, slots, 0)
+        if self.ids is not None:
+            for s in host_ids(slots, "slots").tolist():
+                self._pending[s] = _ZERO
+            return
+        self._conv.index_fill_(1, slots, 0)
+        self._ssm.index_fill_(1, slots, 0)
 
-    def _on(self, given: int | torch.Tensor, host: torch.Tensor) -> torch.Tensor:
-        """The slots ``given`` (validated, values ``host``) as an index tensor on ``device``:
-        the given tensor itself when it is there, else ``host`` uploaded."""
-        if isinstance(given, torch.Tensor) and given.device == self.device:
-            return given.reshape(-1)
-        return host if self.device.type == "cpu" else upload(host.numpy(), self.device)
+    def _to_device(self, host: np.ndarray) -> torch.Tensor:
+        """Slot ids ``host`` as a view of :attr:`ids` when consecutive (an ``alloc(1)``: no
+        CUDA call), else uploaded."""
+        ids = self.ids
+        n = host.shape[0]
+        if ids is not None and n and int(host[-1]) - int(host[0]) == n - 1 and (
+                n == 1 or bool((np.diff(host) == 1).all())):
+            return ids[int(host[0]):int(host[0]) + n]
+        return super()._to_device(host)
 
     def _allocated(self, slots: int | torch.Tensor, name: str) -> torch.Tensor:
         """Validate ``slots`` as handed-out slot ids; return them as a CPU int64 1-D tensor."""

@@ -41,9 +41,12 @@ Example (``SWAAllocator(6, 4)``)::
 
 Bookkeeping stays on the host (numpy free lists, the CPU mapping ``full_to_swa``). On a CUDA
 ``device`` the mapping also lives there (``full_to_swa_device``, what ``translate`` gathers
-from), kept equal to the host one by device-side writes (``index_copy_`` / ``index_fill_`` with
-device ids); ids are read on the host through their mirrors (``allocators.host_mirror``) and
-``alloc`` results are uploaded through pinned staging: zero host synchronisations per call.
+from, what an engine's SWA layers read once per forward step), brought up to date when it is
+read: ``alloc`` / ``free`` / ``free_swa`` / ``undo_alloc`` only note on the host which full
+slots changed (no CUDA call; ``alloc`` uploads its result, one memcpy), and the first read of
+``full_to_swa_device`` after changes writes them all from the host mapping in one upload and
+one ``index_copy_``. Ids are read on the host through their mirrors
+(``allocators.host_mirror``), uploads go through pinned staging: zero host synchronisations.
 """
 
 from __future__ import annotations
@@ -174,11 +177,17 @@ class SWAAllocator(SlotAllocator):
         self.full_to_swa = torch.zeros(full_size + page_size, dtype=torch.int64)
         self._map = self.full_to_swa.numpy()  # shares memory
         self._arange_page = np.arange(page_size, dtype=np.int64)
-        #: The mapping on ``device`` (``None`` on the CPU: ``full_to_swa`` is there already).
-        self.full_to_swa_device: torch.Tensor | None = None
+        #: The mapping on ``device`` as last written (``None`` on the CPU: ``full_to_swa`` is
+        #: there already); read it through :attr:`full_to_swa_device`.
+        self._dev_map: torch.Tensor | None = None
+        #: Full slots whose mapping changed since the device one was written: a mask over
+        #: slots and the ids in the order noted (each once).
+        self._stale = np.zeros(0, dtype=np.bool_)
+        self._stale_ids: list[np.ndarray] = []
         if self._device.type != "cpu":
-            self.full_to_swa_device = torch.zeros(full_size + page_size, dtype=torch.int64,
-                                                  device=self._device)
+            self._dev_map = torch.zeros(full_size + page_size, dtype=torch.int64,
+                                        device=self._device)
+            self._stale = np.zeros(full_size + page_size, dtype=np.bool_)
 
     # ------------------------------------------------------------------ facts
     @property
@@ -311,6 +320,22 @@ class SWAAllocator(SlotAllocator):
         which must not read the device."""
         return self._map[ids] != 0
 
+    @property
+    def full_to_swa_device(self) -> torch.Tensor | None:
+        """The mapping on ``device`` (``None`` on the CPU), int64 ``[full_size + page_size]``,
+        equal to ``full_to_swa``: changes since the last read are written first (one upload
+        of the changed ids and their values, one ``index_copy_``; nothing when none). Read-only
+        for callers."""
+        dev_map = self._dev_map
+        if dev_map is not None and self._stale_ids:
+            ids = np.concatenate(self._stale_ids)
+            self._stale_ids.clear()
+            self._stale[ids] = False
+            both = np.concatenate((ids, self._map[ids]))
+            up = upload(both, self._device)
+            dev_map.index_copy_(0, up[:ids.shape[0]], up[ids.shape[0]:])
+        return dev_map
+
     def _on_device(self, given: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
         """Slot ids (validated, values ``host``) on ``device``: ``given`` itself when it is
         there, else ``host`` uploaded."""
@@ -318,10 +343,14 @@ class SWAAllocator(SlotAllocator):
             return given
         return upload(host.numpy(), self._device)
 
-    def _unmap_device(self, given: torch.Tensor, host: torch.Tensor) -> None:
-        """Clear the device mapping of full slots ``host`` (``given`` as passed)."""
-        if self.full_to_swa_device is not None and host.numel():
-            self.full_to_swa_device.index_fill_(0, self._on_device(given, host), 0)
+    def _changed(self, ids: np.ndarray) -> None:
+        """Note that the mapping of full slots ``ids`` changed (the device one is written
+        when next read); nothing on the CPU."""
+        if self._dev_map is not None and ids.shape[0]:
+            new = ids[~self._stale[ids]]
+            if new.shape[0]:
+                self._stale[new] = True
+                self._stale_ids.append(new)
 
     # ------------------------------------------------------------------ actions
     def alloc(self, n: int) -> torch.Tensor | None:
@@ -340,14 +369,12 @@ class SWAAllocator(SlotAllocator):
         full = self._full.alloc(n)
         swa = self._swa.alloc(n)
         assert full is not None and swa is not None
-        self._map[full.numpy()] = swa.numpy()
-        dev_map = self.full_to_swa_device
-        if dev_map is None:
+        host = full.numpy()
+        self._map[host] = swa.numpy()
+        if self._dev_map is None:
             return full
-        both = np.concatenate((full.numpy(), swa.numpy()))  # one upload for both sides
-        dev = register(upload(both, self._device), both)
-        dev_map.index_copy_(0, dev[:n], dev[n:])
-        return dev[:n]
+        self._changed(host)
+        return register(upload(host, self._device), host)
 
     def free(self, indices: torch.Tensor) -> None:
         """Free full slots and, where still mapped, their SWA slots; clear their mapping.
@@ -373,8 +400,9 @@ class SWAAllocator(SlotAllocator):
         swa_pages = _validated_release_pages(self._swa, swa[swa != 0])
         self._full._pages.release(full_pages)
         self._swa._pages.release(swa_pages)
-        self._map[idx.numpy()] = 0
-        self._unmap_device(indices, idx)
+        ids = idx.numpy()
+        self._map[ids] = 0
+        self._changed(ids)
 
     def free_swa(self, indices: torch.Tensor) -> None:
         """Free only the SWA side of full slots ``indices`` (tombstone them); clear their
@@ -424,8 +452,9 @@ class SWAAllocator(SlotAllocator):
             raise ValueError(f"double free: slot {bad} appears more than once in one call")
         swa_pages = _validated_release_pages(self._swa, swa)
         self._swa._pages.release(swa_pages)
-        self._map[idx.numpy()] = 0
-        self._unmap_device(indices, idx)
+        ids = idx.numpy()
+        self._map[ids] = 0
+        self._changed(ids)
 
     def undo_alloc(self, indices: torch.Tensor) -> None:
         """Give back the result of a recent :meth:`alloc`: both sides to the *front* of their
@@ -455,16 +484,19 @@ class SWAAllocator(SlotAllocator):
         swa_pages = _validated_release_pages(self._swa, swa)
         self._full._pages.restore(full_pages)
         self._swa._pages.restore(swa_pages)
-        self._map[idx.numpy()] = 0
-        self._unmap_device(indices, idx)
+        ids = idx.numpy()
+        self._map[ids] = 0
+        self._changed(ids)
 
     def clear(self) -> None:
         """Free every slot on both sides, clear the mapping, restore the initial free order."""
         self._full.clear()
         self._swa.clear()
         self._map[:] = 0
-        if self.full_to_swa_device is not None:
-            self.full_to_swa_device.zero_()
+        if self._dev_map is not None:
+            self._stale_ids.clear()
+            self._stale[:] = False
+            self._dev_map.zero_()
 
     # ------------------------------------------------------------------ checking
     def check(self) -> None:

@@ -94,10 +94,13 @@ class _FreeListAllocator(SlotAllocator):
         if not self._on_device:
             self._on_alloc(slots)
             return slots
-        host = slots.numpy()  # a fresh array: the mirror owns it from here on
-        dev = register(upload(host, self._device), host)
+        dev = self._to_device(slots.numpy())  # a fresh array: the mirror owns it from here on
         self._on_alloc(dev)
         return dev
+
+    def _to_device(self, host: np.ndarray) -> torch.Tensor:
+        """Slot ids ``host`` just taken as a tensor on ``device``: uploaded, mirrored."""
+        return register(upload(host, self._device), host)
 
     def free(self, indices: torch.Tensor) -> None:
         pages = self._slots_to_pages(as_index_tensor(indices, "indices"))

@@ -14,16 +14,21 @@ held by a node, or repeated::
 (1 bit per id of the pool: 1/8 byte per cached token when the pool is full; :meth:`held_mask`
 unpacks it.)
 
-A node's slots (``node.kv_value``, a :data:`KVValue`): on the CPU an ``array('q')`` of its
-own, one int64 slot per token of ``node.key`` (about 64 bytes of header per node, against
-about 450 for a tensor's object, TensorImpl, StorageImpl and allocation). A node's array is
-never resized or written after :meth:`KVComponent.attach` (a split slices it into two new
-arrays, each its own memory), so zero-copy tensor views of it (``torch.frombuffer``, which
-keeps a reference to the array) stay valid and equal to it. On a GPU the nodes' values are
-device tensors, and this bookkeeping still runs on the host: every slot tensor the tree keeps
-or is handed by the library has a host mirror (``allocators.host_mirror``: node values are
-made with it, views keep it), so claims, held marks and frees read the mirror and never the
-device.
+A node's slots (``node.kv_value``, a :data:`KVValue`): an ``array('q')`` of its own on the
+host, one int64 slot per token of ``node.key`` (about 64 bytes of header per node, against
+about 450 for a tensor's object, TensorImpl, StorageImpl and allocation), on every device. A
+node's array is never resized or written after :meth:`KVComponent.attach` (a split slices it
+into two new arrays, each its own memory), so zero-copy tensor views of it
+(``torch.frombuffer``, which keeps a reference to the array) stay valid and equal to it.
+
+On a GPU the tree's bookkeeping is the CPU's: the caller's slot tensors are read through
+their host mirrors (``allocators.host_mirror``: ``alloc`` results, slices and
+``cat_slots`` of them), a node keeps the host array (an insert, a split, a free or an eviction
+issues no CUDA call at all), and device tensors are made only where a caller needs slots on
+the device: :meth:`KVComponent.device_slots` (a match's ``device_indices``, a backup's slots)
+joins the arrays on the host and uploads them once (one memcpy from pinned staging, no host
+synchronisation), mirrored; the uploads of single node values are kept for the last
+:data:`DEVICE_CACHE` of them (a system prompt's node matched again costs nothing).
 
 Every other module reads node slots through the component: :meth:`KVComponent.slots` (one
 node's, as a 1-D int64 tensor), :meth:`KVComponent.path_slots` (a path's, one tensor) and
@@ -42,7 +47,7 @@ import numpy as np
 import torch
 
 from allocators import resolve_device
-from allocators.host_mirror import cat_slots, host_ids, register
+from allocators.host_mirror import cat_slots, host_ids, mirrored
 from components.base import Component
 from components.ordered import OrderedNodeSet
 
@@ -61,9 +66,13 @@ if TYPE_CHECKING:
 #: A radix eviction policy's key (``radix.policies``): smaller is evicted first.
 KeyFn = Callable[["TreeNode"], tuple[Any, ...]]
 
-#: A node's KV slots (``node.kv_value``): on the CPU an ``array('q')`` of the node's own
-#: (never resized or written after attach), on a device a mirrored 1-D int64 device tensor.
+#: A node's KV slots (``node.kv_value``): an ``array('q')`` of the node's own on the host
+#: (never resized or written after attach), on every device. (A tensor is accepted where a
+#: value is passed in, and kept as an array.)
 KVValue: TypeAlias = "array[int] | torch.Tensor"
+
+#: Uploads of single node values a device KV component keeps (see the module docstring).
+DEVICE_CACHE = 64
 
 #: One zero slot: ``_ZERO * n`` is a node's new array of ``n`` (written by the C claim).
 _ZERO = array("q", [0])
@@ -96,13 +105,13 @@ def cat_values(values: list[KVValue]) -> torch.Tensor:
     return cat_slots(cast("list[torch.Tensor]", values))
 
 
-def to_value(value: KVValue, cpu: bool) -> KVValue:
+def to_value(value: KVValue) -> array[int]:
     """The value a node keeps for ``value`` (its own memory, never a view): a node's array
-    as it is; a slot tensor on the CPU (``cpu``) copied into a new ``array('q')``, on a device
-    ``value`` itself."""
-    if type(value) is array or not cpu:
+    as it is; a slot tensor's values (a device tensor's host mirror) copied into a new
+    ``array('q')``."""
+    if type(value) is array:
         return value
-    return _array_of(cast("torch.Tensor", value).numpy())
+    return _array_of(host_ids(cast("torch.Tensor", value), "value"))
 
 
 class KVComponent(Component):
@@ -154,8 +163,7 @@ class KVComponent(Component):
         #: pass (``TokenAllocator.owned_release``; ``None``: unmark, then ``free_owned``).
         #: ``f(src, n, page_size, held address, held bytes)`` returns ``False``, changing
         #: nothing, when it cannot.
-        owned = getattr(allocator, "owned_release", None) if (
-            self._cpu and self._held is not None) else None
+        owned = getattr(allocator, "owned_release", None) if self._held is not None else None
         self._release: Callable[[int, int, int, int, int], bool] | None = (
             owned() if callable(owned) else None)
         #: ``_held``'s address and size, as ``_release`` takes them (``_held`` is only ever
@@ -173,12 +181,16 @@ class KVComponent(Component):
         #: :meth:`slots`' last CPU view and the array it views (``None``: none kept)
         self._view_of: array[int] | None = None
         self._view = _NO_SLOTS
+        #: a device's uploads of single node values: id(array) -> (array, tensor), oldest
+        #: first (the entry keeps the array, so its id is not reused while it is there)
+        self._uploads: dict[int, tuple[array[int], torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ access
     def slots(self, node: TreeNode) -> torch.Tensor:
-        """Device node ``node``'s KV slots as a 1-D int64 tensor (one per token of its key): a
-        zero-copy view of its array on the CPU (``torch.frombuffer``), its own mirrored tensor
-        on a device. Not to be written. Raises ``ValueError`` for a node without device KV.
+        """Device node ``node``'s KV slots as a 1-D int64 tensor (one per token of its key) on
+        the component's device: a zero-copy view of its array on the CPU
+        (``torch.frombuffer``), an upload of it on a device (:meth:`device_slots`). Not to be
+        written. Raises ``ValueError`` for a node without device KV.
 
         The last CPU view made is kept with its array (one entry): asking again for the same
         array returns the same tensor, as a node's own tensor was returned before (a
@@ -191,16 +203,53 @@ class KVComponent(Component):
             return self._view
         if value is None:
             raise ValueError(f"node has no device KV slots: {node}")
+        if not self._cpu:
+            return self.device_slots([value])
         view = slot_tensor(value)
         if type(value) is array:
             self._view, self._view_of = view, value
         return view
 
-    def path_slots(self, nodes: list[TreeNode]) -> torch.Tensor:
-        """The KV slots of the device nodes among ``nodes``, in order, as one 1-D int64 tensor:
-        one node's own view when only one holds slots, else their concatenation."""
+    def host_path_slots(self, nodes: list[TreeNode]) -> torch.Tensor:
+        """The KV slots of the device nodes among ``nodes``, in order, as one 1-D int64 CPU
+        tensor (one node's own view when only one holds slots, else their concatenation): what
+        :meth:`path_slots` is on the CPU, on the host on every device (no CUDA call)."""
         vals = [n.kv_value for n in nodes if n.kv_value is not None]
         return slot_tensor(vals[0]) if len(vals) == 1 else cat_values(vals)
+
+    def path_slots(self, nodes: list[TreeNode]) -> torch.Tensor:
+        """The KV slots of the device nodes among ``nodes``, in order, as one 1-D int64 tensor
+        on the component's device: on the CPU one node's own view when only one holds slots,
+        else their concatenation; on a device :meth:`device_slots`."""
+        vals = [n.kv_value for n in nodes if n.kv_value is not None]
+        if not self._cpu:
+            return self.device_slots(vals)
+        return slot_tensor(vals[0]) if len(vals) == 1 else cat_values(vals)
+
+    def device_slots(self, values: list[KVValue]) -> torch.Tensor:
+        """The concatenation of node values ``values`` as a new 1-D int64 tensor on the
+        component's device, mirrored (a CPU component: :func:`cat_values`). On a device the
+        arrays are joined on the host and uploaded in one copy (``host_mirror.mirrored``: one
+        memcpy, no host synchronisation; none for no slots); a single value's upload is kept
+        (the last :data:`DEVICE_CACHE`) and handed out again while its array lives in it.
+        Not to be written."""
+        if self._cpu:
+            return cat_values(values)
+        if len(values) == 1:
+            value = values[0]
+            got = self._uploads.get(id(value))
+            if got is not None and got[0] is value:
+                return got[1]
+            out = mirrored(self.host_slots(value).copy(), self.device)
+            if type(value) is array:
+                ups = self._uploads
+                if len(ups) >= DEVICE_CACHE:
+                    del ups[next(iter(ups))]
+                ups[id(value)] = (value, out)
+            return out
+        hosts = [self.host_slots(v) for v in values]
+        return mirrored(np.concatenate(hosts) if hosts else np.empty(0, dtype=np.int64),
+                        self.device)
 
     # --------------------------------------------------------------- ownership
     def claim(self, value: torch.Tensor, lo: int = 0, hi: int | None = None, *,
@@ -223,8 +272,7 @@ class KVComponent(Component):
                 view would pin the caller's whole tensor and see its later writes).
 
         Returns:
-            The copy with ``copy`` (an ``array('q')`` on the CPU, a mirrored tensor on a
-            device: a :data:`KVValue`), else ``None``.
+            The copy with ``copy`` (an ``array('q')``: a :data:`KVValue`), else ``None``.
 
         Raises:
             ValueError: naming ``value`` and the first bad slot; nothing is marked then.
@@ -248,16 +296,13 @@ class KVComponent(Component):
         return self.claim_trusted(value, lo, hi, copy)
 
     def claim_device(self, value: torch.Tensor, lo: int, hi: int,
-                     copy: bool) -> torch.Tensor | None:
+                     copy: bool) -> array[int] | None:
         """:meth:`claim` of a checked device tensor: the checks and marks run on its host
-        mirror (no host synchronisation; a tensor without a mirror is copied to the host once,
-        ``allocators.host_mirror.host_ids``). With ``copy``, returns the node's copy of
-        ``value[lo:hi]`` on the device, mirrored."""
+        mirror (no host synchronisation and no CUDA call; a tensor without a mirror is copied
+        to the host once, ``allocators.host_mirror.host_ids``). With ``copy``, returns the
+        node's ``array('q')`` of ``value[lo:hi]``, as on the CPU."""
         host = torch.from_numpy(np.ascontiguousarray(host_ids(value, "value")))
-        got = self.claim_trusted(host, lo, hi, copy)
-        if got is None:
-            return None
-        return register(value[lo:hi].clone(), np.frombuffer(got, dtype=np.int64))
+        return self.claim_trusted(host, lo, hi, copy)
 
     def host_slots(self, value: KVValue) -> np.ndarray:
         """The values of slot tensor or node value ``value`` on the host (its memory on the
@@ -272,8 +317,7 @@ class KVComponent(Component):
                       copy: bool) -> array[int] | None:
         """:meth:`claim` for a caller that has already checked ``value`` (a 1-D int64 CPU
         tensor) and ``0 <= lo <= hi <= len(value)``: the insert's path. The slots themselves
-        are still checked. With ``copy``, returns the node's own ``array('q')`` of them (on a
-        device, :meth:`claim_device` uploads it and keeps it as the mirror)."""
+        are still checked. With ``copy``, returns the node's own ``array('q')`` of them."""
         if _claim_c is None:
             return self._claim_numpy(value.numpy()[lo:hi], copy)
         if not value.is_contiguous():
@@ -424,10 +468,9 @@ class KVComponent(Component):
     # ------------------------------------------------------------------ values
     def attach(self, node: TreeNode, value: KVValue) -> None:
         """Give a node (``kv_lock == 0``) its slots, already :meth:`claim`-ed. The node keeps
-        a value of its own: :meth:`claim`'s copy is kept as it is; a slot tensor is copied into
-        a new ``array('q')`` on the CPU (:func:`to_value`; on a device it is kept: pass a
-        tensor of its own, not a view of the caller's whole tensor)."""
-        node.kv_value = value if type(value) is array else to_value(value, self._cpu)
+        a value of its own: :meth:`claim`'s copy is kept as it is; a slot tensor's values are
+        copied into a new ``array('q')`` (:func:`to_value`: a device tensor's host mirror)."""
+        node.kv_value = value if type(value) is array else to_value(value)
         self._evictable += len(node.key)  # (one slot per token: cheaper than the value's size)
 
     def replace(self, node: TreeNode, value: KVValue) -> None:
@@ -436,7 +479,7 @@ class KVComponent(Component):
         old = node.kv_value
         assert old is not None and node.kv_lock == 0 and len(old) == len(value), node
         self._release_value(old)
-        node.kv_value = to_value(value, self._cpu)
+        node.kv_value = to_value(value)
 
     def _release_value(self, value: KVValue) -> None:
         """Clear the held marks of a node's slots ``value`` and free them (they leave the
@@ -455,8 +498,7 @@ class KVComponent(Component):
         value = lower.kv_value
         if value is None:  # a host-only node (HiCache)
             return
-        # An array's slices are copies (each half its own memory); a device tensor's are views
-        # that keep its host mirror (its storage is the pool's index copy, nothing to free).
+        # An array's slices are copies (each half its own memory).
         upper.kv_value = value[:split_len]
         lower.kv_value = value[split_len:]
         if lower in self.leaves:  # its key may depend on its start (tlru)
@@ -503,7 +545,7 @@ class KVComponent(Component):
                 node = pop()
                 if node is None:
                     break
-                # (``_release`` is set only on the CPU, where every node value is an array)
+                # (every node value is an array)
                 value: Any = node.kv_value
                 assert value is not None and node.kv_lock == 0, node
                 n = len(value)
@@ -582,6 +624,7 @@ class KVComponent(Component):
         self.leaves.clear()
         self._evictable = self._protected = self.evicted = self.inserted = 0
         self._view_of, self._view = None, _NO_SLOTS
+        self._uploads.clear()
 
     # ------------------------------------------------------------------- tiers
     # The primary component of a host tier (``components.base``): ``node.host_value`` holds
@@ -695,10 +738,7 @@ class KVComponent(Component):
                     f"device node below a host-only one: {n}"
                 )
                 continue
-            if self._cpu:
-                assert type(v) is array and v.typecode == "q", f"{n}: CPU slots not an array('q')"
-            else:
-                assert isinstance(v, torch.Tensor) and v.dtype == torch.int64 and v.dim() == 1, n
+            assert type(v) is array and v.typecode == "q", f"{n}: slots not an array('q')"
             assert len(v) == len(n.key), f"{n}: {len(v)} slots for {len(n.key)} tokens"
             assert n.kv_lock >= 0, n
             p = n.parent

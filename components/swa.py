@@ -139,7 +139,7 @@ class SWAComponent(Component):
         """Free ``node``'s SWA KV (full KV stays). The node must be live and unlocked.
         Returns the SWA tokens freed."""
         assert not node.swa_tombstone and node.swa_lock == 0 and node.kv_value is not None, node
-        self.allocator.free_swa(self.kv.slots(node))
+        self.allocator.free_swa(self.kv.host_path_slots([node]))  # (on the host: no CUDA call)
         node.swa_tombstone = True
         n = len(node.key)
         self._evictable -= n

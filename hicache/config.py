@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicache.storage.page import MIN_SECRET_BYTES
+
+if TYPE_CHECKING:
+    from hicache.storage.base import StorageBackend
 
 #: Write policies (SGLang ``--hicache-write-policy``).
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -28,9 +31,26 @@ IO_BACKENDS = ("direct", "kernel")
 #: range: one copy per run and direction).
 MEM_LAYOUTS = ("layer_first", "page_first")
 
-#: L3 storage backends (``hicache_storage_backend``) and prefetch policies.
-STORAGE_BACKENDS = (None, "file", "redis", "mooncake")
+#: The built-in L3 storage backends (``hicache_storage_backend``; more by
+#: ``hicache.storage.register_backend``) and the prefetch policies.
+STORAGE_BACKENDS = (None, "file", "redis", "mooncake", "dynamic")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+#: Host memory modes (SGLang ``--hicache-host-memory-mode``): ``cache`` (the host pools are a
+#: tier that keeps its copies). SGLang's ``buffer_only`` (host memory only a staging buffer
+#: between the device and L3) is refused by name: the host tier here always keeps its copies.
+HOST_MEMORY_MODES = ("cache",)
+
+#: Keys of ``hicache_storage_backend_extra_config`` SGLang's HiCache reads for itself, whatever
+#: the backend, with SGLang's defaults: the ``timeout`` prefetch policy's wait is
+#: ``prefetch_timeout_base + prefetch_timeout_per_ki_token * tokens / 1024`` [s] (tokens: the
+#: whole pages the prefetch looks up); ``check_server``: the backend must answer one lookup when
+#: the cache is built, else the build fails (``ConnectionError``).
+GENERIC_EXTRA_KEYS: dict[str, float | bool] = {
+    "prefetch_timeout_base": 1.0,
+    "prefetch_timeout_per_ki_token": 0.25,
+    "check_server": False,
+}
 
 
 @dataclass(frozen=True)
@@ -54,7 +74,13 @@ class HiCacheConfig:
         hicache_mem_layout: the host pools' layout (:data:`MEM_LAYOUTS`): ``page_first``
             (default: the fewest, largest copies) or ``layer_first`` (load-back lands layer by
             layer; see ``hicache.controller``).
-        hicache_storage_backend: L3 below the host tier: ``None`` (off), ``"file"`` (pages as
+        hicache_storage_backend: L3 below the host tier: a name of
+            :mod:`hicache.storage.registry` (an engine's own via
+            ``hicache.storage.register_backend``, built with ``factory(config, tag)``), a
+            ``hicache.storage.StorageBackend`` instance (built with the cache's layout tag), or
+            ``"dynamic"`` (as SGLang's: the extra config's ``module_path`` and ``class_name``
+            name a factory ``(config, tag) -> StorageBackend``, e.g. a backend class taking
+            them; ``backend_name`` names it in messages), ``None`` (off), ``"file"`` (pages as
             files in ``hicache_storage_dir``), ``"redis"`` (``hicache_storage_url``) or
             ``"mooncake"`` (Mooncake Store: ``hicache_storage_url="mooncake://host:port"`` of
             its master, or the extra config / ``MOONCAKE_*`` environment, as SGLang reads them:
@@ -66,11 +92,15 @@ class HiCacheConfig:
             (TLS); comma-separated URLs are startup nodes of one cluster; ``mooncake://host:port``
             (the Mooncake master). Not in ``repr``.
         hicache_storage_backend_extra_config: the backend's options as SGLang takes them: a
-            JSON object, or ``@path`` to a ``.json`` / ``.toml`` file. The mooncake backend
-            reads SGLang's keys (``master_server_address``, ``metadata_server``,
-            ``global_segment_size``, ``protocol``, ``device_name``, ``local_hostname``) and
-            ``local_buffer_size``, ``zero_copy``, ``key_prefix``; the file and redis backends
-            take none. Parsed and checked when the config is built.
+            JSON object, or ``@path`` to a ``.json``, ``.yaml`` / ``.yml`` (needs PyYAML) or
+            ``.toml`` file. Every backend takes SGLang's generic keys
+            (:data:`GENERIC_EXTRA_KEYS`: ``prefetch_timeout_base`` [s],
+            ``prefetch_timeout_per_ki_token`` [s per 1024 tokens], ``check_server`` [bool]).
+            The mooncake backend also reads SGLang's keys (``master_server_address``,
+            ``metadata_server``, ``global_segment_size``, ``protocol``, ``device_name``,
+            ``local_hostname``) and ``local_buffer_size``, ``zero_copy``, ``key_prefix``; the
+            file and redis backends take no others. Parsed and checked when the config is
+            built.
         hicache_storage_timeout_s: connect / socket timeout of one storage call [s].
         hicache_storage_model: model name mixed into the page keys with the pool layout, so
             two models with the same layout never share pages.
@@ -78,15 +108,28 @@ class HiCacheConfig:
             in the background; the pages join the tree at a later ``match_prefix`` /
             ``poll_storage``), ``wait_complete`` (fetch before ``match_prefix`` returns, but
             wait ``hicache_storage_timeout_s`` at most in all, retries included) or
-            ``timeout`` (wait at most ``hicache_prefetch_timeout_s``); past the deadline, as
-            best_effort. A re-match of the same key waits only for what is left of it.
-        hicache_prefetch_timeout_s: the ``timeout`` policy's wait [s].
+            ``timeout`` (default, as SGLang's: wait at most :meth:`prefetch_wait_s`); past the
+            deadline, as best_effort. A re-match of the same key waits only for what is left
+            of it.
+        hicache_prefetch_timeout_s: the ``timeout`` policy's wait [s] when the extra config
+            sets neither ``prefetch_timeout_base`` nor ``prefetch_timeout_per_ki_token``.
         hicache_storage_secret: a deployment secret (str, UTF-8, or bytes; at least 16 bytes)
             shared by the engines of one deployment: every L3 record then carries an
             HMAC-SHA256 under it and a record whose MAC does not check is a miss (see
             ``hicache/storage/README.md``, threat model). ``None`` (default): taken from the
             ``HICACHE_STORAGE_SECRET`` environment variable when that is set, else records are
             checksummed only. Never in ``repr``, logs or error messages.
+        hicache_host_memory_mode: SGLang's ``--hicache-host-memory-mode``: ``cache`` (the only
+            mode, SGLang's default: the host pools keep their copies); ``buffer_only`` is
+            refused (:data:`HOST_MEMORY_MODES`).
+        hicache_host_memory_fraction: SGLang's ``--hicache-host-memory-fraction`` (default
+            0.8): when the host pools are sized by ``hicache_ratio`` (``hicache_size`` 0), the
+            share of the host memory available when they are built (``MemAvailable``, bounded
+            by the cgroup's ``memory.max``; see ``hicache.host_pools.host_memory_budget``) they
+            may take; the ratio is reduced until they fit, and the build fails (ValueError)
+            when a pool larger than the device pool does not fit. ``None``: no cap. In (0, 1].
+            Unlike SGLang, no 10 GiB reserve is kept back and an explicit ratio is capped too
+            (a dataclass cannot tell a given 2.0 from the default).
 
     Raises:
         TypeError / ValueError: naming the argument.
@@ -98,17 +141,23 @@ class HiCacheConfig:
     load_back_threshold: int = 10
     hicache_io_backend: str = "direct"
     hicache_mem_layout: str = "page_first"
-    hicache_storage_backend: str | None = None
+    hicache_storage_backend: str | StorageBackend | None = None
     hicache_storage_dir: str | None = None
     hicache_storage_max_bytes: int | None = None
     hicache_storage_url: str | None = field(default=None, repr=False)
     hicache_storage_timeout_s: float = 1.0
     hicache_storage_model: str = "default"
-    hicache_storage_prefetch_policy: str = "best_effort"
+    hicache_storage_prefetch_policy: str = "timeout"
     hicache_storage_backend_extra_config: str | None = None
     hicache_prefetch_timeout_s: float = 0.5
     hicache_storage_secret: str | bytes | None = field(default=None, repr=False)
+    hicache_host_memory_mode: str = "cache"
+    hicache_host_memory_fraction: float | None = 0.8
     _secret: bytes | None = field(init=False, repr=False, compare=False, default=None)
+    #: ``(prefetch_timeout_base, prefetch_timeout_per_ki_token)`` when the extra config sets
+    #: either, else ``None`` (parsed once, when the config is built).
+    _timeouts: tuple[float, float] | None = field(init=False, repr=False, compare=False,
+                                                  default=None)
 
     def __post_init__(self) -> None:
         r = self.hicache_ratio
@@ -128,7 +177,25 @@ class HiCacheConfig:
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise ValueError(f"load_back_threshold must be an int >= 0 [tokens], got {t!r}")
         self._check_io()
+        self._check_host_memory()
         self._check_storage()
+
+    def _check_host_memory(self) -> None:
+        """``hicache_host_memory_mode`` / ``hicache_host_memory_fraction`` (SGLang's names)."""
+        mode = self.hicache_host_memory_mode
+        if mode == "buffer_only":
+            raise ValueError(
+                "hicache_host_memory_mode='buffer_only' (host memory only a staging buffer "
+                "between the device and L3) is not supported: the host tier keeps its copies; "
+                f"expected one of {list(HOST_MEMORY_MODES)}")
+        if not isinstance(mode, str) or mode not in HOST_MEMORY_MODES:
+            raise ValueError(f"hicache_host_memory_mode={mode!r} is unknown; expected one of "
+                             f"{list(HOST_MEMORY_MODES)}")
+        f = self.hicache_host_memory_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float))
+                              or not math.isfinite(f) or not 0 < f <= 1):
+            raise ValueError(f"hicache_host_memory_fraction must be a number in (0, 1] or None, "
+                             f"got {f!r}")
 
     def _check_io(self) -> None:
         """``hicache_io_backend`` / ``hicache_mem_layout``: known names; ``kernel`` only where
@@ -150,10 +217,12 @@ class HiCacheConfig:
         """L3 fields (``hicache_storage_*``, ``hicache_prefetch_*``); errors name the field and
         never echo a URL's credentials."""
         backend = self.hicache_storage_backend
-        if backend not in STORAGE_BACKENDS:
-            raise ValueError(
-                f"hicache_storage_backend={backend!r} is unknown; expected one of {list(STORAGE_BACKENDS)}"
-            )
+        if not self._known_backend(backend):
+            from hicache.storage.registry import backend_names
+
+            raise ValueError(f"hicache_storage_backend={backend!r} is unknown; expected None, one "
+                             f"of {backend_names()} (hicache.storage.register_backend) or a "
+                             "hicache.storage.StorageBackend instance")
         d, url, cap = self.hicache_storage_dir, self.hicache_storage_url, self.hicache_storage_max_bytes
         if d is not None and not isinstance(d, str):
             raise TypeError(f"hicache_storage_dir must be a str path or None, got {type(d).__name__}")
@@ -163,6 +232,8 @@ class HiCacheConfig:
             raise ValueError(f"hicache_storage_max_bytes must be a positive int or None, got {cap!r}")
         if backend == "file" and not d:
             raise ValueError('hicache_storage_backend="file" needs hicache_storage_dir (a directory)')
+        if backend == "file" and d:
+            check_storage_dir(d, "hicache_storage_dir")
         if backend != "file" and (d is not None or cap is not None):
             raise ValueError(
                 "hicache_storage_dir / hicache_storage_max_bytes are for the file backend; "
@@ -174,9 +245,10 @@ class HiCacheConfig:
             from hicache.storage.redis_store import split_urls
 
             split_urls(url, "hicache_storage_url")  # ValueError with credentials masked
-        elif url is not None and backend != "mooncake":
-            raise ValueError(f"hicache_storage_url is for the redis backend (redis://) or the mooncake "
-                             f"backend (mooncake://); hicache_storage_backend is {backend!r}")
+        elif url is not None and (not isinstance(backend, str) or backend == "file"):
+            raise ValueError(f"hicache_storage_url is for the redis backend (redis://), the mooncake "
+                             f"backend (mooncake://) or a registered / dynamic backend; "
+                             f"hicache_storage_backend is {backend!r}")
         for name in ("hicache_storage_timeout_s", "hicache_prefetch_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -190,6 +262,16 @@ class HiCacheConfig:
             )
         self._check_extra_config()
         object.__setattr__(self, "_secret", self._resolve_secret())
+
+    @staticmethod
+    def _known_backend(backend: Any) -> bool:
+        """``None``, a built-in or registered name, or a ``StorageBackend`` instance."""
+        from hicache.storage.base import StorageBackend
+        from hicache.storage.registry import is_known
+
+        if backend is None or isinstance(backend, StorageBackend):
+            return True
+        return isinstance(backend, str) and is_known(backend)
 
     def _resolve_secret(self) -> bytes | None:
         """The deployment secret as bytes (the setting, else the environment), checked; the
@@ -221,21 +303,105 @@ class HiCacheConfig:
         return round(self.hicache_size * 1e9) if self.hicache_size else None
 
     def extra_config(self) -> dict[str, Any]:
-        """``hicache_storage_backend_extra_config`` parsed (a new dict each call)."""
+        """``hicache_storage_backend_extra_config`` parsed, less SGLang's generic keys
+        (:meth:`generic_extra`): the backend's own options (a new dict each call)."""
         from hicache.storage.mooncake_options import load_extra_config
 
-        return load_extra_config(self.hicache_storage_backend_extra_config)
+        extra = load_extra_config(self.hicache_storage_backend_extra_config)
+        return {k: v for k, v in extra.items() if k not in GENERIC_EXTRA_KEYS}
+
+    def generic_extra(self) -> dict[str, Any]:
+        """SGLang's generic extra-config keys (:data:`GENERIC_EXTRA_KEYS`), each the extra
+        config's value or SGLang's default, checked.
+
+        Raises:
+            ValueError: a timeout that is not a finite number >= 0 [s], a ``check_server``
+                that is not a bool (naming the key).
+        """
+        from hicache.storage.mooncake_options import load_extra_config
+
+        extra = load_extra_config(self.hicache_storage_backend_extra_config)
+        out = {k: extra.get(k, d) for k, d in GENERIC_EXTRA_KEYS.items()}
+        for k in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token"):
+            v = out[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"hicache_storage_backend_extra_config {k} must be a finite "
+                                 f"number >= 0 [s], got {v!r}")
+            out[k] = float(v)
+        if not isinstance(out["check_server"], bool):
+            raise ValueError("hicache_storage_backend_extra_config check_server must be true or "
+                             f"false, got {out['check_server']!r}")
+        return out
+
+    def prefetch_wait_s(self, tokens: int) -> float | None:
+        """How long a match waits in all for the prefetch of ``tokens`` tokens [s]:
+        ``wait_complete``: ``hicache_storage_timeout_s``; ``timeout``:
+        ``prefetch_timeout_base + prefetch_timeout_per_ki_token * tokens / 1024`` when the
+        extra config sets either key (the other at SGLang's default), else
+        ``hicache_prefetch_timeout_s``; ``best_effort``: ``None`` (no wait)."""
+        policy = self.hicache_storage_prefetch_policy
+        if policy == "wait_complete":
+            return self.hicache_storage_timeout_s
+        if policy != "timeout":
+            return None
+        if self._timeouts is None:
+            return self.hicache_prefetch_timeout_s
+        base, per_ki = self._timeouts
+        return base + per_ki * tokens / 1024
 
     def _check_extra_config(self) -> None:
+        from hicache.storage.mooncake_options import load_extra_config
+
         x = self.hicache_storage_backend_extra_config
         if x is not None and not isinstance(x, str):
             raise TypeError("hicache_storage_backend_extra_config must be a JSON string or '@file', "
                             f"got {type(x).__name__}")
+        generic = self.generic_extra()
+        given = load_extra_config(x)
+        if "prefetch_timeout_base" in given or "prefetch_timeout_per_ki_token" in given:
+            object.__setattr__(self, "_timeouts", (generic["prefetch_timeout_base"],
+                                                   generic["prefetch_timeout_per_ki_token"]))
         extra = self.extra_config()
         if self.hicache_storage_backend == "mooncake":
             from hicache.storage.mooncake_options import MooncakeOptions
 
             MooncakeOptions.resolve(self.hicache_storage_url, extra)
-        elif extra:
+        elif self.hicache_storage_backend == "dynamic":
+            from hicache.storage.registry import load_dynamic
+
+            load_dynamic(extra)
+        elif extra and self.hicache_storage_backend in ("file", "redis"):
             raise ValueError(f"hicache_storage_backend_extra_config keys {sorted(extra)} are not "
                              f"accepted by hicache_storage_backend={self.hicache_storage_backend!r}")
+
+
+def check_storage_dir(path: str, name: str) -> None:
+    """``ValueError`` naming ``name`` unless ``path`` can be the file store's directory: no NUL,
+    within the system's path and name length limits, not an existing non-directory, and the
+    directory (or, when it does not exist yet, its nearest existing parent, where it will be
+    made) writable and searchable by this process. A probe of the filesystem as it is when the
+    config is built (permissions may still change later: writes then count as faults)."""
+    if "\0" in path:
+        raise ValueError(f"{name} must not contain a NUL character, got {path!r}")
+    raw = os.fsencode(path)
+    p = os.path.abspath(path)
+    probe = p
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    try:
+        path_max = os.pathconf(probe, "PC_PATH_MAX")
+        name_max = os.pathconf(probe, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):
+        path_max, name_max = 4096, 255
+    if len(os.fsencode(p)) >= path_max or any(len(part) > name_max for part in raw.split(b"/")):
+        raise ValueError(f"{name} is too long for this filesystem (at most {path_max - 1} bytes, "
+                         f"{name_max} per name), got {len(raw)} bytes")
+    if not os.path.isdir(probe):
+        where = "" if probe == p else f" (its parent {probe!r} is not one)"
+        raise ValueError(f"{name} must be a directory{where}, got {path!r}: an existing file")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        what = "it" if probe == p else f"its parent {probe!r}, where it would be made,"
+        raise ValueError(f"{name}={path!r}: {what} is not writable by this process")

@@ -286,6 +286,7 @@ class HiCacheController:
         Raises:
             KeyError: a pair that is not registered (nothing is enqueued).
         """
+        self._settle(moves)
         if self._cuda:
             resolved = self._resolve(moves)
             t = self._write_gpu(resolved)
@@ -308,6 +309,7 @@ class HiCacheController:
         Raises:
             KeyError: a pair that is not registered (nothing is enqueued).
         """
+        self._settle(moves)
         if self._cuda:
             resolved = self._resolve(moves)
             after = [w for pair, _, hs in resolved
@@ -320,6 +322,16 @@ class HiCacheController:
             t = Transfer(None)
         self.last_load = t
         return t
+
+    def _settle(self, moves: Sequence[Move]) -> None:
+        """The device pools' pending work (``MambaStatePool.flush``: zeroing and copies kept on
+        the host until the states are read) goes out before a transfer reads or writes their
+        rows through its lanes."""
+        for name, _, _ in moves:
+            pair = self.pools.get(name)
+            flush = getattr(pair.device, "flush", None) if pair is not None else None
+            if flush is not None:
+                flush()
 
     def _copy_cpu(self, pair: PoolPair, d: torch.Tensor | int, h: torch.Tensor | int,
                   to_host: bool) -> None:

@@ -104,14 +104,56 @@ def state_lanes(device: MambaStatePool, host: MambaStatePool) -> tuple[Lane, ...
                                    ("ssm", device.ssm, host.ssm_store)))
 
 
-def _host_size(device_size: int, page_size: int, cfg: HiCacheConfig, bytes_per_unit: int) -> int:
-    host_bytes = cfg.host_size_bytes
+def host_memory_budget() -> int | None:
+    """Host memory available to new pools [bytes]: ``MemAvailable`` of ``/proc/meminfo``,
+    bounded by the cgroup v2 ``memory.max`` less ``memory.current`` when a limit is set;
+    ``None`` where neither can be read (no cap)."""
+    avail: int | None = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        avail = None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                left = max(0, int(limit) - int(f.read().strip()))
+            avail = left if avail is None else min(avail, left)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def _host_size(device_size: int, page_size: int, cfg: HiCacheConfig, bytes_per_unit: int,
+               by_size: bool = True) -> int:
+    """Host units (tokens or state slots): ``hicache_size`` bytes (``by_size``), else
+    ``hicache_ratio`` x ``device_size``, reduced to ``hicache_host_memory_fraction`` of
+    :func:`host_memory_budget` (when both are known); whole pages."""
+    host_bytes = cfg.host_size_bytes if by_size else None
+    capped = False
     if host_bytes is not None and bytes_per_unit > 0:
         size = host_bytes // bytes_per_unit
     else:
         size = int(device_size * cfg.hicache_ratio)
+        frac = None if cfg.hicache_size else cfg.hicache_host_memory_fraction
+        budget = host_memory_budget() if frac is not None and bytes_per_unit > 0 else None
+        if frac is not None and budget is not None:
+            fit = int(budget * frac) // bytes_per_unit
+            capped = fit < size
+            size = min(size, fit)
     size -= size % page_size
     if size <= device_size:
+        if capped:
+            raise ValueError(
+                f"hicache_host_memory_fraction={cfg.hicache_host_memory_fraction}: of the host "
+                f"memory available ({host_memory_budget()} bytes) the host pool gets {size} "
+                f"units, not more than the device pool ({device_size}); raise the fraction, "
+                "set it to None or give hicache_size")
         raise ValueError(
             f"host pool of {size} units must be larger than the device pool ({device_size}); "
             "raise hicache_ratio or hicache_size"
@@ -150,7 +192,7 @@ def mirror_state(device: MambaStatePool, cfg: HiCacheConfig) -> MambaStatePool:
     """A host state pool of the same shapes, ``hicache_ratio`` x the device slots (a slot's
     layers adjacent with ``hicache_mem_layout="page_first"``); its slots are not zeroed on
     ``alloc`` (a copy fills each one whole)."""
-    size = _host_size(device.size, 1, cfg, 0)
+    size = _host_size(device.size, 1, cfg, device.bytes_per_slot, by_size=False)
     return MambaStatePool(size, device.num_layers, device.conv_state_shape,
                           device.ssm_state_shape, dtype=device.dtype, device="cpu",
                           pin_memory=device.device.type == "cuda",

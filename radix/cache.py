@@ -31,6 +31,7 @@ threads wraps the cache in ``radix.locked.LockedCache`` (one lock around every c
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from operator import attrgetter
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, cast
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
-from allocators.host_mirror import cat_slots, host_int, register
+from allocators.host_mirror import cat_mirrored, host_int, register
 from components.base import Component
 from components.events import KVEvent, KVEventRecorder
 from components.gds import GDS_WALKS
@@ -193,8 +194,11 @@ class RadixCache:
         #: The KV slots live on the CPU (an insert's checked ``value`` is then a CPU tensor).
         self.on_cpu = self.device.type == "cpu"
         #: ``torch.cat`` of slot tensors (node values are joined by ``components.kv.cat_values``);
-        #: on a device it keeps their host mirrors.
-        self.cat_slots = torch.cat if self.on_cpu else cat_slots
+        #: on a device joined on the host and uploaded once, mirrored.
+        self.cat_slots = torch.cat if self.on_cpu else partial(cat_mirrored, device=self.device)
+        #: Node values joined into one slot tensor on the KV device (``cat_values`` on the CPU;
+        #: on a device one upload, ``KVComponent.device_slots``).
+        self._join = cat_values if self.on_cpu else self.kv.device_slots
         self._adopt_kv_order()
         self._init_counters()
 
@@ -320,7 +324,7 @@ class RadixCache:
                 indices = self.kv.slots(last)
             else:
                 # (one C pass over the nodes: no comprehension frame, no slice when whole)
-                indices = cat_values(list(map(_KV_VALUE, path if usable == len(path)
+                indices = self._join(list(map(_KV_VALUE, path if usable == len(path)
                                               else path[:usable])))
             state_slot = last.state_slot
         else:
@@ -365,10 +369,12 @@ class RadixCache:
             value: 1-D int64 tensor of KV slots, ``len(value) == len(key)``, on the allocator's
                 device.
             extra_key: namespace (LoRA adapter id, cache salt).
-            state_slot: a state slot valid after ``inserted_len`` tokens, owned by the caller
-                until adopted: an ``int``, or the one-element tensor the state pool's ``alloc``
-                returned (read through its host mirror: no host synchronisation). Required on
-                a hybrid cache when new tokens are added (a leaf never stays without a state).
+            state_slot: a state slot valid after the key's last token (``len(key)``, so at
+                ``page_size > 1`` the key must be whole pages: the state lands on the node
+                ending there), owned by the caller until adopted: an ``int``, or the
+                one-element tensor the state pool's ``alloc`` returned (read through its host
+                mirror: no host synchronisation). Required on a hybrid cache when new tokens
+                are added (a leaf never stays without a state).
             priority: request priority (``priority`` policy: a node keeps the max).
             rid: request id: a request counts once per node in ``hit_count``, also across its
                 chunked-prefill re-inserts (the cache remembers how deep each rid counted until
@@ -383,7 +389,8 @@ class RadixCache:
             TypeError / ValueError: bad key or value; a slot the tree would adopt (the new
                 tail, or what revival takes) that is outside the pool, free in the allocator,
                 held by a node, repeated, or (paged) not whole pages in order; a
-                ``state_slot`` that is free in the pool or held by the tree; an unhashable
+                ``state_slot`` that is free in the pool or held by the tree, or given with a
+                key that ends inside a page (``ValueError`` naming ``state_slot``); an unhashable
                 ``rid``; a missing state. Nothing changed then.
 
         Complexity: O(key length) in C (the walk, ``radix/_match.c``; the adopted slots'

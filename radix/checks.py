@@ -21,14 +21,17 @@ def check_count(n: Any, name: str) -> int:
     return n
 
 
-def check_node(core: CacheCore, node: Any, device: bool = True) -> TreeNode:
-    """Validate a node handle; ``device``: it must also be on device (lockable)."""
+def check_node(core: CacheCore, node: Any, device: bool = True, name: str = "node") -> TreeNode:
+    """Validate a node handle (the argument ``name``); ``device``: it must also be on device
+    (lockable)."""
     if not isinstance(node, TreeNode):
-        raise TypeError(f"node must be a TreeNode from match_prefix/insert, got {type(node).__name__}")
+        raise TypeError(f"{name} must be a TreeNode from match_prefix/insert, got "
+                        f"{type(node).__name__}")
+    label = f"node {node.id}" if name == "node" else f"{name} (node {node.id})"
     if not core.tree.is_attached(node):
-        raise ValueError(f"node {node.id} is not in this cache (removed, reset, or another cache's)")
+        raise ValueError(f"{label} is not in this cache (removed, reset, or another cache's)")
     if device and node.parent is not None and node.kv_value is None:
-        raise ValueError(f"node {node.id} is host-only; load_back it before locking it")
+        raise ValueError(f"{label} is host-only; load_back it before locking it")
     return node
 
 

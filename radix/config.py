@@ -159,12 +159,17 @@ class CacheConfig:
     def from_namespace(cls, ns: argparse.Namespace) -> CacheConfig:
         """Build from an argparse namespace; absent attributes keep their defaults.
 
-        ``radix_eviction_policy_config`` may be a dict or a JSON string there.
+        ``radix_eviction_policy_config`` may be a dict or a JSON string there (not JSON:
+        ``ValueError`` naming it).
         """
         d: dict[str, Any] = {k: getattr(ns, k) for k in _FIELDS if getattr(ns, k, None) is not None}
         knobs = d.get("radix_eviction_policy_config")
         if isinstance(knobs, str):
-            d["radix_eviction_policy_config"] = json.loads(knobs)
+            try:
+                d["radix_eviction_policy_config"] = json.loads(knobs)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"radix_eviction_policy_config is not valid JSON ({exc}); "
+                                 f"expected a JSON object of policy knobs, got {knobs!r}") from None
         return cls.from_dict(d)
 
     def to_dict(self) -> dict[str, Any]:

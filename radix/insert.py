@@ -27,9 +27,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from allocators.host_mirror import slot_copy
 from components.base import InsertPlan
-from components.kv import slot_tensor, to_value
+from components.kv import to_value
 from radix.results import InsertResult
 from radix.tree import new_tuple
 
@@ -41,12 +40,10 @@ if TYPE_CHECKING:
 
 
 def own_copy(value: torch.Tensor, lo: int, hi: int) -> KVValue:
-    """A node's own copy of ``value[lo:hi]``: on the CPU a new ``array('q')``
-    (``components.kv.to_value``), on a device a tensor with its host mirror. A view would
-    pin the caller's whole tensor and see its later writes."""
-    if value.is_cpu:
-        return to_value(value[lo:hi], True)
-    return slot_copy(value, lo, hi)
+    """A node's own copy of ``value[lo:hi]``: a new ``array('q')`` (``components.kv.to_value``;
+    a device tensor's host mirror: no CUDA call). A view would pin the caller's whole tensor
+    and see its later writes."""
+    return to_value(value[lo:hi])
 
 
 def insert_key(cache: RadixCache, key: Tokens, key_len: int, value: torch.Tensor, extra_key: Any,
@@ -61,6 +58,12 @@ def insert_key(cache: RadixCache, key: Tokens, key_len: int, value: torch.Tensor
     end = key_len
     if ps != 1:
         end -= end % ps
+        if state_slot is not None and end != key_len:
+            raise ValueError(
+                f"state_slot is the state after the key's {key_len} tokens, but the insert ends "
+                f"at token {end} (whole pages of page_size={ps}): a state must sit at the end of "
+                f"the node it lands on; insert key[:{end}] with the state valid after {end} "
+                "tokens")
     tree = core.tree
     walk = tree.walk(key, end, extra_key, trusted)
     if core.unplanned_inserts:  # the plain KV cache: the plan would be the walk's
@@ -231,9 +234,12 @@ def _revive(cache: RadixCache, path: list[TreeNode], plan: InsertPlan
             ) -> tuple[list[TreeNode], torch.Tensor]:
     """Matched nodes planned for revival take the caller's slots from the planned start (a
     node only partly covered is split there first); the component or tier that planned it
-    does the rest (``revive``). Returns the new path and the slots the nodes took."""
+    does the rest (``revive``). Returns the new path and the slots the nodes took: a view of
+    the caller's ``value`` when they are one run of it (no CUDA call), else one new tensor on
+    the cache's device (``KVComponent.device_slots``: one upload on a device)."""
     out: list[TreeNode] = []
-    revived: list[torch.Tensor] = []
+    revived: list[KVValue] = []
+    runs: list[tuple[int, int]] = []
     value, tree = plan.value, cache.core.tree
     revive = plan.revive
     assert revive is not None
@@ -247,11 +253,14 @@ def _revive(cache: RadixCache, path: list[TreeNode], plan: InsertPlan
             out.append(tree.split(n, t - n.start))
         own = own_copy(value, t, n.depth)
         owner.revive(n, own)
-        revived.append(slot_tensor(own))
+        revived.append(own)
+        runs.append((t, n.depth))
         out.append(n)
     if not revived:
         return out, cache.empty_slots
-    return out, revived[0] if len(revived) == 1 else torch.cat(revived)
+    if all(runs[i][1] == runs[i + 1][0] for i in range(len(runs) - 1)):
+        return out, value[runs[0][0]:runs[-1][1]]
+    return out, cache.kv.device_slots(revived)
 
 
 def _new_leaf(cache: RadixCache, plan: InsertPlan, parent: TreeNode, lo: int, hi: int,

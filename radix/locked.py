@@ -19,12 +19,33 @@ The threading contract (also in ``RadixCache``'s docstring and ``radix/README.md
 engine that does need several threads (a router thread matching while the scheduler inserts,
 a metrics thread reading ``stats``). Results it returns (nodes, locks, ``MatchResult``) are the
 cache's own: pass them back through the wrapper, never to the cache directly.
+
+A lock per call does not make a request atomic: between one thread's ``match_prefix`` and its
+``inc_lock_ref`` another thread may evict the matched node (a refusal), and an allocator
+called outside the lock hands one slot to two threads (wrong states served). An engine
+thread therefore wraps each request step in ``with cache.locked():`` (one hold over match ->
+lock -> allocate -> insert -> free) and calls the allocators through
+``LockedCache.kv_allocator`` / ``state_allocator`` (the cache's own allocators under the same
+lock)::
+
+    with lc.locked():
+        m = lc.match_prefix(key)
+        lock = lc.inc_lock_ref(m.last_device_node)
+        fresh = lc.kv_allocator.alloc(n) ...
+        lc.insert(key, value, state_slot=slot)
+
+What the lock does not cover: the pools' tensors (an engine's forward pass writes KV and
+state slots it owns without the cache), a ``MatchResult``'s slots read after the ``with``
+block ends (lock the node first: an unlocked node may be evicted by another thread at once),
+and the library's L3 threads (they never touch the tree; their queues and counters have their
+own locks).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from radix.cache import RadixCache
@@ -51,10 +72,24 @@ class LockedCache:
         self.lock = threading.RLock()
         self._wrapped: dict[str, Callable[..., Any]] = {}
 
+        self.kv_allocator = Guarded(cache.kv.allocator, self.lock)
+        """The cache's KV allocator, every call under the cache's lock."""
+        self.state_allocator = (None if cache.state is None
+                                else Guarded(cache.state.allocator, self.lock))
+        """The cache's state pool under the cache's lock (``None`` without states)."""
+
     @property
     def cache(self) -> RadixCache:
         """The wrapped cache (for single-threaded phases: setup, tests)."""
         return self._cache
+
+    @contextmanager
+    def locked(self) -> Iterator[LockedCache]:
+        """Hold the lock for a request step (match -> lock -> allocate -> insert -> free):
+        no other thread calls the cache or its guarded allocators meanwhile. Re-entrant; the
+        calls inside go through this wrapper as usual."""
+        with self.lock:
+            yield self
 
     def __getattr__(self, name: str) -> Any:
         fn = self._wrapped.get(name)
@@ -63,16 +98,43 @@ class LockedCache:
         attr = getattr(self._cache, name)
         if not callable(attr) or name.startswith("_"):
             return attr
-        lock = self.lock
-
-        def locked(*args: Any, **kwargs: Any) -> Any:
-            with lock:
-                return attr(*args, **kwargs)
-
-        locked.__name__ = name
-        locked.__doc__ = attr.__doc__
+        locked = _under(self.lock, name, attr)
         self._wrapped[name] = locked
         return locked
 
     def __repr__(self) -> str:
         return f"LockedCache({self._cache!r})"
+
+
+def _under(lock: threading.RLock, name: str, attr: Callable[..., Any]) -> Callable[..., Any]:
+    def locked(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return attr(*args, **kwargs)
+
+    locked.__name__ = name
+    locked.__doc__ = attr.__doc__
+    return locked
+
+
+class Guarded:
+    """``obj`` (an allocator or pool) with every public method call made under ``lock``;
+    attributes that are not callable pass through unlocked (as :class:`LockedCache`)."""
+
+    def __init__(self, obj: Any, lock: threading.RLock) -> None:
+        self._obj = obj
+        self._lock = lock
+        self._wrapped: dict[str, Callable[..., Any]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        fn = self._wrapped.get(name)
+        if fn is not None:
+            return fn
+        attr = getattr(self._obj, name)
+        if not callable(attr) or name.startswith("_"):
+            return attr
+        locked = _under(self._lock, name, attr)
+        self._wrapped[name] = locked
+        return locked
+
+    def __repr__(self) -> str:
+        return f"Guarded({self._obj!r})"

@@ -72,10 +72,10 @@ class TreeNode:
         parent: ``None`` only for the root.
         depth: tokens from the root to the end of this node (the position of its last token + 1).
         kv_value: KV slot indices, one int64 per token of ``key`` (``None`` at the root and on a
-            host-only node), owned by the KV component (``components.kv.KVValue``): on the CPU
-            an ``array('q')`` of the node's own, never resized or written after it is attached
-            (a split slices it into two new arrays); on a device a mirrored int64 tensor. Read
-            it as a tensor through ``KVComponent.slots(node)``.
+            host-only node), owned by the KV component (``components.kv.KVValue``): an
+            ``array('q')`` of the node's own on the host (on every device), never resized or
+            written after it is attached (a split slices it into two new arrays). Read it as a
+            tensor on the KV device through ``KVComponent.slots(node)``.
         kv_lock: requests holding this node's KV (the node or a descendant is locked).
         lock_ref: requests that locked exactly this node (``inc_lock_ref`` handles).
         state_slot: recurrent-state checkpoint valid after ``depth`` tokens, or ``None``.

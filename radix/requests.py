@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from allocators.host_mirror import register
-from allocators.staging import upload
 from radix.checks import check_count, check_lock, check_node
 from radix.node import TreeNode
 from radix.results import CacheRequest, InsertResult, LockRef
@@ -25,14 +23,18 @@ from radix.tree import RadixKey
 if TYPE_CHECKING:
     from radix.cache import RadixCache
 
+#: No slots, on the host.
+_NONE = torch.empty(0, dtype=torch.int64)
+
 
 def _path_indices(cache: RadixCache, node: TreeNode) -> torch.Tensor:
-    """The tree's KV slots on the path from the root to ``node`` [one per token]."""
+    """The tree's KV slots on the path from the root to ``node`` [one per token], on the host
+    (``KVComponent.host_path_slots``: a CPU tensor on every device)."""
     path = node.path_to_root()
     if not path:
-        return cache.empty_slots
+        return _NONE
     path.reverse()
-    return cache.kv.path_slots(path)
+    return cache.kv.host_path_slots(path)
 
 
 def _check_req(cache: RadixCache, req: Any, upto: Any) -> int:
@@ -47,8 +49,10 @@ def _check_req(cache: RadixCache, req: Any, upto: Any) -> int:
             n = len(idx)
             end = n if upto is None else upto
             core = cache.core
+            ps = core.page_size
             if 0 <= end <= n <= len(req.key) and node.owner == core.tree.uid \
-                    and 0 <= cached <= min(n, node.depth):
+                    and 0 <= cached <= min(n, node.depth) \
+                    and (ps == 1 or (cached % ps == 0 and n % ps == 0)):
                 if node.parent is None:
                     return end
                 lock = req.lock
@@ -62,7 +66,8 @@ def _check_full(cache: RadixCache, req: Any, upto: Any) -> int:
     """Validate a request record before anything changes; returns ``upto``.
 
     Checks the types of ``req``, ``req.key`` and ``req.kv_indices``, ``upto <=
-    len(kv_indices) <= len(key)``, that ``req.last_node`` is a device node of this cache
+    len(kv_indices) <= len(key)``, (paged) whole pages in ``kv_indices`` but a partial last
+    one, a ``cached_len`` of whole pages, that ``req.last_node`` is a device node of this cache
     holding a lock that ``req.lock`` (or the node itself) can release, and ``0 <= req.cached_len <=
     min(len(kv_indices), last_node's depth)``: the leading slots that came from the tree
     lie under the request's lock (a wrong ``cached_len`` would make the request free the
@@ -90,7 +95,7 @@ def _check_full(cache: RadixCache, req: Any, upto: Any) -> int:
         raise ValueError(
             f"need upto ({upto}) <= len(req.kv_indices) ({n}) <= len(req.key) ({key_len})"
         )
-    node = check_node(cache.core, req.last_node)
+    node = check_node(cache.core, req.last_node, name="req.last_node")
     if node is not cache.root:
         lock = req.lock
         if lock is not None and lock is not node and not (
@@ -111,7 +116,33 @@ def _check_full(cache: RadixCache, req: Any, upto: Any) -> int:
             f"from the tree: at most len(req.kv_indices) = {n} and the depth of "
             f"req.last_node = {node.depth}), got {cached}"
         )
+    ps = cache.page_size
+    if ps != 1:
+        if cached % ps:
+            raise ValueError(f"req.cached_len must be whole pages of page_size={ps} (the "
+                             f"tree's slots end at a page), got {cached}")
+        part = n % ps
+        if part:
+            last = cache.kv.host_slots(req.kv_indices[n - part:])
+            if last[0] % ps or not (last[1:] == last[:-1] + 1).all():
+                raise ValueError(
+                    f"req.kv_indices must be whole pages of page_size={ps} in order, the last "
+                    f"one possibly partial (its first {part} slots); got a last page of "
+                    f"{last.tolist()}")
     return upto
+
+
+def _whole_pages(cache: RadixCache, slots: torch.Tensor) -> torch.Tensor:
+    """``slots`` (the request's own, from a page start) with its partial last page completed:
+    the request holds that whole page (an allocator hands out whole pages), as SGLang's paged
+    ``free`` releases it."""
+    ps = cache.page_size
+    part = len(slots) % ps
+    if ps == 1 or not part:
+        return slots
+    host = cache.kv.host_slots(slots)
+    first = int(host[len(host) - part])
+    return torch.from_numpy(np.concatenate([host, np.arange(first + part, first + ps)]))
 
 
 def _free_state(cache: RadixCache, slot: int | torch.Tensor | None, adopted: bool) -> None:
@@ -130,8 +161,10 @@ def _insert_req(cache: RadixCache, req: CacheRequest, state_slot: int | torch.Te
                 unfinished: bool) -> tuple[InsertResult, torch.Tensor | None]:
     """Insert ``req.key[:upto]``; free the request's duplicate slots and an unadopted state.
 
-    Returns the insert result and, when the request's slots below ``prefix_len`` changed,
-    what they must become (the tree's slots, except the request's own copies it keeps).
+    Returns the insert result and, when the request's slots below ``prefix_len`` changed and
+    it is ``unfinished``, what they must become (the tree's slots, except the request's own
+    copies it keeps; a CPU tensor on every device: the caller joins it with the rest of the
+    request's row in one upload, ``RadixCache.cat_slots``).
 
     Fast path (no SWA, no HiCache): the request's slots in ``[cached_len, prefix_len)`` are
     its own copies of tokens the tree already holds (its slots below ``cached_len`` came
@@ -151,21 +184,22 @@ def _insert_req(cache: RadixCache, req: CacheRequest, state_slot: int | torch.Te
         if p <= req.cached_len:
             return res, None
         alloc.free(req.kv_indices[req.cached_len:p])
-        return res, _path_indices(cache, res.last_node)[:p]
+        return res, _path_indices(cache, res.last_node)[:p] if unfinished else None
     if p == 0:
         return res, None
     tree = _path_indices(cache, res.last_node)[:p]
     caller_h = cache.kv.host_slots(req.kv_indices)[:p]
     tree_h = cache.kv.host_slots(tree)
     dup = caller_h != tree_h
+    if not dup.any():  # the request holds the tree's slots already: its row is unchanged
+        return res, None
     merged = tree
-    if unfinished and cache.swa is not None and dup.any():
+    if unfinished and cache.swa is not None:
         keep = cache.swa.request_keeps(caller_h, tree_h, dup)
         if keep.any():
             dup &= ~keep
             merged_h = np.where(keep, caller_h, tree_h)
-            merged = torch.from_numpy(merged_h) if tree.is_cpu else register(
-                upload(merged_h, tree.device), merged_h)
+            merged = torch.from_numpy(merged_h)
     if dup.any():
         alloc.free(torch.from_numpy(caller_h[dup]))
     return res, merged
@@ -208,8 +242,9 @@ def cache_finished_req(cache: RadixCache, req: CacheRequest,
                        state_slot: int | torch.Tensor | None = None,
                        upto: int | None = None) -> InsertResult:
     """Cache ``req.key[:upto]`` (default: every computed token) with a state at its end,
-    free duplicates and every computed slot not kept (``req.kv_indices[inserted_len:]``),
-    release the request's lock. Frees ``state_slot`` when the tree does not adopt it.
+    free duplicates and every computed slot not kept (``req.kv_indices[inserted_len:]``, its
+    partial last page whole: ``req.kv_indices`` may end inside a page, as an engine's row
+    does), release the request's lock. Frees ``state_slot`` when the tree does not adopt it.
 
     Returns:
         the insert's :class:`InsertResult`. Its ``last_node`` is informational: once the
@@ -226,7 +261,7 @@ def cache_finished_req(cache: RadixCache, req: CacheRequest,
     # tree's (upto may end before them), never the request's to free.
     tail = req.kv_indices[max(res.inserted_len, req.cached_len):]
     if len(tail):
-        cache.kv.allocator.free(tail)
+        cache.kv.allocator.free(_whole_pages(cache, tail))
     cache.dec_lock_ref(req.last_node if req.lock is None else req.lock)
     cache.release_rid(req.rid)
     req.last_node = cache.root

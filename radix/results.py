@@ -70,13 +70,14 @@ class InsertResult(NamedTuple):
         state_adopted: whether the tree took ``state_slot``; when False the caller still owns it.
         revived_indices: the caller's slots the tree took over tombstoned SWA nodes or
             host-only nodes (their old device slots, if any, were freed by the tree); not
-            duplicates, not the caller's any more.
+            duplicates, not the caller's any more. A view of ``value`` when they are one run
+            of it (read-only), else a new tensor on its device.
         value: the caller's slot tensor, as passed.
         tree_values: the tree's nodes' KV values (``node.kv_value``: ``array('q')`` on the
-            CPU, device tensors on a device) over ``[0, prefix_len)``, one per node.
+            host, on every device) over ``[0, prefix_len)``, one per node.
 
     Properties (computed on access): ``tree_slots`` (the same as 1-D int64 tensors, zero-copy
-    views of the nodes' own slots on the CPU: read-only, as ``MatchResult.device_indices``), ``adopted_indices`` (``value[prefix_len:inserted_len]``,
+    views of the nodes' own slots, on the host on every device: read-only, as ``MatchResult.device_indices``), ``adopted_indices`` (``value[prefix_len:inserted_len]``,
     now the tree's), ``remainder_indices`` (``value[inserted_len:]``, the partial-page tail,
     still the caller's), ``duplicate_indices`` (the caller's slots in ``[0, prefix_len)`` that
     differ from the tree's: the caller frees them; slots it got from the tree are not listed).

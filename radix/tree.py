@@ -132,8 +132,10 @@ def namespace_key(extra_key: Any) -> Any:
     three of them). The typing follows the L3 key encoding
     (``hicache.storage.keys.encode_namespace``): ``bool``, ``int``, ``str``, ``bytes``,
     ``float`` (by its hex form, so ``-0.0`` and ``0.0`` differ) and tuples and frozen
-    dataclasses of these, element by element; any other hashable value by its exact type and
-    value. ``None`` stays ``None`` (the common case costs nothing). Subclasses of ``int``
+    dataclasses of these, element by element, and frozensets of these. ``None`` stays
+    ``None`` (the common case costs nothing). Anything else (a tensor, a plain object: hashed
+    and compared by identity, so a namespace an engine builds per request would never match)
+    raises ``TypeError`` naming ``extra_key``. Subclasses of ``int``
     other than ``bool`` (``IntEnum`` members), of ``str`` (``StrEnum``), ``bytes`` and
     ``float`` are their plain values (``Color.RED`` and ``1`` are one tenant, as ``==`` says);
     a named tuple is a tuple. Dataclass types are told apart by identity: two types of one
@@ -166,14 +168,20 @@ def namespace_key(extra_key: Any) -> Any:
     ):
         fields = tuple(getattr(extra_key, f.name) for f in dataclasses.fields(extra_key))
         return ("d", t, namespace_key(fields))
-    return ("o", t, extra_key)
+    if isinstance(extra_key, frozenset):
+        return ("z", frozenset(namespace_key(x) for x in extra_key))
+    raise TypeError(
+        f"extra_key must be a value (None, bool, int, str, bytes, float, or a tuple, frozenset "
+        f"or frozen dataclass of these), got {t.__name__}: an object compared by identity (a "
+        "tensor, a plain object) would never match a namespace built again per request")
 
 
 def resolve_key(key: Any, extra_key: Any) -> tuple[Tokens, Any]:
     """``(token ids, extra_key)`` from a :class:`RadixKey` or a plain token sequence.
 
     Raises:
-        TypeError: an unhashable ``extra_key``.
+        TypeError: an unhashable ``extra_key``, or one that is not a value
+            (:func:`namespace_key`).
         ValueError: a ``RadixKey`` and a different ``extra_key`` argument (different in type
             or value: see :func:`namespace_key`).
     """
@@ -184,6 +192,7 @@ def resolve_key(key: Any, extra_key: Any) -> tuple[Tokens, Any]:
             raise TypeError(
                 f"extra_key must be hashable (str, int, tuple...), got {type(extra_key).__name__}"
             ) from None
+        namespace_key(extra_key)  # a value, not an object compared by identity
     if isinstance(key, RadixKey):
         if extra_key is not None and namespace_key(extra_key) != namespace_key(key.extra_key):
             raise ValueError(

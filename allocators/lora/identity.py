@@ -1,8 +1,11 @@
 """Adapter identity: which adapter a request runs with.
 
-Every load of an adapter gets a fresh :class:`LoraUid` ``(name, serial)``; loading the same
-name again gives a different uid, so anything keyed by uid (slots, the radix tree's
-``extra_key`` namespace) never confuses the new weights with the old. The base model is the
+Every load of an adapter gets a fresh :class:`LoraUid` ``(name, serial, digest)``; loading the
+same name again gives a different uid, so anything keyed by uid (slots, the radix tree's
+``extra_key`` namespace) never confuses the new weights with the old. ``digest`` is a digest
+of the adapter's content (``LoraAdapter.digest``): a pool started again, or another engine
+sharing the L3 store, that loads *different* weights under the same name and serial gets a
+different uid, so its prefixes never meet the old adapter's pages. The base model is the
 explicit singleton :data:`BASE_MODEL` (zero weights, rank 0) -- never ``None``, which in
 :class:`~allocators.lora.LoraMemoryPool` means only "empty slot".
 """
@@ -20,13 +23,16 @@ class LoraUid:
     """The unique id of one load of an adapter.
 
     ``serial`` is unique within the pool that issued it (a counter that never goes back), so
-    a reload of ``name`` gets a different uid. Equality and hash include the class: a uid
-    never equals a string, so ``extra_key=uid`` cannot collide with a cache salt spelled
-    ``"name#serial"``.
+    a reload of ``name`` gets a different uid; ``digest`` (``LoraAdapter.digest``, the SHA-256
+    of the weights and scaling the pool computes with) ties the uid to the adapter's content
+    across pools and restarts, where serials repeat. Equality and hash cover all three and
+    the class: a uid never equals a string, so ``extra_key=uid`` cannot collide with a cache
+    salt spelled ``"name#serial"``.
     """
 
     name: str
     serial: int
+    digest: str = ""
 
     def __str__(self) -> str:
         return f"{self.name}#{self.serial}"

@@ -393,9 +393,10 @@ class LoraMemoryPool:
 
     # ------------------------------------------------------------------ internals
     def _insert(self, name: str, adapter: LoraAdapter, pinned: bool) -> LoraUid:
-        uid = LoraUid(name, self._next_serial)
+        host = self._host_copy(adapter)
+        uid = LoraUid(name, self._next_serial, host.digest())
         self._next_serial += 1
-        self._adapters[uid] = self._host_copy(adapter)
+        self._adapters[uid] = host
         if pinned:
             self.pin(uid)
         return uid

@@ -170,7 +170,15 @@ class LoraArgs:
             adapters' modules. Stored as a frozenset or ``"all"``.
         enable_lora_overlap_loading: asynchronous host->device fills from pinned memory.
         lora_drain_wait_threshold: seconds a request may wait for a non-resident adapter
-            before the scheduler drains one running adapter; ``0`` = off (default).
+            before the scheduler drains one running adapter; ``0`` = off (default). The
+            engine's scheduler acts on it, not the pool (the pool admits no requests; as in
+            SGLang, whose scheduler's LoRA drainer does it): at each scheduling step, an
+            adapter whose oldest waiting request waited longer than this and that
+            ``LoraMemoryPool.validate_batch(running | {adapter})`` refuses is starving; one
+            running adapter (the one whose requests end soonest) then admits no new request
+            until its last one finishes, which frees its slot for the starving one at the next
+            ``prepare_batch``. ``bench.lora.sched.LoraScheduler`` is that scheduler for the
+            replay (``--lora-drain-wait-threshold``).
 
     Raises:
         TypeError / ValueError: naming the argument. Also: ``lora_paths`` with

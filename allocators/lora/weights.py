@@ -11,6 +11,7 @@ written to PEFT directories by :func:`~allocators.lora.read_peft_adapter` /
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -39,7 +40,8 @@ class LoraAdapter:
         TypeError: a non-mapping ``weights``, a non-str module name, a non-tensor or
             non-float weight, a non-number ``scaling``.
         ValueError: no modules, a non-2-D weight, ranks that do not match between ``A`` and
-            ``B``, mixed dtypes, a non-CPU tensor, a non-finite ``scaling``.
+            ``B``, mixed dtypes, a non-CPU tensor, a non-finite ``scaling`` or weight (NaN,
+            inf).
     """
 
     weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
@@ -69,6 +71,20 @@ class LoraAdapter:
         object.__setattr__(self, "weights", MappingProxyType(frozen))
         object.__setattr__(self, "scaling", float(self.scaling))
         object.__setattr__(self, "rank", max(ranks))
+
+    def digest(self) -> str:
+        """SHA-256 (hex) of the adapter's content: ``scaling`` and, per module in name
+        order, its name, dtype, shapes and the bytes of ``A`` and ``B``. Two adapters with
+        equal digests compute the same deltas; any change of a weight changes it. O(bytes)."""
+        h = hashlib.sha256(b"hpc-lora/1\0" + float(self.scaling).hex().encode() + b";")
+        for module in sorted(self.weights):
+            a, b = self.weights[module]
+            name = module.encode("utf-8", "surrogatepass")
+            h.update(b"%d:" % len(name) + name + str(a.dtype).encode()
+                     + b"%r%r" % (tuple(a.shape), tuple(b.shape)))
+            for w in (a, b):
+                h.update(w.contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
 
     @property
     def modules(self) -> frozenset[str]:
@@ -113,6 +129,10 @@ def _check_pair(module: str, pair: Any) -> tuple[torch.Tensor, torch.Tensor]:
             raise ValueError(f"weights[{module!r}].{name} must be 2-D, got {tuple(w.shape)}")
         if w.device.type != "cpu":
             raise ValueError(f"weights[{module!r}].{name} must be on the CPU, got {w.device}")
+        if not bool(torch.isfinite(w).all()):
+            bad = int((~torch.isfinite(w)).sum())
+            raise ValueError(f"weights[{module!r}].{name} must be finite, got {bad} NaN / inf "
+                             "values (a corrupt or diverged adapter)")
     if a.shape[0] < 1 or a.shape[0] != b.shape[1]:
         raise ValueError(
             f"weights[{module!r}]: A is [rank, in] and B is [out, rank] with rank >= 1, "

@@ -36,7 +36,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                      "prompt-end states can save, offline and by an online rule", "build_parser"),
     "hit-breakdown": ("bench.dev.policies.hit_breakdown", "where a state policy's hits come "
                       "from", "bench.dev.policies.options:hit_breakdown_parser"),
-    "sync-counts": ("bench.dev.gpu.sync_counts", "host synchronisations per request on a "
+    "sync-counts": ("bench.dev.gpu.sync_counts", "host syncs, kernel launches and memcpys per request on a "
                     "simulated CUDA device", "bench.dev.gpu.options:sync_counts_parser"),
     "hicache-bandwidth": ("bench.dev.gpu.hicache_bandwidth", "host tier backup / load-back "
                           "GB/s against the raw pinned copy, per io backend and layout",

@@ -223,11 +223,16 @@ def _timestamp(value: float, where: str, unit: str) -> float:
 
 def _lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """Yield ``(where, object)`` for each non-blank line; ``where`` is ``path:lineno``."""
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TraceFormatError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at "
+                                       f"column {e.start + 1}); a trace is JSON lines") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:

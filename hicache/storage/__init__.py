@@ -9,6 +9,10 @@ Contract: ``host slots <-> storage pages``.
 * :mod:`~hicache.storage.file_store` / :mod:`~hicache.storage.redis_store` /
   :mod:`~hicache.storage.mooncake_store` — the backends (Mooncake's options:
   :mod:`~hicache.storage.mooncake_options`, resolved as SGLang resolves them).
+* :mod:`~hicache.storage.registry` — backends by name: :func:`register_backend` for an
+  engine's own; an instance may be given to ``hicache_storage_backend`` directly.
+* :mod:`~hicache.storage.sglang_adapter` — SGLang's ``HiCacheStorage`` interface over a backend
+  (SGLang's ``dynamic`` backend can load it).
 * :mod:`~hicache.storage.controller` — packing host bytes, background writes, prefetch jobs.
 """
 
@@ -30,6 +34,15 @@ from hicache.storage.keys import (
 from hicache.storage.mooncake_options import MooncakeOptions
 from hicache.storage.page import CorruptPage
 from hicache.storage.redis_store import RedisStore, redact_url
+from hicache.storage.registry import (
+    BUILTIN_BACKENDS,
+    backend_names,
+    build_dynamic,
+    build_registered,
+    check_tag,
+    register_backend,
+    unregister_backend,
+)
 
 if TYPE_CHECKING:
     from hicache.config import HiCacheConfig
@@ -44,6 +57,7 @@ __all__ = [
     "RedisStore",
     "StorageBackend",
     "StorageController",
+    "backend_names",
     "chain_seed",
     "encode_namespace",
     "layout_tag",
@@ -51,23 +65,49 @@ __all__ = [
     "page_hashes",
     "page_key",
     "redact_url",
+    "register_backend",
     "state_key",
+    "unregister_backend",
 ]
 
 
 def make_backend(config: HiCacheConfig, tag: str) -> StorageBackend | None:
-    """The backend ``config.hicache_storage_backend`` names (``None`` when off).
+    """The backend ``config.hicache_storage_backend`` names or is (``None`` when off); with
+    the extra config's ``check_server``, after it answered one lookup.
 
     Raises:
-        ImportError: ``redis`` without redis-py, ``mooncake`` without the Mooncake client
-            (``pip install .[storage]``).
+        ConnectionError: ``check_server`` and the backend did not answer.
+        TypeError / ValueError: a registered factory's bad result, a backend instance or
+            factory backend built with another layout tag (:mod:`hicache.storage.registry`).
+        ImportError: ``redis`` without redis-py (``pip install .[redis]``), ``mooncake``
+            without the Mooncake client (``.[mooncake]``, or ``.[mooncake-cuda]`` beside a GPU
+            engine).
         ValueError: ``mooncake`` options that do not resolve (see ``MooncakeOptions.resolve``).
         OSError: the file store's directory cannot be created.
     """
-    name = config.hicache_storage_backend
+    backend = _build(config, tag)
+    if backend is not None and config.generic_extra()["check_server"]:
+        try:
+            backend.check_server()
+        except ConnectionError:
+            if backend is not config.hicache_storage_backend:  # ours to close, not the caller's
+                backend.close()
+            raise
+    return backend
+
+
+def _build(config: HiCacheConfig, tag: str) -> StorageBackend | None:
+    name: str | StorageBackend | None = config.hicache_storage_backend
     if name is None:
         return None
+    if isinstance(name, StorageBackend):
+        check_tag(name, tag, "the hicache_storage_backend instance")
+        return name
     secret = config.storage_secret
+    if name == "dynamic":
+        return build_dynamic(config, tag)
+    if name not in BUILTIN_BACKENDS:
+        return build_registered(name, config, tag)
     if name == "file":
         assert config.hicache_storage_dir is not None
         return FileStore(config.hicache_storage_dir, config.hicache_storage_max_bytes, tag=tag,

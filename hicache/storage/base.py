@@ -68,6 +68,8 @@ COUNTERS = (
     "skipped_in_cooldown",
     "bytes_read",
     "bytes_written",
+    "close_errors",
+    "touch_errors",
 )
 
 
@@ -169,12 +171,26 @@ class StorageBackend(ABC):
         """The stored record of each key, or ``None``."""
 
     @abstractmethod
-    def _set_nx_raw(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
-        """Store each record unless its key exists; whether each was written."""
+    def _set_nx_raw(self, items: Sequence[tuple[str, bytes]]) -> Sequence[bool | None]:
+        """Store each record unless its key exists; for each: written (``True``), already
+        present (``False``) or refused for want of space (``None``)."""
 
     @abstractmethod
     def _delete_raw(self, key: str, record: bytes) -> None:
         """Remove ``key`` if it still holds ``record`` (a corrupt record seen by ``get``)."""
+
+    def check_server(self) -> None:
+        """Ask the store one presence question directly (no fault handling, no cooldown):
+        SGLang's ``check_server`` extra-config key, at build time.
+
+        Raises:
+            ConnectionError: the store did not answer (the cause chained).
+        """
+        try:
+            self._exists_raw(["0" * 64])
+        except Exception as exc:
+            raise ConnectionError(f"check_server: the {self.name} storage backend did not answer "
+                                  f"({type(exc).__name__}: {self.redact(str(exc))})") from exc
 
     def close(self) -> None:
         """Release connections / handles (the backend may be used again: it reopens). The

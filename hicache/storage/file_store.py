@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hicache.storage.base import StorageBackend
+from hicache.storage.page import HEADER_SIZE, KIND_KV
 
 TMP_PREFIX = ".tmp."
 
@@ -69,6 +70,22 @@ class FileStore(StorageBackend):
         self._tmp_seq = itertools.count()
         self.evicted = 0
         self._scan()
+
+    def expect_sections(self, kv: tuple[int, int], state: tuple[int, int]) -> None:
+        """As :meth:`StorageBackend.expect_sections`; the startup probe of ``max_bytes``,
+        which only now meets the record size.
+
+        Raises:
+            ValueError: ``max_bytes`` (``hicache_storage_max_bytes``) below one KV page's
+                record: no page could ever be stored.
+        """
+        super().expect_sections(kv, state)
+        need = self.record_bytes[KIND_KV]
+        if self.max_bytes is not None and self.max_bytes < need:
+            raise ValueError(
+                f"hicache_storage_max_bytes={self.max_bytes} is smaller than one KV page record "
+                f"({need} bytes: {HEADER_SIZE} of header and {sum(kv)} of K and V): no page "
+                "could ever be stored")
 
     def __repr__(self) -> str:
         return (f"FileStore(root={str(self.root)!r}, max_bytes={self.max_bytes}, "
@@ -164,19 +181,21 @@ class FileStore(StorageBackend):
                 self._note(key, len(data))  # most recently used now
                 try:
                     os.utime(path)
-                except OSError:
-                    pass
+                except OSError:  # (recency only: the page is served; counted)
+                    self._count("touch_errors")
                 out.append(data)
         return out
 
-    def _set_nx_raw(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
-        out = []
+    def _set_nx_raw(self, items: Sequence[tuple[str, bytes]]) -> list[bool | None]:
+        out: list[bool | None] = []
         with self._io:
             for key, record in items:
                 out.append(self._write_one(key, record))
         return out
 
-    def _write_one(self, key: str, record: bytes) -> bool:
+    def _write_one(self, key: str, record: bytes) -> bool | None:
+        """Written (``True``), present (``False``), or ``None``: larger than ``max_bytes``
+        (refused: it could never be stored, counted ``refused``, not ``already_present``)."""
         path = self._path(key)
         if key in self._index:
             return False
@@ -186,7 +205,7 @@ class FileStore(StorageBackend):
         size = len(record)
         if self.max_bytes is not None:
             if size > self.max_bytes:
-                return False
+                return None
             self._make_room(size)
         path.parent.mkdir(exist_ok=True)
         tmp = path.parent / f"{TMP_PREFIX}{os.getpid()}.{next(self._tmp_seq)}.{key}"

@@ -2,8 +2,8 @@
 
 Order (the first source that names a master wins, as in SGLang's Mooncake backend):
 
-1. ``hicache_storage_backend_extra_config`` (a JSON object, or ``@path`` to a JSON / TOML
-   file) with ``master_server_address``. Keys it leaves out take the defaults below, not the
+1. ``hicache_storage_backend_extra_config`` (a JSON object, or ``@path`` to a JSON, YAML or
+   TOML file) with ``master_server_address``. Keys it leaves out take the defaults below, not the
    environment.
 2. ``hicache_storage_url = "mooncake://host:port"``: the master's address; the other options
    from the extra config when it has them, else from the environment.
@@ -34,11 +34,12 @@ key (extra config / file)   environment                      default
 ==========================  ===============================  =================================
 
 Sizes: an int of bytes or a string ``"<number><unit>"`` with unit ``b``, ``kb``, ``mb`` or
-``gb`` (powers of 1024, as SGLang's ``4gb``). Keys SGLang's HiCache reads for itself
-(``prefetch_threshold``, ``prefetch_timeout_base``, ``prefetch_timeout_per_ki_token``,
-``hicache_storage_pass_prefix_keys``) and its other Mooncake keys that have no meaning here
-(``master_metrics_port``, ``check_server``, ``standalone_storage``, ...) are refused by name, so
-a setting never silently does nothing.
+``gb`` (powers of 1024, as SGLang's ``4gb``). SGLang's generic keys (``prefetch_timeout_base``,
+``prefetch_timeout_per_ki_token``, ``check_server``) are read by ``hicache.config`` for every
+backend and never reach this module; the other keys SGLang's HiCache reads for itself
+(``prefetch_threshold``, ``hicache_storage_pass_prefix_keys``) and its other Mooncake keys that
+have no meaning here (``master_metrics_port``, ``standalone_storage``, ...) are refused by
+name, so a setting never silently does nothing.
 """
 
 from __future__ import annotations
@@ -85,22 +86,30 @@ def parse_size(value: Any, name: str) -> int:
 
 def load_extra_config(text: str | None) -> dict[str, Any]:
     """``hicache_storage_backend_extra_config`` as a dict: a JSON object, or ``@path`` to a
-    ``.json`` / ``.toml`` file (as SGLang reads it).
+    ``.json``, ``.yaml`` / ``.yml`` (read with PyYAML's ``safe_load``) or ``.toml`` file, as
+    SGLang reads it.
 
     Raises:
-        ValueError: not a JSON object, a file that cannot be read or parsed, another extension.
+        ValueError: not a JSON object, a file that cannot be read or parsed, another extension,
+            a YAML file without PyYAML installed (naming what to install).
     """
     if text is None or not text.strip():
         return {}
     if text.startswith("@"):
         path = text[1:]
         ext = os.path.splitext(path)[1].lower()
-        if ext not in (".json", ".toml"):
-            raise ValueError(f"hicache_storage_backend_extra_config file must be .json or .toml, got {path!r}")
+        if ext not in (".json", ".toml", ".yaml", ".yml"):
+            raise ValueError("hicache_storage_backend_extra_config file must be .json, .yaml / "
+                             f".yml or .toml, got {path!r}")
         try:
             with open(path, "rb") as f:
                 raw = f.read()
-            data = tomllib.loads(raw.decode()) if ext == ".toml" else json.loads(raw)
+            if ext == ".toml":
+                data = tomllib.loads(raw.decode())
+            elif ext == ".json":
+                data = json.loads(raw)
+            else:
+                data = _load_yaml(raw, path)
         except (OSError, ValueError) as exc:
             raise ValueError(f"hicache_storage_backend_extra_config: cannot read {path!r} ({exc})") from exc
     else:
@@ -111,6 +120,19 @@ def load_extra_config(text: str | None) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"hicache_storage_backend_extra_config must be a JSON object, got {type(data).__name__}")
     return data
+
+
+def _load_yaml(raw: bytes, path: str) -> Any:
+    """A YAML document (``yaml.safe_load``); ``ValueError`` without PyYAML or on bad YAML."""
+    try:
+        import yaml
+    except ImportError as exc:
+        raise ValueError(f"{path!r} is YAML and PyYAML is not installed (pip install pyyaml); "
+                         "use a .json or .toml file instead") from exc
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"not valid YAML: {exc}") from exc
 
 
 def _check_address(addr: Any, name: str) -> str:
@@ -182,6 +204,9 @@ class MooncakeOptions:
             raise ValueError(f"local_buffer_size must be >= 1 MiB, got {self.local_buffer_size}")
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
+        if self.protocol == "rdma" and not self.device_name:
+            raise ValueError("protocol='rdma' needs device_name (MOONCAKE_DEVICE: the RDMA NIC, "
+                             "e.g. 'mlx5_0'); the client would fail only when it connects")
         if isinstance(self.zero_copy_min_bytes, bool) or not isinstance(self.zero_copy_min_bytes, int):
             raise ValueError(f"zero_copy_min_bytes must be bytes, got {self.zero_copy_min_bytes!r}")
         if not isinstance(self.zero_copy, bool):

@@ -93,7 +93,8 @@ class MooncakeStore(StorageBackend):
         setup_timeout_s: the longest wait for the client's setup (connect, mount) [s].
 
     Raises:
-        ImportError: the Mooncake client is not installed (``pip install .[storage]``).
+        ImportError: the Mooncake client is not installed (``pip install .[mooncake]``, or
+            ``.[mooncake-cuda]`` beside a GPU engine).
     """
 
     name = "mooncake"
@@ -227,11 +228,13 @@ class MooncakeStore(StorageBackend):
             store.unregister_buffer(self._send_buf.data_ptr())
         self._send_buf = None
         if self._busy:
+            self._count("close_errors")
             log.warning("L3 mooncake: %d calls still running; client left open", self._busy)
             return
         try:
             store.close()
         except Exception as exc:
+            self._count("close_errors")
             log.warning("L3 mooncake: close failed (%s)", exc)
 
     def _full(self, keys: Sequence[str]) -> list[str]:

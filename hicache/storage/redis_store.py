@@ -11,7 +11,8 @@ probed once (``INFO cluster``) and used as a cluster when the node has cluster m
   redis-py sends as one round trip per node. On one node: ``MGET`` in chunks of 512 keys.
 * ``SET ... NX``: a page is written once; a second writer of the same key changes nothing.
 * Timeouts: ``timeout_s`` for connecting and for every socket read/write; one retry on a
-  connection error (which reconnects), then the fault is a miss and the backend rests for
+  connection error (which reconnects), none on a timeout (a frozen server costs one
+  ``timeout_s`` per call, not two); then the fault is a miss and the backend rests for
   ``cooldown_s`` (:class:`~hicache.storage.base.StorageBackend`). The client is made on first
   use, so an engine starts while its storage is down and picks it up when it comes back.
 * Credentials (user names and passwords in the URLs) are never in ``repr``, logs or stats:
@@ -21,10 +22,11 @@ probed once (``INFO cluster``) and used as a cluster when the node has cluster m
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import threading
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from hicache.storage.base import StorageBackend, check_seconds
 
@@ -88,6 +90,9 @@ def _check_url(url: str, name: str) -> tuple[str, str, int]:
     shown = redact_url(url)
     parts = urlsplit(url)
     form = "redis://[user:password@]host:port[/db] or rediss://..."
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
+        raise ValueError(f"{name}: a Redis URL has no spaces or control characters (percent-"
+                         f"encode them in a password), got {shown!r}")
     if parts.scheme not in ("redis", "rediss") or not parts.hostname:
         raise ValueError(f"{name}: a Redis URL must look like {form}, got {shown!r}")
     try:
@@ -104,7 +109,40 @@ def _check_url(url: str, name: str) -> tuple[str, str, int]:
             raise ValueError(f"{name}: the database after the port must be an int >= 0 (/0), got "
                              f"{shown!r}")
         db = int(digits)
+    if parts.query:
+        _check_query(parts.scheme, parts.query, shown, name)
     return parts.scheme, f"{parts.hostname}:{port or 6379}", db
+
+
+def _check_query(scheme: str, query: str, shown: str, name: str) -> None:
+    """The query arguments redis-py's connection takes (its URL parsers' keys and the
+    connection class's keyword arguments), with values its parsers accept; redis-py passes an
+    unknown one to the connection, which fails only when the first call connects. Skipped
+    without redis-py (the store cannot be built then anyway)."""
+    try:
+        from redis.connection import (
+            URL_QUERY_ARGUMENT_PARSERS,
+            Connection,
+            SSLConnection,
+            parse_url,
+        )
+    except ImportError:
+        return
+    cls = SSLConnection if scheme == "rediss" else Connection
+    known = set(URL_QUERY_ARGUMENT_PARSERS)
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            known |= set(inspect.signature(init).parameters) - {"self", "args", "kwargs"}
+    unknown = sorted(set(parse_qs(query)) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown Redis URL query argument(s) {unknown} (redis-py "
+                         f"{'SSL' if scheme == 'rediss' else ''}connection arguments only), "
+                         f"got {shown!r}")
+    try:
+        parse_url(f"{scheme}://h?{query}")
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc} (got {shown!r})") from None
 
 
 def redact_url(url: str) -> str:
@@ -137,7 +175,7 @@ class RedisStore(StorageBackend):
         super().__init__(tag, cooldown_s, secret)
         if importlib.util.find_spec("redis") is None:  # fail at construction, not on a call
             raise ModuleNotFoundError(
-                "RedisStore needs redis-py: pip install 'hybrid-prefix-cache[storage]'")
+                "RedisStore needs redis-py: pip install 'hybrid-prefix-cache[redis]'")
 
         self._urls = split_urls(urls)
         self.timeout_s = check_seconds(timeout_s, "timeout_s")
@@ -169,12 +207,15 @@ class RedisStore(StorageBackend):
     # -------------------------------------------------------------- client
     def _common(self) -> dict[str, Any]:
         from redis.backoff import NoBackoff
+        from redis.exceptions import ConnectionError as RedisConnectionError
         from redis.retry import Retry
 
         return {
             "socket_timeout": self.timeout_s,
             "socket_connect_timeout": self.timeout_s,
-            "retry": Retry(NoBackoff(), 1),
+            # one retry on a lost connection (it reconnects), none on a timeout: a frozen
+            # server would cost a second full timeout before the backend rests
+            "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         }
 
     def _client(self) -> Any:
@@ -217,8 +258,8 @@ class RedisStore(StorageBackend):
         if c is not None:
             try:
                 c.close()
-            except Exception:
-                pass
+            except Exception:  # (closing only: counted, never raised)
+                self._count("close_errors")
 
     def _reply_fault(self, op: str, exc: Exception) -> None:
         """One command of a pipeline failed: a lost connection or a timeout (a cluster node

@@ -25,9 +25,9 @@ from typing import Any, cast
 import torch
 
 from components.gds import GDS_WALKS
-from components.kv import cat_values
 from hicache.storage.keys import chain_seed, page_hashes
 from radix.cache import RadixCache as LibraryCache
+from radix.checks import check_count
 from radix.config import CacheConfig
 from radix.node import TreeNode as LibNode
 from radix.sglang import requests, session
@@ -68,7 +68,7 @@ class UnifiedRadixCache:
 
     Raises:
         TypeError / ValueError: a bad parameter (the library's messages), EAGLE bigram keys,
-            the Mamba extra buffer, or a GreedyDual-Size policy together with streaming
+            the Mamba extra buffer, ``page_size > 1`` with a state pool (as SGLang 0.5.23), or a GreedyDual-Size policy together with streaming
             sessions on a model with recurrent state (a session resumes from the state it
             holds outside the tree, which GDS's costs and stamps never see).
     """
@@ -98,6 +98,14 @@ class UnifiedRadixCache:
             offset = params.page_size
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         state_pool = getattr(params.req_to_token_pool, "mamba_pool", None)
+        if state_pool is not None and params.page_size != 1:
+            # A state is valid after the request's last token; at page > 1 the tree keeps
+            # only whole pages, so the node a state would land on ends before it. SGLang
+            # 0.5.23 refuses this combination too.
+            raise ValueError(
+                f"page_size={params.page_size} with a recurrent-state pool "
+                "(req_to_token_pool.mamba_pool): a hybrid cache needs page_size=1 (a state sits "
+                "at the request's last token, which a page > 1 may end past)")
         policy = "lru" if self.disable else params.eviction_policy
         config = CacheConfig(
             page_size=params.page_size,
@@ -125,7 +133,8 @@ class UnifiedRadixCache:
             self.cache.kv_events.lora_names = dict(params.kv_event_lora_names)
         self._alloc = alloc
         self.device = self.cache.device
-        self.views = NodeViews(params.page_size, offset, self._page_hashes)
+        self.views = NodeViews(params.page_size, offset, self._page_hashes,
+                               self.cache.kv.device_slots)
         self.session = session.StreamingSessions(self) if params.enable_streaming_session else None
         self.cache_controller = None
         self.metrics_collector = None
@@ -172,29 +181,47 @@ class UnifiedRadixCache:
     def root_node_handle(self, extra_key: Any = None) -> TreeNode:
         return self.root_node
 
-    def resolve_node_handle(self, node_handle: Any) -> TreeNode:
-        """A view, or a node id of this cache, -> the view. Raises ``KeyError`` for an id
-        not in the tree."""
+    def resolve_node_handle(self, node_handle: Any, name: str = "node") -> TreeNode:
+        """A view, or a node id of this cache, -> the view.
+
+        Raises:
+            TypeError: neither a ``TreeNode`` nor an int id (``name`` says which argument).
+            ValueError: an id not in the tree.
+        """
         if isinstance(node_handle, TreeNode):
             return node_handle
+        if isinstance(node_handle, bool) or not isinstance(node_handle, int):
+            raise TypeError(f"{name} must be a TreeNode this cache handed out or a node id "
+                            f"(int), got {type(node_handle).__name__}")
         for n in [self.cache.root, *self.cache.tree.iter_nodes()]:
             if n.id == node_handle:
                 return self.views.get(n)
-        raise KeyError(f"no node {node_handle!r} in this cache")
+        raise ValueError(f"{name}: no node with id {node_handle} in this cache")
+
+    def check_node(self, node: Any, name: str) -> None:
+        """Raise as :meth:`lib_node` unless ``node`` is a node of this cache or a streaming
+        session's stand-in."""
+        if not session.is_virtual_node(node):
+            self.lib_node(node, name)
 
     def is_root(self, node: Any) -> bool:
         return self.lib_node(node) is self.cache.root
 
-    def lib_node(self, node: Any) -> LibNode:
+    def lib_node(self, node: Any, name: str = "node") -> LibNode:
         """The library node behind a handle (a view or an id).
 
         Raises:
             TypeError: not a node of a cache (a hand-built ``TreeNode``, another object).
+            ValueError: an id not in the tree, or a node of another cache.
         """
-        view = self.resolve_node_handle(node)
+        view = self.resolve_node_handle(node, name)
         lib = view._node
         if lib is None:
-            raise TypeError("node must be a node this cache handed out, not a TreeNode built by hand")
+            raise TypeError(f"{name} must be a node this cache handed out, not a TreeNode built "
+                            "by hand")
+        if not self.cache.core.tree.is_attached(lib):
+            raise ValueError(f"{name} (node {lib.id}) is not in this cache (removed, reset, or "
+                             "another cache's)")
         return lib
 
     def _page_hashes(self, node: LibNode) -> list[str]:
@@ -221,6 +248,10 @@ class UnifiedRadixCache:
         empty). The copy is done here: there is no forward stream to defer it to."""
         if not isinstance(params, MatchPrefixParams):
             params = MatchPrefixParams(key=as_radix_key(params))
+        if params.cow_mamba and self.cache.state is not None and not isinstance(
+                getattr(params.req, "kv", None), requests.ReqKvInfo):
+            raise TypeError("cow_mamba=True needs params.req: the request (with its kv record) "
+                            f"whose state slot receives the copy, got {type(params.req).__name__}")
         if self.session is not None:
             lent = self.session.try_match_prefix(params)
             if lent is not None:
@@ -250,6 +281,7 @@ class UnifiedRadixCache:
 
     def touch_prefix(self, key: RadixKey) -> None:
         """Refresh recency along ``key``'s cached path (a match whose answer is dropped)."""
+        key = as_radix_key(key)
         if not self.disable and len(key):
             self.cache.match_prefix(key.tokens(), key.namespace)
 
@@ -257,7 +289,7 @@ class UnifiedRadixCache:
         """The device KV slots on the path from the root to ``node``."""
         lib = self.lib_node(node)
         vals = [n.kv_value for n in reversed(lib.path_to_root()) if n.kv_value is not None]
-        out = cat_values(vals) if vals else _EMPTY
+        out = self.cache.kv.device_slots(vals) if vals else _EMPTY
         return cast("torch.Tensor", self.views.out_slots(out))
 
     def prefix_device_indices(self, req: Any) -> torch.Tensor:
@@ -318,14 +350,25 @@ class UnifiedRadixCache:
         value = value[: len(tokens)].to(torch.int64)
         slots = value + self.views.slot_offset if self.views.slot_offset else value
         state = None
-        if params.mamba_value is not None:
-            state = int(params.mamba_value.reshape(-1)[0])
+        mv = params.mamba_value
+        if mv is not None:
+            if not isinstance(mv, torch.Tensor) or mv.numel() != 1 or mv.dtype not in _SLOT_DTYPES:
+                shown = type(mv).__name__ if not isinstance(mv, torch.Tensor) else (
+                    f"{mv.dtype} of {mv.numel()} elements")
+                raise TypeError(f"params.mamba_value must be tensor([slot]) (one int64 state "
+                                f"slot) or None, got {shown}")
+            state = int(mv.reshape(-1)[0])
+        prev = check_count(params.prev_prefix_len, "params.prev_prefix_len")
+        priority = params.priority or 0
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"params.priority must be an int, got {type(priority).__name__}")
         res = self.cache.insert(tokens, slots.to(self.device), key.namespace, state_slot=state,
-                                priority=int(params.priority or 0))
-        p0 = min(max(int(params.prev_prefix_len), 0), res.prefix_len)
+                                priority=priority)
+        p0 = min(prev, res.prefix_len)
         if self.frees_duplicates and p0 < res.prefix_len:
             caller = slots[p0:res.prefix_len]
-            tree = (cat_values(res.tree_values)[p0:res.prefix_len] if res.tree_values
+            tree = (self.cache.kv.device_slots(res.tree_values)[p0:res.prefix_len]
+                    if res.tree_values
                     else caller)
             mask = caller != tree
             if keep_live_swa:
@@ -356,6 +399,9 @@ class UnifiedRadixCache:
             ValueError: no such lock held (the library's check), or no receipt on an SWA
                 cache (its locks record where their window starts).
         """
+        if params is not None and not isinstance(params, DecLockRefParams):
+            raise TypeError(f"params must be the DecLockRefParams of inc_lock_ref's receipt "
+                            f"(to_dec_params()) or None, got {type(params).__name__}")
         if self.disable:
             return DecLockRefResult(delta=0)
         lib = self.lib_node(node)
@@ -371,8 +417,12 @@ class UnifiedRadixCache:
         return TreeLock(node, self.inc_lock_ref(node).to_dec_params())
 
     def unlock(self, lock: TreeLock | None) -> None:
-        if lock is not None:
-            self.dec_lock_ref(lock.node, lock.receipt)
+        """Release a :meth:`lock` (``None``: nothing). Raises ``TypeError`` for anything else."""
+        if lock is None:
+            return
+        if not isinstance(lock, TreeLock):
+            raise TypeError(f"lock must be a TreeLock from lock() or None, got {type(lock).__name__}")
+        self.dec_lock_ref(lock.node, lock.receipt)
 
     # ================================================================ eviction
     def evict(self, params: EvictParams | int | None = None, *,
@@ -382,19 +432,31 @@ class UnifiedRadixCache:
         (each its own walk: leaves by policy; an internal node loses only its SWA KV or its
         state); what a walk frees on the way counts towards the later targets, as in
         SGLang's tracker. ``evict(n)`` and ``evict(full_num_tokens=, swa_num_tokens=)`` are the call
-        shapes of SGLang's earlier releases."""
-        if not isinstance(params, EvictParams):
-            params = EvictParams(num_tokens=int(params or full_num_tokens or 0),
-                                 swa_num_tokens=int(swa_num_tokens or 0))
+        shapes of SGLang's earlier releases.
+
+        Raises:
+            TypeError / ValueError: a count that is not an int >= 0 (naming it: ``1.5`` is
+                not truncated, ``-1`` is not ignored); nothing evicted then.
+        """
+        if isinstance(params, EvictParams):
+            targets = [check_count(params.num_tokens, "params.num_tokens"),
+                     check_count(params.swa_num_tokens, "params.swa_num_tokens"),
+                     check_count(params.mamba_num, "params.mamba_num")]
+        else:
+            # (no truncation: evict(1.5) is refused, not evict(1))
+            full = params if params is not None else full_num_tokens
+            targets = [0 if full is None else check_count(full, "num_tokens"),
+                     0 if swa_num_tokens is None else check_count(swa_num_tokens,
+                                                                   "swa_num_tokens"), 0]
         if self.disable:
             return EvictResult()
         c = self.cache
         total = [0, 0, 0]  # full tokens, SWA tokens, states freed so far
-        runs: list[tuple[Any, int, int]] = [(c.evict, params.num_tokens, 0)]
+        runs: list[tuple[Any, int, int]] = [(c.evict, targets[0], 0)]
         if c.swa is not None:
-            runs.append((c.evict_swa, params.swa_num_tokens, 1))
+            runs.append((c.evict_swa, targets[1], 1))
         if c.state is not None:
-            runs.append((c.evict_states, params.mamba_num, 2))
+            runs.append((c.evict_states, targets[2], 2))
         for fn, asked, i in runs:
             # what an earlier walk freed on the way (a leaf's state, its SWA KV) counts
             if asked > total[i]:
@@ -433,7 +495,8 @@ class UnifiedRadixCache:
     def all_values_flatten(self) -> torch.Tensor:
         """Every device KV slot the tree holds (parents before children)."""
         vals = [n.kv_value for n in self.cache.tree.iter_nodes() if n.kv_value is not None]
-        return cast("torch.Tensor", self.views.out_slots(cat_values(vals) if vals else _EMPTY))
+        return cast("torch.Tensor", self.views.out_slots(
+            self.cache.kv.device_slots(vals) if vals else _EMPTY))
 
     def all_mamba_values_flatten(self) -> torch.Tensor:
         slots = [n.state_slot for n in self.cache.tree.iter_nodes() if n.state_slot is not None]
@@ -494,7 +557,16 @@ class UnifiedRadixCache:
     # ================================================================ HiCache
     def init_load_back(self, params: InitLoadBackParams) -> tuple[int, TreeNode] | None:
         """Load the host chain ending at ``best_match_node`` to device; returns the tokens
-        loaded and the device node the request now ends at (``0``: nothing loaded)."""
+        loaded and the device node the request now ends at (``0``: nothing loaded).
+
+        Raises:
+            TypeError: ``params`` is not an :class:`InitLoadBackParams`, or its
+                ``best_match_node`` not a node; ``ValueError``: a node not in this cache.
+        """
+        if not isinstance(params, InitLoadBackParams):
+            raise TypeError(f"params must be an InitLoadBackParams, got {type(params).__name__}")
+        check_count(params.host_hit_length, "params.host_hit_length")
+        self.lib_node(params.best_match_node, "params.best_match_node")
         if self.cache.hicache is None or params.host_hit_length <= 0:
             return 0, params.best_match_node
         lib = self.lib_node(params.best_match_node)

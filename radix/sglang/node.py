@@ -93,7 +93,10 @@ class TreeNode:
         if n.parent is None:
             return []
         value = n.kv_value
-        return views.out_slots(None if value is None else slot_tensor(value))
+        if value is None:
+            return views.out_slots(None)
+        return views.out_slots(slot_tensor(value) if views.device_slots is None
+                               else views.device_slots([value]))
 
     @property
     def children(self) -> dict[Any, TreeNode]:
@@ -202,12 +205,17 @@ class NodeViews:
             (the simulated cache, whose opaque values may be 0: the library's slot ids start
             at the first page).
         page_hashes: node -> the node's L3 page hashes (hex), or ``None``.
+        device_slots: node values -> one slot tensor on the KV device (what a node view's
+            ``value`` is built with), or ``None`` (a view of the value on the host).
     """
 
     def __init__(self, page_size: int, slot_offset: int = 0,
-                 page_hashes: Any = None) -> None:
+                 page_hashes: Any = None, device_slots: Any = None) -> None:
         self.page_size = page_size
         self.slot_offset = slot_offset
+        #: node values -> one slot tensor on the KV device (``KVComponent.device_slots``;
+        #: ``None``: ``slot_tensor`` of the one value, on the host)
+        self.device_slots = device_slots
         self._hashes = page_hashes
         self._views: weakref.WeakValueDictionary[tuple[int, int], TreeNode] = (
             weakref.WeakValueDictionary())

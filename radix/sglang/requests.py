@@ -215,6 +215,65 @@ def _need_pools(fe: UnifiedRadixCache) -> Any:
     return pool
 
 
+_LENGTHS = ("cache_protected_len", "kv_committed_len", "kv_allocated_len")
+
+
+def check_request(fe: UnifiedRadixCache, req: Any, up_to: int | None = None,
+                  name: str = "up_to") -> Any:
+    """Validate a request before a request call changes anything; returns the
+    ``req_to_token`` pool.
+
+    Checks: ``req`` carries a ``kv`` record (:class:`ReqKvInfo`); it holds a row of the pool
+    (``kv.req_pool_idx`` an int in ``[0, rows)``); ``0 <= cache_protected_len <=
+    kv_committed_len <= kv_allocated_len <= max_context_len`` (ints); ``req.lock`` is ``None``
+    or a :class:`TreeLock`; ``req.last_node`` is ``None`` or a node of this cache (or a
+    session's stand-in); ``up_to`` an int in ``[0, kv_allocated_len]``.
+
+    Raises:
+        TypeError: ``req`` without a ``kv`` record, a length or ``up_to`` not an int, a
+            ``req.lock`` that is not a ``TreeLock``, a ``req.last_node`` that is not a node.
+        ValueError: no row (``kv.req_pool_idx`` is ``None``: never allocated, or already
+            released), a row outside the pool, lengths out of order, ``up_to`` out of range, a
+            node of another cache.
+    """
+    kv = getattr(req, "kv", None)
+    if not isinstance(kv, ReqKvInfo):
+        raise TypeError(f"req must be a scheduler request with a kv record (ReqKvInfo: "
+                        f"req_pool_idx, cache_protected_len, ...), got {type(req).__name__}")
+    pool = _need_pools(fe)
+    row = kv.req_pool_idx
+    if row is None:
+        raise ValueError(f"req.kv.req_pool_idx is None: request {getattr(req, 'rid', None)!r} "
+                         "holds no req_to_token_pool row (never allocated, or already released)")
+    rows = len(pool.req_to_token)
+    if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < rows:
+        raise ValueError(f"req.kv.req_pool_idx must be a row of req_to_token_pool in [0, {rows}), "
+                         f"got {row!r}")
+    lens = []
+    for field in _LENGTHS:
+        v = getattr(kv, field)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"req.kv.{field} must be an int [tokens], got {type(v).__name__}")
+        lens.append(v)
+    width = pool.req_to_token.shape[1]
+    if not 0 <= lens[0] <= lens[1] <= lens[2] <= width:
+        raise ValueError(
+            "need 0 <= req.kv.cache_protected_len <= kv_committed_len <= kv_allocated_len <= "
+            f"max_context_len ({width}), got {lens[0]}, {lens[1]}, {lens[2]}")
+    if req.lock is not None and not isinstance(req.lock, TreeLock):
+        raise TypeError(f"req.lock must be a TreeLock (from lock()) or None, got "
+                        f"{type(req.lock).__name__}")
+    if req.last_node is not None:
+        fe.check_node(req.last_node, "req.last_node")
+    if up_to is not None:
+        if isinstance(up_to, bool) or not isinstance(up_to, int):
+            raise TypeError(f"{name} must be an int [tokens], got {type(up_to).__name__}")
+        if not 0 <= up_to <= lens[2]:
+            raise ValueError(f"{name} must be in [0, req.kv.kv_allocated_len = {lens[2]}] (row "
+                             f"positions with slots), got {up_to}")
+    return pool
+
+
 def _state_pool(fe: UnifiedRadixCache) -> MambaStatePool:
     st = fe.cache.state
     assert st is not None
@@ -259,8 +318,9 @@ def _lock_of(fe: UnifiedRadixCache, req: Any) -> tuple[LibNode, Any]:
 
 def checkpoint_into_tree(fe: UnifiedRadixCache, req: Any, up_to: int) -> None:
     """Insert ``fill_ids(req)[:up_to]`` and move the request onto the tree's slots (see the
-    module docstring)."""
-    pool = _need_pools(fe)
+    module docstring). Raises as :func:`check_request`, or as the insert; nothing changed
+    then."""
+    pool = check_request(fe, req, up_to)
     finished = req.finished()
     if fe.disable:
         if finished:
@@ -287,7 +347,12 @@ def checkpoint_into_tree(fe: UnifiedRadixCache, req: Any, up_to: int) -> None:
                           mamba_value=None if state is None else torch.tensor([state]),
                           prev_prefix_len=protected, priority=req.priority or 0)
     keep = lib.swa is not None and not finished
-    res = fe._insert_keeping(params, keep)
+    try:
+        res = fe._insert_keeping(params, keep)
+    except BaseException:
+        if state is not None and not finished:  # the copy made for the tree: back in front
+            _state_pool(fe).undo_alloc(torch.tensor([state], dtype=torch.int64))
+        raise
     if lib.state is not None:
         assert state is not None
         if res.mamba_exist:
@@ -340,14 +405,16 @@ def free_request_state(fe: UnifiedRadixCache, req: Any) -> None:
 
 def release_kv_cache(fe: UnifiedRadixCache, req: Any, *, checkpoint: bool) -> None:
     """SGLang's ``release_kv_cache``: checkpoint (if asked and allowed), free the request's
-    own slots and over-allocated pages, release its lock, its row and its state."""
-    kv = req.kv
-    if not kv.holds_kv:
-        free_request_state(fe, req)
-        return
+    own slots and over-allocated pages, release its lock, its row and its state.
+
+    Raises:
+        TypeError / ValueError: as :func:`check_request` (a request without a row among
+            them); releasing an unfinished request into a hybrid tree; nothing changed.
+    """
     if fe.claim_kv_row(req):
         return
-    pool = _need_pools(fe)
+    pool = check_request(fe, req)
+    kv = req.kv
     owned = req.owned_kv_len()
     do = checkpoint and not req.skip_radix_cache_insert
     if do:
@@ -391,6 +458,7 @@ def release_out_of_window(fe: UnifiedRadixCache, req: Any, pre_len: int) -> None
     swa = fe.cache.swa
     if swa is None:
         return
+    check_request(fe, req, pre_len, "pre_len")
     kv = req.kv
     row = fe.req_to_token_pool.req_to_token[kv.req_pool_idx]
     start = max(kv.swa_evicted_seqlen, kv.cache_protected_len)

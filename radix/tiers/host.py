@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from allocators import alloc_all
+from allocators.host_mirror import host_ids
 from components.base import Component, InsertPlan, hooks, tier_components
 from components.ordered import OrderedNodeSet
 from radix.core import EVICT_FIELDS, freed_counts
@@ -518,6 +519,11 @@ class HostTier(Component, Tier):
                 core.refresh(anchor)
         if got is None:
             return 0
+        for (c, _), dev in zip(wanted, got, strict=True):
+            overwrite = getattr(c.restore_allocator, "overwrite", None)
+            if overwrite is not None:  # the load writes every unit it got: no zeroing first
+                for slot in host_ids(dev, "restored units").tolist():
+                    overwrite(slot)
         parts: Parts = []
         for j, (c, sz) in enumerate(wanted):
             hosts = [h for t, k in zip(targets, sz, strict=True)

@@ -17,7 +17,8 @@
   The lookup runs on the prefetch thread. ``best_effort``: its pages join at a later
   ``match_prefix`` / :meth:`StorageTier.poll`; ``wait_complete``: the match waits for it,
   ``hicache_storage_timeout_s`` at most in all; ``timeout``: ``hicache_prefetch_timeout_s`` at
-  most. One deadline per prefetch, set when it starts: the store's retries and later matches
+  most, or SGLang's ``prefetch_timeout_base + prefetch_timeout_per_ki_token * tokens / 1024``
+  when the extra config sets them. One deadline per prefetch, set when it starts: the store's retries and later matches
   of the same key (which find the same prefetch running) wait only for what is left of it;
   past it the prefetch goes on as best_effort (``l3_prefetch_timeouts``).
 * Faults never reach the engine: every L3 step is guarded; a fault is logged, counted
@@ -107,12 +108,9 @@ class StorageTier:
                                             tag, cfg.hicache_storage_prefetch_policy,
                                             cfg.hicache_prefetch_timeout_s)
         #: How long a match waits for its prefetch in all, retries and re-matches included
-        #: [s]: ``wait_complete`` the storage timeout, ``timeout`` the prefetch timeout;
-        #: ``None`` (``best_effort``): not at all.
-        self._blocking_wait_s: float | None = {
-            "wait_complete": cfg.hicache_storage_timeout_s,
-            "timeout": cfg.hicache_prefetch_timeout_s,
-        }.get(cfg.hicache_storage_prefetch_policy)
+        #: [s], by the prefetch's tokens (``HiCacheConfig.prefetch_wait_s``; ``None``: not at
+        #: all).
+        self._wait_s = cfg.prefetch_wait_s
 
     def reset(self) -> None:
         """The tree was emptied: forget the memoised hashes and the prefetches (their pages
@@ -232,7 +230,7 @@ class StorageTier:
                 st.count("prefetch_in_flight_skipped")
                 return
             job = PrefetchJob(key[:upto], extra_key, m, hashes, self.end is not None)
-            wait = self._blocking_wait_s
+            wait = self._wait_s(npages * ps)
             if wait is not None:
                 job.deadline = time.monotonic() + wait
             self._jobs[jk] = job

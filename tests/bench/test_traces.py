@@ -262,3 +262,20 @@ def test_a_hash_id_that_is_not_a_non_negative_int_names_itself(tmp_path: Path, b
     with pytest.raises(TraceFormatError,
                        match=r"t\.jsonl:1: 'hash_ids' must hold non-negative integers, got "):
         load_trace(path)
+
+
+def test_a_non_utf8_trace_names_the_file_and_the_line(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: ``UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff ...`` with neither the
+    file nor the line."""
+    from bench import cli
+
+    bad = tmp_path / "latin.jsonl"
+    bad.write_bytes(json.dumps(mooncake_row(0, 4, [0])).encode() + b"\n\xff{}\n")
+    with pytest.raises(TraceFormatError, match=r"latin\.jsonl:2: not UTF-8 text \(byte 0xff at "
+                                               r"column 1\)"):
+        load_trace(bad)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["replay", "--trace", str(bad), "--policy", "lru"])
+    assert info.value.code == 2
+    assert f"replay: error: {bad}:2: not UTF-8 text (byte 0xff" in capsys.readouterr().err

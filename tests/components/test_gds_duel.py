@@ -275,3 +275,63 @@ def test_entries_of_an_earlier_stay_never_pass_for_current() -> None:
     assert h.true_priority(x) == 50.0  # rebuilt from the root now
     v = h.pop(live, lambda n: True, virtual=False)
     assert v is x and h.watermark == 50.0
+
+
+def test_the_adaptive_watermark_never_decreases_across_victims_and_leader_switches() -> None:
+    """A random workload over four state slots, the lead moved to each order in turn (by
+    charging the others): ``RadixCache.watermark`` never goes down, although the new leader's
+    own watermark is sometimes below it (so a walk that reported its leader's would drop)."""
+    cache, kv, pool = make(policy="gds_adaptive", states=4, size=20000)
+    walk = cache.state.gds
+    assert isinstance(walk, AdaptiveGDSStrategy)
+    rng = random.Random(5)
+    prompts: list[list[int]] = []
+    marks = [cache.watermark]
+    below_at_switch = 0
+    for step in range(240):
+        if prompts and rng.random() < 0.6:
+            base = rng.choice(prompts)
+            key = base[: rng.randint(1, len(base))] + [rng.randint(1, 50) for _ in range(rng.randint(1, 30))]
+        else:
+            key = [rng.randint(1, 50) for _ in range(rng.randint(5, 60))]
+        if rng.random() < 0.5:
+            cache.match_prefix(key)
+        if pool.available_size() == 0:
+            cache.evict_states(1)
+        if kv.available_size() < len(key):
+            cache.evict(len(key))
+        put(cache, kv, pool, key)
+        prompts.append(key)
+        marks.append(cache.watermark)
+        if step % 30 == 29:
+            target = (walk.leader + 1) % len(walk.orders)
+            walk.regret = [0.0 if i == target else 1e9 for i in range(len(walk.orders))]
+            walk._maybe_switch()
+            assert walk.leader == target
+            below_at_switch += walk.orders[target].watermark < walk.watermark
+    assert walk.switches == 8 and below_at_switch > 0
+    assert all(b >= a for a, b in zip(marks, marks[1:], strict=False)), marks
+    assert marks[-1] > 0.0
+    cache.sanity_check()
+
+
+def test_an_excluded_state_that_a_match_consumes_charges_the_orders_that_excluded_it() -> None:
+    """The setup of the test above: signals (leading) evicts the spine at 100; gds and gdsf
+    (all hits 0: the same order) would each have evicted the end state at 320 (cost 20 over
+    the live state at 300, the least) and excluded it. A match then consumes that state: each
+    is charged what it would have lost, 320 - 300 = 20 tokens; the leader nothing."""
+    cache, kv, pool = make(policy="gds_adaptive", states=4)
+    walk = cache.state.gds
+    assert isinstance(walk, AdaptiveGDSStrategy)
+    D = list(range(1, 321))
+    for n in (100, 200, 300):
+        put(cache, kv, pool, D[:n])
+    walk.exposure[SPINE] += 5000.0
+    e, _ = put(cache, kv, pool, D)
+    assert cache.evict_states(1).num_states == 1
+    assert [o.name for o in walk.orders] == ["signals", "gds", "gdsf"]
+    assert [sorted(o.excluded) for o in walk.orders] == [[], [e.id], [e.id]]
+    m = cache.match_prefix(D + [999])
+    assert (m.prefix_len, m.state_slot) == (320, e.state_slot)
+    assert walk.regret == [0.0, pytest.approx(20.0), pytest.approx(20.0)]
+    cache.sanity_check()

@@ -16,6 +16,8 @@ import torch
 
 import components.kv as kv_mod
 from allocators import PagedAllocator, TokenAllocator
+from allocators.host_mirror import mirrored
+from bench.dev.gpu.simcuda import OUTSIDE, SimCuda
 from components.kv import cat_values, slot_tensor, to_value
 from radix import CacheConfig, RadixCache
 from tests.helpers.cache_helpers import node_slots
@@ -144,10 +146,17 @@ def test_cat_values_and_to_value() -> None:
     assert cat_values([]).tolist() == [] and cat_values([array("q")]).tolist() == []
     assert slot_tensor(array("q")).tolist() == []
     t = torch.arange(10)[::3]  # not contiguous
-    own = to_value(t, True)
+    own = to_value(t)
     assert type(own) is array and own.tolist() == [0, 3, 6, 9]
-    assert to_value(t, False) is t  # on a device the tensor itself
+    assert to_value(own) is own  # a node's array as it is
     assert np.frombuffer(own, dtype=np.int64).tolist() == [0, 3, 6, 9]
+    with SimCuda() as sim:  # on a device: the tensor's host mirror, no CUDA call
+        host = np.array([5, 2, 8], dtype=np.int64)
+        dev = mirrored(host, torch.device("cuda"))
+        before = sim.api_of(OUTSIDE).total
+        got_dev = to_value(dev[1:])
+        assert sim.api_of(OUTSIDE).total == before and sim.total_syncs == 0
+    assert type(got_dev) is array and got_dev.tolist() == [2, 8]
 
 
 def test_the_c_claim_refuses_a_destination_buffer_of_the_wrong_size() -> None:

@@ -237,6 +237,8 @@ def put(cache: RadixCache, kv: Any, sp: MambaStatePool | None, key: list[int],
     """Match, lock, allocate the rest (evicting when short), insert, free what the tree did
     not take of the caller's own slots, unlock."""
     ps = cache.page_size
+    if sp is not None:
+        key = key[: len(key) // ps * ps]  # the state is valid at a page end
     m = cache.match_prefix(key, extra_key)
     lock = cache.inc_lock_ref(m.last_device_node)
     need = -(-(len(key) - m.prefix_len) // ps) * ps
@@ -397,3 +399,27 @@ def test_pages_an_l3_prefetch_brings_back_are_published_on_host(tmp_path: Any) -
         cache.sanity_check()
     finally:
         cache.close_storage()
+
+
+def test_a_bool_namespace_publishes_no_lora_id_and_an_int_one_does() -> None:
+    """``lora_id`` is the namespace when it is an int (vLLM's LoRA id); ``True`` is a bool,
+    not the LoRA id 1."""
+    kv = PagedAllocator(32, 2)
+    cache = RadixCache(CacheConfig(page_size=2, enable_kv_cache_events=True), kv_allocator=kv)
+    cache.insert([1, 2], kv.alloc(2), extra_key=True)
+    cache.insert([1, 2], kv.alloc(2), extra_key=1)
+    got = [(e.lora_id, e.block_hashes) for e in cache.take_events()]
+    assert got == [(None, ref_chain([1, 2], 2, True)), (1, ref_chain([1, 2], 2, 1))]
+
+
+def test_the_queue_keeps_exactly_max_events_after_an_odd_overflow() -> None:
+    """Seven events that cannot merge (seven root children) into a queue of 4: the 3 oldest
+    are dropped, the 4 newest kept, in order."""
+    kv = TokenAllocator(16)
+    cache = RadixCache(CacheConfig(enable_kv_cache_events=True), kv_allocator=kv)
+    assert cache.kv_events is not None
+    cache.kv_events.max_events = 4
+    for k in range(7):
+        cache.insert([100 + k], kv.alloc(1))
+    assert (cache.kv_events.pending(), cache.kv_events.dropped) == (4, 3)
+    assert [e.token_ids for e in cache.take_events()] == [[103], [104], [105], [106]]

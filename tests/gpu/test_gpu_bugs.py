@@ -19,7 +19,6 @@ from allocators import KVPool, MambaStatePool, TokenAllocator
 from bench.dev.gpu.simcuda import SimCuda
 from hicache import HiCacheConfig
 from radix import CacheConfig, RadixCache
-from tests.helpers.cache_helpers import node_slots
 
 
 def test_an_allocator_built_on_cuda_accepts_its_own_slots() -> None:
@@ -67,7 +66,7 @@ def test_a_backup_reaches_the_host_pool_only_after_its_copy_landed_and_is_bit_ex
         c.evict(24)
         pool.k_all.zero_()
         assert c.load_back(node) == 24
-        assert torch.equal(pool.k_all[:, node_slots(node)].cpu(), k)
+        assert torch.equal(pool.k_all[:, c.kv.slots(node)].cpu(), k)
         assert torch.equal(sp.conv[:, node.state_slot].cpu(), conv)
     assert sim.errors == []
 

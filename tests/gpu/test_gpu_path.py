@@ -27,7 +27,6 @@ from allocators.host_mirror import MISSES, mirror_of
 from bench.dev.gpu.simcuda import OUTSIDE, SimCuda
 from hicache import HiCacheConfig
 from radix import CacheConfig, CacheRequest, RadixCache
-from tests.helpers.cache_helpers import node_slots
 
 L, H, D = 3, 2, 4  # KV layers, heads, head dim of the pools below
 
@@ -111,7 +110,7 @@ def test_backup_and_load_back_are_bit_exact_ordered_and_never_wait(buffers: bool
             buf.zero_()
         sp.conv.zero_()
         assert c.load_back(node) == 48
-        got_k, got_v = device_rows(pool, node_slots(node))
+        got_k, got_v = device_rows(pool, c.kv.slots(node))
         assert torch.equal(got_k, k) and torch.equal(got_v, v)
         assert torch.equal(sp.conv[:, node.state_slot].cpu(), conv)
         c.sanity_check()
@@ -273,7 +272,7 @@ def test_load_back_lands_layer_by_layer_and_layer_0_is_usable_before_the_last() 
         assert cur.waited.get(t.event.stream, -1) < seqs[0]  # layerwise: no wait for the load
         t.wait_layer(0)
         assert cur.waited[t.event.stream] == seqs[0] < seqs[-1]
-        rows = node_slots(node)
+        rows = c.kv.slots(node)
         k0 = pool.k_buffers[0].index_select(0, rows)  # layer 0 on the current stream: ordered
         v0 = pool.v_buffers[0].index_select(0, rows)
         assert torch.equal(k0.cpu(), k[0]) and torch.equal(v0.cpu(), v[0])
@@ -344,7 +343,7 @@ def test_a_backup_or_load_that_cannot_start_changes_nothing(monkeypatch: pytest.
             assert _state(c, pools) == before and node.kv_value is None
             c.sanity_check()
         assert c.load_back(node) == 16  # and it works once it can start
-        assert torch.equal(device_rows(pool, node_slots(node))[0], k)
+        assert torch.equal(device_rows(pool, c.kv.slots(node))[0], k)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -470,3 +469,18 @@ def test_an_in_place_write_invalidates_the_mirror() -> None:
         assert slots is not None and mirror_of(slots) is not None
         slots[0:1].fill_(9)  # the engine rewrote it: the host copy is stale
         assert mirror_of(slots) is None and mirror_of(slots[1:]) is None
+
+
+def test_a_strided_views_mirror_equals_the_view_on_the_host() -> None:
+    """``mirror_of(t[::2])`` is the host copy of the strided view itself (every other slot,
+    from the view's offset), not of the tensor it views."""
+    with cuda():
+        kv = TokenAllocator(16, device="cuda")
+        slots = kv.alloc(8)
+        assert slots is not None
+        host = slots.cpu().tolist()
+        views = (slots[::2], slots[1::2], slots[1:7:3], slots[5:6])
+        expected = (host[::2], host[1::2], host[1:7:3], host[5:6])
+        for view, want in zip(views, expected, strict=True):
+            got = mirror_of(view)
+            assert got is not None and got.tolist() == want

@@ -13,7 +13,6 @@ import torch
 
 from bench.dev.gpu.sync_counts import COMMON, MODELS, conversations
 from bench.engine.core import EngineConfig, ReplayEngine
-from tests.helpers.cache_helpers import node_slots
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -81,6 +80,21 @@ def test_host_tier_round_trip_is_bit_exact_on_cuda(io: str, layout: str, layerwi
             t.wait_layer(i)
     else:
         torch.cuda.synchronize()
-    got_k, _ = pool.gather(node_slots(node))
+    got_k, _ = pool.gather(c.kv.slots(node))
     assert torch.equal(got_k.cpu(), k.cpu())
     assert torch.equal(sp.conv[:, node.state_slot].cpu(), conv[:, 0])
+
+
+def test_sync_counts_device_cuda_compares_cpu_and_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m bench sync-counts --device cuda``: the replay on the GPU makes the CPU's
+    decisions, and the profiler's counts come back per model."""
+    import json
+
+    from bench.dev.gpu.real_device import compare
+
+    assert compare(["kv", "hybrid"], conversations(40), json_path="-") == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out[out.index("["):])
+    assert [r["model"] for r in rows] == ["kv", "hybrid"]
+    assert all(r["stats_equal"] and r["cuda_us_per_request"] > 0 for r in rows)
+    assert all(r["memcpys_per_request"] > 0 for r in rows)  # the KV uploads, seen by the profiler

@@ -183,3 +183,108 @@ def test_the_simulator_restores_torch_cuda() -> None:
         assert torch.cuda.is_available()
     assert torch.cuda.is_available() == real
     assert torch.cuda.Stream.__name__ == "Stream"
+
+
+@pytest.mark.parametrize("filename", ["<string>", "gen.py", "/gen.py", "a\\b\\gen.py"])
+def test_a_sync_site_in_a_file_with_few_slashes_is_named(filename: str) -> None:
+    """Code compiled under a name with fewer than two '/' (``exec`` strings, pytest-xdist's
+    workers, a Windows path) is still a call site: it used to raise ``IndexError``."""
+    code = compile("int(t[0])\nt.numpy()\n", filename, "exec")
+    with SimCuda(strict=False) as sim:
+        t = torch.arange(3, device="cuda")
+        with pytest.raises(TypeError):
+            exec(code, {"t": t})
+    want = filename.replace("\\", "/").split("/")[-2:]
+    assert [site for (_, _, site) in sim.sites] == [f"{'/'.join(want)}:1 <module>"]
+    assert sim.errors == [f"numpy() of a device tensor (a real GPU raises: use cpu() first) at "
+                          f"{'/'.join(want)}:2 <module>"]
+
+
+def test_the_simulator_never_asks_the_real_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine with a GPU the simulated device must behave as on one without: nothing it
+    does may reach the real driver (here every entry to it raises)."""
+    def refuse(*a: object, **k: object) -> None:
+        raise AssertionError("the real CUDA was asked")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", refuse)
+    monkeypatch.setattr(torch.cuda, "current_stream", refuse)
+    with SimCuda() as sim:
+        t = torch.arange(4, device="cuda")
+        host = torch.empty(4, dtype=torch.int64, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream())
+        assert ev.query() and host.tolist() == [0, 1, 2, 3]
+        assert int(t[1]) == 1 and sim.total_syncs == 1
+    assert torch.cuda.current_stream is refuse  # restored to what it was before
+
+
+def _api(fn: Callable[[torch.Tensor], object]) -> tuple[int, int]:
+    """(kernel launches, memcpys) of ``fn(device tensor [3, 1, 4])`` in a fresh simulator."""
+    with SimCuda(strict=False) as sim:
+        t = torch.tensor([3, 1, 4], device="cuda")
+        before = sim.api_of(OUTSIDE)
+        n0, m0 = sum(before.launches.values()), sum(before.memcpys.values())
+        fn(t)
+        after = sim.api_of(OUTSIDE)
+        return sum(after.launches.values()) - n0, sum(after.memcpys.values()) - m0
+
+
+@pytest.mark.parametrize(
+    "name, fn, want",
+    [
+        ("slice view", lambda t: t[1:], (0, 0)),
+        ("reshape view", lambda t: t.view(3, 1), (0, 0)),
+        ("split views", lambda t: t.split(2), (0, 0)),
+        ("shape", lambda t: (len(t), t.shape, t.numel()), (0, 0)),
+        ("empty", lambda t: torch.empty(5, device="cuda"), (0, 0)),
+        ("contiguous of contiguous", lambda t: t.contiguous(), (0, 0)),
+        ("zeros", lambda t: torch.zeros(5, device="cuda"), (1, 0)),
+        ("cat", lambda t: torch.cat([t, t]), (1, 0)),
+        ("clone", lambda t: t.clone(), (1, 0)),
+        ("arithmetic", lambda t: t * 2, (1, 0)),
+        ("in place", lambda t: t.add_(1), (1, 0)),
+        ("fill a slice", lambda t: t[1:].fill_(0), (1, 0)),
+        ("gather by a device index", lambda t: t[t[1:2]], (1, 0)),
+        ("index_fill_", lambda t: torch.empty_like(t).index_fill_(0, t[1:2], 0), (1, 0)),
+        ("dtype cast", lambda t: t.to(torch.int32), (1, 0)),
+        ("device -> device copy_", lambda t: torch.empty_like(t).copy_(t), (1, 0)),
+        ("upload", lambda t: torch.tensor([1, 2], device="cuda"), (0, 1)),
+        ("pinned upload", lambda t: torch.zeros(3, dtype=torch.int64, pin_memory=True).to(
+            "cuda", non_blocking=True), (0, 1)),
+        ("download", lambda t: t.cpu(), (0, 1)),
+        ("value read", lambda t: t.tolist(), (0, 1)),
+        ("CPU index", lambda t: t[torch.tensor([0, 2])], (1, 1)),
+        ("nonzero", lambda t: t.nonzero(), (1, 1)),
+        ("zero elements", lambda t: (t[:0].clone(), torch.cat([t[:0], t[:0]]),
+                                     torch.tensor([], dtype=torch.int64).to("cuda")), (0, 0)),
+    ],
+)
+def test_each_call_counts_its_launches_and_memcpys(name: str, fn: Callable[[torch.Tensor], object],
+                                                   want: tuple[int, int]) -> None:
+    assert _api(fn) == want, name
+
+
+def test_launches_and_memcpys_are_charged_to_the_outermost_call_and_excluded_apart() -> None:
+    class Engine:
+        def outer(self, t: torch.Tensor) -> torch.Tensor:
+            return self.transfer(t) + 1  # one launch here, the transfer's apart
+
+        def transfer(self, t: torch.Tensor) -> torch.Tensor:
+            return self.step(t.cpu().to("cuda"))  # two memcpys, excluded
+
+        def step(self, t: torch.Tensor) -> torch.Tensor:
+            return t * 2  # counted again, though inside the transfer
+
+    with SimCuda(strict=False) as sim:
+        e = Engine()
+        sim.track(e, ["outer"], "e")
+        sim.exclude(e, ["transfer"])
+        sim.include(e, ["step"])
+        e.outer(torch.arange(3, device="cuda"))
+    c = sim.api_of("e.outer")
+    assert (dict(c.launches), dict(c.memcpys), dict(c.excluded)) == (
+        {"add": 1, "mul": 1}, {}, {"D2H copy": 1, "H2D copy": 1})
+    assert c.total == 2 and sim.total_launches == 2 and sim.total_memcpys == 0
+    assert "e.outer" in sim.api_report()

@@ -1,4 +1,5 @@
-"""The host-synchronisation budget of the engine's hot path, on the simulated CUDA device.
+"""The host-synchronisation and CUDA-call budgets of the engine's hot path, on the simulated
+CUDA device.
 
 The replay's engine (``bench.engine.core.ReplayEngine`` on ``device="cuda"``) serves a seeded
 multi-turn workload (``bench.dev.gpu.sync_counts.conversations``) through four models; every call the
@@ -9,6 +10,13 @@ load_back, the KV allocator's alloc / free, the state pool's alloc / free / copy
 simulator is strict (an unordered copy or a mixed-device operation fails at once), no device
 tensor may be read without its host mirror, and the replay on the simulated device must make
 exactly the decisions of the same replay on the CPU.
+
+CUDA API calls (kernel launches + memcpys) of those engine-facing calls, per request over the
+seeded replay (``bench.dev.gpu.sync_counts.API_BUDGET``): at most 2 for the KV-only model, 4 with
+recurrent states, 4 with SWA, 6 with the host tier (its data transfers apart). The pending
+state and SWA-map work a forward step sends out when it reads the pools is counted apart
+(``step.read``): at most 1 memcpy + 6 launches for the state pool and 1 + 1 for the SWA map
+per step.
 """
 
 from __future__ import annotations
@@ -19,7 +27,15 @@ import pytest
 
 from allocators.host_mirror import MISSES
 from bench.dev.gpu.simcuda import OUTSIDE
-from bench.dev.gpu.sync_counts import COMMON, MODELS, ModelCounts, conversations, run_model
+from bench.dev.gpu.sync_counts import (
+    API_BUDGET,
+    COMMON,
+    MODELS,
+    STEP,
+    ModelCounts,
+    conversations,
+    run_model,
+)
 from bench.engine.core import EngineConfig, ReplayEngine
 
 REQUESTS = 100
@@ -59,6 +75,42 @@ def _check(res: ModelCounts, model: str) -> None:
     assert sim.syncs_of(OUTSIDE) == 0, sim.report()  # the engine itself reads nothing either
     for op in MUST_RUN[model]:
         assert sim.ops[op].calls > 0, f"{model}: {op} never ran"
+    _check_api(res, model)
+
+
+#: Most launches and memcpys of one step's reads (the state pool's flush: one upload, a gather
+#: and a scatter per state tensor, a fill per state tensor; the SWA map: one upload, one copy).
+STEP_MAX = {"kv": (0, 0), "hybrid": (6, 1), "swa": (1, 1), "hicache": (6, 1)}
+
+
+def _check_api(res: ModelCounts, model: str) -> None:
+    """The per-request budget of CUDA calls, and the step's reads within theirs."""
+    per = res.launches_per_request + res.memcpys_per_request
+    assert per <= API_BUDGET[model], f"{model}: {per:.2f} CUDA calls per request\n" + \
+        res.sim.api_report()
+    step = res.sim.api_of(f"{STEP}.read")
+    calls = res.sim.ops[f"{STEP}.read"].calls
+    launches, memcpys = STEP_MAX[model]
+    assert sum(step.launches.values()) <= launches * calls, res.sim.api_report()
+    assert sum(step.memcpys.values()) <= memcpys * calls, res.sim.api_report()
+
+
+def test_the_budget_counts_what_the_calls_issue() -> None:
+    """The per-request figures are the simulator's launches and memcpys of the engine-facing
+    calls divided by the requests (by hand from the per-operation counters), the step's and
+    the transfers' apart; and a model that issues no CUDA call at all (kv, the step) counts
+    zero there."""
+    res = run_model("hicache", conversations(40), strict=True)
+    sim = res.sim
+    engine_ops = [op for op in sim.api if op != OUTSIDE and not op.startswith(STEP + ".")]
+    launches = sum(sum(sim.api[op].launches.values()) for op in engine_ops)
+    memcpys = sum(sum(sim.api[op].memcpys.values()) for op in engine_ops)
+    assert res.launches_per_request == launches / 40
+    assert res.memcpys_per_request == memcpys / 40
+    assert memcpys > 0  # the KV uploads, at least
+    assert sum(sum(c.excluded.values()) for c in sim.api.values()) > 0  # the transfers, apart
+    kv = run_model("kv", conversations(40), strict=True)
+    assert kv.sim.api_of(f"{STEP}.read").total == 0 and kv.launches_per_request == 0
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -98,3 +150,4 @@ def _check_write_back(res: ModelCounts) -> None:
     sim = res.sim
     assert sim.errors == [] and sim.total_syncs == 0, sim.report()
     assert res.engine is not None and res.engine.cache.stats()["demoted_tokens"] > 0
+    _check_api(res, "hicache")

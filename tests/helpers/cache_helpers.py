@@ -93,8 +93,9 @@ def tiny_state_pool(states: int) -> MambaStatePool:
 
 
 def node_slots(node: Any) -> torch.Tensor:
-    """A device node's KV slots as a 1-D int64 tensor, read through the KV component's accessor
-    (``components.kv.slot_tensor``, what ``KVComponent.slots`` returns): the tests read node
-    slots only this way, whatever ``node.kv_value`` holds (an ``array('q')`` on the CPU)."""
+    """A device node's KV slots as a 1-D int64 CPU tensor, read through the KV component's
+    accessor (``components.kv.slot_tensor``, what ``KVComponent.slots`` returns on the CPU; on
+    a device ``slots`` uploads it): the tests read node slots only this way, whatever
+    ``node.kv_value`` holds (an ``array('q')`` on the host)."""
     assert node.kv_value is not None, f"node without device KV: {node}"
     return slot_tensor(node.kv_value)

@@ -12,7 +12,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="model tests need the optional extra: pip install -e .[model]")
+from bench.dev.model import MIN_TRANSFORMERS
+
+pytest.importorskip("transformers", minversion=MIN_TRANSFORMERS,
+                    reason="model tests need the optional extra: pip install -e .[model]")
 
 from bench.dev.model.adapter import ARCHITECTURES  # noqa: E402
 from bench.dev.model.driver import DriverConfig, ModelDriver  # noqa: E402

@@ -3,7 +3,7 @@ and segment owners that a test may kill.
 
 * ``HPC_MOONCAKE_URL`` (``mooncake://127.0.0.1:PORT``) and ``HPC_MOONCAKE_METADATA`` (the
   master's HTTP metadata server) come from ``.ci/mooncake-up``; without them, or without the
-  Mooncake client (``pip install .[storage]``), the Mooncake tests skip saying why, except
+  Mooncake client (``pip install .[mooncake]``), the Mooncake tests skip saying why, except
   under CI (``CI`` set), where a missing master is a failure.
 * :class:`MooncakeMaster` runs a private ``mooncake_master`` (HTTP metadata server built in) on
   free loopback ports; :class:`SegmentOwner` is another process whose client lends the store
@@ -43,7 +43,7 @@ def mooncake_package() -> Path:
     try:
         importlib.import_module("mooncake.store")  # the client itself must load (libibverbs1)
     except ImportError as exc:
-        _skip_or_fail(f"the Mooncake client is not importable ({exc}); pip install '.[storage]' "
+        _skip_or_fail(f"the Mooncake client is not importable ({exc}); pip install '.[mooncake]' "
                       "and apt-get install libibverbs1 (.ci/mooncake-up does)")
     import mooncake
 

@@ -414,7 +414,9 @@ class Harness(HarnessChecks):
         return res, pred
 
     def raw_insert(self, ns: Any, key: list[int], prio: int) -> None:
-        """A one-shot caller: match, lock, compute the rest, insert, free what it is left."""
+        """A one-shot caller: match, lock, compute the rest, insert, free what it is left.
+        Its state is the one at the key's last page end, so it inserts whole pages."""
+        key = key[: len(key) - len(key) % self.ps]
         m = self.match(ns, key)
         page = self.page_at(ns, key, m.prefix_len)
         start = self.lock(m.last_device_node, page)

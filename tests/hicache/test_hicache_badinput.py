@@ -51,7 +51,7 @@ def test_defaults_are_sglangs() -> None:
     cfg = HiCacheConfig()
     assert (cfg.hicache_ratio, cfg.hicache_size, cfg.hicache_write_policy,
             cfg.load_back_threshold) == (2.0, 0, "write_through", 10)
-    assert cfg.hicache_storage_prefetch_policy == "best_effort"
+    assert cfg.hicache_storage_prefetch_policy == "timeout"
     assert WRITE_POLICIES == ("write_through", "write_through_selective", "write_back")
 
 

@@ -136,5 +136,5 @@ def test_cuda_backup_copies_the_data_that_was_on_device() -> None:
     c.evict(48)
     pool.k_all.zero_()
     assert c.load_back(node) == 48
-    assert torch.equal(pool.k_all[:, node_slots(node)].cpu(), k)
+    assert torch.equal(pool.k_all[:, c.kv.slots(node)].cpu(), k)
     assert torch.equal(sp.conv[:, node.state_slot].cpu(), conv)

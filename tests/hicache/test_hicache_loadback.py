@@ -393,3 +393,34 @@ def test_host_pools_mirror_the_device_pools(page_size: int) -> None:
     assert hs is not None and hs.size == 7  # int(3 * 2.5)
     assert (hs.conv_state_shape, hs.ssm_state_shape, hs.num_layers) == ((2,), (2, 2), 3)
     assert set(h.hc.pools) == {"kv", "state"}
+
+
+def test_a_load_back_with_device_and_host_full_under_write_back_brings_the_chain_back_whole(
+) -> None:
+    """Device 8, host 16, write_back. The chain A [1..4] -> B [5..8] and then Z [20..27] are
+    host-only (host full, the chain the oldest there); Y [30..37] fills the device. Loading B
+    back evicts Y, whose write-back copy needs host room: the host evicts Z, never the chain
+    it is loading (pinned while room is made). Exactly: 8 tokens loaded, A on device slots
+    5..8 and B on 1..4, Z gone, Y host-only."""
+    h = make(size=8, policy="write_back", ratio=2.0)
+    c = h.cache
+    put(h, [1, 2, 3, 4])
+    put(h, list(range(1, 9)), prefix=node_slots(node_at(c, [1, 2, 3, 4])))
+    a, b = node_at(c, [1, 2, 3, 4]), node_at(c, list(range(1, 9)))
+    assert c.evict(8).num_tokens == 8 and a.kv_value is None and b.kv_value is None
+    c.poll_transfers()
+    put(h, list(range(20, 28)))
+    assert c.evict(8).num_tokens == 8
+    c.poll_transfers()
+    put(h, list(range(30, 38)))
+    assert h.kv.available_size() == 0 and c.host_size() == 16
+    assert c.load_back(b) == 8  # (no match first: the chain stays the host's oldest)
+    c.poll_transfers()
+    assert (ids(node_slots(a)), ids(node_slots(b))) == ([5, 6, 7, 8], [1, 2, 3, 4])
+    assert c.match_prefix(list(range(1, 9))).prefix_len == 8
+    z = c.match_prefix(list(range(20, 28)))
+    assert (z.prefix_len, z.host_hit_length) == (0, 0)
+    y = c.match_prefix(list(range(30, 38)))
+    assert (y.prefix_len, y.host_hit_length) == (0, 8)
+    c.sanity_check()
+    check_accounting(h)

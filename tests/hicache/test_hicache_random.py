@@ -118,6 +118,8 @@ class Harness:
     def op_insert(self) -> None:
         rng, c, h = self.rng, self.c, self.h
         toks, extra = self.gen_key()
+        if self.hybrid:  # the state is valid at a page end (insert refuses others)
+            toks = toks[: len(toks) // self.ps * self.ps]
         m = self.match(toks, extra)
         if rng.random() < 0.5:
             m = self.load_back(m, toks, extra)

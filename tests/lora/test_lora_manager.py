@@ -47,7 +47,8 @@ def test_three_forms_and_pins_from_lora_paths(files) -> None:
     pa, pb, pc = files("a"), files("b"), files("c")
     m = manager([pa, f"b={pb}", json.dumps({"lora_name": "c", "lora_path": pc, "pinned": True})])
     assert sorted(m.name_to_uid) == sorted([pa, "b", "c"])
-    assert m.uid_of("b") == LoraUid("b", 1) and m.path_of("b") == pb
+    assert m.uid_of("b") == LoraUid("b", 1, m.pool.adapter(m.uid_of("b")).digest())
+    assert m.path_of("b") == pb
     assert m.pool.is_pinned(m.uid_of("c")) and m.pool.is_resident(m.uid_of("c"))
     assert not m.pool.is_resident(m.uid_of("b"))
 

@@ -10,10 +10,12 @@ import torch
 
 from allocators.lora import (
     BASE_MODEL,
+    LoraAdapter,
     LoraBatchError,
     LoraMemoryPool,
     LoraUid,
 )
+from hicache.storage.keys import chain_seed
 from tests.helpers.lora_refmodel import SHAPES, make_adapter
 
 
@@ -248,7 +250,7 @@ def test_unload_then_load() -> None:
     with pytest.raises(ValueError, match="not loaded"):
         pool.remove_adapter(u["a"])
     a2 = pool.add_adapter("a", make_adapter(torch.Generator().manual_seed(5), 3))
-    assert a2 == LoraUid("a", 2)
+    assert a2 == LoraUid("a", 2, pool.adapter(a2).digest())
     assert step(pool, a2) == (["a"], [])
     assert occupants(pool) == ["a", "b"] and pool.policy.tracked() == (u["b"], a2)
 
@@ -430,3 +432,34 @@ def test_cuda_overlap_loading_uses_pinned_host_memory_and_async_fills() -> None:
     torch.cuda.synchronize()
     pool.check()
     pool.check_weights()
+
+
+def test_a_uid_identifies_the_adapters_content_across_pools() -> None:
+    """Two pools (a restart, or a second engine on one L3 store) each issue serial 0 to their
+    first adapter ``a``: different weights give different uids, and so different L3 seeds;
+    the same weights give the same uid. Before: both were ``LoraUid('a', 0)``."""
+    gen = torch.Generator().manual_seed(11)
+    first = make_adapter(gen, 2)
+    changed = LoraAdapter({m: (a.clone(), b.clone()) for m, (a, b) in first.weights.items()},
+                          first.scaling)
+    changed.weights["v_proj"][1][0, 0] += 1e-12  # one weight, one ulp-scale change
+    u1 = make_pool().add_adapter("a", first)
+    u2 = make_pool().add_adapter("a", changed)
+    u3 = make_pool().add_adapter("a", first)
+    assert (u1.name, u1.serial) == (u2.name, u2.serial) == ("a", 0)
+    assert u1 != u2 and hash(u1) != hash(u2) and u1 == u3
+    assert chain_seed("t", u1) != chain_seed("t", u2) and chain_seed("t", u1) == chain_seed("t", u3)
+    assert len(u1.digest) == 64 and u1.digest == first.digest()  # (float64 pool: same bytes)
+    scaled = LoraAdapter(dict(first.weights), 0.25)
+    assert make_pool().add_adapter("a", scaled) != u1  # the config (scaling) counts too
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_an_adapter_with_non_finite_weights_is_refused(bad: float) -> None:
+    gen = torch.Generator().manual_seed(12)
+    good = make_adapter(gen, 2)
+    a, b = good.weights["q_proj"]
+    b = b.clone()
+    b[3, 1] = bad
+    with pytest.raises(ValueError, match=r"weights\['q_proj'\].B must be finite, got 1 NaN / inf"):
+        LoraAdapter({"q_proj": (a, b)}, 0.5)

@@ -9,7 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="model tests need the optional extra: pip install -e .[model]")
+from bench.dev.model import MIN_TRANSFORMERS
+
+pytest.importorskip("transformers", minversion=MIN_TRANSFORMERS,
+                    reason="model tests need the optional extra: pip install -e .[model]")
 
 from transformers import DynamicCache  # noqa: E402
 

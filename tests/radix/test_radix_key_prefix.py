@@ -82,6 +82,8 @@ def test_a_cache_given_prefix_slices_answers_as_one_given_copies(ps: int, hybrid
     for step in range(60):
         ids = rng.choice(prompts) + [rng.randrange(50) for _ in range(rng.randrange(0, 30))]
         cut = rng.randrange(0, len(ids) + 1)
+        if hybrid:
+            cut -= cut % ps  # the state is valid at a page end (insert refuses others)
         ns = rng.choice([None, "a"])
         full = RadixKey(ids, ns)
         keys = [full[:cut], RadixKey(ids[:cut], ns)]

@@ -64,8 +64,9 @@ def new_state(cache: RadixCache) -> int:
 def put(cache: RadixCache, key: list[int], extra_key: Any = None) -> Any:
     """Insert ``key`` the way a one-shot caller does (matched prefix + fresh slots + a state),
     free what the result leaves to the caller, return the tree's node at the end."""
-    m = cache.match_prefix(key, extra_key)
     ps = cache.page_size
+    key = key[: len(key) // ps * ps]  # the state is valid at a page end (insert refuses others)
+    m = cache.match_prefix(key, extra_key)
     need = len(key) - m.prefix_len
     fresh = kv_of(cache).alloc(-(-need // ps) * ps)
     assert fresh is not None

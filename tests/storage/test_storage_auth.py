@@ -31,7 +31,15 @@ from hicache.storage import (
     page_key,
     state_key,
 )
-from hicache.storage.page import HEADER_SIZE, KIND_KV, decode, encode, mac_state, tag_digest
+from hicache.storage.page import (
+    HEADER_SIZE,
+    KIND_KV,
+    KIND_STATE,
+    decode,
+    encode,
+    mac_state,
+    tag_digest,
+)
 from tests.helpers.mooncake_helpers import (
     MOONCAKE_ENV,
     MOONCAKE_META_ENV,
@@ -264,3 +272,23 @@ def test_redis_reached_as_an_acl_user_with_only_the_commands_it_needs(
     assert served(wrong, KEY) == 0
     assert wrong.cache.stats()["l3_backend_errors"] >= 1
     assert "engine-acl-pw" not in caplog.text and "not-the-pw" not in caplog.text
+
+
+def test_a_header_only_relabelling_of_a_sealed_record_is_refused() -> None:
+    """An attacker with write access moves a sealed record to another key, namespace / layout
+    tag or kind by rewriting only the header, consistently with what the reader will ask for:
+    the header checks pass, the MAC (over the header too) refuses it."""
+    mac = mac_state(SECRET.encode())
+    tag, h = tag_digest("t"), bytes(range(32))
+    rec = encode(KIND_KV, tag, h, b"ab", b"cd", mac)
+    other_h, other_tag = bytes(range(1, 33)), tag_digest("u")
+    edits = [
+        (24, other_h, KIND_KV, tag, other_h),  # the key (page hash)
+        (8, other_tag, KIND_KV, other_tag, h),  # the layout tag
+        (6, KIND_STATE.to_bytes(2, "little"), KIND_STATE, tag, h),  # the kind
+    ]
+    for at, new, kind, want_tag, want_h in edits:
+        bad = bytearray(rec)
+        bad[at:at + len(new)] = new
+        with pytest.raises(CorruptPage, match="MAC mismatch"):
+            decode(bytes(bad), kind, want_tag, want_h, mac)

@@ -97,6 +97,8 @@ def make(backend: str = "file", *, where: str, page_size: int = 1, size: int = 3
                   hicache_storage_backend_extra_config=json.dumps(extra))
     else:
         l3.update(hicache_storage_url=where)
+    if extra is not None and not backend.startswith("mooncake"):
+        l3.update(hicache_storage_backend_extra_config=json.dumps(extra))
     cfg = HiCacheConfig(
         hicache_write_policy=policy, load_back_threshold=1, hicache_storage_prefetch_policy=prefetch,
         hicache_prefetch_timeout_s=timeout_s, hicache_storage_model=model or fresh_model(),

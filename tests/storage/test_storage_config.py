@@ -15,7 +15,7 @@ from radix import CacheConfig, RadixCache
 
 def test_defaults_leave_l3_off() -> None:
     cfg = HiCacheConfig()
-    assert cfg.hicache_storage_backend is None and cfg.hicache_storage_prefetch_policy == "best_effort"
+    assert cfg.hicache_storage_backend is None and cfg.hicache_storage_prefetch_policy == "timeout"
     kv = TokenAllocator(8, pool=KVPool(8, 1, 1, 2, torch.float32))
     cache = RadixCache(CacheConfig(), kv_allocator=kv, hicache=cfg)
     assert cache.storage is None and "l3_faults" not in cache.stats()

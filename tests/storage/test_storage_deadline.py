@@ -1,8 +1,8 @@
 """A blocking prefetch stalls ``match_prefix`` for one deadline at most, retries included.
 
 A frozen store (a private ``redis-server`` stopped with SIGSTOP: connections stay open, no
-reply ever comes) is the worst case: every call waits its whole socket timeout, and the
-client retries once. Under ``wait_complete`` the engine's stall is bounded by
+reply ever comes) is the worst case: every call waits its whole socket timeout once (the
+client retries a lost connection, never a timeout). Under ``wait_complete`` the engine's stall is bounded by
 ``hicache_storage_timeout_s`` in all; under ``timeout`` by ``hicache_prefetch_timeout_s``, and a
 re-match of the same key while that prefetch is still running does not wait again. Past the
 deadline the prefetch goes on in the background and its pages join at a later match, as under
@@ -119,3 +119,26 @@ def test_a_slow_but_answering_store_still_completes_under_wait_complete(
         assert b.cache.stats()["l3_prefetch_timeouts"] == 0
     finally:
         b.close()
+
+
+def test_a_frozen_store_costs_one_timeout_per_call_and_then_rests(server: RedisServer) -> None:
+    """A frozen Redis: the first call waits one ``timeout_s`` (before: two, the client
+    retried the timed-out read once), the next calls during the rest period answer at once."""
+    from hicache.storage import RedisStore
+
+    s = RedisStore(server.url, tag="t", timeout_s=0.6, cooldown_s=5.0)
+    key = "ab" * 32
+    try:
+        assert s.set(key, b"a", b"b")
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGSTOP)
+        got, dt = timed(s.exists_mask, [key])
+        assert got == [False] and dt < 0.6 + SLACK, f"stalled {dt:.2f} s for a 0.6 s timeout"
+        got, dt2 = timed(s.get, key)
+        assert got is None and dt2 < SLACK
+        st = s.stats
+        assert (st["timeouts"], st["errors"], st["skipped_in_cooldown"]) == (1, 0, 1)
+    finally:
+        if server.proc is not None:
+            server.proc.send_signal(signal.SIGCONT)
+        s.close()

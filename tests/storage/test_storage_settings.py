@@ -196,3 +196,117 @@ def test_a_per_key_error_reply_from_redis_is_a_miss_for_that_key_only(tmp_path: 
         store.close()
     finally:
         server.kill()
+
+
+# ------------------------------------------------------------ issue 36: settings that never work
+@pytest.mark.parametrize(
+    "url,match",
+    [
+        ("redis://h :1", r"hicache_storage_url: a Redis URL has no spaces or control characters"),
+        ("redis://u:p w@h:1", r"no spaces .* got 'redis://\*\*\*:\*\*\*@h:1'"),
+        ("redis://h:1/0\x00", r"no spaces or control characters"),
+        ("redis://h:1/0?sockettimeout=1", r"unknown Redis URL query argument\(s\) \['sockettimeout'\]"),
+        ("rediss://h:1/0?ssl_ca_cert=/x", r"unknown Redis URL query argument\(s\) \['ssl_ca_cert'\]"),
+        ("redis://h:1/0?socket_timeout=soon", r"Invalid value for 'socket_timeout'"),
+    ],
+)
+def test_redis_urls_that_could_never_connect_are_refused_when_the_config_is_built(
+        url: str, match: str) -> None:
+    """Before: accepted; the space failed at the first connect, an unknown query argument
+    reached the connection class as a keyword (``TypeError`` in the writer thread)."""
+    pytest.importorskip("redis")
+    with pytest.raises(ValueError, match=match) as info:
+        redis_cfg(url)
+    assert "p w" not in str(info.value)
+    redis_cfg("rediss://h:1/0?ssl_ca_certs=/x&ssl_cert_reqs=required&socket_timeout=2")
+
+
+def file_cfg(where: Any) -> HiCacheConfig:
+    return HiCacheConfig(hicache_storage_backend="file", hicache_storage_dir=where)
+
+
+def test_a_file_store_directory_that_could_never_work_is_refused_when_the_config_is_built(
+        tmp_path: Path) -> None:
+    """A file, a path under a file, a NUL, a name past the filesystem's limit. Before: accepted
+    (the NUL and the file failed when the cache was built, the long name at the first write,
+    counted as a fault)."""
+    f = tmp_path / "f"
+    f.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"^hicache_storage_dir must be a directory, got .*f': "
+                                         r"an existing file$"):
+        file_cfg(str(f))
+    with pytest.raises(ValueError, match=r"hicache_storage_dir must be a directory \(its parent "
+                                         r".*f' is not one\)"):
+        file_cfg(str(f / "sub"))
+    with pytest.raises(ValueError, match=r"hicache_storage_dir must not contain a NUL"):
+        file_cfg(str(tmp_path / "a\0b"))
+    with pytest.raises(ValueError, match=r"hicache_storage_dir is too long for this filesystem "
+                                         r"\(at most \d+ bytes, 255 per name\)"):
+        file_cfg(str(tmp_path / ("x" * 256)))
+    file_cfg(str(tmp_path / "new" / "dir"))  # made when the store is built
+
+
+def test_an_unwritable_file_store_directory_is_refused(tmp_path: Path) -> None:
+    import os
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("this process may write anywhere (root): no unwritable directory here")
+        with pytest.raises(ValueError, match=r"hicache_storage_dir=.*ro/x': its parent .*ro', "
+                                             r"where it would be made, is not writable"):
+            file_cfg(str(ro / "x"))
+    finally:
+        ro.chmod(0o700)
+
+
+def test_rdma_without_a_device_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"protocol='rdma' needs device_name \(MOONCAKE_DEVICE"):
+        MooncakeOptions.resolve(None, {"master_server_address": "h:1", "protocol": "rdma"},
+                                environ={})
+    o = MooncakeOptions.resolve(None, {"master_server_address": "h:1", "protocol": "rdma",
+                                       "device_name": "mlx5_0"}, environ={})
+    assert (o.protocol, o.device_name) == ("rdma", "mlx5_0")
+
+
+def test_swallowed_errors_are_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page read whose recency touch fails is served and counted ``touch_errors``; a Redis
+    client whose close fails is counted ``close_errors`` (both were logged or dropped only)."""
+    import os
+
+    s = FileStore(tmp_path, tag="t")
+    assert s.set(GOOD, b"a", b"b")
+
+    def no_utime(*_: Any, **__: Any) -> None:
+        raise PermissionError("read-only mount")
+
+    monkeypatch.setattr(os, "utime", no_utime)
+    assert s.get(GOOD) is not None
+    assert s.stats["touch_errors"] == 1
+    pytest.importorskip("redis")
+    r = RedisStore("redis://127.0.0.1:1", tag="t")
+
+    class Broken:
+        def close(self) -> None:
+            raise ConnectionError("gone")
+
+    r._client_obj = Broken()
+    r.close()
+    assert r.stats["close_errors"] == 1
+
+
+def test_a_size_cap_below_one_page_record_is_refused_when_the_cache_is_built(
+        tmp_path: Path) -> None:
+    """``hicache_storage_max_bytes`` below one KV page's record (only known once the pools
+    are): the startup probe refuses it. Before: accepted, then every page refused at the write
+    and counted ``already_present``."""
+    from tests.storage.test_storage_common import make
+
+    record = HEADER_SIZE + 2 * 2 * 1 * 1 * 2 * 4  # K and V: 2 layers x 1 token x 1 head x 2 dims, f32
+    with pytest.raises(ValueError, match=rf"^hicache_storage_max_bytes={record - 1} is smaller "
+                                         rf"than one KV page record \({record} bytes"):
+        make("file", where=str(tmp_path / "a"), max_bytes=record - 1)
+    ok = make("file", where=str(tmp_path / "b"), max_bytes=record)
+    ok.close()

@@ -43,7 +43,7 @@ from typing import Any
 
 from bench.cli import output_path, prog
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DEFAULT_ANCHOR_PYTHON = "/tmp/sglang-anchor/bin/python"
 DEFAULT_ANCHOR_SCRIPT = REPO.parent / "shared" / "anchors" / "sglang_radix_bench.py"
 ALL_IMPLS = ["radix", "unified-python", "unified-rust", "unified-mamba-python", "unified-mamba-rust"]

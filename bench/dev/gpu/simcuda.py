@@ -43,6 +43,16 @@ an operation on one stream touching device memory another stream wrote, without 
 tracked call it happened in (the engine-facing operation), with call counts per operation:
 what a per-operation budget asserts. Syncs outside any tracked call are charged to
 ``"(outside)"``.
+
+CUDA API calls (:attr:`SimCuda.api`, charged the same way, see :class:`ApiCalls`): a **kernel
+launch** is a call on device tensors that writes device memory (an in-place call, or a result
+with new storage: ``clone``, ``cat``, arithmetic, a gather through a tensor index, a fill of
+a slice, a factory such as ``zeros`` / ``arange`` on ``cuda``); views, metadata and
+``empty`` launch nothing. A **memcpy** is a copy between host and device (``to`` / ``copy_``
+/ ``torch.tensor(..., device="cuda")``, a CPU or list index or a Python scalar sent along with
+an indexing call, a value read on the host). Calls on zero elements launch and copy nothing
+(as PyTorch skips them). Calls made inside :meth:`SimCuda.exclude`'d methods (the host tier's
+data transfers) are counted apart, in ``ApiCalls.excluded``.
 """
 
 from __future__ import annotations
@@ -113,6 +123,21 @@ def _extent(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 @dataclass
+class ApiCalls:
+    """Kernel launches and memcpys charged to one tracked operation, by kind (see the module
+    docstring); ``excluded``: those made inside excluded calls (not in the totals)."""
+
+    launches: Counter[str] = field(default_factory=Counter)
+    memcpys: Counter[str] = field(default_factory=Counter)
+    excluded: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def total(self) -> int:
+        """Launches plus memcpys (the excluded ones not counted)."""
+        return sum(self.launches.values()) + sum(self.memcpys.values())
+
+
+@dataclass
 class OpStats:
     """Calls and syncs charged to one tracked operation."""
 
@@ -165,6 +190,7 @@ class SimCuda:
         self.current = self.default_stream
         self._mode = _Mode(self)
         self._saved: dict[str, Any] = {}
+        self._init_api()
         self._init_transfer_counters()
 
     # ------------------------------------------------------------------ install
@@ -213,8 +239,9 @@ class SimCuda:
 
     # ------------------------------------------------------------------ counters
     def track(self, obj: Any, names: tuple[str, ...] | list[str], label: str | None = None) -> None:
-        """Charge syncs to ``obj``'s methods ``names`` (as ``"label.name"``, ``label`` defaulting
-        to the class name) whenever such a call is the outermost tracked one."""
+        """Charge syncs, kernel launches and memcpys to ``obj``'s methods ``names`` (as
+        ``"label.name"``, ``label`` defaulting to the class name) whenever such a call is the
+        outermost tracked one."""
         prefix = label if label is not None else type(obj).__name__
         for name in names:
             fn = getattr(obj, name)
@@ -246,11 +273,14 @@ class SimCuda:
         return s.total if s is not None else 0
 
     def _site(self) -> str:
+        """``dir/file.py:line function`` of the innermost frame outside torch and this module
+        (a frame of generated code, e.g. ``<string>``, is named as it is)."""
         f: Any = sys._getframe(2)
         while f is not None:
             fn = f.f_code.co_filename
-            if "/torch/" not in fn and not fn.endswith("simcuda.py"):
-                return f"{fn.rsplit('/', 2)[-2]}/{fn.rsplit('/', 1)[-1]}:{f.f_lineno} {f.f_code.co_name}"
+            parts = fn.replace("\\", "/").split("/")
+            if "torch" not in parts[:-1] and parts[-1] != "simcuda.py":
+                return f"{'/'.join(parts[-2:])}:{f.f_lineno} {f.f_code.co_name}"
             f = f.f_back
         return "?"
 
@@ -372,6 +402,7 @@ class SimCuda:
                             f"(CPU shapes {[tuple(t.shape) for t in mixed]})")
         out = func(*args, **kwargs)
         written = [args[0]] if args and isinstance(args[0], torch.Tensor) and writes_first_arg(func) else []
+        self._count_call(func, args, dev, written, out)
         if isinstance(out, DeviceTensor) and not written and out._base is None:
             written = [out]  # new data (a view writes nothing)
         self._check_streams(dev, written, func)
@@ -397,6 +428,8 @@ class SimCuda:
             if func in (torch.tensor, torch.as_tensor, T.new_tensor):
                 self._sync("torch.tensor(device=cuda) from pageable memory")
             out = func(*args, **kw)
+            if isinstance(out, torch.Tensor):
+                self._count_factory(func, out)
             return to_device(out) if isinstance(out, torch.Tensor) else out
         kw["pin_memory"] = False
         out = func(*args, **kw)
@@ -417,6 +450,7 @@ class SimCuda:
                 p = torch.as_tensor(p)
                 if is_device(self_t):
                     self._sync("list index into a device tensor (host->device copy)")
+                    self._memcpy("H2D list index", p)
             if not isinstance(p, torch.Tensor):
                 continue
             tensor_idx = True
@@ -425,6 +459,7 @@ class SimCuda:
                     self._sync("boolean-mask indexing")
             elif is_device(self_t) and not is_device(p) and p.dim() > 0:
                 self._sync("CPU index into a device tensor (host->device copy)")
+                self._memcpy("H2D CPU index", p)
             elif not is_device(self_t) and is_device(p):
                 self._error(f"{func_name(func)}: CPU tensor indexed with a device index")
         if func is not T.__setitem__ or masked_fill:
@@ -434,13 +469,16 @@ class SimCuda:
                 self._error(f"{func_name(func)}: device and CPU tensors mixed in an assignment")
             elif is_device(self_t) and not is_device(value) and tensor_idx:
                 self._sync("CPU scalar tensor written through an index (host->device copy)")
+                self._memcpy("H2D scalar value", value)
         elif is_device(self_t) and tensor_idx:
             self._sync("Python scalar written through a tensor index (host->device copy)")
+            self._memcpy("H2D scalar value", None)
 
     # ------------------------------------------------------------------ copies
     def _copy_kind(self, src: torch.Tensor, to_dev: bool, non_blocking: bool,
                    dst: torch.Tensor | None) -> None:
         """Count or track one copy between host and device."""
+        self._memcpy("D2H copy" if is_device(src) else "H2D copy", src)
         self._charge_link(src)
         if is_device(src) and not to_dev:  # device -> host
             if non_blocking and dst is not None and self.is_pinned(dst):
@@ -464,6 +502,8 @@ class SimCuda:
             out = data.to(dtype=dtype if dtype is not None else data.dtype, copy=copy)
             out_t = to_device(out) if to_dev else out
             if is_device(src):
+                if out is not data:
+                    self._launch("Tensor.to", out)
                 self._check_streams([src], [] if out is data else [out_t], T.to)
             return src if out is data else out_t
         out = data.to(dtype=dtype if dtype is not None else data.dtype, copy=True)
@@ -489,7 +529,9 @@ class SimCuda:
         non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
         if is_device(dst) != is_device(src):
             self._copy_kind(src, is_device(dst), non_blocking, dst)
-        elif not is_device(dst):
+        elif is_device(dst):
+            self._launch("Tensor.copy_", dst)
+        else:
             self._charge_cpu_copy(T.copy_, args, kwargs, dst)
         self._check_streams([t for t in (dst, src) if is_device(t)], [dst], T.copy_)
         plain(dst).copy_(plain(src))
@@ -524,6 +566,129 @@ class SimCuda:
         if is_device(t):
             self._error("data_ptr() of a device tensor taken by host code")
         return T.data_ptr(plain(t))
+
+    # ------------------------------------------------------------------ CUDA API calls
+    def _init_api(self) -> None:
+        #: tracked operation -> its kernel launches and memcpys (see :class:`ApiCalls`)
+        self.api: dict[str, ApiCalls] = {}
+        #: (operation, "launch" / "memcpy" / "excluded", kind, call site) -> count
+        self.api_sites: Counter[tuple[str, str, str, str]] = Counter()
+        self._excluding = 0
+
+    def exclude(self, obj: Any, names: tuple[str, ...] | list[str]) -> None:
+        """Count the launches and memcpys made inside ``obj``'s methods ``names`` apart
+        (``ApiCalls.excluded`` of the operation they run in), e.g. the host tier's data
+        transfers. Syncs inside them are counted as everywhere."""
+        for name in names:
+            fn = getattr(obj, name)
+            setattr(obj, name, self._excluded(fn))
+
+    def include(self, obj: Any, names: tuple[str, ...] | list[str]) -> None:
+        """Count the launches and memcpys made inside ``obj``'s methods ``names`` as usual,
+        also when they run inside an excluded call (work of the engine's that a transfer
+        happens to issue, e.g. a pool's pending writes flushed by the transfer's read)."""
+        for name in names:
+            fn = getattr(obj, name)
+            setattr(obj, name, self._included(fn))
+
+    def _included(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def included(*args: Any, **kwargs: Any) -> Any:
+            saved, self._excluding = self._excluding, 0
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._excluding = saved
+
+        return included
+
+    def _excluded(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def excluded(*args: Any, **kwargs: Any) -> Any:
+            self._excluding += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._excluding -= 1
+
+        return excluded
+
+    def api_of(self, op: str) -> ApiCalls:
+        """The launches and memcpys charged to ``op`` (empty when none)."""
+        return self.api.get(op) or ApiCalls()
+
+    def _api_call(self, what: str, kind: str) -> None:
+        op = self._stack[0] if self._stack else OUTSIDE
+        calls = self.api.get(op)
+        if calls is None:
+            calls = self.api[op] = ApiCalls()
+        if self._excluding:
+            calls.excluded[kind] += 1
+            what = "excluded"
+        elif what == "launch":
+            calls.launches[kind] += 1
+        else:
+            calls.memcpys[kind] += 1
+        self.api_sites[(op, what, kind, self._site())] += 1
+
+    def _launch(self, kind: str, t: torch.Tensor | None) -> None:
+        if t is None or t.numel() > 0:
+            self._api_call("launch", kind)
+
+    def _memcpy(self, kind: str, t: torch.Tensor | None) -> None:
+        if t is None or t.numel() > 0:
+            self._api_call("memcpy", kind)
+
+    def _count_factory(self, func: Any, out: torch.Tensor) -> None:
+        """A factory on ``cuda``: an upload of its data, a fill kernel, or nothing (``empty``)."""
+        if func in (torch.tensor, torch.as_tensor, T.new_tensor):
+            self._memcpy("H2D torch.tensor", out)
+        elif func not in _NO_KERNEL_FACTORIES:
+            self._launch(getattr(func, "__name__", None) or func_name(func), out)
+
+    def _count_call(self, func: Any, args: Any, dev: list[torch.Tensor],
+                    written: list[torch.Tensor], out: Any) -> None:
+        """One call with device operands: a memcpy for a value read on the host, one kernel
+        for any device memory written (in place, or new storage in the result)."""
+        name = getattr(func, "__name__", None) or func_name(func)
+        if func in VALUE_READS or func in DATA_SIZED:
+            self._memcpy(f"D2H {name}", None)
+            if func in VALUE_READS:
+                return
+        if written:
+            if is_device(written[0]):
+                self._launch(name, written[0])
+            return
+        if func in _NO_KERNEL_FACTORIES:
+            return
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        ptrs = {t.untyped_storage().data_ptr() for t in dev}
+        for o in outs:
+            if (isinstance(o, DeviceTensor) and o._base is None
+                    and o.untyped_storage().data_ptr() not in ptrs):
+                self._launch(name, o)
+                return
+
+    @property
+    def total_launches(self) -> int:
+        """Kernel launches charged to tracked operations (not ``(outside)``, not excluded)."""
+        return sum(sum(c.launches.values()) for op, c in self.api.items() if op != OUTSIDE)
+
+    @property
+    def total_memcpys(self) -> int:
+        """Memcpys charged to tracked operations (not ``(outside)``, not excluded)."""
+        return sum(sum(c.memcpys.values()) for op, c in self.api.items() if op != OUTSIDE)
+
+    def api_report(self) -> str:
+        """One line per operation: calls, launches, memcpys (by kind), excluded."""
+        lines = []
+        for op, c in sorted(self.api.items()):
+            calls = self.ops[op].calls if op in self.ops else 0
+            kinds = ", ".join(f"{k} {v}" for k, v in (c.launches + c.memcpys).most_common())
+            lines.append(f"{op:40s} calls {calls:6d} launches {sum(c.launches.values()):6d} "
+                         f"memcpys {sum(c.memcpys.values()):6d} excluded "
+                         f"{sum(c.excluded.values()):5d} {kinds}")
+        return "\n".join(lines)
 
 
     # ------------------------------------------------------------------ transfer counters
@@ -597,6 +762,12 @@ def host_copy_bytes(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> i
             o._base is not None and "out" not in kwargs):
         return 0
     return o.numel() * o.element_size()
+
+
+#: Factories on ``cuda`` that allocate without writing (no kernel).
+_NO_KERNEL_FACTORIES = {torch.empty, torch.empty_like, torch.empty_strided, T.new_empty,
+                        T.new_empty_strided}
+
 
 _SPECIAL: dict[Any, Callable[[SimCuda, Any, dict[str, Any]], Any]] = {
     T.to: SimCuda._to,
