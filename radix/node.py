@@ -90,6 +90,12 @@ class TreeNode:
         creation_time: logical clock stamp at creation.
         history_len: deepest depth ever reached below this node (``tlru``; never shrinks).
         host_value: host-pool indices when backed up (HiCache), else ``None``.
+        host_state_slot: the host copy of the state at this node's end, or ``None``.
+        host_swa_value: host SWA-pool indices of these tokens' SWA KV (a host copy of a live
+            node's sliding-window KV), or ``None``.
+        ext: one extension slot for plug-in components (``components.base.Component``
+            added by the caller): ``None`` or a dict, component name -> its value (the
+            built-in components keep slots of their own, for speed).
     """
 
     __slots__ = (
@@ -116,6 +122,8 @@ class TreeNode:
         "history_len",
         "host_value",
         "host_state_slot",
+        "host_swa_value",
+        "ext",
         "__weakref__",
     )
 
@@ -143,6 +151,8 @@ class TreeNode:
         self.history_len = 0
         self.host_value: torch.Tensor | None = None
         self.host_state_slot: int | None = None
+        self.host_swa_value: torch.Tensor | None = None
+        self.ext: dict[str, Any] | None = None
 
     @property
     def is_root(self) -> bool:

@@ -163,8 +163,6 @@ class EngineConfig:
             raise ValueError(f"kv_events must be 'off', 'on' or 'check', got {self.kv_events!r}")
         if self.hicache_ratio:
             self.hicache_config()  # validates ratio and write policy (ValueError / TypeError)
-            if self.sliding_window:
-                raise ValueError("hicache_ratio with a sliding window is not supported")
         avail = available_memory()
         if avail is not None and self.min_bytes() > avail:
             raise MemoryBudgetError(
@@ -274,7 +272,7 @@ class ReplayEngine:
             state_walk=self.state_walk,
         )
         self._running: deque[_Running] = deque()
-        self._empty = self.cache._empty
+        self._empty = self.cache.empty_slots
         self._on_cpu = self.kv_allocator.device.type == "cpu"
 
     # ------------------------------------------------------------------ public
