@@ -349,9 +349,9 @@ class ZmqEventPublisher:
             if seq >= start:
                 self._replay.send_multipart((ident, b"", self._topic, seq.to_bytes(8, "big"),
                                              payload))
-        self._replay.send_multipart((ident, b"", b"", END_SEQ, b""))
-        with self._lock:
+        with self._lock:  # counted before the end marker: a client that saw it sees the count
             self.replays += 1
+        self._replay.send_multipart((ident, b"", b"", END_SEQ, b""))
 
     def _close_sockets(self) -> None:
         for sock in (self._pub, self._replay):

@@ -45,7 +45,8 @@ class LoraManager:
 
     Args:
         args: validated serving arguments (``enable_lora`` must be true).
-        base_modules: every linear module of the base model a LoRA could target,
+        base_modules: every module of the base model a LoRA could target (linear modules,
+            ``lm_head`` included, and ``embed_tokens`` as ``(vocab_size, hidden_size)``),
             path -> ``(in_features, out_features)`` (:func:`~allocators.lora.linear_module_shapes`
             of a torch model); ``lora_target_modules="all"`` means all of these.
         dtype, device: of the pool's buffers (see :class:`LoraMemoryPool`).
@@ -202,9 +203,17 @@ class LoraManager:
     def _read(self, name: str, path: object) -> LoraAdapter:
         if not isinstance(path, str | os.PathLike):
             raise TypeError(f"path must be a str or path, got {type(path).__name__}")
-        adapter = read_peft_adapter(path)
+        adapter = read_peft_adapter(path, base_vocab_size=self._base_vocab_size())
         self._check_base_modules(name, os.fspath(path), adapter)
         return adapter
+
+    def _base_vocab_size(self) -> int | None:
+        """The vocabulary size of the base model's ``embed_tokens`` (its ``in_features``), or
+        ``None`` when the base modules have none (every added token then counts)."""
+        for module, (in_f, _) in self.base_modules.items():
+            if leaf_name(module) == "embed_tokens":
+                return in_f
+        return None
 
     def _check_base_modules(self, name: str, path: str, adapter: LoraAdapter) -> None:
         unknown = sorted(adapter.modules.difference(self.base_modules))

@@ -1,4 +1,9 @@
-"""The base model's linear modules as LoRA sees them: names, shapes, target-module matching.
+"""The base model's modules as LoRA sees them: names, shapes, target-module matching.
+
+LoRA targets linear modules (``q_proj`` ... ``down_proj``, ``lm_head``: ``(in_features,
+out_features)``) and embeddings (``embed_tokens``: ``(vocab_size, hidden_size)``, its input a
+token id), as SGLang's ``--lora-target-modules`` does (``all`` includes ``embed_tokens`` and
+``lm_head``).
 
 A module is named by its path in the model, as ``torch.nn.Module.named_modules`` reports it
 on the model PEFT wrapped (``model.layers.0.self_attn.q_proj`` for a transformers causal
@@ -77,7 +82,9 @@ def modules_matching(paths: Iterable[str], names: Iterable[str]) -> list[str]:
 
 
 def linear_module_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
-    """Every ``torch.nn.Linear`` of ``model``: path -> ``(in_features, out_features)``.
+    """Every ``torch.nn.Linear`` of ``model``: path -> ``(in_features, out_features)``, and
+    every ``torch.nn.Embedding``: path -> ``(num_embeddings, embedding_dim)`` (the shapes of
+    embedding LoRA: ``A`` is ``[r, num_embeddings]``, ``B`` is ``[embedding_dim, r]``).
 
     The ``base_modules`` of :class:`~allocators.lora.LoraManager` for a torch model; pass the
     model PEFT would wrap (for a transformers causal LM, the ``*ForCausalLM`` object).
@@ -87,8 +94,10 @@ def linear_module_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    return {
-        path: (m.in_features, m.out_features)
-        for path, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear)
-    }
+    shapes = {}
+    for path, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            shapes[path] = (m.in_features, m.out_features)
+        elif isinstance(m, torch.nn.Embedding):
+            shapes[path] = (m.num_embeddings, m.embedding_dim)
+    return shapes

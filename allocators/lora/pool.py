@@ -85,8 +85,9 @@ class LoraMemoryPool:
 
     Args:
         target_modules: module name -> ``(in_features, out_features)`` of the base model's
-            linear layers that adapters may target (SGLang's ``lora_target_modules``, resolved
-            to shapes).
+            layers that adapters may target (SGLang's ``lora_target_modules``, resolved to
+            shapes): linear layers (``lm_head``: ``(hidden, vocab)``) and embeddings
+            (``embed_tokens``: ``(vocab, hidden)``, applied to token ids).
         max_lora_rank: rank of every slot buffer, ``>= 1``; adapters of rank up to this.
         max_loras_per_batch: device slots ``K``, ``>= 1`` (SGLang's default 8).
         max_loaded_loras: host-tier capacity, ``>= K``, or ``None`` (unlimited; ``2 * K``
@@ -342,7 +343,10 @@ class LoraMemoryPool:
 
         Args:
             module: a target module name.
-            x: ``[T, in_features]`` of the pool's dtype and device.
+            x: ``[T, in_features]`` of the pool's dtype and device; or, for an embedding
+                module (``embed_tokens``, ``in_features`` = vocabulary size), ``[T]``
+                ``torch.int64`` token ids in ``[0, in_features)``: ``A[s] @ x[t]`` is then the
+                lookup ``A[s][:, x[t]]`` (PEFT's and SGLang's embedding LoRA).
             weight_indices: ``[T]`` ``torch.int64`` slots (from :meth:`prepare_batch`).
 
         Returns:

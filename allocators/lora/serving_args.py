@@ -164,8 +164,9 @@ class LoraArgs:
             :func:`effective_max_loaded_loras`; stored resolved).
         lora_eviction_policy: ``"lru"`` (default) or ``"fifo"``.
         max_lora_rank: ``None`` -> the largest rank among the initial adapters.
-        lora_target_modules: module names (``q_proj``; a path matches a name it equals or
-            ends with), or ``"all"`` (every module of the base model; ``"all-linear"`` is
+        lora_target_modules: module names (``q_proj``, ``embed_tokens``, ``lm_head``; a path
+            matches a name it equals or ends with), or ``"all"`` (every module of the base
+            model, ``embed_tokens`` and ``lm_head`` included; ``"all-linear"`` is
             taken as ``"all"``, as SGLang does), or ``None`` -> the leaf names of the initial
             adapters' modules. Stored as a frozenset or ``"all"``.
         enable_lora_overlap_loading: asynchronous host->device fills from pinned memory.

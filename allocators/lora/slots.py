@@ -133,21 +133,29 @@ class LoraSlots:
 
     def apply(self, module: str, x: torch.Tensor, weight_indices: torch.Tensor) -> torch.Tensor:
         """Batched LoRA delta: ``out[t] = scaling[s] * B[s] @ (A[s] @ x[t])``, ``s`` the row's
-        slot. See :meth:`LoraMemoryPool.apply <allocators.lora.LoraMemoryPool.apply>`."""
+        slot; ``x`` may be ``[T]`` int64 token ids (an embedding: ``A[s][:, x[t]]``). See
+        :meth:`LoraMemoryPool.apply <allocators.lora.LoraMemoryPool.apply>`."""
         if not isinstance(module, str) or module not in self.A_buffer:
             raise ValueError(f"module must be one of {sorted(self.A_buffer)}, got {module!r}")
         in_f, out_f = self.target_modules[module]
-        _check_tensor(x, "x", (None, in_f), self.dtype, self.device)
+        ids = isinstance(x, torch.Tensor) and not x.dtype.is_floating_point
+        if ids:
+            _check_tensor(x, "x", (None,), torch.int64, self.device)
+            if x.shape[0] and not bool(((x >= 0) & (x < in_f)).all()):
+                raise ValueError(f"x (token ids) must lie in [0, {in_f}) for module {module!r}")
+        else:
+            _check_tensor(x, "x", (None, in_f), self.dtype, self.device)
         _check_tensor(weight_indices, "weight_indices", (x.shape[0],), torch.int64, self.device)
         k = self.num_slots
         if x.shape[0] and not bool(((weight_indices >= 0) & (weight_indices < k)).all()):
             raise ValueError(f"weight_indices must lie in [0, {k})")
-        out = x.new_zeros((x.shape[0], out_f))
+        out = torch.zeros((x.shape[0], out_f), dtype=self.dtype, device=self.device)
         a_buf, b_buf = self.A_buffer[module], self.B_buffer[module]
         for slot in torch.unique(weight_indices).tolist():
             rows = (weight_indices == slot).nonzero().squeeze(1)
-            y = (x.index_select(0, rows) @ a_buf[slot].T) @ b_buf[slot].T
-            out.index_copy_(0, rows, y * self.scaling[slot])
+            picked = x.index_select(0, rows)
+            after_a = a_buf[slot].T.index_select(0, picked) if ids else picked @ a_buf[slot].T
+            out.index_copy_(0, rows, (after_a @ b_buf[slot].T) * self.scaling[slot])
         return out
 
 

@@ -4,7 +4,11 @@ An adapter adds ``scaling * B @ (A @ x)`` to the output of each module it target
 
     A: [r, in_features]      B: [out_features, r]      (one pair per module path)
 
-which is PEFT's LoRA forward (``lora_B(lora_A(x)) * scaling``). Adapters are read from and
+which is PEFT's LoRA forward (``lora_B(lora_A(x)) * scaling``). An *embedding* module
+(``embed_tokens``: PEFT's ``lora_embedding_A`` / ``lora_embedding_B``) has the same pair with
+``in_features`` the vocabulary size and ``out_features`` the hidden size; its input is a token
+id, and ``A @ x`` of the one-hot ``x`` is the lookup ``A[:, id]``. ``lm_head`` is a linear
+module like any other (``in`` = hidden, ``out`` = vocabulary). Adapters are read from and
 written to PEFT directories by :func:`~allocators.lora.read_peft_adapter` /
 :func:`~allocators.lora.write_peft_adapter`.
 """
@@ -34,18 +38,22 @@ class LoraAdapter:
             tensors are not copied; the pool keeps its own copies).
         scaling: multiplier of ``B @ A`` for every module (PEFT's ``lora_alpha / r``),
             finite float.
+        embedding_modules: the modules of ``weights`` whose input is a token id (PEFT's
+            embedding LoRA: ``A`` is ``[r, vocab_size]``, ``B`` is ``[hidden, r]``); they are
+            written back as ``lora_embedding_A`` / ``lora_embedding_B``. Empty by default.
         rank: the largest ``r`` of any module (derived): what ``max_lora_rank`` must admit.
 
     Raises:
         TypeError: a non-mapping ``weights``, a non-str module name, a non-tensor or
-            non-float weight, a non-number ``scaling``.
-        ValueError: no modules, a non-2-D weight, ranks that do not match between ``A`` and
+            non-float weight, a non-number ``scaling``, ``embedding_modules`` not a set of str.
+        ValueError: no modules, an embedding module ``weights`` lacks, a non-2-D weight, ranks that do not match between ``A`` and
             ``B``, mixed dtypes, a non-CPU tensor, a non-finite ``scaling`` or weight (NaN,
             inf).
     """
 
     weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
     scaling: float = 1.0
+    embedding_modules: frozenset[str] = frozenset()
     rank: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -68,19 +76,29 @@ class LoraAdapter:
             frozen[module] = (a, b)
         if len(dtypes) != 1:
             raise ValueError(f"every weight must have one dtype, got {sorted(map(str, dtypes))}")
+        if not isinstance(self.embedding_modules, set | frozenset) or not all(
+            isinstance(m, str) for m in self.embedding_modules
+        ):
+            raise TypeError("embedding_modules must be a set of module names (str)")
+        missing = sorted(set(self.embedding_modules).difference(frozen))
+        if missing:
+            raise ValueError(f"embedding_modules {missing} have no weights")
+        object.__setattr__(self, "embedding_modules", frozenset(self.embedding_modules))
         object.__setattr__(self, "weights", MappingProxyType(frozen))
         object.__setattr__(self, "scaling", float(self.scaling))
         object.__setattr__(self, "rank", max(ranks))
 
     def digest(self) -> str:
         """SHA-256 (hex) of the adapter's content: ``scaling`` and, per module in name
-        order, its name, dtype, shapes and the bytes of ``A`` and ``B``. Two adapters with
+        order, its name, whether it is an embedding, dtype, shapes and the bytes of ``A`` and
+        ``B``. Two adapters with
         equal digests compute the same deltas; any change of a weight changes it. O(bytes)."""
         h = hashlib.sha256(b"hpc-lora/1\0" + float(self.scaling).hex().encode() + b";")
         for module in sorted(self.weights):
             a, b = self.weights[module]
             name = module.encode("utf-8", "surrogatepass")
-            h.update(b"%d:" % len(name) + name + str(a.dtype).encode()
+            kind = b"E" if module in self.embedding_modules else b""
+            h.update(b"%d:" % len(name) + name + kind + str(a.dtype).encode()
                      + b"%r%r" % (tuple(a.shape), tuple(b.shape)))
             for w in (a, b):
                 h.update(w.contiguous().view(torch.uint8).numpy().tobytes())
@@ -107,13 +125,15 @@ class LoraAdapter:
 
     def delta(self, module: str, x: torch.Tensor) -> torch.Tensor:
         """Reference output ``scaling * x @ A.T @ B.T`` for ``x: [T, in]`` -> ``[T, out]``,
-        computed in the adapter's dtype, without any slot or padding (for tests).
+        computed in the adapter's dtype, without any slot or padding (for tests). ``x`` may
+        be ``[T]`` integer token ids (each row one-hot: ``A[:, id]``), as an embedding takes.
 
         Raises:
             KeyError: the adapter has no weights for ``module`` (its contribution is zero).
         """
         a, b = self.weights[module]
-        return self.scaling * (x.to(a.dtype) @ a.T @ b.T)
+        after_a = a.T[x] if not x.dtype.is_floating_point else x.to(a.dtype) @ a.T
+        return self.scaling * (after_a @ b.T)
 
 
 def _check_pair(module: str, pair: Any) -> tuple[torch.Tensor, torch.Tensor]:

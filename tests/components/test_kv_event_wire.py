@@ -173,7 +173,7 @@ def test_namespace_labels_of_every_namespace_kind() -> None:
     assert namespace_labels(b"\x00\x10") == (None, None, "0010")
     assert namespace_labels(1.5) == (None, None, "1.5")
     assert namespace_labels(True) == (None, None, "True")  # a bool is not a LoRA id
-    assert namespace_labels((uid, LoraUid("x", 1))) == (5, "chat", "LoraUid(name='x', serial=1)")
+    assert namespace_labels((uid, LoraUid("x", 1))) == (5, "chat", "LoraUid(name='x', serial=1, digest='')")
     # a name given to the cache for a namespace: that adapter's, no salt
     assert namespace_labels("lora-uuid-1", {"lora-uuid-1": "sql"}) == (None, "sql", None)
     assert namespace_labels(4, {4: "sql"}) == (4, "sql", None)

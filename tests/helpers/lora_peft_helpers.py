@@ -52,11 +52,14 @@ def save_peft_adapter(
     method: str = "LoraConfig",
     hidden: int = HIDDEN,
     safe_serialization: bool = True,
+    save_embedding_layers: bool | str = "auto",
     **config: Any,
 ) -> Path:
     """An adapter made by PEFT on :func:`tiny_model` (``hidden`` wide) and written by PEFT's
     ``save_pretrained``. ``method`` is the PEFT config class (``LoraConfig`` by default, with
-    ``init_lora_weights=False`` so that ``B`` is not zero; ``IA3Config``, ``LoHaConfig``...)."""
+    ``init_lora_weights=False`` so that ``B`` is not zero; ``IA3Config``, ``LoHaConfig``...).
+    ``save_embedding_layers``: PEFT's argument (its ``"auto"`` saves the base embedding and
+    output layers beside ``embed_tokens`` / ``lm_head`` LoRA)."""
     import peft
 
     if method == "LoraConfig":
@@ -64,7 +67,11 @@ def save_peft_adapter(
     model = tiny_model(hidden=hidden)
     torch.manual_seed(1000 + seed)
     peft_model = peft.get_peft_model(model, getattr(peft, method)(**config))
-    peft_model.save_pretrained(str(directory), safe_serialization=safe_serialization)
+    peft_model.save_pretrained(
+        str(directory),
+        safe_serialization=safe_serialization,
+        save_embedding_layers=save_embedding_layers,
+    )
     return directory
 
 
@@ -85,7 +92,7 @@ def pool_forward(model: Any, pool: LoraMemoryPool, row_slots: torch.Tensor) -> I
     """Add ``pool.apply`` to every target module of ``model`` while the block runs.
 
     ``row_slots``: ``[batch]`` slot of each row (from ``prepare_batch``); every token of a row
-    uses its row's slot.
+    uses its row's slot. An embedding module gets its token ids (``[batch, seq]`` int64).
     """
     modules = dict(model.named_modules())
     handles = []
@@ -94,7 +101,8 @@ def pool_forward(model: Any, pool: LoraMemoryPool, row_slots: torch.Tensor) -> I
         def hook(_module: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> Any:
             x = inputs[0]
             slots = row_slots.repeat_interleave(x.shape[1])
-            delta = pool.apply(path, x.reshape(-1, x.shape[-1]), slots)
+            flat = x.reshape(-1) if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+            delta = pool.apply(path, flat, slots)
             return output + delta.reshape(output.shape)
 
         return hook

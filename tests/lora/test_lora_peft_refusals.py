@@ -1,6 +1,7 @@
 """Adapter directories that cannot be served, each refused with the file and the field (or
 tensor) in the message, and nothing changed: bad directories made by PEFT itself (other PEFT
-methods, DoRA, saved modules, biases, embedding LoRA, a pickle file), configs edited to
+methods, DoRA, saved modules, biases, embedding LoRA saved with the base layers, added
+tokens, a pickle file), configs edited to
 contradict their tensors, shapes that do not fit the base model, broken files."""
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ pytest.importorskip("safetensors", reason="PEFT adapter directories are safetens
 CFG = r"adapter_config\.json'"
 WTS = r"adapter_model\.safetensors'"
 Q0 = "model.layers.0.self_attn.q_proj"
+
+
+def add_tokens(d: Path, tokens: dict[str, int]) -> Path:
+    (d / "added_tokens.json").write_text(json.dumps(tokens))
+    return d
 
 
 def edit_config(d: Path, **fields: object) -> Path:
@@ -93,10 +99,31 @@ CASES: dict[str, tuple[Callable[[Path], Path], type[Exception], str]] = {
         LoraFormatError,
         CFG + r": bias='lora_only': trained biases are not served",
     ),
-    "embedding LoRA": (
+    "embedding LoRA saved with the base layers": (
         lambda d: save_peft_adapter(d, 0, r=8, target_modules=["embed_tokens"]),
         LoraFormatError,
-        WTS + r": tensor 'base_model\.model\.model\.embed_tokens\.lora_embedding_A' is embedding LoRA",
+        WTS + r": tensor 'base_model\.model\.model\.embed_tokens\.base_layer\.weight' is a "
+        r"weight of the base model saved with the adapter \(for embed_tokens / lm_head LoRA, "
+        r"save it with save_pretrained\(\.\.\., save_embedding_layers=False\)\)",
+    ),
+    "added tokens (extra vocabulary)": (
+        lambda d: add_tokens(
+            save_peft_adapter(d, 0, r=8, target_modules=["embed_tokens"], save_embedding_layers=False),
+            {"<think>": 64, "</think>": 65, "<base>": 3},
+        ),
+        LoraFormatError,
+        r"added_tokens\.json': lora_added_tokens_size=2 \(tokens \['</think>', '<think>'\] with "
+        r"ids >= base_vocab_size=64\): adapters that add tokens to the vocabulary are not served",
+    ),
+    "an embedding of a larger vocabulary": (
+        lambda d: write_peft_adapter(
+            d,
+            LoraAdapter({"model.embed_tokens": (torch.ones(2, 70), torch.ones(32, 2))},
+                        embedding_modules=frozenset({"model.embed_tokens"})),
+        ),
+        ValueError,
+        r"'model\.embed_tokens' has lora_A \[2, 70\] / lora_B \[32, 2\], which do not fit the "
+        r"base model's module \(in_features=64, out_features=32\)",
     ),
     "r contradicts the tensors": (
         lambda d: edit_config(qv8(d), r=4),
@@ -157,7 +184,7 @@ CASES: dict[str, tuple[Callable[[Path], Path], type[Exception], str]] = {
         ),
         ValueError,
         r"adapter '\w+' targets \['model\.layers\.5\.self_attn\.q_proj'\], which are not "
-        r"modules of the base model \(\['lm_head', .* and 7 more\)",
+        r"modules of the base model \(\['lm_head', 'model\.embed_tokens', .* and 8 more\)",
     ),
 }  # fmt: skip
 
