@@ -379,11 +379,12 @@ def test_a_frozen_store_costs_one_timeout_and_then_rests(master: MooncakeMaster,
             _, dt = timed(call, [key])
             stalls.append(dt)
         st = store.stats
-        faulted = 1 if frozen == "master" else 2  # a frozen owner: presence still answers
-        assert st["timeouts"] == 1 and st["errors"] == 0
-        assert st["skipped_in_cooldown"] == 6 - faulted
+        # The calls that reached the client: up to the one that timed out (a presence call
+        # may still be answered, from the client's side or by the master before it stops).
+        reached = 6 - st["skipped_in_cooldown"]
+        assert st["timeouts"] == 1 and st["errors"] == 0 and 1 <= reached <= 3, st
         assert max(stalls) < 0.6 + 0.5, stalls
-        assert max(stalls[faulted:]) < 0.05, f"a call during the rest period waited: {stalls}"
+        assert max(stalls[reached:]) < 0.05, f"a call during the rest period waited: {stalls}"
     finally:
         proc.send_signal(signal.SIGCONT)
         store.close(wait_s=3.0)
