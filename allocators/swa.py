@@ -58,7 +58,7 @@ import torch
 
 from ._checks import as_index_tensor, check_device, check_positive_int, check_range
 from .base import AllocatorSnapshot, SlotAllocator
-from .host_mirror import register
+from .host_mirror import host_ids, register
 from .kv_pool import KVStorage
 from .staging import upload
 from .token_allocator import PagedAllocator, TokenAllocator, _check_pool, _FreeListAllocator
@@ -207,6 +207,43 @@ class SWAAllocator(SlotAllocator):
     @property
     def device(self) -> torch.device:
         return self._device
+
+    @property
+    def full_side(self) -> SlotAllocator:
+        """The full pool's allocator: its ``alloc`` hands out full slot ids with no SWA slot
+        (born tombstoned: what a load-back of SWA-less tokens takes; :meth:`map_swa` may give
+        them one later). CPU ids; :meth:`free` takes them back as any full slot."""
+        return self._full
+
+    @property
+    def swa_side(self) -> SlotAllocator:
+        """The SWA pool's allocator (SWA slot ids; its ``pool`` is ``swa_pool``): what a
+        host tier mirrors, and what :meth:`map_swa` takes slots from."""
+        return self._swa
+
+    def map_swa(self, full: torch.Tensor, swa: torch.Tensor) -> None:
+        """Give allocated full slots ``full`` that hold no SWA slot the SWA slots ``swa``
+        (taken from :attr:`swa_side` and held by no full slot), element-wise.
+
+        Raises:
+            ValueError: different lengths, a full slot that is free or already mapped. Nothing
+                changes then.
+        """
+        f, w = (torch.from_numpy(np.ascontiguousarray(host_ids(as_index_tensor(x, name), name)))
+                for x, name in ((full, "full"), (swa, "swa")))  # their host mirrors: no sync
+        if f.numel() != w.numel():
+            raise ValueError(f"map_swa: {f.numel()} full slots for {w.numel()} SWA slots")
+        if f.numel() == 0:
+            return
+        check_range(f, "full", low=1, high=self.size + self._page_size)
+        if bool(self._full.is_free(f).any()) or bool((self.full_to_swa[f] != 0).any()):
+            raise ValueError("map_swa: a full slot is free or already holds an SWA slot")
+        self._map[f.numpy()] = w.numpy()
+        dev_map = self.full_to_swa_device
+        if dev_map is not None:
+            both = np.concatenate((f.numpy(), w.numpy()))
+            dev = upload(both, self._device)
+            dev_map.index_copy_(0, dev[: f.numel()], dev[f.numel():])
 
     # ------------------------------------------------------------------ queries
     def available_size(self) -> int:

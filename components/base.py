@@ -26,6 +26,27 @@ Hook order, per engine call (``node`` is a ``TreeNode``; positions are half-open
                    the tree; also when a host tier drops a host-only node)
     reset          before_reset() -> on_remove(node) for every node -> reset()
     any change     refresh(node) (re-file ``node`` in the eviction order)
+
+Tier hooks (a host tier, ``radix.tiers.host``, and the L3 tier below it, ``radix.tiers.storage``,
+loop over the components that implement them, naming none). A component that keeps a copy of
+its per-node value on the host implements every hook of :data:`TIER_HOOKS` (the cache refuses
+one that implements only some, naming it); the first such component (KV) is the *primary*:
+its copy says where a node lives (device, host, both) and its units are the host tier's::
+
+    built          host_pool(config) -> (device allocator, host allocator, lanes); the tier
+                   registers the pair by this name and sets ``host_allocator``
+    backup         backup_size(node) units -> the tier allocates them on host (all parts
+                   at once; the primary's part first, the others dropped when short) ->
+                   backup(node, host) -> device indices to copy from
+    load back      restore_size(node, last) units -> the tier allocates every part on
+                   device through ``restore_allocator`` at once (all or nothing) ->
+                   restore(node, device, now) -> host indices to copy from
+    host eviction  drop_host(node) (the node leaves the host, or the tree)
+    split          split_host(upper, lower, split_len)
+    insert over a host-only node   revive_host(node, slots) (the caller's device slots)
+    a host hit     host_usable(path, n) (the usable rule counting host copies)
+    L3             the primary's host copy is stored a record per page; a component with
+                   ``l3_end_record`` adds one record at a node's end (pack_end / unpack_end)
 """
 
 from __future__ import annotations
@@ -141,6 +162,10 @@ class Component:
     def refresh(self, node: TreeNode) -> None:
         """``node``'s leaf status, locks or stamps changed: re-file it in the eviction order."""
 
+    def is_candidate(self, node: TreeNode) -> bool:
+        """Whether ``node`` may be evicted now in this component's order (unlocked, ...)."""
+        return False
+
     def is_dead(self, node: TreeNode) -> bool:
         """Whether an unlocked childless ``node`` is useless to every later match because of
         this component's data (no state to resume from, a tombstone): it is then pruned."""
@@ -209,6 +234,91 @@ class Component:
     def requeue(self, node: TreeNode) -> None:
         """A popped victim kept its value (its write-back copy is in flight): file it again."""
 
+    # ------------------------------------------------------------------ tiers
+    #: The device allocator a load-back asks for this component's units (set by a component
+    #: that implements :data:`TIER_HOOKS`; see :meth:`restore`).
+    restore_allocator: Any = None
+    #: The host allocator of this component's host copies (set by the host tier from
+    #: :meth:`host_pool`).
+    host_allocator: Any = None
+
+    def host_pool(self, config: Any) -> tuple[Any, Any, Any] | None:
+        """``(device allocator, host allocator, lanes)``: the pools holding this component's
+        values and their host copies (the host one mirroring the device one; ``config`` is the
+        ``hicache.HiCacheConfig``) and the tensors a copy moves
+        (``hicache.host_pools.kv_lanes`` / ``state_lanes``), or ``None``: no host copies. The
+        host tier registers the pair in its controller under this component's name
+        (``HiCacheController.register_pair``)."""
+        return None
+
+    def has_device(self, node: TreeNode) -> bool:
+        """Whether ``node`` holds this component's value on device."""
+        return False
+
+    def host_copy(self, node: TreeNode) -> torch.Tensor | None:
+        """The host indices of ``node``'s host copy (int64), or ``None``."""
+        return None
+
+    def backup_size(self, node: TreeNode) -> int:
+        """Host units a backup of ``node``'s device value needs now (0: nothing to back up:
+        no device value, a host copy already, or nothing a later match could use)."""
+        return 0
+
+    def backup(self, node: TreeNode, host: torch.Tensor) -> torch.Tensor:
+        """``node`` keeps ``host`` (``backup_size(node)`` fresh host indices) as its host copy;
+        returns the device indices the tier copies from (same length)."""
+        raise NotImplementedError
+
+    def adopt_host(self, node: TreeNode, host: torch.Tensor) -> None:
+        """The primary component: host-only ``node`` (just made from L3 pages unpacked into
+        ``host``) keeps ``host`` as its host copy."""
+        raise NotImplementedError
+
+    def restore_size(self, node: TreeNode, last: bool) -> int:
+        """Device units a load-back of ``node`` needs (its host copy without a device value;
+        ``last``: the chain ends at ``node``)."""
+        return 0
+
+    def restore(self, node: TreeNode, device: torch.Tensor, now: int) -> torch.Tensor:
+        """``node`` takes ``device`` (``restore_size`` fresh units of
+        ``restore_allocator``) as its device value; returns the host indices the tier copies
+        from (same length)."""
+        raise NotImplementedError
+
+    def drop_host(self, node: TreeNode) -> None:
+        """Free ``node``'s host copy (if any)."""
+
+    def split_host(self, upper: TreeNode, lower: TreeNode, split_len: int) -> None:
+        """``lower`` lost its first ``split_len`` tokens to ``upper``: split the host copy."""
+
+    def revive_host(self, node: TreeNode, slots: KVValue) -> None:
+        """An insert gave host-only ``node`` the caller's (claimed) KV ``slots``."""
+
+    def host_usable(self, path: list[TreeNode], n: int) -> int:
+        """:meth:`usable` counting host copies as if loaded back (``path``: device nodes,
+        then host-only ones)."""
+        return n
+
+    def check_host(self, nodes: list[TreeNode]) -> None:
+        """Assert the host copies' invariants (``nodes``: every non-root node)."""
+
+    #: L3: this component stores one record at a node's end (``pack_end``; the L3 key of
+    #: a page end holds one such record: one component per cache may have it).
+    l3_end_record: ClassVar[bool] = False
+
+    def pack_end(self, node: TreeNode) -> tuple[bytes, bytes]:
+        """L3: the two sections of ``node``'s record at its end, from its host copy."""
+        raise NotImplementedError
+
+    def end_ok(self, sections: tuple[bytes, bytes]) -> bool:
+        """L3: whether a fetched end record has this component's section sizes."""
+        return True
+
+    def unpack_end(self, node: TreeNode, host: torch.Tensor, sections: tuple[bytes, bytes]) -> None:
+        """L3: host-only ``node`` takes ``host`` (one fresh unit of ``host_allocator``),
+        filled from its end record, as its host copy."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------- sizes, checks
     def evictable_size(self) -> int:
         """Units held by the tree that no request protects."""
@@ -234,6 +344,35 @@ class Component:
     def check(self, nodes: list[TreeNode]) -> None:
         """Recompute every counter from ``nodes`` (every non-root node, parents first) and
         assert this component's invariants."""
+
+
+#: The tier hooks a component with host copies implements all of (``host_pool`` says it
+#: has them).
+TIER_HOOKS = ("host_pool", "has_device", "host_copy", "backup_size", "backup", "restore_size",
+              "restore", "drop_host")
+
+
+def tier_components(components: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The components that keep host copies (implement ``host_pool``), in order.
+
+    Raises:
+        ValueError: a component implements some of :data:`TIER_HOOKS` but not all (it
+            could back up but not restore, say), naming it and what it lacks.
+    """
+    out = []
+    for c in components:
+        have = [h for h in TIER_HOOKS if getattr(type(c), h, None) is not getattr(Component, h)]
+        if not have:
+            continue
+        missing = [h for h in TIER_HOOKS if h not in have]
+        if missing:
+            raise ValueError(
+                f"component {c.name!r} implements the tier hooks {have} but not {missing}: "
+                "a component with host copies implements every one of "
+                f"{list(TIER_HOOKS)} (components.base)"
+            )
+        out.append(c)
+    return tuple(out)
 
 
 def hooks(components: tuple[Any, ...], name: str) -> tuple[Callable[..., Any], ...]:

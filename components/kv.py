@@ -135,6 +135,9 @@ class KVComponent(Component):
                 *device* leaf (on device, no child on device) rather than a childless node.
         """
         self.allocator = allocator
+        #: What a load-back allocates this component's slots from (a sliding-window
+        #: component makes it the full-attention side: ``components.swa``).
+        self.restore_allocator: Any = allocator
         self.key_fn = key_fn
         # Resolved: ``cuda`` means the current device; tensors always report their index.
         self.device = resolve_device(torch.device(getattr(allocator, "device", "cpu")))
@@ -622,6 +625,77 @@ class KVComponent(Component):
         self._evictable = self._protected = self.evicted = self.inserted = 0
         self._view_of, self._view = None, _NO_SLOTS
         self._uploads.clear()
+
+    # ------------------------------------------------------------------- tiers
+    # The primary component of a host tier (``components.base``): ``node.host_value`` holds
+    # the host KV slots of a backed-up node, one per token of its key.
+    def host_pool(self, config: Any) -> tuple[Any, Any, Any]:
+        from hicache.host_pools import kv_lanes, mirror_kv
+
+        host = mirror_kv(self.allocator, config)
+        return self.allocator, host, kv_lanes(self.allocator, host)
+
+    def has_device(self, node: TreeNode) -> bool:
+        return node.kv_value is not None
+
+    def host_copy(self, node: TreeNode) -> torch.Tensor | None:
+        return node.host_value
+
+    def backup_size(self, node: TreeNode) -> int:
+        return len(node.key) if node.kv_value is not None and node.host_value is None else 0
+
+    def backup(self, node: TreeNode, host: torch.Tensor) -> torch.Tensor:
+        node.host_value = host
+        return self.slots(node)
+
+    def adopt_host(self, node: TreeNode, host: torch.Tensor) -> None:
+        """A host-only ``node`` (L3 pages just unpacked into ``host``) keeps ``host``."""
+        node.host_value = host
+
+    def restore_size(self, node: TreeNode, last: bool) -> int:
+        return len(node.key) if node.kv_value is None and node.host_value is not None else 0
+
+    def restore(self, node: TreeNode, device: torch.Tensor, now: int) -> torch.Tensor:
+        """``node`` takes ``device`` (fresh from the allocator: claimed here) as its KV."""
+        own = self.claim(device, copy=True)
+        assert own is not None and node.host_value is not None
+        self.attach(node, own)
+        return node.host_value
+
+    def drop_host(self, node: TreeNode) -> None:
+        hv = node.host_value
+        if hv is not None:
+            self.host_allocator.free_owned(hv)
+            node.host_value = None
+
+    def split_host(self, upper: TreeNode, lower: TreeNode, split_len: int) -> None:
+        hv = lower.host_value
+        if hv is not None:
+            upper.host_value = hv[:split_len]
+            lower.host_value = hv[split_len:]
+
+    def revive_host(self, node: TreeNode, slots: KVValue) -> None:
+        self.attach(node, slots)  # the node keeps ``slots`` (as its own) as its kv_value
+
+    def check_host(self, nodes: list[TreeNode]) -> None:
+        """Host KV: one slot per token, backed-up nodes a prefix from the root, every host
+        slot held once and not free."""
+        held = []
+        for n in nodes:
+            hv = n.host_value
+            if hv is None:
+                continue
+            assert len(hv) == len(n.key), f"{n}: {len(hv)} host slots for {len(n.key)} tokens"
+            p = n.parent
+            assert p is not None
+            if p.parent is not None:
+                assert p.host_value is not None, f"backed up before its parent: {n}"
+            held.append(hv)
+        if held:
+            slots = torch.cat(held)
+            assert slots.unique().numel() == slots.numel(), "a host slot is held by two nodes"
+            assert not bool(self.host_allocator.is_free(slots).any()), (
+                "a host slot held by the tree is free")
 
     # ------------------------------------------------------------------ insert
     def check_insert(self, n: int, value: Any, state_slot: int | None) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from allocators.host_mirror import host_int
 from components.base import Component, InsertPlan
 from components.gds import GDS_WALKS, GDSFStrategy, GDSStrategy
 from components.gds_adaptive import AdaptiveGDSStrategy
@@ -168,6 +169,7 @@ class StateComponent(Component):
         self.recency = recency
         self.stateless_leaf = stateless_leaf
         self.allocator = allocator
+        self.restore_allocator: Any = allocator
         #: The pool's live free mask over slots (``None`` for a pool without one).
         self.free_mask = getattr(allocator, "free_mask", None)
         self._walk_name = walk
@@ -403,6 +405,90 @@ class StateComponent(Component):
         """An internal victim loses only its state (its KV stays)."""
         self.remove_state(node)
         return 1
+
+    # ------------------------------------------------------------------- tiers
+    # ``node.host_state_slot``: the host copy of the state at a backed-up node's end. L3
+    # keeps it as the record at the end of the node's last page (``l3_end_record``).
+    l3_end_record = True
+
+    def host_pool(self, config: Any) -> tuple[Any, Any, Any]:
+        from hicache.host_pools import mirror_state, state_lanes
+
+        host = mirror_state(self.allocator, config)
+        return self.allocator, host, state_lanes(self.allocator, host)
+
+    def has_device(self, node: TreeNode) -> bool:
+        return node.state_slot is not None
+
+    def host_copy(self, node: TreeNode) -> torch.Tensor | None:
+        slot = node.host_state_slot
+        return None if slot is None else _slot_tensor(slot)
+
+    def backup_size(self, node: TreeNode) -> int:
+        return int(node.state_slot is not None and node.host_state_slot is None)
+
+    def backup(self, node: TreeNode, host: torch.Tensor) -> torch.Tensor:
+        assert node.state_slot is not None
+        node.host_state_slot = int(host[0])
+        return _slot_tensor(node.state_slot)
+
+    def adopt_host(self, node: TreeNode, host: torch.Tensor) -> None:
+        node.host_state_slot = int(host[0])
+
+    def restore_size(self, node: TreeNode, last: bool) -> int:
+        return int(last and node.host_state_slot is not None and node.state_slot is None)
+
+    def restore(self, node: TreeNode, device: torch.Tensor, now: int) -> torch.Tensor:
+        """``node`` takes the fresh device slot ``device[0]`` (stamped at the watermark
+        under GDS)."""
+        assert node.host_state_slot is not None
+        self.set_state(node, host_int(device, "state slot"), now)  # (its host mirror)
+        return _slot_tensor(node.host_state_slot)
+
+    def drop_host(self, node: TreeNode) -> None:
+        slot = node.host_state_slot
+        if slot is not None:
+            self.host_allocator.free_owned(slot)
+            node.host_state_slot = None
+
+    def host_usable(self, path: list[TreeNode], n: int) -> int:
+        """A match may end at a node with a state on device or on host."""
+        while n > 0 and path[n - 1].state_slot is None and path[n - 1].host_state_slot is None:
+            n -= 1
+        return n
+
+    def check_host(self, nodes: list[TreeNode]) -> None:
+        """A host-only node holds no device state; every host state slot held once, not free."""
+        slots = []
+        for n in nodes:
+            if n.kv_value is None:
+                assert n.state_slot is None, f"device state on a host-only node: {n}"
+            if n.host_state_slot is not None:
+                slots.append(n.host_state_slot)
+        assert len(set(slots)) == len(slots), "a host state slot is held twice"
+        if slots:
+            assert not bool(self.host_allocator.is_free(torch.tensor(slots)).any()), (
+                "a host state slot held by the tree is free")
+
+    def pack_end(self, node: TreeNode) -> tuple[bytes, bytes]:
+        hs, slot = self.host_allocator, node.host_state_slot
+        assert slot is not None
+        return (hs.conv[:, slot].contiguous().view(torch.uint8).cpu().numpy().tobytes(),
+                hs.ssm[:, slot].contiguous().view(torch.uint8).cpu().numpy().tobytes())
+
+    def end_ok(self, sections: tuple[bytes, bytes]) -> bool:
+        hs = self.host_allocator
+        return tuple(len(s) for s in sections) == tuple(
+            t[:, 0].numel() * t.element_size() for t in (hs.conv, hs.ssm))
+
+    def unpack_end(self, node: TreeNode, host: torch.Tensor, sections: tuple[bytes, bytes]) -> None:
+        hs = self.host_allocator
+        slot = int(host[0])
+        for target, section in ((hs.conv, sections[0]), (hs.ssm, sections[1])):
+            shape = target[:, slot].shape
+            target[:, slot] = torch.frombuffer(bytearray(section), dtype=torch.uint8).view(
+                hs.dtype).reshape(shape)
+        node.host_state_slot = slot
 
     # ---------------------------------------------------------------- counters
     def evictable_size(self) -> int:

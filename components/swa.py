@@ -67,6 +67,10 @@ class SWAComponent(Component):
         self.allocator = allocator
         self.window = sliding_window_size
         self.kv = kv
+        #: A load-back gives full slots without SWA slots (tombstones) unless this component
+        #: restores a host copy of their SWA KV (:meth:`restore`: it maps SWA slots to them).
+        kv.restore_allocator = allocator.full_side
+        self.restore_allocator = allocator.swa_side
         self.release_extra_pages = release_extra_pages
         self.order = OrderedNodeSet(_lru_key)
         self._evictable = 0
@@ -78,6 +82,7 @@ class SWAComponent(Component):
     def is_candidate(node: TreeNode) -> bool:
         return (
             node.parent is not None
+            and node.kv_value is not None
             and not node.swa_tombstone
             and node.swa_lock == 0
             and (bool(node.children) or node.kv_lock == 0)
@@ -116,7 +121,10 @@ class SWAComponent(Component):
         Returns the live SWA tokens that left."""
         assert node.swa_lock == 0, node
         self.order.discard(node)
-        if node.swa_tombstone:
+        was_live = not node.swa_tombstone
+        # demoted to host (or leaving): live on host only with a host copy of its SWA KV
+        node.swa_tombstone = node.host_swa_value is None
+        if not was_live:
             return 0
         n = len(node.key)
         self._evictable -= n
@@ -271,9 +279,8 @@ class SWAComponent(Component):
             spans.append((part, lo, lo + walk.partial_len,
                           None if kvv is None else kvv[: walk.partial_len]))
         for n, lo, hi, kvv in spans:
-            if not n.swa_tombstone or n.kv_lock > 0:
-                continue  # live or in use
-            assert kvv is not None  # a tombstone keeps its full-attention slots
+            if not n.swa_tombstone or n.kv_lock > 0 or kvv is None:
+                continue  # live, in use, or host-only (the host tier revives it)
             if (host[lo:hi] == self.kv.host_slots(kvv)).any():
                 continue  # the caller got (some of) these slots from the tree
             t = self.live_suffix_start(host, lo, hi)
@@ -324,6 +331,91 @@ class SWAComponent(Component):
     def describe(self, node: TreeNode) -> str:
         return f" swa={'tomb' if node.swa_tombstone else 'live'} swa_lock={node.swa_lock}"
 
+    # ------------------------------------------------------------------- tiers
+    # ``node.host_swa_value``: host SWA-pool slots holding a copy of a live node's SWA KV,
+    # one per token. Backed up: the SWA KV of live nodes, as the device keeps it (whole live
+    # nodes: what the window rule reads); a tombstone has none to back up. Host-only, a node
+    # is live (``swa_tombstone`` false) exactly when it has that copy; a load-back gives it
+    # SWA slots again (``restore``), a node without one comes back a tombstone.
+    def host_pool(self, config: Any) -> tuple[Any, Any, Any]:
+        from hicache.host_pools import kv_lanes, mirror_kv
+
+        side = self.allocator.swa_side
+        host = mirror_kv(side, config)
+        return side, host, kv_lanes(side, host)
+
+    def has_device(self, node: TreeNode) -> bool:
+        return node.kv_value is not None and not node.swa_tombstone
+
+    def host_copy(self, node: TreeNode) -> torch.Tensor | None:
+        return node.host_swa_value
+
+    def backup_size(self, node: TreeNode) -> int:
+        return len(node.key) if (node.kv_value is not None and not node.swa_tombstone
+                                 and node.host_swa_value is None) else 0
+
+    def backup(self, node: TreeNode, host: torch.Tensor) -> torch.Tensor:
+        node.host_swa_value = host
+        return self.allocator.translate(self.kv.slots(node))  # the node's SWA slots
+
+    def restore_size(self, node: TreeNode, last: bool) -> int:
+        return len(node.key) if node.host_swa_value is not None and node.swa_tombstone is False \
+            and node.kv_value is None else 0
+
+    def restore(self, node: TreeNode, device: torch.Tensor, now: int) -> torch.Tensor:
+        """``node`` (its full slots just restored, without SWA slots) takes the fresh SWA
+        slots ``device``: live again."""
+        assert node.host_swa_value is not None
+        self.allocator.map_swa(self.kv.slots(node), device)
+        self._evictable += len(node.key)
+        self.refresh(node)
+        return node.host_swa_value
+
+    def drop_host(self, node: TreeNode) -> None:
+        hv = node.host_swa_value
+        if hv is not None:
+            self.host_allocator.free_owned(hv)
+            node.host_swa_value = None
+
+    def split_host(self, upper: TreeNode, lower: TreeNode, split_len: int) -> None:
+        hv = lower.host_swa_value
+        if hv is not None:
+            upper.host_swa_value = hv[:split_len]
+            lower.host_swa_value = hv[split_len:]
+
+    def revive_host(self, node: TreeNode, slots: KVValue) -> None:
+        """An insert gave host-only ``node`` the caller's slots: live when all of them hold SWA
+        KV; else a tombstone (the still-live ones are released: live SWA KV before released
+        KV is no window's)."""
+        host = self.kv.host_slots(slots)
+        live = self.allocator.has_swa_host(host)
+        if live.all():
+            node.swa_tombstone = False
+            self._evictable += len(node.key)
+        else:
+            if live.any():
+                self.allocator.free_swa(torch.from_numpy(host[live]))
+            node.swa_tombstone = True
+        self.refresh(node)
+
+    def host_usable(self, path: list[TreeNode], n: int) -> int:
+        """The window rule over device and host-only nodes (a host-only node is live when
+        its SWA KV is on host)."""
+        return self.usable(path, n)
+
+    def check_host(self, nodes: list[TreeNode]) -> None:
+        held = [n.host_swa_value for n in nodes if n.host_swa_value is not None]
+        for n in nodes:
+            hv = n.host_swa_value
+            if hv is not None:
+                assert len(hv) == len(n.key), f"{n}: {len(hv)} host SWA slots"
+                assert n.host_value is not None, f"host SWA KV without host KV: {n}"
+        if held:
+            slots = torch.cat(held)
+            assert slots.unique().numel() == slots.numel(), "a host SWA slot is held twice"
+            assert not bool(self.host_allocator.is_free(slots).any()), (
+                "a host SWA slot held by the tree is free")
+
     # ---------------------------------------------------------------- counters
     def evictable_size(self) -> int:
         return self._evictable
@@ -346,7 +438,11 @@ class SWAComponent(Component):
             assert n.swa_lock >= 0, n
             held = sum(n.swa_lock_starts.values()) if n.swa_lock_starts else 0
             assert held == n.lock_ref, f"SWA lock handles {held} != direct locks {n.lock_ref}: {n}"
-            assert n.kv_value is not None
+            if n.kv_value is None:  # host-only: live exactly when its SWA KV is on host
+                assert n.swa_lock == 0, f"host-only node under an SWA lock: {n}"
+                assert n.swa_tombstone == (n.host_swa_value is None), (
+                    f"host-only node's SWA flag disagrees with its host copy: {n}")
+                continue
             live = self.allocator.has_swa(self.kv.slots(n))
             if n.swa_tombstone:
                 assert n.swa_lock == 0, f"tombstone under an SWA lock: {n}"

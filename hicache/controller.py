@@ -215,6 +215,11 @@ class HiCacheController:
             return None
         return got[0], (int(got[1][0]) if num_states else None)
 
+    def alloc_parts(self, asks: list[tuple[SlotAllocator, int]]) -> list[torch.Tensor] | None:
+        """``alloc`` from several pools (``(allocator, n)``), all or nothing (``None``: every
+        pool exactly as before)."""
+        return alloc_all(asks)
+
 
     # ------------------------------------------------------------------ copies
     def register_pair(self, name: str, device: SlotAllocator, host: SlotAllocator,
@@ -433,7 +438,7 @@ class HiCacheController:
                     continue  # layer by layer below
                 for lane in pair.lanes:
                     _scatter_all(lane, rows, _fetch_all(lane, h, hdev))
-            for pair, rows, h in moves:
+            for (pair, rows, h), hdev in zip(moves, hdevs, strict=True):
                 if pair is not kv or not kv.lanes or kv.lanes[0].slot_first:
                     continue
                 for i in range(layers):

@@ -137,8 +137,6 @@ class RadixCache:
             )
         if hicache is not None and not isinstance(hicache, HiCacheConfig):
             raise TypeError(f"hicache must be a HiCacheConfig or None, got {type(hicache).__name__}")
-        if hicache is not None and config.sliding_window_size is not None:
-            raise ValueError("hicache with sliding_window_size is not supported yet (no host SWA pool)")
         extra = tuple(components)
         for c in extra:
             if not isinstance(c, Component):
@@ -187,19 +185,20 @@ class RadixCache:
             if hicache.hicache_storage_backend is not None:
                 self._storage = host.storage = StorageTier(core, host)
         #: The tier hook an insert ends with (the host tier's write policy), or ``None``.
-        self._after_insert = self._host.after_insert if self._host is not None else None
+        self.after_insert = self._host.after_insert if self._host is not None else None
         #: ``match_recency="usable"``: a match stamps only its usable prefix.
         self._stamp_usable = config.match_recency == "usable"
-        self._empty = register(torch.empty(0, dtype=torch.int64, device=self.device),
+        #: A 0-slot index tensor on the KV device (mirrored): what an empty result holds.
+        self.empty_slots = register(torch.empty(0, dtype=torch.int64, device=self.device),
                                np.empty(0, dtype=np.int64))
         #: The KV slots live on the CPU (an insert's checked ``value`` is then a CPU tensor).
-        self._on_cpu = self.device.type == "cpu"
+        self.on_cpu = self.device.type == "cpu"
         #: ``torch.cat`` of slot tensors (node values are joined by ``components.kv.cat_values``);
         #: on a device joined on the host and uploaded once, mirrored.
-        self._cat = torch.cat if self._on_cpu else partial(cat_mirrored, device=self.device)
+        self.cat_slots = torch.cat if self.on_cpu else partial(cat_mirrored, device=self.device)
         #: Node values joined into one slot tensor on the KV device (``cat_values`` on the CPU;
         #: on a device one upload, ``KVComponent.device_slots``).
-        self._join = cat_values if self._on_cpu else self.kv.device_slots
+        self._join = cat_values if self.on_cpu else self.kv.device_slots
         self._adopt_kv_order()
         self._init_counters()
 
@@ -214,7 +213,8 @@ class RadixCache:
 
     def _init_counters(self) -> None:
         self._match = {"match_calls": 0, "match_tokens": 0, "hit_tokens": 0, "kv_hit_tokens": 0}
-        self._last_watermark = 0.0
+        #: The watermark the last ``sanity_check`` saw (it never falls).
+        self.checked_watermark = 0.0
         self.rid_depths = RidDepths(MAX_TRACKED_RIDS)
 
     # ================================================================= views
@@ -330,7 +330,7 @@ class RadixCache:
         else:
             last = tree.root
             prefix_len = 0
-            indices = self._empty
+            indices = self.empty_slots
             state_slot = None
         last_host, host_hit = last, 0
         if host is not None:
@@ -485,14 +485,11 @@ class RadixCache:
         if type(num_tokens) is not int or num_tokens < 0:
             check_count(num_tokens, "num_tokens")
         t0 = perf_counter()
-        tokens = states = 0
-        if self._host is not None:
-            tokens, states = self._host.collect_landed()
+        landed = self._host.collect_landed() if self._host is not None else None
         res = self.core.evict(self.kv, num_tokens)
         self.durations.observe("eviction", perf_counter() - t0)
-        if tokens or states:
-            return EvictResult(res.num_tokens + tokens, res.num_states + states,
-                               res.num_swa_tokens)
+        if landed is not None and any(landed):
+            return EvictResult(*(a + b for a, b in zip(res, landed, strict=True)))
         return res
 
     def evict_states(self, num_states: int) -> EvictResult:
@@ -523,6 +520,27 @@ class RadixCache:
             raise ValueError("evict_swa on a cache without a sliding-window component")
         t0 = perf_counter()
         res = self.core.evict(self.swa, num_tokens)
+        self.durations.observe("eviction", perf_counter() - t0)
+        return res
+
+    def evict_component(self, name: str, n: int) -> EvictResult:
+        """Free at least ``n`` of component ``name``'s units in its own eviction order (the
+        component's ``evict_field`` names them; ``evict``, ``evict_states`` and ``evict_swa``
+        are this for ``"kv"``, ``"state"`` and ``"swa"``).
+
+        Raises:
+            ValueError: a bad count, no component ``name``, or one without an eviction walk
+                (its ``evict_field`` is not an ``EvictResult`` field).
+        """
+        check_count(n, "n")
+        if name == "kv":
+            return self.evict(n)
+        comp = self.core.by_name.get(name)
+        if comp is None or comp not in self.core.components:
+            raise ValueError(f"evict_component: no component {name!r}; have "
+                             f"{[c.name for c in self.core.components]}")
+        t0 = perf_counter()
+        res = self.core.evict(comp, n)  # raises naming a component without an eviction walk
         self.durations.observe("eviction", perf_counter() - t0)
         return res
 

@@ -41,7 +41,7 @@ def check_lock(core: CacheCore, lock: Any, name: str) -> tuple[TreeNode, dict[st
     if isinstance(lock, LockRef):
         if lock.released:
             raise ValueError(f"{name} {lock!r} was released already")
-        node, parts = lock.node, lock._parts
+        node, parts = lock.node, lock.parts
     elif isinstance(lock, TreeNode):
         node, parts = lock, NO_PARTS
     else:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from components.base import Component, hooks
+from components.base import Component, hooks, tier_components
 from radix.results import EvictResult, LockRef
 from radix.tree import RadixTree, new_tuple
 
@@ -66,6 +66,9 @@ class CacheCore:
         self._remove_leaf = self.free_leaf  # (what :meth:`evict` compares ``free_leaf`` with)
         #: Units whose freeing is in flight (write-back copies), per ``EVICT_FIELDS``.
         self.pending = [0] * len(EVICT_FIELDS)
+        #: Called with an internal victim before an eviction drops one component's value
+        #: from it (a write-back host tier backs the value up first), or ``None``.
+        self.before_internal: Callable[[TreeNode], None] | None = None
         self._build_hooks()
 
     def add_per_node(self, holder: Component) -> None:
@@ -82,6 +85,16 @@ class CacheCore:
         if len(set(names)) != len(names):
             raise ValueError(f"component names must be unique, got {names}")
         self.by_name: dict[str, Component] = {c.name: c for c in everything}
+        fields: dict[str, str] = {}
+        for c in comps:
+            f = c.evict_field
+            if f is not None:
+                if f in fields:
+                    raise ValueError(
+                        f"components {fields[f]!r} and {c.name!r} both claim the eviction "
+                        f"field {f!r}; each EvictResult field belongs to one component")
+                fields[f] = c.name
+        tier_components(comps)  # a component with only some tier hooks is refused, named
         self._split_hooks = hooks(everything, "on_split")
         self.refreshers = hooks(everything, "refresh")
         self.device_removers = tuple(
@@ -314,12 +327,14 @@ class CacheCore:
         freed = [0, 0, 0, 0]
         pending = self.pending
         start = pending[idx]
-        pop, free_leaf = comp.pop_victim, self.free_leaf
+        pop, free_leaf, before = comp.pop_victim, self.free_leaf, self.before_internal
         while freed[idx] + pending[idx] - start < target:
             node = pop()
             if node is None:
                 break
             if internal is not None and node.children:
+                if before is not None:
+                    before(node)
                 freed[idx] += internal(node)
                 continue
             free_leaf(node, freed)

@@ -80,8 +80,8 @@ def check_cache(cache: RadixCache) -> None:
     if not core.per_node:
         assert all(n.host_value is None and n.host_state_slot is None for n in nodes)
     wm = cache.watermark
-    assert wm >= cache._last_watermark, f"watermark fell {cache._last_watermark} -> {wm}"
-    cache._last_watermark = wm
+    assert wm >= cache.checked_watermark, f"watermark fell {cache.checked_watermark} -> {wm}"
+    cache.checked_watermark = wm
     total = sum(len(n.key) for n in nodes if n.kv_value is not None)
     assert cache.evictable_size() + cache.protected_size() == total, (
         f"evictable {cache.evictable_size()} + protected {cache.protected_size()} != held {total}"

@@ -79,7 +79,7 @@ def insert_key(cache: RadixCache, key: Tokens, key_len: int, value: torch.Tensor
     if walk.partial is not None:
         path.append(core.split_touched(walk.partial, walk.partial_len, now))
     counted = 0 if rid is None else cache.rid_depths.counted(rid, plan.insert_end)
-    revived = cache._empty
+    revived = cache.empty_slots
     if plan.revive:
         path, revived = _revive(cache, path, plan)
     tree_prefix = _touch_path(path, now, priority, counted, end)
@@ -102,7 +102,7 @@ def insert_key(cache: RadixCache, key: Tokens, key_len: int, value: torch.Tensor
     adopted = False
     for on_insert in core.insert_hooks:
         adopted = on_insert(plan, last, now) or adopted
-    after = cache._after_insert
+    after = cache.after_insert
     if after is not None:
         after(path, last)
     return new_tuple(InsertResult, (prefix_len, plan.insert_end, last, adopted, revived, value,
@@ -139,7 +139,7 @@ def _insert_unplanned(cache: RadixCache, key: Tokens, value: torch.Tensor, extra
     own = None
     if lo < end:  # the claim: the last check before anything changes
         kv = cache.kv
-        own = kv.claim_trusted(value, lo, end, True) if cache._on_cpu \
+        own = kv.claim_trusted(value, lo, end, True) if cache.on_cpu \
             else kv.claim_device(value, lo, end, True)
     # ---- validated: mutate from here on
     path = walk.path
@@ -165,10 +165,10 @@ def _insert_unplanned(cache: RadixCache, key: Tokens, value: torch.Tensor, extra
         cache.kv.inserted += end - lo
     for hook in refreshers:
         hook(last)
-    after = cache._after_insert
+    after = cache.after_insert
     if after is not None:
         after(path, last)
-    return new_tuple(InsertResult, (lo, end, last, False, cache._empty, value, tree_prefix))
+    return new_tuple(InsertResult, (lo, end, last, False, cache.empty_slots, value, tree_prefix))
 
 
 class RidDepths:
@@ -218,7 +218,7 @@ def _claim(cache: RadixCache, plan: InsertPlan) -> KVValue | None:
     if not plan.revive:  # the common case: only the new tail is adopted
         if lo >= hi:
             return None
-        if cache._on_cpu:  # (checked: the value is on the allocator's device)
+        if cache.on_cpu:  # (checked: the value is on the allocator's device)
             return kv.claim_trusted(value, lo, hi, not plan.cuts)
         return kv.claim_device(value, lo, hi, not plan.cuts)
     ranges = sorted((t, e) for e, (t, _) in plan.revive.items())
@@ -257,7 +257,7 @@ def _revive(cache: RadixCache, path: list[TreeNode], plan: InsertPlan
         runs.append((t, n.depth))
         out.append(n)
     if not revived:
-        return out, cache._empty
+        return out, cache.empty_slots
     if all(runs[i][1] == runs[i + 1][0] for i in range(len(runs) - 1)):
         return out, value[runs[0][0]:runs[-1][1]]
     return out, cache.kv.device_slots(revived)

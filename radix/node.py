@@ -90,6 +90,12 @@ class TreeNode:
         creation_time: logical clock stamp at creation.
         history_len: deepest depth ever reached below this node (``tlru``; never shrinks).
         host_value: host-pool indices when backed up (HiCache), else ``None``.
+        host_state_slot: the host copy of the state at this node's end, or ``None``.
+        host_swa_value: host SWA-pool indices of these tokens' SWA KV (a host copy of a live
+            node's sliding-window KV), or ``None``.
+        ext: one extension slot for plug-in components (``components.base.Component``
+            added by the caller): ``None`` or a dict, component name -> its value (the
+            built-in components keep slots of their own, for speed).
         gds_prio / gds_ver / gds_stamp: this state's GreedyDual-Size heap entry (priority,
             version) and the watermark at its last use (``components.gds``).
     """
@@ -118,6 +124,8 @@ class TreeNode:
         "history_len",
         "host_value",
         "host_state_slot",
+        "host_swa_value",
+        "ext",
         "gds_prio",
         "gds_stamp",
         "gds_ver",
@@ -148,6 +156,8 @@ class TreeNode:
         self.history_len = 0
         self.host_value: torch.Tensor | None = None
         self.host_state_slot: int | None = None
+        self.host_swa_value: torch.Tensor | None = None
+        self.ext: dict[str, Any] | None = None
         self.gds_prio = 0.0
         self.gds_stamp = 0.0
         self.gds_ver = 0

@@ -164,7 +164,7 @@ def _insert_req(cache: RadixCache, req: CacheRequest, state_slot: int | torch.Te
     Returns the insert result and, when the request's slots below ``prefix_len`` changed and
     it is ``unfinished``, what they must become (the tree's slots, except the request's own
     copies it keeps; a CPU tensor on every device: the caller joins it with the rest of the
-    request's row in one upload, ``RadixCache._cat``).
+    request's row in one upload, ``RadixCache.cat_slots``).
 
     Fast path (no SWA, no HiCache): the request's slots in ``[cached_len, prefix_len)`` are
     its own copies of tokens the tree already holds (its slots below ``cached_len`` came
@@ -229,7 +229,7 @@ def cache_unfinished_req(cache: RadixCache, req: CacheRequest,
     res, merged = _insert_req(cache, req, state_slot, upto, unfinished=True)
     n = res.inserted_len
     if merged is not None:
-        req.kv_indices = cache._cat([merged, req.kv_indices[res.prefix_len:]])
+        req.kv_indices = cache.cat_slots([merged, req.kv_indices[res.prefix_len:]])
     lock = cache.inc_lock_ref(res.last_node)
     cache.dec_lock_ref(req.last_node if req.lock is None else req.lock)
     req.last_node = res.last_node
@@ -267,7 +267,7 @@ def cache_finished_req(cache: RadixCache, req: CacheRequest,
     req.last_node = cache.root
     req.lock = None
     req.cached_len = 0
-    req.kv_indices = cache._empty
+    req.kv_indices = cache.empty_slots
     return res
 
 

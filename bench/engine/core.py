@@ -136,8 +136,6 @@ class EngineConfig:
             raise ValueError(f"kv_events must be 'off', 'on' or 'check', got {self.kv_events!r}")
         if self.hicache_ratio:
             self.hicache_config()  # validates ratio and write policy (ValueError / TypeError)
-            if self.sliding_window:
-                raise ValueError("hicache_ratio with a sliding window is not supported")
 
     def hicache_config(self) -> HiCacheConfig | None:
         """The cache's host tier, or ``None`` when ``hicache_ratio`` is 0."""
@@ -230,7 +228,7 @@ class ReplayEngine:
             state_walk=self.state_walk,
         )
         self._running: deque[_Running] = deque()
-        self._empty = self.cache._empty
+        self._empty = self.cache.empty_slots
         self._on_cpu = self.kv_allocator.device.type == "cpu"
 
     # ------------------------------------------------------------------ public

@@ -147,6 +147,11 @@ class StorageController:
     def __repr__(self) -> str:
         return f"StorageController(backend={self.backend!r}, tag={self.tag!r})"
 
+    def counters_now(self) -> dict[str, int]:
+        """A consistent copy of the counters (taken under the writer's lock)."""
+        with self._lock:
+            return dict(self.counters)
+
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n

@@ -42,7 +42,8 @@ class Tier:
     def after_insert(self, path: list[TreeNode], last: TreeNode) -> None:
         """Called last by every ``insert``."""
 
-    def collect_landed(self) -> tuple[int, int]:
-        """Before a KV eviction: device (tokens, states) freed by copies that landed since."""
-        return 0, 0
+    def collect_landed(self) -> tuple[int, ...]:
+        """Before a KV eviction: the device units freed by copies that landed since, per
+        ``radix.core.EVICT_FIELDS``."""
+        return (0, 0, 0)
 

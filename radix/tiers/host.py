@@ -1,6 +1,6 @@
 """HiCache L2 inside the one tree: backups, demotion, load-back and host eviction.
 
-Residency of a node's KV: on device (``kv_value``), on host (``host_value``), or both. Nodes on
+Residency of a node (its primary component's value: KV): on device, on host, or both. Nodes on
 device form a prefix-closed set (a host-only node has no device child) and backed-up nodes form
 a prefix from the root (a child is never backed up before its parent)::
 
@@ -8,11 +8,13 @@ a prefix from the root (a child is never backed up before its parent)::
                       └── D dev                     load_back(C) brings C to device
 
 * backup (``write_through``: at insert; ``write_through_selective``: once hit twice;
-  ``write_back``: when evicted from device): host KV slots (+ a host state slot), one copy,
-  the node's KV path locked until the copy has landed (``poll``).
+  ``write_back``: when evicted from device, and before an eviction drops one component's
+  value from an internal node): every component's part (host KV slots, a host state slot,
+  host SWA slots, a plug-in's), one copy, the node's KV path locked until it has landed.
 * device eviction of a backed-up leaf *demotes* it (device slots and state freed, the node
   stays, host-only); a leaf with no backup leaves the tree as before.
-* ``load_back``: a host-only chain back to device, all or nothing, evicting on device first.
+* ``load_back``: a host-only chain back to device, every component's part allocated at once
+  (all or nothing: a shortfall in any pool rolls every pool back), evicting on device first.
 * ``evict_host``: host-only leaves, least recently used first, cascading to parents that
   become host-only leaves.
 
@@ -21,32 +23,38 @@ host copy: split, re-file, free on removal; an insert over host-only nodes reviv
 tier for the rest (:class:`radix.tiers.base.Tier`: before a match, the host part of a match,
 after an insert, on a device eviction). The L3 storage tier, when configured, hangs below it
 (``self.storage``).
+
+The tier names no component: it loops over the components with host copies
+(``components.base.tier_components``: their tier hooks), the first of which (KV) is the
+*primary*: its copy says where a node lives and its units (tokens) are the tier's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from allocators import alloc_all, host_int
-from components.base import Component, InsertPlan
+from allocators import alloc_all
+from allocators.host_mirror import host_ids
+from components.base import Component, InsertPlan, hooks, tier_components
 from components.ordered import OrderedNodeSet
-from radix.core import freed_counts
+from radix.core import EVICT_FIELDS, freed_counts
 from radix.durations import Durations
 from radix.tiers.base import Tier
 
 if TYPE_CHECKING:
-    from allocators.token_allocator import _FreeListAllocator
-    from components.kv import KVComponent, KVValue
-    from components.state import StateComponent
+    from components.kv import KVValue
     from hicache import HiCacheController
     from radix.core import CacheCore
     from radix.node import TreeNode
     from radix.tiers.storage import StorageTier
+
+#: One copy's parts: ``(pool name, source indices, destination indices)``.
+Parts = list[tuple[str, torch.Tensor, torch.Tensor]]
 
 
 def _lru(n: TreeNode) -> tuple[int]:
@@ -58,7 +66,12 @@ class HostTier(Component, Tier):
 
     Args:
         core: the cache's tree and components.
-        controller: host pools and copies (``hicache.HiCacheController``).
+        controller: host pools and copies (``hicache.HiCacheController``); each component
+            with host copies gets its pool pair registered there under its name.
+
+    Raises:
+        ValueError: no component keeps host copies, or one implements only some tier hooks
+            (``components.base.tier_components``).
     """
 
     name = "host"
@@ -69,9 +82,35 @@ class HostTier(Component, Tier):
         self.controller = controller
         #: Where backup durations go (``RadixCache.durations``), ``None`` to record none.
         self.durations: Durations | None = None
-        self.kv = cast("KVComponent", core.by_name["kv"])
-        self.state = cast("StateComponent | None", core.by_name.get("state"))
+        parts = tier_components(core.components)
+        if not parts or parts[0] is not core.components[0]:
+            raise ValueError("a host tier needs the first component (KV) to keep host copies")
+        self.parts = parts
+        self.primary = parts[0]
+        for c in parts:
+            pair = controller.pools.get(c.name)
+            if pair is None:
+                got = c.host_pool(controller.config)
+                assert got is not None
+                pair = controller.register_pair(c.name, *got)
+            c.host_allocator = pair.host
+        self._on_device = self.primary.has_device
+        self._evictable_leaf = self.primary.is_candidate
+        self._host_copy = self.primary.host_copy
+        self._splitters = hooks(parts, "split_host")
+        self._revivers = hooks(parts, "revive_host")
+        self._requeues = hooks(core.components, "requeue")
+        #: The usable rule of a host hit: each component's rule counting host copies.
+        self._host_rules = tuple(
+            c.host_usable if type(c).host_usable is not Component.host_usable else c.usable
+            for c in core.components
+            if type(c).host_usable is not Component.host_usable
+            or type(c).usable is not Component.usable)
         self.storage: StorageTier | None = None
+        #: Device units the tier freed (demotions, removals), per ``EVICT_FIELDS``; running.
+        self._freed = freed_counts()
+        if controller.config.hicache_write_policy == "write_back":
+            core.before_internal = self.save_before_drop
         self.reset()
 
     def reset(self) -> None:
@@ -85,8 +124,8 @@ class HostTier(Component, Tier):
     def refresh(self, node: TreeNode) -> None:
         if (
             node.parent is not None
-            and node.kv_value is None
-            and node.host_value is not None
+            and not self._on_device(node)
+            and self._host_copy(node) is not None
             and not node.children
             and node.id not in self._pinned
         ):
@@ -95,23 +134,17 @@ class HostTier(Component, Tier):
             self.host_leaves.discard(node)
 
     def on_split(self, upper: TreeNode, lower: TreeNode, split_len: int) -> None:
-        hv = lower.host_value
-        if hv is not None:
-            upper.host_value = hv[:split_len]
-            lower.host_value = hv[split_len:]
+        for split in self._splitters:
+            split(upper, lower, split_len)
 
     def on_remove(self, node: TreeNode) -> int:
         """``node`` leaves the tree: free its host copies."""
         self.host_leaves.discard(node)
-        hc = self.controller
-        if node.host_value is not None:
-            hc.host_kv.free_owned(node.host_value)
-            self.host_tokens -= len(node.key)
-            node.host_value = None
-        if node.host_state_slot is not None:
-            assert hc.host_state is not None
-            hc.host_state.free_owned(node.host_state_slot)
-            node.host_state_slot = None
+        hv = self._host_copy(node)
+        if hv is not None:
+            self.host_tokens -= len(hv)
+        for c in self.parts:
+            c.drop_host(node)
         return 0
 
     # ----------------------------------------------------------- tier hooks
@@ -123,7 +156,8 @@ class HostTier(Component, Tier):
     def device_part(self, path: list[TreeNode]) -> list[TreeNode]:
         """The device prefix of a matched path; the host-only rest is re-filed (stamped)."""
         dev = 0
-        while dev < len(path) and path[dev].kv_value is not None:
+        on_device = self._on_device
+        while dev < len(path) and on_device(path[dev]):
             dev += 1
         for n in path[dev:]:
             self.refresh(n)
@@ -131,15 +165,18 @@ class HostTier(Component, Tier):
 
     def host_hit(self, path: list[TreeNode], usable: int, last: TreeNode,
                  prefix_len: int) -> tuple[TreeNode, int]:
-        """The deepest matched node usable once its host chain is loaded back (a state on
-        device or on host at its end, with a recurrent-state component), and the tokens it
-        adds past ``prefix_len``."""
+        """The deepest matched node usable once its host chain is loaded back (every
+        component's rule counting host copies, to a fixpoint), and the tokens it adds past
+        ``prefix_len``."""
         h = len(path)
-        if self.state is not None:
-            while h > usable and path[h - 1].state_slot is None and (
-                path[h - 1].host_state_slot is None
-            ):
-                h -= 1
+        rules = self._host_rules
+        while h > usable:
+            m = h
+            for rule in rules:
+                m = rule(path, m)
+            if m == h:
+                break
+            h = m
         if h <= usable:
             return last, 0
         last_host = path[h - 1]
@@ -151,15 +188,17 @@ class HostTier(Component, Tier):
         """Matched host-only nodes take the caller's device slots (the caller computed those
         tokens itself), whole; the node the walk ends inside counts with its matched part."""
         walk = plan.walk
+        on_device = self._on_device
         for n in walk.path:
-            if n.kv_value is None:
+            if not on_device(n):
                 plan.add_revival(n.depth, n.start, self)
         part = walk.partial
-        if part is not None and part.kv_value is None:
+        if part is not None and not on_device(part):
             plan.add_revival(part.start + walk.partial_len, part.start, self)
 
     def revive(self, node: TreeNode, slots: KVValue) -> None:
-        self.kv.attach(node, slots)  # the node keeps ``slots`` (as its own) as its kv_value
+        for revive in self._revivers:
+            revive(node, slots)
         self.core.refresh(node)
         parent = node.parent
         if parent is not None and parent.parent is not None:
@@ -178,19 +217,18 @@ class HostTier(Component, Tier):
                 if n is not root and n.hit_count >= 2:
                     target = n
         if target is not None:
-            if target.host_value is None:
+            if self._host_copy(target) is None:
                 self.backup_chain(target)
             else:
-                self.backup_state(target)
+                self.backup_rest(target)
         self.poll()
 
-    def collect_landed(self) -> tuple[int, int]:
-        """Finish landed copies before an eviction; returns the device tokens and states
-        they freed (earlier write-back evictions)."""
-        kv, state = self.kv, self.state
-        t0, s0 = kv.evicted, state.evicted if state is not None else 0
+    def collect_landed(self) -> tuple[int, ...]:
+        """Finish landed copies before an eviction; returns the device units they freed
+        (earlier write-back evictions), per ``EVICT_FIELDS``."""
+        before = list(self._freed)
         self.poll()
-        return kv.evicted - t0, (state.evicted if state is not None else 0) - s0
+        return tuple(a - b for a, b in zip(self._freed, before, strict=False))[:len(EVICT_FIELDS)]
 
     def poll(self) -> int:
         """Finish completed device -> host copies (unlock, demote); returns how many."""
@@ -203,7 +241,8 @@ class HostTier(Component, Tier):
         t0 = perf_counter()
         chain = []
         n: TreeNode | None = node
-        while n is not None and n.parent is not None and n.host_value is None:
+        host_copy = self._host_copy
+        while n is not None and n.parent is not None and host_copy(n) is None:
             chain.append(n)
             n = n.parent
         ok = True
@@ -211,60 +250,99 @@ class HostTier(Component, Tier):
             if not self._backup_node(n, demote_after and n is node):
                 ok = False
                 break
-        if ok and node.host_value is not None:
-            self.backup_state(node)
+        if ok and host_copy(node) is not None:
+            self.backup_rest(node)
         if chain and self.durations is not None:
             self.durations.observe("backup", perf_counter() - t0)
-        return ok and node.host_value is not None
+        return ok and host_copy(node) is not None
+
+    def _alloc_host(self, node: TreeNode, components: tuple[Component, ...],
+                    evict: int) -> tuple[list[tuple[Component, int]], list[torch.Tensor]] | None:
+        """Host units for every part of ``node`` the ``components`` would back up, all at once;
+        when short, host-only leaves are evicted (``evict`` tokens at least) and it is tried
+        again, then with the first part alone (the others are optional). ``None``: short."""
+        sizes = [(c, n) for c in components if (n := c.backup_size(node))]
+        if not sizes:
+            return None
+        got = alloc_all([(c.host_allocator, n) for c, n in sizes])
+        if got is None and evict:
+            self.evict_host(evict)
+            got = alloc_all([(c.host_allocator, n) for c, n in sizes])
+            if got is None and len(sizes) > 1:
+                sizes = sizes[:1]
+                got = alloc_all([(c.host_allocator, n) for c, n in sizes])
+        return None if got is None else (sizes, got)
 
     def _backup_node(self, node: TreeNode, demote_after: bool) -> bool:
-        hc = self.controller
-        assert node.kv_value is not None
-        with_state = node.state_slot is not None and node.host_state_slot is None
+        core = self.core
         size = len(node.key)
-        got = hc.alloc_host(size, int(with_state))
+        got = self._alloc_host(node, self.parts, size)
         if got is None:
-            self.evict_host(size)
-            got = hc.alloc_host(size, int(with_state))
-            if got is None and with_state:
-                with_state = False
-                got = hc.alloc_host(size, 0)
-            if got is None:
-                return False
-        host_slots, host_state = got
-        flight = _Flight(node.start, size, int(node.state_slot is not None), demote_after)
-        try:  # the copy is enqueued first: one that cannot start changes nothing
-            hc.write(self.kv.slots(node), host_slots, node.state_slot if with_state else None,
-                     host_state, lambda: self._on_write_done(node, flight))
-        except BaseException:
-            hc.host_kv.free_owned(host_slots)
-            if host_state is not None and hc.host_state is not None:
-                hc.host_state.free_owned(host_state)
+            return False
+        parts: Parts = []
+        units = [0] * len(EVICT_FIELDS)
+        taken = [c for c, _ in got[0]]
+        for (c, _), host in zip(*got, strict=True):
+            parts.append((c.name, c.backup(node, host), host))
+            if c.evict_field in EVICT_FIELDS:
+                units[EVICT_FIELDS.index(c.evict_field)] += len(host)
+        flight = _Flight(node.start, tuple(units), demote_after)
+        try:  # the copy is enqueued before anything else changes: one that cannot start
+            self._write(parts, lambda: self._on_write_done(node, flight))
+        except BaseException:  # gives its host units back and leaves the node as it was
+            for c in taken:
+                c.drop_host(node)
             raise
-        node.host_value = host_slots
-        node.host_state_slot = host_state
         self.host_tokens += size
-        self.kv.lock(node)  # until the copy has landed
-        self.core.refresh(node)
+        primary = self.primary
+        primary.lock(node)  # until the copy has landed
+        core.refresh(node)
         if demote_after:  # the write-back victim's units are freed when the copy lands
-            self.core.pending[0] += flight.tokens
-            self.core.pending[1] += flight.states
+            for i, u in enumerate(units):
+                core.pending[i] += u
         self.counters["backup_tokens"] += size
         return True
 
-    def backup_state(self, node: TreeNode) -> None:
-        """Give a backed-up node's device state a host copy too (a state set after its KV)."""
-        hs = self.controller.host_state
-        if node.state_slot is None or node.host_state_slot is not None or hs is None:
+    def _write(self, parts: Parts, on_done: Callable[[], None] | None) -> None:
+        """Enqueue one device -> host copy of ``parts`` (``(pool pair, device rows, host
+        rows)``, the pairs named as their components)."""
+        hc = self.controller
+        hc.write_rows(parts, on_done)
+        for name, _, host in parts:
+            if name == self.primary.name:
+                hc.backup_tokens += len(host)
+
+    def backup_rest(self, node: TreeNode) -> None:
+        """Give a backed-up node's other device values host copies too (a state set after
+        its KV, SWA KV live again); each part on its own, skipped when its pool is short."""
+        parts: Parts = []
+        taken = []
+        for c in self.parts[1:]:
+            got = self._alloc_host(node, (c,), 0)
+            if got is not None:
+                host = got[1][0]
+                parts.append((c.name, c.backup(node, host), host))
+                taken.append(c)
+        if not parts:
             return
-        got = hs.alloc(1)
-        if got is None:
-            return
-        node.host_state_slot = int(got[0])
         storage = self.storage
-        # the state joins the node's pages once it is on host; never raises
-        self.controller.save_state(node.state_slot, node.host_state_slot,
-                                   None if storage is None else lambda: storage.backup(node))
+        try:  # the parts join the node's pages once they are on host (never raises)
+            self._write(parts, None if storage is None else lambda: storage.backup(node))
+        except BaseException:
+            for c in taken:
+                c.drop_host(node)
+            raise
+        self.poll()  # (on the CPU the copy has landed: nothing stays in flight)
+
+    def save_before_drop(self, node: TreeNode) -> None:
+        """``write_back``: an eviction is about to drop one component's value from internal
+        ``node`` (a state, its SWA KV): back the node up first (its KV and ancestors too when
+        not on host yet), so the value stays on host."""
+        if self._host_copy(node) is None:
+            self.backup_chain(node)
+        else:
+            self.backup_rest(node)
+        self.poll()  # copies that landed (every one, on the CPU) finish now
 
     def _on_write_done(self, node: TreeNode, flight: _Flight) -> None:
         """The copy of ``node``'s span (``flight``) landed. Splits while it was in flight cut
@@ -272,61 +350,65 @@ class HostTier(Component, Tier):
         (to L3) and, for a write-back victim, demoted while it is an unlocked device leaf."""
         core = self.core
         if flight.demote:
-            core.pending[0] -= flight.tokens
-            core.pending[1] -= flight.states
+            for i, u in enumerate(flight.units):
+                core.pending[i] -= u
         span = _span(node, flight.start) if core.tree.is_attached(node) else [node]
         if self.storage is not None:
             for n in span:
                 self.storage.backup(n)  # host copy landed -> pages to L3; never raises
-        if node.kv_value is None or not core.tree.is_attached(node):
+        if not self._on_device(node) or not core.tree.is_attached(node):
             return
-        self.kv.unlock(node)
+        self.primary.unlock(node, None)
         core.refresh(node)
         if core.is_dead_leaf(node):  # its children left while the copy was in flight
-            core.remove_leaf(node)
+            core.remove_leaf(node, self._freed)
             return
         if flight.demote:
             for n in reversed(span):  # deepest first: each may leave its parent a device leaf
-                if n.kv_value is None or n.kv_lock or not _is_device_leaf(n):
+                if not self._evictable_leaf(n):  # on device, unlocked, no device child
                     break
                 self._demote(n)
                 if not core.tree.is_attached(n):
                     break
-        if self.state is not None and node.state_slot is not None:
-            self.state.requeue(node)
+        for requeue in self._requeues:
+            requeue(node)
 
     # ------------------------------------------------------------- eviction
     def free_leaf(self, node: TreeNode, freed: list[int]) -> None:
         """Free a device leaf on eviction: demote it when it is (or can be) backed up, else
         remove it. Adds to ``freed`` the device units freed now, measured around the whole
         step: a write-back backup may itself evict on host, and that cascade can remove a
-        stateless device parent of the host-only leaves it frees; copies landing meanwhile
-        demote nodes too. (A write-back copy still in flight frees its slots when it lands.)"""
-        kv, state = self.kv, self.state
-        t0, s0 = kv.evicted, state.evicted if state is not None else 0
+        device parent of the host-only leaves it frees; copies landing meanwhile demote
+        nodes too. (A write-back copy still in flight frees its slots when it lands.)"""
+        acc = self._freed
+        before = list(acc)
         self._free_device_leaf(node)
-        freed[0] += kv.evicted - t0
-        freed[1] += (state.evicted if state is not None else 0) - s0
+        for i, (a, b) in enumerate(zip(acc, before, strict=True)):
+            freed[i] += a - b
 
     def _free_device_leaf(self, node: TreeNode) -> None:
-        if node.host_value is None and self.controller.config.hicache_write_policy == "write_back":
+        has_copy = self._host_copy(node) is not None
+        if not has_copy and self.controller.config.hicache_write_policy == "write_back":
             if self.backup_chain(node, demote_after=True):  # raises ``core.pending`` meanwhile
                 self.poll()
                 return
-        if node.host_value is not None:
-            self.backup_state(node)
+            if not self.core.tree.is_attached(node):  # making host room removed it (a dead
+                return  # leaf once its host-only children went): its units are counted
+        if has_copy:
+            self.backup_rest(node)
             self._demote(node)
-        elif node.children:  # host-only children below: keep the node, drop its state only
-            if self.state is not None and node.state_slot is not None:
-                self.state.remove_state(node)
+        elif node.children:  # host-only children below: keep the node and its KV only
+            for c in self.parts[1:]:
+                if c.has_device(node):
+                    self._freed[_field(c)] += c.evict_internal(node)
         else:
-            self.core.remove_leaf(node)
+            self.core.remove_leaf(node, self._freed)
 
     def _demote(self, node: TreeNode) -> None:
-        """Free ``node``'s device KV and state; it stays in the tree, host-only."""
-        assert node.kv_lock == 0 and node.host_value is not None, node
+        """Free ``node``'s device values; it stays in the tree, host-only."""
+        assert self._host_copy(node) is not None, node
         core = self.core
-        core.device_remove(node, freed_counts())
+        core.device_remove(node, self._freed)
         parent = node.parent
         core.refresh(node)
         if parent is not None and parent.parent is not None:
@@ -348,8 +430,8 @@ class HostTier(Component, Tier):
         return freed
 
     def _remove_host_leaf(self, node: TreeNode) -> int:
-        """Remove a host-only leaf: free its host slots and host state; cascade."""
-        assert node.kv_value is None and not node.children, node
+        """Remove a host-only leaf: free its host copies; cascade."""
+        assert not self._on_device(node) and not node.children, node
         core = self.core
         root = core.root
         before = self.host_tokens
@@ -360,7 +442,7 @@ class HostTier(Component, Tier):
             if parent is root:
                 break
             kept = parent.id in self._pinned  # a pinned node stays, even left a dead leaf
-            if parent.kv_value is None:
+            if not self._on_device(parent):
                 self.refresh(parent)
                 if not parent.children and not kept and core.is_dead_leaf(parent):
                     node = parent
@@ -368,7 +450,7 @@ class HostTier(Component, Tier):
                 break
             core.refresh(parent)
             if not kept and core.is_dead_leaf(parent):  # a device dead leaf: host copy goes too
-                core.remove_leaf(parent)
+                core.remove_leaf(parent, self._freed)
             break
         freed = before - self.host_tokens
         self.counters["host_evicted_tokens"] += freed
@@ -394,120 +476,108 @@ class HostTier(Component, Tier):
     # ------------------------------------------------------------ load back
     def load_back(self, node: TreeNode) -> int:
         """Bring the host-only chain ending at ``node`` back to device (see
-        ``RadixCache.load_back``); ``node`` is a checked node of this cache."""
+        ``RadixCache.load_back``); ``node`` is a checked node of this cache. Every
+        component's part (KV of the chain, SWA KV of its nodes with a host copy, the state at
+        its end) is allocated at once: a shortfall in any pool, after evicting, changes
+        nothing."""
         core = self.core
+        on_device = self._on_device
         chain: list[TreeNode] = []
         n: TreeNode | None = node
-        while n is not None and n.parent is not None and n.kv_value is None:
+        while n is not None and n.parent is not None and not on_device(n):
             chain.append(n)
             n = n.parent
         chain.reverse()
-        want_state = (
-            self.state is not None and node.host_state_slot is not None and node.state_slot is None
-        )
-        if not chain:  # KV on device, only the state is on host: bring the state back
-            if want_state and node.parent is not None:
-                return self._load_state_only(node)
-            return 0
-        anchor = chain[0].parent
-        assert anchor is not None
         tokens = sum(len(c.key) for c in chain)
-        if tokens < self.controller.config.load_back_threshold:
+        if chain and tokens < self.controller.config.load_back_threshold:
             return 0
+        targets = chain if chain else [node]
+        if node.parent is None:
+            return 0
+        sizes = [[c.restore_size(t, t is node) for t in targets] for c in self.parts]
+        wanted = [(c, sz) for c, sz in zip(self.parts, sizes, strict=True) if sum(sz)]
+        if not wanted:
+            return 0
+        anchor = chain[0].parent if chain else node
+        assert anchor is not None
         root = core.root
+        primary = self.primary
         if anchor is not root:
-            self.kv.lock(anchor)
+            primary.lock(anchor)  # protect the device ancestor while room is made
         pinned = {c.id for c in chain}
         self._pinned |= pinned  # making room must not evict the chain from host
         for c in chain:
             self.host_leaves.discard(c)
         try:
-            got = self._alloc_device(tokens, int(want_state))
+            got = self._alloc_device([(c, sum(sz)) for c, sz in wanted])
         finally:
             self._pinned -= pinned
             for c in chain:
                 self.refresh(c)
             if anchor is not root:
-                self.kv.unlock(anchor)
+                primary.unlock(anchor, None)
                 core.refresh(anchor)
         if got is None:
             return 0
-        dev_slots, dev_state = got
-        host_slots = torch.cat([c.host_value for c in chain if c.host_value is not None])
-        try:  # a copy that cannot start gives the device units back
-            self.controller.load(host_slots, dev_slots,
-                                 node.host_state_slot if want_state else None, dev_state)
+        for (c, _), dev in zip(wanted, got, strict=True):
+            overwrite = getattr(c.restore_allocator, "overwrite", None)
+            if overwrite is not None:  # the load writes every unit it got: no zeroing first
+                for slot in host_ids(dev, "restored units").tolist():
+                    overwrite(slot)
+        parts: Parts = []
+        for j, (c, sz) in enumerate(wanted):
+            hosts = [h for t, k in zip(targets, sz, strict=True)
+                     if k and (h := c.host_copy(t)) is not None]
+            parts.append((c.name, got[j], torch.cat(hosts) if len(hosts) > 1 else hosts[0]))
+        hc = self.controller
+        try:  # the copy is enqueued first: one that cannot start gives the device units back
+            hc.load_rows(parts)
         except BaseException:
-            self.kv.allocator.free(dev_slots)
-            if dev_state is not None and self.state is not None:
-                self.state.allocator.free(torch.tensor([dev_state]))
+            for (c, _), dev in zip(wanted, got, strict=True):
+                c.restore_allocator.free(dev)
             raise
-        self.kv.claim(dev_slots)  # fresh from the allocator: marked held (its host mirror)
-        off = 0
+        hc.load_tokens += tokens
         now = core.tick()
+        offsets = [0] * len(wanted)
+        for i, t in enumerate(targets):
+            for j, (c, sz) in enumerate(wanted):
+                k = sz[i]
+                if k:
+                    o = offsets[j]
+                    c.restore(t, got[j][o:o + k], now)
+                    offsets[j] = o + k
         for c in chain:
-            size = len(c.key)
-            self.kv.attach(c, dev_slots[off:off + size])  # (kept as an array: its host mirror)
-            off += size
             c.last_access_time = now
             self.refresh(c)
-        if dev_state is not None:
-            assert self.state is not None
-            self.state.set_state(node, dev_state, now)  # stamps it at the watermark (GDS)
         for c in [anchor, *chain]:
             if c.parent is not None:
                 core.refresh(c)
-        self.counters["load_back_tokens"] += tokens
+        if chain:
+            self.counters["load_back_tokens"] += tokens
+        else:
+            self.counters["load_back_states"] += 1
         return tokens
 
-    def _load_state_only(self, node: TreeNode) -> int:
-        """``node``'s KV is on device but its state only on host: one state slot back."""
-        state = self.state
-        assert state is not None and node.host_state_slot is not None
-        self.kv.lock(node)  # protect the node while a state slot is made room for
-        try:
-            got = self._alloc_device(0, 1)
-        finally:
-            self.kv.unlock(node)
-            self.core.refresh(node)
-        if got is None:
-            return 0
-        _, dev_state = got
-        assert dev_state is not None
-        empty = torch.empty(0, dtype=torch.int64)
-        self.controller.load(empty, empty, node.host_state_slot, dev_state)
-        state.set_state(node, dev_state, self.core.tick())
-        self.counters["load_back_states"] += 1
-        return 0
-
-    def _alloc_device(self, tokens: int, states: int) -> tuple[torch.Tensor, int | None] | None:
-        """Device KV slots and a state slot, all or nothing, evicting once when short."""
-        asks: list[tuple[Any, int]] = [(self.kv.allocator, tokens)]
-        state = self.state
-        if states:
-            assert state is not None
-            asks.append((state.allocator, states))
-        got = alloc_all(asks)
+    def _alloc_device(self, asks: list[tuple[Component, int]]) -> list[torch.Tensor] | None:
+        """Every component's device units, all or nothing, evicting once when short (each
+        short component in its own order)."""
+        reqs = [(c.restore_allocator, n) for c, n in asks]
+        got = alloc_all(reqs)
         if got is None:
             self.collect_landed()
-            self.core.evict(self.kv, max(tokens - self.kv.allocator.available_size(), 0))
-            if states and state is not None and state.allocator.available_size() < states:
-                self.core.evict(state, states)
-            got = alloc_all(asks)
-            if got is None:
-                return None
-        if not states:
-            return got[0], None
-        slot = host_int(got[1], "state slot")
-        overwrite = getattr(asks[1][0], "overwrite", None)
-        if overwrite is not None:  # the load writes the whole slot: no zeroing first
-            overwrite(slot)
-        return got[0], slot
+            for c, n in asks:
+                short = n - c.restore_allocator.available_size()
+                if short > 0 and c.evict_field in EVICT_FIELDS:
+                    self.core.evict(c, short)
+            got = alloc_all(reqs)
+        return got
 
     def describe(self, node: TreeNode) -> str:
-        where = ("dev+host" if node.host_value is not None else "dev") if (
-            node.kv_value is not None) else "host"
-        return f" at={where} host_state={node.host_state_slot}"
+        where = ("dev+host" if self._host_copy(node) is not None else "dev") if (
+            self._on_device(node)) else "host"
+        rest = "".join(f" host_{c.name}={'-' if (h := c.host_copy(node)) is None else len(h)}"
+                       for c in self.parts[1:])
+        return f" at={where}{rest}"
 
     # ---------------------------------------------------------------- sizes
     def host_evictable_size(self) -> int:
@@ -515,44 +585,25 @@ class HostTier(Component, Tier):
         return sum(len(n.key) for n in self.host_leaves)
 
     def check(self, nodes: list[TreeNode]) -> None:
-        """Host copies: every node has KV somewhere, host-only nodes hold no device state,
-        backed-up nodes form a prefix from the root, host slots held once and never free,
-        ``host_tokens`` and the host-eviction order recomputed."""
-        hc = self.controller
+        """Host copies: every node is on device or on host, a component's host copy only on a
+        backed-up node, ``host_tokens`` and the host-eviction order recomputed, then each
+        component's own host checks."""
         host_tokens = 0
-        host_slots = []
-        host_states = []
         expected_leaves = set()
         for n in nodes:
-            hv = n.host_value
-            assert n.kv_value is not None or hv is not None, f"node with no KV anywhere: {n}"
-            if n.kv_value is None:
-                assert n.state_slot is None, f"device state on a host-only node: {n}"
-                if not n.children:
-                    expected_leaves.add(n.id)
+            hv = self._host_copy(n)
+            dev = self._on_device(n)
+            assert dev or hv is not None, f"node with no KV anywhere: {n}"
+            if not dev and not n.children:
+                expected_leaves.add(n.id)
             if hv is None:
-                assert n.host_state_slot is None, f"host state without host KV: {n}"
+                for c in self.parts[1:]:
+                    assert c.host_copy(n) is None, f"host {c.name} without host KV: {n}"
                 continue
-            assert len(hv) == len(n.key), f"{n}: {len(hv)} host slots for {len(n.key)} tokens"
-            p = n.parent
-            assert p is not None
-            if p.parent is not None:
-                assert p.host_value is not None, f"backed up before its parent: {n}"
             host_tokens += len(hv)
-            host_slots.append(hv)
-            if n.host_state_slot is not None:
-                host_states.append(n.host_state_slot)
         assert host_tokens == self.host_tokens, f"host tokens {self.host_tokens} != {host_tokens}"
-        if host_slots:
-            held = torch.cat(host_slots)
-            assert held.unique().numel() == held.numel(), "a host slot is held by two nodes"
-            host_kv = cast("_FreeListAllocator", hc.host_kv)  # mirror_kv: a Token/PagedAllocator
-            assert not bool(host_kv.is_free(held).any()), "a host slot held by the tree is free"
-        assert len(set(host_states)) == len(host_states), "a host state slot is held twice"
-        if host_states and hc.host_state is not None:
-            assert not bool(hc.host_state.is_free(torch.tensor(host_states)).any()), (
-                "a host state slot held by the tree is free"
-            )
+        for c in self.parts:
+            c.check_host(nodes)
         got = {n.id for n in self.host_leaves}
         assert got == expected_leaves, f"host eviction set differs: {got ^ expected_leaves}"
         self.host_leaves.check()
@@ -565,13 +616,18 @@ class HostTier(Component, Tier):
         return out
 
 
+def _field(c: Component) -> int:
+    """The ``freed_counts`` index of component ``c``'s units."""
+    return EVICT_FIELDS.index(c.evict_field) if c.evict_field in EVICT_FIELDS else len(EVICT_FIELDS)
+
+
 class _Flight(NamedTuple):
     """One backup copy in flight: the span it covers starts at ``start`` [tokens]; a
-    write-back victim (``demote``) raised ``CacheCore.pending`` by ``tokens`` and ``states``."""
+    write-back victim (``demote``) raised ``CacheCore.pending`` by ``units`` (per
+    ``EVICT_FIELDS``)."""
 
     start: int
-    tokens: int
-    states: int
+    units: tuple[int, ...]
     demote: bool
 
 
@@ -586,9 +642,3 @@ def _span(node: TreeNode, start: int) -> list[TreeNode]:
         n = n.parent
     out.reverse()
     return out
-
-
-def _is_device_leaf(node: TreeNode) -> bool:
-    return node.kv_value is not None and not any(
-        c.kv_value is not None for c in node.children.values()
-    )

@@ -47,6 +47,7 @@ from hicache.storage import (
 )
 
 if TYPE_CHECKING:
+    from components.base import Component
     from hicache.storage import Page
     from radix.core import CacheCore
     from radix.node import TreeNode
@@ -81,11 +82,29 @@ class StorageTier:
         hc = host.controller
         cfg = hc.config
         self.page_size = core.page_size
+        #: The primary component (its host copy: a record per page) and the component with a
+        #: record at a node's end, if any (``components.base``: ``l3_end_record``).
+        self.primary = host.primary
+        lacking = [c.name for c in host.parts[1:] if not c.l3_end_record]
+        if lacking:  # e.g. sliding-window KV: L3 records carry KV pages and a state at page
+            # ends, not a window's SWA KV, so a reader could never end a match on them
+            raise ValueError(
+                f"hicache_storage_backend with components {lacking} that keep host copies L3 "
+                "records cannot carry (a record holds the KV pages and one record at a page's "
+                "end: a sliding window's SWA KV is not stored, and without it no match could "
+                "end on the pages read back); use the host tier without L3")
+        ends = [c for c in host.parts if c.l3_end_record]
+        if len(ends) > 1:
+            raise ValueError(f"components {[c.name for c in ends]} each keep an L3 record at a "
+                             "node's end; a page end holds one")
+        self.end = ends[0] if ends else None
+        host_pages = self.primary.host_allocator
+        host_end = self.end.host_allocator if self.end is not None else None
         tag = layout_tag(cfg.hicache_storage_model, self.page_size,
-                         getattr(hc.host_kv, "pool", None), hc.host_state)
+                         getattr(host_pages, "pool", None), host_end)
         backend = make_backend(cfg, tag)
         assert backend is not None
-        self.controller = StorageController(backend, hc.host_kv, hc.host_state, self.page_size,
+        self.controller = StorageController(backend, host_pages, host_end, self.page_size,
                                             tag, cfg.hicache_storage_prefetch_policy,
                                             cfg.hicache_prefetch_timeout_s)
         #: How long a match waits for its prefetch in all, retries and re-matches included
@@ -155,7 +174,8 @@ class StorageTier:
 
     def _backup_node(self, node: TreeNode) -> None:
         st = self.controller
-        if node.parent is None or node.host_value is None:
+        hv = self.primary.host_copy(node)
+        if node.parent is None or hv is None:
             return
         hashes = self._node_hashes(node)
         if hashes is None:
@@ -166,16 +186,16 @@ class StorageTier:
         st.count("backup_known_skipped", len(keys) - len(todo))
         items = []
         if todo:
-            hv = node.host_value
             slots = hv if len(todo) == len(keys) else torch.cat([hv[i * ps:(i + 1) * ps] for i in todo])
             for i, (a, b) in zip(todo, st.pack_kv(slots), strict=True):
                 items.append((keys[i], a, b))
-        if node.host_state_slot is not None:
+        end = self.end
+        if end is not None and end.host_copy(node) is not None:
             sk = state_key(hashes[-1])
             if st.is_known(sk):
                 st.count("backup_known_skipped")
             else:
-                items.append((sk, *st.pack_state(node.host_state_slot)))
+                items.append((sk, *end.pack_end(node)))
         st.submit_writes(items)
 
     # -------------------------------------------------------------- prefetch
@@ -209,7 +229,7 @@ class StorageTier:
             if len(self._jobs) >= MAX_JOBS:
                 st.count("prefetch_in_flight_skipped")
                 return
-            job = PrefetchJob(key[:upto], extra_key, m, hashes, self.host.state is not None)
+            job = PrefetchJob(key[:upto], extra_key, m, hashes, self.end is not None)
             wait = self._wait_s(npages * ps)
             if wait is not None:
                 job.deadline = time.monotonic() + wait
@@ -256,26 +276,28 @@ class StorageTier:
             anchor = self.core.split_touched(walk.partial, walk.partial_len, now)
         else:
             anchor = walk.path[-1] if walk.path else self.core.root
-        if anchor is not self.core.root and anchor.host_value is None and not self.host.backup_chain(anchor):
+        primary = self.primary
+        if anchor is not self.core.root and primary.host_copy(anchor) is None and (
+                not self.host.backup_chain(anchor)):
             st.count("prefetch_dropped", len(pages) - first)  # backed-up nodes form a prefix
             return 0
         tokens = upto - m
-        got = self._alloc_host(anchor, tokens, state is not None)
+        end = self.end if state is not None else None
+        got = self._alloc_host(anchor, tokens, end)
         if got is None:
             st.count("prefetch_dropped", len(pages) - first)
             return 0
-        host_slots, host_state = got
+        host_slots = got[0]
         try:
             st.unpack_kv(host_slots, pages[first:])
-            if state is not None:
-                assert host_state is not None
-                st.unpack_state(host_state, state)
         except BaseException:  # nothing attached: give the host slots back
-            self._free_host(host_slots, host_state)
+            for (alloc, _), idx in zip(self._asks(tokens, end), got, strict=True):
+                alloc.free(idx)
             raise
         leaf = self.core.tree.add_leaf(anchor, job.tokens[m:upto], job.extra_key, now)
-        leaf.host_value = host_slots
-        leaf.host_state_slot = host_state
+        primary.adopt_host(leaf, host_slots)
+        if end is not None and state is not None:
+            end.unpack_end(leaf, got[1], (state.a, state.b))
         self.host.host_tokens += tokens
         hashes = job.hashes[first:len(pages)]
         self._hashes[leaf] = hashes
@@ -288,11 +310,19 @@ class StorageTier:
         st.count("prefetch_states", int(state is not None))
         return tokens
 
-    def _alloc_host(self, anchor: TreeNode, tokens: int, with_state: bool
-                       ) -> tuple[torch.Tensor, int | None] | None:
-        """Host slots for a prefetched chain, evicting host-only leaves (never ``anchor``)."""
+    def _asks(self, tokens: int, end: Component | None) -> list[tuple[Any, int]]:
+        asks: list[tuple[Any, int]] = [(self.primary.host_allocator, tokens)]
+        if end is not None:
+            asks.append((end.host_allocator, 1))
+        return asks
+
+    def _alloc_host(self, anchor: TreeNode, tokens: int, end: Component | None
+                    ) -> list[torch.Tensor] | None:
+        """Host slots for a prefetched chain (the primary component's, and one for the end
+        record when ``end``), all or nothing, evicting host-only leaves (never ``anchor``)."""
         hc = self.host.controller
-        got = hc.alloc_host(tokens, int(with_state))
+        asks = self._asks(tokens, end)
+        got = hc.alloc_parts(asks)
         if got is not None:
             return got
         if anchor is self.core.root:
@@ -300,14 +330,7 @@ class StorageTier:
         else:  # the leaf goes below anchor: making room must leave it in the tree
             with self.host.pinned(anchor):
                 self.host.evict_host(tokens)
-        return hc.alloc_host(tokens, int(with_state))
-
-    def _free_host(self, host_slots: torch.Tensor, host_state: int | None) -> None:
-        hc = self.host.controller
-        hc.host_kv.free(host_slots)
-        if host_state is not None:
-            assert hc.host_state is not None
-            hc.host_state.free(torch.tensor([host_state], dtype=torch.int64))
+        return hc.alloc_parts(asks)
 
     # ---------------------------------------------------------------- public
     def poll(self) -> int:
@@ -333,7 +356,6 @@ class StorageTier:
 
     def stats(self) -> dict[str, Any]:
         st = self.controller
-        with st._lock:
-            out = {f"l3_{k}": v for k, v in st.counters.items()}
+        out = {f"l3_{k}": v for k, v in st.counters_now().items()}
         out.update({f"l3_backend_{k}": v for k, v in st.backend.stats.items()})
         return out

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import radix
-from allocators import MambaStatePool, TokenAllocator
+from allocators import KVPool, MambaStatePool, TokenAllocator
 from components.base import Component, InsertPlan
 from radix import RadixCache
 from tests.helpers.cache_helpers import node_slots, tiny_state_pool
@@ -213,3 +213,107 @@ def test_components_import_without_radix_and_radix_without_lazy_exports() -> Non
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-600:]
     assert "__getattr__" not in vars(radix)
+
+
+class Summary(Component):
+    """A plug-in with a host copy: one slot of its own pool per node (say, a cross-attention
+    summary valid at the node's end), kept in the node's extension slot (``node.ext``). It
+    implements the tier hooks (``components.base.TIER_HOOKS``): the host tier backs it up
+    with the node, drops the device slot on demotion and restores it on load-back."""
+
+    name = "summary"
+
+    def __init__(self, size: int) -> None:
+        self.pool = KVPool(size, 1, 1, 2, torch.float32, "cpu")
+        self.allocator = TokenAllocator(size, pool=self.pool)
+        self.restore_allocator = self.allocator
+
+    @staticmethod
+    def _ext(node: Any) -> dict[str, int]:
+        if node.ext is None:
+            node.ext = {}
+        return node.ext
+
+    def on_new_node(self, node: Any, plan: InsertPlan, lo: int, hi: int) -> None:
+        got = self.allocator.alloc(1)
+        assert got is not None
+        self._ext(node)["dev"] = int(got[0])
+
+    def on_remove(self, node: Any) -> int:
+        slot = self._ext(node).pop("dev", None)
+        if slot is None:
+            return 0
+        self.allocator.free(torch.tensor([slot]))
+        return 1
+
+    def host_pool(self, config: Any) -> tuple[Any, Any, Any]:
+        from hicache.host_pools import kv_lanes
+
+        size = 2 * self.allocator.size
+        host = TokenAllocator(size, pool=KVPool(size, 1, 1, 2, torch.float32, "cpu"))
+        return self.allocator, host, kv_lanes(self.allocator, host)
+
+    def has_device(self, node: Any) -> bool:
+        return "dev" in self._ext(node)
+
+    def host_copy(self, node: Any) -> torch.Tensor | None:
+        h = self._ext(node).get("host")
+        return None if h is None else torch.tensor([h])
+
+    def backup_size(self, node: Any) -> int:
+        ext = self._ext(node)
+        return int("dev" in ext and "host" not in ext)
+
+    def backup(self, node: Any, host: torch.Tensor) -> torch.Tensor:
+        ext = self._ext(node)
+        ext["host"] = int(host[0])
+        return torch.tensor([ext["dev"]])
+
+    def restore_size(self, node: Any, last: bool) -> int:
+        ext = self._ext(node)
+        return int("host" in ext and "dev" not in ext)
+
+    def restore(self, node: Any, device: torch.Tensor, now: int) -> torch.Tensor:
+        ext = self._ext(node)
+        ext["dev"] = int(device[0])
+        return torch.tensor([ext["host"]])
+
+    def drop_host(self, node: Any) -> None:
+        h = self._ext(node).pop("host", None)
+        if h is not None:
+            self.host_allocator.free(torch.tensor([h]))
+
+
+def test_a_plug_in_with_a_host_copy_is_backed_up_evicted_and_loaded_back_bit_exactly() -> None:
+    from hicache import HiCacheConfig
+    from tests.helpers.cache_helpers import bits, random_bits
+
+    summary = Summary(8)
+    kv = TokenAllocator(16)
+    cache = RadixCache(kv_allocator=kv, components=[summary],
+                       hicache=HiCacheConfig(hicache_ratio=2.0, load_back_threshold=1,
+                                             hicache_write_policy="write_back"))
+    assert cache.hicache is not None and "summary" in cache.hicache.pools
+    cache.insert(K[:8], kv.alloc(8))
+    node = cache.match_prefix(K[:8]).last_device_node
+    slot = node.ext["dev"]
+    value = random_bits((1, 1, 1, 2), torch.float32, torch.Generator().manual_seed(3))
+    summary.pool.k_all[:, [slot]] = value
+    summary.pool.v_all[:, [slot]] = value
+    assert "host" not in node.ext  # write_back: backed up when evicted
+    assert cache.evict(8).num_tokens == 8  # backed up, then demoted: the device slot freed
+    host = summary.host_allocator.pool
+    assert torch.equal(bits(host.k_all[:, [node.ext["host"]]]), bits(value))
+    assert "dev" not in node.ext and summary.allocator.available_size() == 8
+    taken = summary.allocator.alloc(1)  # the load lands in another slot
+    m = cache.match_prefix(K[:8])
+    assert (m.host_hit_length, m.last_host_node) == (8, node)
+    assert cache.load_back(node) == 8
+    new = node.ext["dev"]
+    assert taken is not None and new not in (slot, int(taken[0]))
+    assert torch.equal(bits(summary.pool.k_all[:, [new]]), bits(value))
+    assert torch.equal(bits(summary.pool.v_all[:, [new]]), bits(value))
+    assert cache.evict_host(0) == 0 and cache.evict(8).num_tokens == 8
+    assert cache.evict_host(8) == 8  # host eviction drops the plug-in's host copy too
+    assert summary.host_allocator.available_size() == summary.host_allocator.size
+    cache.sanity_check()

@@ -56,12 +56,14 @@ def test_defaults_are_sglangs() -> None:
 
 
 # ======================================================================== building the cache
-def test_hicache_with_a_sliding_window_is_refused_before_anything_is_built() -> None:
+def test_hicache_with_a_sliding_window_mirrors_the_swa_pool_too() -> None:
     kv = SWAAllocator(16, 8, 1)
-    before = kv.snapshot()
-    with pytest.raises(ValueError, match="hicache with sliding_window_size is not supported"):
-        RadixCache(CacheConfig(sliding_window_size=4), kv_allocator=kv, hicache=HiCacheConfig())
-    assert kv.snapshot() == before
+    cache = RadixCache(CacheConfig(sliding_window_size=4), kv_allocator=kv, hicache=HiCacheConfig())
+    assert cache.hicache is not None
+    pools = cache.hicache.pools
+    assert sorted(pools) == ["kv", "swa"]
+    assert pools["swa"].device is kv.swa_side
+    assert (pools["kv"].host.size, pools["swa"].host.size) == (32, 16)  # 2 x 16, 2 x 8
 
 
 @pytest.mark.parametrize("bad", [{"hicache_ratio": 2.0}, 2.0, "write_back", CacheConfig()])

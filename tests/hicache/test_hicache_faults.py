@@ -157,7 +157,7 @@ def test_load_back_failure_keeps_the_host_copies_loadable(page_size: int, hybrid
 def test_load_back_of_a_state_alone_is_all_or_nothing(page_size: int) -> None:
     names, result, after = calls_of(state_only_on_host, page_size, True)
     assert result == (0, 3)  # no KV tokens; the state came back into slot 3
-    assert names == ["device kv", "device state"]  # (the KV ask is for 0 slots)
+    assert names == ["device state"]  # (no KV to load: only the state pool is asked)
     for k in range(1, len(names) + 1):
         h, res, before, _ = run_faulty(state_only_on_host, page_size, True, k, "from")
         assert res == (0, None)

@@ -50,7 +50,7 @@ ALLOC_OPS = ("alloc", "free")
 STATE_OPS = ("alloc", "free", "copy")
 #: The host tier's data transfers (``HiCacheController``): their launches and memcpys are
 #: counted apart (``ApiCalls.excluded``), not in the per-request budget.
-TRANSFER_OPS = ("write", "save_state", "load", "poll")
+TRANSFER_OPS = ("write", "save_state", "load", "write_rows", "load_rows", "poll")
 
 #: The label of the per-step reads (:class:`Step`), counted apart from the engine-facing calls.
 STEP = "step"
