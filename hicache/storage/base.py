@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import re
 import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -123,6 +125,36 @@ def _split_key(key: str) -> tuple[int, bytes]:
     return KIND_KV, bytes.fromhex(key)
 
 
+_CLOSE_QUEUE: queue.SimpleQueue[Any] = queue.SimpleQueue()
+_closer_lock = threading.Lock()
+_closer: threading.Thread | None = None
+
+
+def _close_loop() -> None:
+    while True:
+        client = _CLOSE_QUEUE.get()
+        try:
+            client.close()
+        except Exception as exc:  # its backend is gone: nothing left to count it in
+            log.warning("L3: closing a dropped client failed (%s)", type(exc).__name__)
+        del client
+
+
+def _start_closer() -> None:
+    global _closer
+    with _closer_lock:
+        if _closer is None:
+            _closer = threading.Thread(target=_close_loop, name="hicache-l3-close", daemon=True)
+            _closer.start()
+
+
+def _close_held(held: list[Any]) -> None:
+    """A backend was dropped unclosed (its finalizer, maybe in a GC pass on an engine thread):
+    its clients go to the closer thread; nothing here waits."""
+    while held:
+        _CLOSE_QUEUE.put(held.pop())
+
+
 def _is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, TimeoutError) or "Timeout" in type(exc).__name__
 
@@ -155,6 +187,25 @@ class StorageBackend(ABC):
         self._logged = 0
         #: Record size [bytes] of each kind this client reads, when known (``expect_sections``).
         self.record_bytes: dict[int, int] = {}
+        self._held: list[Any] = []
+        weakref.finalize(self, _close_held, self._held).atexit = False
+
+    def _hold(self, client: Any) -> Any:
+        """Register ``client`` (an open network client, with ``close()``) and return it: if
+        this backend is dropped without :meth:`close`, the client is closed on a closer thread,
+        never by a finalizer on whichever thread a GC pass runs on (an engine thread inside a
+        best-effort call: a client's close can wait on locks its I/O holds). The client stays
+        referenced until then, so its own ``__del__`` cannot run first."""
+        _start_closer()
+        self._held.append(client)
+        return client
+
+    def _unhold(self, client: Any) -> None:
+        """``client`` is being closed by its backend (:meth:`close`): no longer held."""
+        for i, c in enumerate(self._held):
+            if c is client:
+                del self._held[i]
+                return
 
     @property
     def authenticated(self) -> bool:

@@ -62,9 +62,14 @@ class PrefetchJob:
 
     ``hashes``: the page hashes from ``start`` on. Filled by the fetch: ``pages`` (the leading
     verified pages, in order; for a hybrid model only once complete) and ``state`` (the state
-    record at the end of the last page, hybrid only); ``done`` is set at the end.
+    record at the end of the last page, hybrid only), published together as one immutable
+    ``result`` tuple; ``done`` is set at the end.
     ``deadline`` (``time.monotonic``, engine thread only): until when matches wait for it;
     ``timed_out``: a wait reached the deadline.
+
+    The engine reads a job without a lock (:meth:`snapshot`): the reader thread replaces
+    ``result`` by one assignment, so no engine call ever waits on the reader thread, which may
+    be stalled in network I/O (or in a finalizer that a GC pass runs on it).
     """
 
     tokens: Any
@@ -72,17 +77,25 @@ class PrefetchJob:
     start: int
     hashes: list[bytes]
     want_state: bool
-    pages: list[Page] = field(default_factory=list)
-    state: Page | None = None
+    result: tuple[tuple[Page, ...], Page | None] = ((), None)
     done: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)
     deadline: float | None = None
     timed_out: bool = False
 
+    @property
+    def pages(self) -> list[Page]:
+        return list(self.result[0])
+
+    @property
+    def state(self) -> Page | None:
+        return self.result[1]
+
     def snapshot(self) -> tuple[list[Page], Page | None, bool]:
-        """(pages so far, state, finished) read consistently."""
-        with self.lock:
-            return list(self.pages), self.state, self.done.is_set()
+        """(pages so far, state, finished) read consistently and without waiting: ``done``
+        is read first, so a finished job's result is its final one."""
+        finished = self.done.is_set()
+        pages, state = self.result
+        return list(pages), state, finished
 
 
 class StorageController:
@@ -305,8 +318,7 @@ class StorageController:
         except Exception as exc:
             self.count("faults")
             log.warning("L3 prefetch failed (%s); treated as a miss", type(exc).__name__)
-            with job.lock:
-                job.pages, job.state = [], None
+            job.result = ((), None)
         finally:
             job.done.set()
 
@@ -338,13 +350,11 @@ class StorageController:
                 lead.append(p)
             got.extend(lead)
             if not job.want_state:
-                with job.lock:
-                    job.pages.extend(lead)
+                job.result = (job.result[0] + tuple(lead), None)
             if len(lead) < len(chunk):
                 break
         if job.want_state and len(got) == n:
-            with job.lock:
-                job.pages, job.state = got, state
+            job.result = (tuple(got), state)
 
     def close(self) -> None:
         """Finish queued work, stop the threads, close the backend."""

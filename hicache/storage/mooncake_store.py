@@ -188,7 +188,7 @@ class MooncakeStore(StorageBackend):
         wait = self.setup_timeout_s if self._first_wait else self.timeout_s
         self._first_wait = False
         try:
-            self._store = self._setup.result(wait)
+            self._store = self._hold(self._setup.result(wait))
         except FutureTimeout:
             raise TimeoutError(f"Mooncake setup took longer than {wait} s") from None
         return self._store
@@ -224,6 +224,7 @@ class MooncakeStore(StorageBackend):
             time.sleep(0.01)
         if store is None:
             return
+        self._unhold(store)
         if not self._busy and self._send_buf is not None:
             store.unregister_buffer(self._send_buf.data_ptr())
         self._send_buf = None

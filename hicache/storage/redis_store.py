@@ -224,7 +224,7 @@ class RedisStore(StorageBackend):
             return c
         with self._connect_lock:
             if self._client_obj is None:
-                self._client_obj = self._connect()
+                self._client_obj = self._hold(self._connect())
             return self._client_obj
 
     def _connect(self) -> Any:
@@ -256,6 +256,7 @@ class RedisStore(StorageBackend):
     def close(self) -> None:
         c, self._client_obj = self._client_obj, None
         if c is not None:
+            self._unhold(c)
             try:
                 c.close()
             except Exception:  # (closing only: counted, never raised)

@@ -352,3 +352,40 @@ def test_zero_copy_writes_reuse_one_registered_send_buffer() -> None:
         assert store.stats["registered_bytes"] == (16 << 20) + 30 * 2088  # plus one read buffer
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("frozen", ["master", "segment_owner"])
+def test_a_frozen_store_costs_one_timeout_and_then_rests(master: MooncakeMaster, frozen: str) -> None:
+    """As Redis (tests/storage/test_storage_deadline.py): with the master, or the client that
+    holds the pages, stopped (SIGSTOP: connections open, no reply), one call waits one
+    ``timeout_s`` and every later call during ``cooldown_s`` answers a miss at once, without
+    calling the client (the rest period of ``StorageBackend``, shared by every backend)."""
+    import signal
+
+    from hicache.storage.mooncake_store import MooncakeStore
+
+    owner = SegmentOwner(master, 64 << 20)
+    opts = MooncakeOptions.resolve(master.url, mooncake_extra(master.metadata,
+                                                              key_prefix=f"{fresh_model()}:"))
+    store = MooncakeStore(opts, tag="t", timeout_s=0.6, cooldown_s=30.0)
+    proc = master.proc if frozen == "master" else owner.proc
+    assert proc is not None
+    key = "cd" * 32
+    try:
+        assert store.set(key, b"a" * 100, b"b" * 100) and store.exists(key)
+        proc.send_signal(signal.SIGSTOP)
+        stalls = []
+        for call in (store.exists_mask, store.batch_get) * 3:
+            _, dt = timed(call, [key])
+            stalls.append(dt)
+        st = store.stats
+        # The calls that reached the client: up to the one that timed out (a presence call
+        # may still be answered, from the client's side or by the master before it stops).
+        reached = 6 - st["skipped_in_cooldown"]
+        assert st["timeouts"] == 1 and st["errors"] == 0 and 1 <= reached <= 3, st
+        assert max(stalls) < 0.6 + 0.5, stalls
+        assert max(stalls[reached:]) < 0.05, f"a call during the rest period waited: {stalls}"
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        store.close(wait_s=3.0)
+        owner.kill()
