@@ -91,7 +91,14 @@ def test_a_frozen_store_stalls_a_match_for_one_deadline(server: RedisServer, pol
         m, dt2 = timed(b.cache.match_prefix, KEY + [1])  # the same prefetch is still running
         assert dt2 < SLACK, f"{policy}: a re-match waited again ({dt2:.2f} s)"
         st = b.cache.stats()
-        assert st["l3_prefetch_timeouts"] == 1
+        # Under ``wait_complete`` the engine's deadline and the store's socket timeout are the
+        # same 0.6 s, so either may fire first: the engine stops waiting (a prefetch timeout,
+        # counted once) or the store's call times out first and the prefetch ends as a miss.
+        # Under ``timeout`` the engine's 0.4 s deadline always comes first.
+        assert st["l3_prefetch_timeouts"] <= 1
+        assert st["l3_prefetch_timeouts"] + st["l3_backend_timeouts"] >= 1
+        if policy == "timeout":
+            assert st["l3_prefetch_timeouts"] == 1
         server.proc.send_signal(signal.SIGCONT)
         b.cache.flush_storage(10)  # the prefetch ends in the background
         b.cache.sanity_check()
