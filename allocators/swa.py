@@ -95,8 +95,8 @@ def _validated_release_pages(alloc: _FreeListAllocator, slots: torch.Tensor) -> 
 
     Raises ``ValueError`` (``foreign index``, ``partial page``, ``double free``); no mutation.
     """
-    pages = alloc._slots_to_pages(slots)
-    alloc._pages.validate_release(pages)
+    pages = alloc.slots_to_pages(slots)
+    alloc.pages.validate_release(pages)
     return pages
 
 
@@ -398,8 +398,8 @@ class SWAAllocator(SlotAllocator):
         full_pages = _validated_release_pages(self._full, idx)
         swa = self.full_to_swa[idx]
         swa_pages = _validated_release_pages(self._swa, swa[swa != 0])
-        self._full._pages.release(full_pages)
-        self._swa._pages.release(swa_pages)
+        self._full.pages.release(full_pages)
+        self._swa.pages.release(swa_pages)
         ids = idx.numpy()
         self._map[ids] = 0
         self._changed(ids)
@@ -425,7 +425,7 @@ class SWAAllocator(SlotAllocator):
         if idx.numel() == 0:
             return
         p = self._page_size
-        pages = self._full._slots_to_pages(idx)  # paged: foreign index / partial page
+        pages = self._full.slots_to_pages(idx)  # paged: foreign index / partial page
         arr = pages.numpy()
         if p == 1:
             out_of_range = (arr < 1) | (arr > self.size)
@@ -435,7 +435,7 @@ class SWAAllocator(SlotAllocator):
                     f"foreign index: slot {bad} is not in 1..{self.size}"
                     " (0 is the padding slot and is never allocated)"
                 )
-        unused = ~self._full._pages.in_use(pages)
+        unused = ~self._full.pages.in_use(pages)
         if unused.any():
             bad = int(arr[unused.argmax()]) * p
             raise ValueError(f"{_NEVER}: slot {bad} is not allocated")
@@ -451,7 +451,7 @@ class SWAAllocator(SlotAllocator):
             bad = int(ordered[1:][repeated.argmax()]) * p
             raise ValueError(f"double free: slot {bad} appears more than once in one call")
         swa_pages = _validated_release_pages(self._swa, swa)
-        self._swa._pages.release(swa_pages)
+        self._swa.pages.release(swa_pages)
         ids = idx.numpy()
         self._map[ids] = 0
         self._changed(ids)
@@ -482,8 +482,8 @@ class SWAAllocator(SlotAllocator):
                 " only an intact alloc result can be undone"
             )
         swa_pages = _validated_release_pages(self._swa, swa)
-        self._full._pages.restore(full_pages)
-        self._swa._pages.restore(swa_pages)
+        self._full.pages.restore(full_pages)
+        self._swa.pages.restore(swa_pages)
         ids = idx.numpy()
         self._map[ids] = 0
         self._changed(ids)
@@ -518,7 +518,7 @@ class SWAAllocator(SlotAllocator):
             problems.append(f"padding slots map to SWA slots {m[:p].tolist()}")
         nz = np.flatnonzero(m)
         vals = m[nz]
-        full_free = self._full._pages._is_free[nz // p]
+        full_free = self._full.pages.free_mask()[nz // p]
         if full_free.any():
             f = int(nz[full_free.argmax()])
             problems.append(f"free full slot {f} still maps to SWA slot {int(m[f])}")
@@ -528,7 +528,7 @@ class SWAAllocator(SlotAllocator):
             f = int(nz[out.argmax()])
             problems.append(f"full slot {f} maps to {int(m[f])}, outside [{p}, {high})")
         else:
-            swa_free = self._swa._pages._is_free[vals // p]
+            swa_free = self._swa.pages.free_mask()[vals // p]
             if swa_free.any():
                 f = int(nz[swa_free.argmax()])
                 problems.append(f"full slot {f} maps to free SWA slot {int(m[f])}")
@@ -568,8 +568,8 @@ class SWAAllocator(SlotAllocator):
         nz = np.flatnonzero(self._map)[:limit]
         pairs = [(int(f), int(self._map[f])) for f in nz]
         return (
-            f"  full side:\n{self._full._pages.dump(limit)}\n"
-            f"  SWA side:\n{self._swa._pages.dump(limit)}\n"
+            f"  full side:\n{self._full.pages.dump(limit)}\n"
+            f"  SWA side:\n{self._swa.pages.dump(limit)}\n"
             f"  full_to_swa (first {limit} non-zero, full -> SWA)={pairs}"
         )
 

@@ -65,6 +65,13 @@ class _FreeListAllocator(SlotAllocator):
 
     # ------------------------------------------------------------------ facts
     @property
+    def pages(self) -> FreeList:
+        """The free list of page ids (``1..num_pages``) this allocator hands out: the page level
+        a composite allocator (``allocators.swa.SWAAllocator``: two of them freed together)
+        validates, releases and restores through, and a test inspects."""
+        return self._pages
+
+    @property
     def size(self) -> int:
         return self._pages.capacity * self._page_size
 
@@ -103,7 +110,7 @@ class _FreeListAllocator(SlotAllocator):
         return register(upload(host, self._device), host)
 
     def free(self, indices: torch.Tensor) -> None:
-        pages = self._slots_to_pages(as_index_tensor(indices, "indices"))
+        pages = self.slots_to_pages(as_index_tensor(indices, "indices"))
         self._pages.release(pages)
 
     def free_owned(self, indices: torch.Tensor | int) -> None:
@@ -146,7 +153,7 @@ class _FreeListAllocator(SlotAllocator):
         return self._pages.release_held_at
 
     def undo_alloc(self, indices: torch.Tensor) -> None:
-        pages = self._slots_to_pages(as_index_tensor(indices, "indices"))
+        pages = self.slots_to_pages(as_index_tensor(indices, "indices"))
         self._pages.restore(pages)
 
     def clear(self) -> None:
@@ -169,7 +176,7 @@ class _FreeListAllocator(SlotAllocator):
         Used by cache invariant checks (a slot the tree holds must not be free). O(len).
         """
         pages = host_ids(indices, "indices") // self._page_size
-        return torch.from_numpy(self._pages._is_free[pages])
+        return torch.from_numpy(self._free_mask[pages])
 
     # ------------------------------------------------------------------ checking
     def check(self) -> None:
@@ -200,8 +207,9 @@ class _FreeListAllocator(SlotAllocator):
             return pages
         return (pages[:, None] * self._page_size + self._arange_page).reshape(-1)
 
-    def _slots_to_pages(self, slots: torch.Tensor) -> torch.Tensor:
-        """Validate slot ids as whole pages and return their page ids (CPU int64).
+    def slots_to_pages(self, slots: torch.Tensor) -> torch.Tensor:
+        """Validate slot ids (a 1-D CPU int64 tensor) as whole pages and return their page ids
+        (CPU int64); no mutation. Raises ``ValueError`` naming a foreign slot or a partial page.
 
         Range errors are reported here in slot terms (``foreign index``); ``double free`` is
         detected by the free list on the page ids.

@@ -62,6 +62,7 @@ from radix.tree import RadixKey, new_tuple, resolve_key
 if TYPE_CHECKING:
     from allocators import MambaStatePool, SlotAllocator
     from allocators.swa import SWAAllocator
+    from components.kv import KVValue
     from hicache.storage import StorageController
 
 #: A node's KV value (``node.kv_value``), read in C.
@@ -245,6 +246,78 @@ class RadixCache:
     def host_leaves(self) -> Any:
         """Host-only leaves in host-eviction order (empty without a host tier)."""
         return self._host.host_leaves if self._host is not None else ()
+
+    @property
+    def has_swa(self) -> bool:
+        """Whether the cache has a sliding-window component (``sliding_window_size``)."""
+        return self.swa is not None
+
+    @property
+    def has_host_tier(self) -> bool:
+        """Whether the cache has a host tier (HiCache L2, ``hicache=``)."""
+        return self._host is not None
+
+    def holds(self, node: Any) -> bool:
+        """Whether ``node`` is a node of this cache's tree now (the root included; a removed
+        node, one of another cache or of before a ``reset``, or any other object: ``False``)."""
+        return type(node) is TreeNode and self.core.tree.is_attached(node)
+
+    def device_slots(self, values: Sequence[KVValue]) -> torch.Tensor:
+        """Node KV values (``node.kv_value``, ``InsertResult.tree_values``) joined into one 1-D
+        int64 tensor of slots on the KV device, in order (one upload on a device, mirrored;
+        ``empty_slots`` for none). Read-only: it may be a view of a node's own slots."""
+        return self._join(list(values)) if values else self.empty_slots
+
+    def path_slots(self, node: TreeNode) -> torch.Tensor:
+        """The device KV slots [one per token] from the root to ``node``, on the KV device
+        (``node``'s device part: a host-only node's chain adds none). 1-D int64, read-only.
+
+        Raises:
+            TypeError / ValueError: ``node`` is not a node of this cache.
+        """
+        checked = check_node(self.core, node, device=False)
+        vals = [n.kv_value for n in reversed(checked.path_to_root()) if n.kv_value is not None]
+        return self.device_slots(vals)
+
+    def swa_kept_mask(self, caller: torch.Tensor, tree: torch.Tensor) -> torch.Tensor:
+        """Where a running request keeps its own slot over the tree's: of two slot tensors
+        for the same tokens (``caller``: the request's, ``tree``: the tree's, equal length,
+        1-D int64 on any device), the positions where they differ and the request's copy
+        has live SWA KV while the tree's is a tombstone (the request's window still reads
+        it; it frees the copy when it finishes). Returns a 1-D bool CPU tensor over
+        ``caller``; all ``False`` without an SWA component.
+
+        Raises:
+            ValueError: ``caller`` and ``tree`` differ in length.
+        """
+        if len(caller) != len(tree):
+            raise ValueError(f"caller ({len(caller)} slots) and tree ({len(tree)} slots) must "
+                             "cover the same tokens")
+        if self.swa is None:
+            return torch.zeros(len(caller), dtype=torch.bool)
+        caller_h, tree_h = self.kv.host_slots(caller), self.kv.host_slots(tree)
+        return torch.from_numpy(self.swa.request_keeps(caller_h, tree_h, caller_h != tree_h))
+
+    def release_swa_slots(self, slots: torch.Tensor, start: int, seq_len: int) -> int:
+        """Free the SWA KV of ``slots[start:upto]`` (a request's own KV slots [one per token],
+        1-D int64): the tokens that slid out of its window before ``seq_len``, ``upto``
+        keeping the last ``max(sliding_window_size, page_size)`` tokens and
+        ``swa_release_extra_pages`` pages live (page aligned; as :meth:`release_swa`, for an
+        engine that keeps its own request record). Returns ``upto`` (``<= start``: nothing
+        freed).
+
+        Raises:
+            ValueError: no SWA component, ``start < 0``, or ``seq_len`` not in
+                ``[0, len(slots)]``; ``TypeError``: counts that are not ints.
+        """
+        swa = self.swa
+        if swa is None:
+            raise ValueError("release_swa_slots on a cache without a sliding-window component")
+        check_count(start, "start")
+        check_count(seq_len, "seq_len")
+        if seq_len > len(slots):
+            raise ValueError(f"seq_len ({seq_len}) > len(slots) ({len(slots)})")
+        return swa.release(slots, start, seq_len)
 
     # =============================================================== matching
     def match_prefix(self, key: Any, extra_key: Any = None) -> MatchResult:

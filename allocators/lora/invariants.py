@@ -18,7 +18,7 @@ __all__ = ["check_pool", "check_pool_weights"]
 def _dump(pool: LoraMemoryPool) -> str:
     return (
         f"slot_to_uid={pool.slots.slot_to_uid}\nuid_to_slot={pool.slots.uid_to_slot}\n"
-        f"pinned={sorted(map(str, pool._pinned))}\nloaded={[str(u) for u in pool._adapters]}\n"
+        f"pinned={sorted(map(str, pool.pinned_uids()))}\nloaded={[str(u) for u in pool.loaded_uids()]}\n"
         f"policy={pool.policy!r}"
     )
 
@@ -33,6 +33,8 @@ def check_pool(pool: LoraMemoryPool) -> None:
 
 def _check(pool: LoraMemoryPool) -> None:
     k = pool.max_loras_per_batch
+    loaded = pool.loaded_uids()
+    pinned = pool.pinned_uids()
     slots = pool.slots.slot_to_uid
     assert len(slots) == k, f"{len(slots)} slots, max_loras_per_batch={k}"
     residents = [u for u in slots if u is not None]
@@ -45,15 +47,15 @@ def _check(pool: LoraMemoryPool) -> None:
             f"slot {slot} holds {uid}, uid_to_slot disagrees"
         )
         if isinstance(uid, LoraUid):
-            assert uid in pool._adapters, f"slot {slot} holds {uid}, which is not loaded"
+            assert uid in loaded, f"slot {slot} holds {uid}, which is not loaded"
     for uid, slot in pool.slots.uid_to_slot.items():
         assert 0 <= slot < k and slots[slot] == uid, f"uid_to_slot[{uid}]={slot} disagrees"
     assert len(pool.slots.uid_to_slot) == len(residents), "uid_to_slot has extra entries"
-    assert len(pool._pinned) <= k - 1, f"{len(pool._pinned)} pinned > max_loras_per_batch - 1"
-    for uid in pool._pinned:
-        assert uid in pool._adapters, f"pinned {uid} is not loaded"
+    assert len(pinned) <= k - 1, f"{len(pinned)} pinned > max_loras_per_batch - 1"
+    for uid in pinned:
+        assert uid in loaded, f"pinned {uid} is not loaded"
         assert uid in pool.slots.uid_to_slot, f"pinned {uid} is not resident"
-    expected = {u for u in residents if isinstance(u, LoraUid)} - pool._pinned
+    expected = {u for u in residents if isinstance(u, LoraUid)} - pinned
     tracked = pool.policy.tracked()
     assert len(set(tracked)) == len(tracked), "the policy tracks an id twice"
     assert set(tracked) == expected, (
@@ -61,16 +63,16 @@ def _check(pool: LoraMemoryPool) -> None:
         f"{sorted(map(str, expected))}"
     )
     cap = pool.max_loaded_loras
-    assert cap is None or len(pool._adapters) <= cap, f"{len(pool._adapters)} loaded > {cap}"
-    assert all(u.serial < pool._next_serial for u in pool._adapters), "serial from the future"
-    assert len({u.serial for u in pool._adapters}) == len(pool._adapters), "serial reused"
+    assert cap is None or len(loaded) <= cap, f"{len(loaded)} loaded > {cap}"
+    assert all(u.serial < pool.next_serial for u in loaded), "serial from the future"
+    assert len({u.serial for u in loaded}) == len(loaded), "serial reused"
 
 
 def check_pool_weights(pool: LoraMemoryPool) -> None:
     """Each slot holds exactly its occupant's weights, zero-padded; others are all zero."""
     r_max = pool.max_lora_rank
     for slot, uid in enumerate(pool.slots.slot_to_uid):
-        adapter = pool._adapters[uid] if isinstance(uid, LoraUid) else None
+        adapter = pool.adapter(uid) if isinstance(uid, LoraUid) else None
         weights = {} if adapter is None else adapter.weights
         want_scale = 0.0 if adapter is None else adapter.scaling
         got_scale = float(pool.scaling[slot])

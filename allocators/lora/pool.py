@@ -202,6 +202,15 @@ class LoraMemoryPool:
         """Slots a batch's unpinned adapters may use: ``K - num_pinned``."""
         return self.max_loras_per_batch - len(self._pinned)
 
+    def pinned_uids(self) -> frozenset[LoraUid]:
+        """The pinned adapters (resident until unpinned)."""
+        return frozenset(self._pinned)
+
+    @property
+    def next_serial(self) -> int:
+        """The serial the next added adapter gets (every loaded one's is below it)."""
+        return self._next_serial
+
     def loaded_uids(self) -> tuple[LoraUid, ...]:
         """Every adapter in the host tier, in load order."""
         return tuple(self._adapters)

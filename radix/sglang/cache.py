@@ -131,10 +131,13 @@ class UnifiedRadixCache:
                                   hicache=params.hicache)
         if self.cache.kv_events is not None and params.kv_event_lora_names:
             self.cache.kv_events.lora_names = dict(params.kv_event_lora_names)
-        self._alloc = alloc
+        #: The KV slot allocator the tree frees into (the engine's, or the simulated one).
+        self.slot_allocator = alloc
+        #: The recurrent-state pool (``req_to_token_pool.mamba_pool``), or ``None``.
+        self.state_pool = state_pool
         self.device = self.cache.device
         self.views = NodeViews(params.page_size, offset, self._page_hashes,
-                               self.cache.kv.device_slots)
+                               self.cache.device_slots)
         self.session = session.StreamingSessions(self) if params.enable_streaming_session else None
         self.cache_controller = None
         self.metrics_collector = None
@@ -153,10 +156,10 @@ class UnifiedRadixCache:
 
     # ================================================================ predicates
     def supports_mamba(self) -> bool:
-        return self.cache.state is not None
+        return self.cache.hybrid
 
     def supports_swa(self) -> bool:
-        return self.cache.swa is not None
+        return self.cache.has_swa
 
     def supports_auxiliary_swa(self) -> bool:
         return False
@@ -215,11 +218,11 @@ class UnifiedRadixCache:
             ValueError: an id not in the tree, or a node of another cache.
         """
         view = self.resolve_node_handle(node, name)
-        lib = view._node
+        lib = view.library_node
         if lib is None:
             raise TypeError(f"{name} must be a node this cache handed out, not a TreeNode built "
                             "by hand")
-        if not self.cache.core.tree.is_attached(lib):
+        if not self.cache.holds(lib):
             raise ValueError(f"{name} (node {lib.id}) is not in this cache (removed, reset, or "
                              "another cache's)")
         return lib
@@ -248,7 +251,7 @@ class UnifiedRadixCache:
         empty). The copy is done here: there is no forward stream to defer it to."""
         if not isinstance(params, MatchPrefixParams):
             params = MatchPrefixParams(key=as_radix_key(params))
-        if params.cow_mamba and self.cache.state is not None and not isinstance(
+        if params.cow_mamba and self.cache.hybrid and not isinstance(
                 getattr(params.req, "kv", None), requests.ReqKvInfo):
             raise TypeError("cow_mamba=True needs params.req: the request (with its kv record) "
                             f"whose state slot receives the copy, got {type(params.req).__name__}")
@@ -265,14 +268,14 @@ class UnifiedRadixCache:
         host_node = m.last_host_node if m.last_host_node is not None else m.last_device_node
         best = views.get(host_node)
         mamba_host = 0
-        if self.cache.state is not None and host_node is not self.cache.root and (
+        if self.cache.hybrid and host_node is not self.cache.root and (
                 host_node.state_slot is None and host_node.host_state_slot is not None):
             mamba_host = 1
         result = MatchResult(
             device_prefix_len=m.prefix_len, last_device_node=last, last_host_node=best,
             best_match_node=best, host_hit_length=m.host_hit_length,
             mamba_host_hit_length=mamba_host,
-            mamba_branching_seqlen=m.branching_seqlen if self.cache.state is not None else None,
+            mamba_branching_seqlen=m.branching_seqlen if self.cache.hybrid else None,
             full_kv_hit_length=m.kv_hit_length,
             device_indices=cast("torch.Tensor", views.out_slots(m.device_indices)))
         if params.cow_mamba and m.state_slot is not None:
@@ -287,10 +290,7 @@ class UnifiedRadixCache:
 
     def path_device_indices(self, node: Any) -> torch.Tensor:
         """The device KV slots on the path from the root to ``node``."""
-        lib = self.lib_node(node)
-        vals = [n.kv_value for n in reversed(lib.path_to_root()) if n.kv_value is not None]
-        out = self.cache.kv.device_slots(vals) if vals else _EMPTY
-        return cast("torch.Tensor", self.views.out_slots(out))
+        return cast("torch.Tensor", self.views.out_slots(self.cache.path_slots(self.lib_node(node))))
 
     def prefix_device_indices(self, req: Any) -> torch.Tensor:
         return self.path_device_indices(req.last_node)[: req.prefix_len]
@@ -315,23 +315,13 @@ class UnifiedRadixCache:
         if legacy:
             params = InsertParams(key=as_radix_key(params), value=value)
         assert isinstance(params, InsertParams)
-        res = self._insert_keeping(params, False)
+        res = self.insert_keeping(params, False)
         return res.prefix_len if legacy else res
 
-    def _kept_mask(self, caller: torch.Tensor, tree: torch.Tensor) -> torch.Tensor:
-        """Where a running request keeps its own slot over the tree's: its copy has live
-        SWA KV and the tree's is a tombstone (its window still reads it)."""
-        swa = self.cache.swa
-        dup = caller != tree
-        if swa is None:
-            return torch.zeros_like(dup)
-        host = self.cache.kv.host_slots
-        caller_h, tree_h = host(caller), host(tree)
-        return torch.from_numpy(swa.request_keeps(caller_h, tree_h, caller_h != tree_h))
-
-    def _insert_keeping(self, params: InsertParams, keep_live_swa: bool) -> InsertResult:
-        """:meth:`insert`; with ``keep_live_swa`` a running request's live SWA copies over
-        tombstones are not freed as duplicates (:meth:`_kept_mask`)."""
+    def insert_keeping(self, params: InsertParams, keep_live_swa: bool) -> InsertResult:
+        """:meth:`insert` (its ``InsertParams`` shape); with ``keep_live_swa`` a running
+        request's live SWA copies over tombstones are not freed as duplicates (the library's
+        ``RadixCache.swa_kept_mask``): ``radix.sglang.requests`` checkpoints through it."""
         if self.disable:
             return InsertResult(prefix_len=0)
         if params.key is None:
@@ -367,15 +357,15 @@ class UnifiedRadixCache:
         p0 = min(prev, res.prefix_len)
         if self.frees_duplicates and p0 < res.prefix_len:
             caller = slots[p0:res.prefix_len]
-            tree = (self.cache.kv.device_slots(res.tree_values)[p0:res.prefix_len]
+            tree = (self.cache.device_slots(res.tree_values)[p0:res.prefix_len]
                     if res.tree_values
                     else caller)
             mask = caller != tree
             if keep_live_swa:
-                mask &= ~self._kept_mask(caller, tree)
+                mask &= ~self.cache.swa_kept_mask(caller, tree)
             dup = caller[mask]
             if len(dup):
-                self._alloc.free(dup)
+                self.slot_allocator.free(dup)
         return InsertResult(prefix_len=res.prefix_len, total_len=res.inserted_len,
                             last_device_node=self.views.get(res.last_node),
                             mamba_exist=state is not None and not res.state_adopted)
@@ -453,9 +443,9 @@ class UnifiedRadixCache:
         c = self.cache
         total = [0, 0, 0]  # full tokens, SWA tokens, states freed so far
         runs: list[tuple[Any, int, int]] = [(c.evict, targets[0], 0)]
-        if c.swa is not None:
+        if c.has_swa:
             runs.append((c.evict_swa, targets[1], 1))
-        if c.state is not None:
+        if c.hybrid:
             runs.append((c.evict_states, targets[2], 2))
         for fn, asked, i in runs:
             # what an earlier walk freed on the way (a leaf's state, its SWA KV) counts
@@ -496,7 +486,7 @@ class UnifiedRadixCache:
         """Every device KV slot the tree holds (parents before children)."""
         vals = [n.kv_value for n in self.cache.tree.iter_nodes() if n.kv_value is not None]
         return cast("torch.Tensor", self.views.out_slots(
-            self.cache.kv.device_slots(vals) if vals else _EMPTY))
+            self.cache.device_slots(vals) if vals else _EMPTY))
 
     def all_mamba_values_flatten(self) -> torch.Tensor:
         slots = [n.state_slot for n in self.cache.tree.iter_nodes() if n.state_slot is not None]
@@ -504,17 +494,17 @@ class UnifiedRadixCache:
 
     def available_and_evictable_str(self) -> str:
         c = self.cache
-        alloc = self._alloc
-        full_avail = (alloc.full_available_size() if c.swa is not None
+        alloc = self.slot_allocator
+        full_avail = (alloc.full_available_size() if c.has_swa
                       else alloc.available_size())
         lines = [f"Available full tokens: {full_avail + c.evictable_size()} "
                  f"(full_available_size={full_avail} + full_evictable_size_={c.evictable_size()})"]
-        if c.swa is not None:
+        if c.has_swa:
             a = alloc.swa_available_size()
             lines.append(f"Available swa: {a + c.swa_evictable_size()} (available_size={a} + "
                          f"component_evictable_size_={c.swa_evictable_size()})")
-        if c.state is not None:
-            a = c.state.allocator.available_size()
+        if self.state_pool is not None:
+            a = self.state_pool.available_size()
             lines.append(f"Available mamba: {a + c.state_evictable_size()} (available_size={a} "
                          f"+ component_evictable_size_={c.state_evictable_size()})")
         return "\n".join(lines) + "\n"
@@ -567,7 +557,7 @@ class UnifiedRadixCache:
             raise TypeError(f"params must be an InitLoadBackParams, got {type(params).__name__}")
         check_count(params.host_hit_length, "params.host_hit_length")
         self.lib_node(params.best_match_node, "params.best_match_node")
-        if self.cache.hicache is None or params.host_hit_length <= 0:
+        if not self.cache.has_host_tier or params.host_hit_length <= 0:
             return 0, params.best_match_node
         lib = self.lib_node(params.best_match_node)
         loaded = self.cache.load_back(lib)
@@ -648,6 +638,6 @@ class RadixCache(UnifiedRadixCache):
 
     def __init__(self, params: CacheInitParams, *, simulated: bool | None = None) -> None:
         super().__init__(params, simulated=simulated)
-        if self.cache.state is not None or self.cache.swa is not None:
+        if self.cache.hybrid or self.cache.has_swa:
             raise ValueError("RadixCache holds full KV only; use UnifiedRadixCache for "
                              "recurrent-state or sliding-window models")

@@ -53,7 +53,7 @@ class EvictionStrategy:
 
     def get_priority(self, node: Any) -> float | tuple[Any, ...]:
         """The eviction key of ``node`` (smaller first), as SGLang's strategy returns it."""
-        lib = node if isinstance(node, LibNode) else node._node
+        lib = node if isinstance(node, LibNode) else node.library_node
         key = self._key(lib)
         return key[0] if len(key) == 1 else key
 

@@ -79,6 +79,12 @@ class TreeNode:
         return self._node is not None
 
     @property
+    def library_node(self) -> LibNode | None:
+        """The library node (``radix.node.TreeNode``) this view reads, or ``None`` for a node
+        built by hand."""
+        return self._node
+
+    @property
     def key(self) -> RadixKey | None:
         n = self._node
         if n is None:

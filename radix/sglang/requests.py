@@ -275,9 +275,9 @@ def check_request(fe: UnifiedRadixCache, req: Any, up_to: int | None = None,
 
 
 def _state_pool(fe: UnifiedRadixCache) -> MambaStatePool:
-    st = fe.cache.state
-    assert st is not None
-    return st.allocator
+    pool = fe.state_pool
+    assert pool is not None
+    return pool
 
 
 def _fresh_state(fe: UnifiedRadixCache, protect: LibNode | None) -> int:
@@ -331,7 +331,7 @@ def checkpoint_into_tree(fe: UnifiedRadixCache, req: Any, up_to: int) -> None:
     ps = fe.page_size
     n = len(fill_ids(req)[:up_to]) // ps * ps
     state = None
-    if lib.state is not None:
+    if lib.hybrid:
         src = kv.mamba_pool_idx
         if src is None:
             return  # no state to checkpoint: a hybrid tree takes nothing without one
@@ -346,14 +346,14 @@ def checkpoint_into_tree(fe: UnifiedRadixCache, req: Any, up_to: int) -> None:
     params = InsertParams(key=req.radix_key(n), value=value,
                           mamba_value=None if state is None else torch.tensor([state]),
                           prev_prefix_len=protected, priority=req.priority or 0)
-    keep = lib.swa is not None and not finished
+    keep = lib.has_swa and not finished
     try:
-        res = fe._insert_keeping(params, keep)
+        res = fe.insert_keeping(params, keep)
     except BaseException:
         if state is not None and not finished:  # the copy made for the tree: back in front
             _state_pool(fe).undo_alloc(torch.tensor([state], dtype=torch.int64))
         raise
-    if lib.state is not None:
+    if lib.hybrid:
         assert state is not None
         if res.mamba_exist:
             _state_pool(fe).free(torch.tensor([state], dtype=torch.int64))
@@ -362,7 +362,7 @@ def checkpoint_into_tree(fe: UnifiedRadixCache, req: Any, up_to: int) -> None:
     new_len = res.total_len
     tree = fe.path_device_indices(res.last_device_node)[:new_len].to(row.device)
     mine = value[:new_len]
-    merged = tree if not keep else torch.where(fe._kept_mask(mine, tree), mine, tree)
+    merged = tree if not keep else torch.where(lib.swa_kept_mask(mine, tree), mine, tree)
     if new_len > protected:
         row[protected:new_len] = merged[protected:]
     old = req.lock
@@ -392,13 +392,13 @@ def free_kv_row(fe: UnifiedRadixCache, kv: Any, ranges: list[tuple[int, int]]) -
     if parts:
         slots = _whole_pages(fe, torch.cat(parts))
         if len(slots):
-            fe._alloc.free(slots.cpu())
+            fe.slot_allocator.free(slots.cpu())
 
 
 def free_request_state(fe: UnifiedRadixCache, req: Any) -> None:
     """The request's own state slot back to the pool (when it still has one)."""
     kv = req.kv
-    if kv.mamba_pool_idx is not None and fe.cache.state is not None:
+    if kv.mamba_pool_idx is not None and fe.state_pool is not None:
         _state_pool(fe).free(kv.mamba_pool_idx.reshape(1))
         kv.mamba_pool_idx = None
 
@@ -441,28 +441,27 @@ def _free_kept(fe: UnifiedRadixCache, req: Any) -> None:
     while it ran) and point the row at the tree's."""
     kv = req.kv
     p = kv.cache_protected_len
-    if fe.cache.swa is None or p == 0 or req.last_node is None:
+    if not fe.cache.has_swa or p == 0 or req.last_node is None:
         return
     row = fe.req_to_token_pool.req_to_token[kv.req_pool_idx]
     tree = fe.path_device_indices(req.last_node)[:p].to(row.device)
     mine = row[:p]
     own = mine != tree
     if bool(own.any()):
-        fe._alloc.free(mine[own].cpu())
+        fe.slot_allocator.free(mine[own].cpu())
         row[:p] = tree
 
 
 def release_out_of_window(fe: UnifiedRadixCache, req: Any, pre_len: int) -> None:
     """Free the SWA KV of the request's own tokens more than a window (and a page) before
     ``pre_len``."""
-    swa = fe.cache.swa
-    if swa is None:
+    if not fe.cache.has_swa:
         return
     check_request(fe, req, pre_len, "pre_len")
     kv = req.kv
     row = fe.req_to_token_pool.req_to_token[kv.req_pool_idx]
     start = max(kv.swa_evicted_seqlen, kv.cache_protected_len)
-    upto = swa.release(row[:pre_len].cpu(), start, pre_len)
+    upto = fe.cache.release_swa_slots(row[:pre_len].cpu(), start, pre_len)
     if upto > start:
         kv.swa_evicted_seqlen = upto
 

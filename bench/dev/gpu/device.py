@@ -141,12 +141,12 @@ class SimStream:
         return event
 
     def query(self) -> bool:
-        self.sim._land(self, self.sim.seq)
+        self.sim.land(self, self.sim.seq)
         return True
 
     def synchronize(self) -> None:
-        self.sim._sync("Stream.synchronize")
-        self.sim._land(self, self.sim.seq)
+        self.sim.sync("Stream.synchronize")
+        self.sim.land(self, self.sim.seq)
 
     def __repr__(self) -> str:
         return f"SimStream({'default' if self is self.sim.default_stream else id(self)})"
@@ -169,15 +169,15 @@ class SimEvent:
     def query(self) -> bool:
         if self.stream is None:
             return True
-        if not self.sim.events_complete and self.sim._synced.get(self.stream, -1) < self.seq:
+        if not self.sim.events_complete and self.sim.synced.get(self.stream, -1) < self.seq:
             return False
-        self.sim._land(self.stream, self.seq)
+        self.sim.land(self.stream, self.seq)
         return True
 
     def synchronize(self) -> None:
-        self.sim._sync("Event.synchronize")
+        self.sim.sync("Event.synchronize")
         if self.stream is not None:
-            self.sim._land(self.stream, self.seq)
+            self.sim.land(self.stream, self.seq)
 
     def wait(self, stream: SimStream | None = None) -> None:
         (stream if stream is not None else self.sim.current).wait_event(self)
@@ -190,11 +190,11 @@ class CudaRT:
         self.sim = sim
 
     def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
-        self.sim._pinned[ptr] = Registered()
+        self.sim.pinned[ptr] = Registered()
         return 0
 
     def cudaHostUnregister(self, ptr: int) -> int:
-        self.sim._pinned.pop(ptr, None)
+        self.sim.pinned.pop(ptr, None)
         return 0
 
 

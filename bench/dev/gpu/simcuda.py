@@ -175,10 +175,11 @@ class SimCuda:
         self.ops: dict[str, OpStats] = {}
         self.sites: Counter[tuple[str, str, str]] = Counter()
         self._stack: list[str] = []
-        self._pinned: dict[int, Callable[[], object]] = {}
+        #: host storage pointer -> the pinned tensor (weak): what ``is_pinned`` answers from
+        self.pinned: dict[int, Callable[[], object]] = {}
         self._regions: list[_Region] = []
         #: stream -> the last sequence number known complete (synchronised)
-        self._synced: dict[SimStream, int] = {}
+        self.synced: dict[SimStream, int] = {}
         #: pinned host allocations (``pin_memory=True``) made, with their sizes [bytes]
         self.pinned_allocs: list[int] = []
         self._writers: dict[int, tuple[SimStream, int, weakref.ref[torch.Tensor]]] = {}
@@ -284,7 +285,8 @@ class SimCuda:
             f = f.f_back
         return "?"
 
-    def _sync(self, kind: str) -> None:
+    def sync(self, kind: str) -> None:
+        """Count one host synchronisation of ``kind`` against the current operation and site."""
         op = self._stack[0] if self._stack else OUTSIDE
         self.ops.setdefault(op, OpStats()).syncs[kind] += 1
         self.sites[(op, kind, self._site())] += 1
@@ -306,27 +308,29 @@ class SimCuda:
 
     # ------------------------------------------------------------------ memory tracking
     def _synchronize_all(self, device: Any = None) -> None:
-        self._sync("torch.cuda.synchronize")
+        self.sync("torch.cuda.synchronize")
         for s in self.streams:
-            self._synced[s] = self.seq
+            self.synced[s] = self.seq
         self._regions.clear()
 
-    def _land(self, stream: SimStream, seq: int) -> None:
-        if self._synced.get(stream, -1) < seq:
-            self._synced[stream] = seq
+    def land(self, stream: SimStream, seq: int) -> None:
+        """Work on ``stream`` up to sequence number ``seq`` is complete (synchronised): its
+        regions in flight are released."""
+        if self.synced.get(stream, -1) < seq:
+            self.synced[stream] = seq
         if self._regions:
             self._regions = [r for r in self._regions
                              if not (r.stream is stream and r.seq <= seq) and r.ref() is not None]
 
     def _pin(self, t: torch.Tensor) -> torch.Tensor:
-        self._pinned[t.untyped_storage().data_ptr()] = weakref.ref(t)
+        self.pinned[t.untyped_storage().data_ptr()] = weakref.ref(t)
         return t
 
     def is_pinned(self, t: torch.Tensor) -> bool:
         if is_device(t):
             return False
         ptr = t.untyped_storage().data_ptr()
-        ref = self._pinned.get(ptr)
+        ref = self.pinned.get(ptr)
         return ref is not None and ref() is not None
 
     def _in_flight(self, t: torch.Tensor, kind: str, stream: SimStream) -> None:
@@ -364,7 +368,7 @@ class SimCuda:
             w = self._writers.get(t.untyped_storage().data_ptr())
             if w is None or w[0] is cur or w[2]() is None:
                 continue
-            if cur.waited.get(w[0], -1) < w[1] and self._synced.get(w[0], -1) < w[1]:
+            if cur.waited.get(w[0], -1) < w[1] and self.synced.get(w[0], -1) < w[1]:
                 self._error(f"{func_name(func)}: {cur} touches device memory {w[0]} wrote without "
                             "waiting for it")
                 return
@@ -387,12 +391,12 @@ class SimCuda:
         if not dev:
             return self._host_call(func, args, kwargs)
         if func in VALUE_READS:
-            self._sync(f"{func_name(func)}")
+            self.sync(f"{func_name(func)}")
         elif func in DATA_SIZED or (func is torch.where and len(args) + len(kwargs) == 1) or (
             func in (torch.repeat_interleave, T.repeat_interleave)
             and kwargs.get("output_size") is None
         ):
-            self._sync(f"{func_name(func)}")
+            self.sync(f"{func_name(func)}")
         if func in INDEXING:
             self._check_index(func, args)
         else:
@@ -426,7 +430,7 @@ class SimCuda:
             if pin:
                 raise RuntimeError("pin_memory=True is for CPU tensors only")
             if func in (torch.tensor, torch.as_tensor, T.new_tensor):
-                self._sync("torch.tensor(device=cuda) from pageable memory")
+                self.sync("torch.tensor(device=cuda) from pageable memory")
             out = func(*args, **kw)
             if isinstance(out, torch.Tensor):
                 self._count_factory(func, out)
@@ -449,16 +453,16 @@ class SimCuda:
             if isinstance(p, list):
                 p = torch.as_tensor(p)
                 if is_device(self_t):
-                    self._sync("list index into a device tensor (host->device copy)")
+                    self.sync("list index into a device tensor (host->device copy)")
                     self._memcpy("H2D list index", p)
             if not isinstance(p, torch.Tensor):
                 continue
             tensor_idx = True
             if p.dtype == torch.bool and p.dim() > 0:
                 if (is_device(self_t) or is_device(p)) and not masked_fill:
-                    self._sync("boolean-mask indexing")
+                    self.sync("boolean-mask indexing")
             elif is_device(self_t) and not is_device(p) and p.dim() > 0:
-                self._sync("CPU index into a device tensor (host->device copy)")
+                self.sync("CPU index into a device tensor (host->device copy)")
                 self._memcpy("H2D CPU index", p)
             elif not is_device(self_t) and is_device(p):
                 self._error(f"{func_name(func)}: CPU tensor indexed with a device index")
@@ -468,10 +472,10 @@ class SimCuda:
             if is_device(value) != is_device(self_t) and value.dim() > 0:
                 self._error(f"{func_name(func)}: device and CPU tensors mixed in an assignment")
             elif is_device(self_t) and not is_device(value) and tensor_idx:
-                self._sync("CPU scalar tensor written through an index (host->device copy)")
+                self.sync("CPU scalar tensor written through an index (host->device copy)")
                 self._memcpy("H2D scalar value", value)
         elif is_device(self_t) and tensor_idx:
-            self._sync("Python scalar written through a tensor index (host->device copy)")
+            self.sync("Python scalar written through a tensor index (host->device copy)")
             self._memcpy("H2D scalar value", None)
 
     # ------------------------------------------------------------------ copies
@@ -484,12 +488,12 @@ class SimCuda:
             if non_blocking and dst is not None and self.is_pinned(dst):
                 self._in_flight(dst, "dst", self.current)
             else:
-                self._sync("device->host copy" + (" into pageable memory" if non_blocking else ""))
+                self.sync("device->host copy" + (" into pageable memory" if non_blocking else ""))
         elif not is_device(src) and to_dev:  # host -> device
             if non_blocking and self.is_pinned(src):
                 self._in_flight(src, "src", self.current)
             else:
-                self._sync("host->device copy" + ("" if non_blocking else " (blocking)")
+                self.sync("host->device copy" + ("" if non_blocking else " (blocking)")
                            + ("" if self.is_pinned(src) else " from pageable memory"))
 
     def _to(self, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -727,7 +731,7 @@ class SimCuda:
         mapped host buffer): a device tensor over the same bytes."""
         iface = obj.__cuda_array_interface__
         ptr, nbytes = int(iface["data"][0]), int(iface["shape"][0])
-        if ptr not in self._pinned:
+        if ptr not in self.pinned:
             self._error("a device view of host memory that is not page-locked")
         raw = np.frombuffer(memoryview((ctypes.c_uint8 * nbytes).from_address(ptr)), dtype=np.uint8)
         return to_device(torch.from_numpy(raw))
@@ -736,7 +740,7 @@ class SimCuda:
         """A kernel writing mapped host memory (:meth:`_mapped`) is an asynchronous write of
         that host memory: the host must not touch it before the event that covers it."""
         for t in written:
-            if is_device(t) and t.untyped_storage().data_ptr() in self._pinned:
+            if is_device(t) and t.untyped_storage().data_ptr() in self.pinned:
                 self._in_flight(t, "dst", self.current)
 
     def transfer_report(self) -> dict[str, dict[str, int]]:
