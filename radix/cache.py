@@ -52,7 +52,7 @@ from radix.checks import check_count, check_lock, check_node
 from radix.config import CacheConfig
 from radix.core import NO_PARTS, CacheCore
 from radix.durations import Durations
-from radix.insert import RidDepths, insert_key
+from radix.insert import InsertContext, RidDepths, insert_key
 from radix.node import TreeNode
 from radix.results import CacheRequest, EvictResult, InsertResult, LockRef, MatchResult
 from radix.tiers.host import HostTier
@@ -185,8 +185,6 @@ class RadixCache:
             core.free_leaf = host.free_leaf
             if hicache.hicache_storage_backend is not None:
                 self._storage = host.storage = StorageTier(core, host)
-        #: The tier hook an insert ends with (the host tier's write policy), or ``None``.
-        self.after_insert = self._host.after_insert if self._host is not None else None
         #: ``match_recency="usable"``: a match stamps only its usable prefix.
         self._stamp_usable = config.match_recency == "usable"
         #: A 0-slot index tensor on the KV device (mirrored): what an empty result holds.
@@ -200,6 +198,8 @@ class RadixCache:
         #: Node values joined into one slot tensor on the KV device (``cat_values`` on the CPU;
         #: on a device one upload, ``KVComponent.device_slots``).
         self._join = cat_values if self.on_cpu else self.kv.device_slots
+        #: What ``radix.requests`` reads besides the public API (the components, the core).
+        self._request_ctx = requests.RequestContext(core, self.kv, state_allocator, self.swa)
         self._adopt_kv_order()
         self._init_counters()
 
@@ -217,6 +217,11 @@ class RadixCache:
         #: The watermark the last ``sanity_check`` saw (it never falls).
         self.checked_watermark = 0.0
         self.rid_depths = RidDepths(MAX_TRACKED_RIDS)
+        #: What ``radix.insert`` reads besides an insert's arguments (the tier hook it ends
+        #: with: the host tier's write policy).
+        self._insert_ctx = InsertContext(
+            self.core, self.kv, self.rid_depths, self.empty_slots, self.on_cpu,
+            self._host.after_insert if self._host is not None else None)
 
     # ================================================================= views
     @property
@@ -492,7 +497,8 @@ class RadixCache:
                 raise TypeError(
                     f"rid must be hashable (an int, a str, an object), got {type(rid).__name__}"
                 ) from None
-        return insert_key(self, key, n, value, extra_key, state_slot, priority, rid, trusted)
+        return insert_key(self._insert_ctx, key, n, value, extra_key, state_slot, priority, rid,
+                          trusted)
 
     def release_rid(self, rid: object) -> None:
         """Forget ``rid``'s hit-count depth (the request finished)."""
@@ -724,18 +730,18 @@ class RadixCache:
         """Chunked prefill: cache ``req.key[:upto]`` (default: every computed token) with a
         state checkpoint, keep the request's lock (moved down to the new node); see
         :func:`radix.requests.cache_unfinished_req`."""
-        return requests.cache_unfinished_req(self, req, state_slot, upto)
+        return requests.cache_unfinished_req(self, self._request_ctx, req, state_slot, upto)
 
     def cache_finished_req(self, req: CacheRequest, state_slot: int | torch.Tensor | None = None,
                            upto: int | None = None) -> InsertResult:
         """Cache ``req.key[:upto]`` with a state at its end, free what the tree does not keep,
         release the request's lock; see :func:`radix.requests.cache_finished_req`."""
-        return requests.cache_finished_req(self, req, state_slot, upto)
+        return requests.cache_finished_req(self, self._request_ctx, req, state_slot, upto)
 
     def release_swa(self, req: CacheRequest, seq_len: int) -> int:
         """Free the SWA KV of the request's own tokens that slid out of its window; see
         :func:`radix.requests.release_swa`."""
-        return requests.release_swa(self, req, seq_len)
+        return requests.release_swa(self._request_ctx, req, seq_len)
 
     # ============================================================ maintenance
     def reset(self) -> None:

@@ -22,6 +22,7 @@ to whole pages::
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,10 +34,41 @@ from radix.results import InsertResult
 from radix.tree import new_tuple
 
 if TYPE_CHECKING:
-    from components.kv import KVValue
-    from radix.cache import RadixCache
+    from components.kv import KVComponent, KVValue
+    from radix.core import CacheCore
     from radix.node import TreeNode
     from radix.tree import Tokens, Walk
+
+#: The tier hook an insert ends with (``(path, last node) -> None``: the host tier's write
+#: policy).
+AfterInsert = Callable[[list["TreeNode"], "TreeNode"], None]
+
+
+class InsertContext:
+    """What an insert reads besides its arguments, built once by the facade
+    (``RadixCache``) and handed to :func:`insert_key`.
+
+    Attributes:
+        core: the tree and the components' hooks (``radix.core.CacheCore``).
+        kv: the KV component (claims, attaches and joins slots).
+        rid_depths: how deep each request id already counted in ``hit_count``.
+        empty_slots: a 0-slot int64 tensor on the KV device (what an empty result holds).
+        on_cpu: the KV slots live on the CPU (an insert's checked ``value`` is a CPU tensor).
+        after_insert: the tier hook the insert ends with (the host tier's write policy), or
+            ``None`` without a host tier.
+    """
+
+    __slots__ = ("core", "kv", "rid_depths", "empty_slots", "on_cpu", "after_insert")
+
+    def __init__(self, core: CacheCore, kv: KVComponent, rid_depths: RidDepths,
+                 empty_slots: torch.Tensor, on_cpu: bool,
+                 after_insert: AfterInsert | None) -> None:
+        self.core = core
+        self.kv = kv
+        self.rid_depths = rid_depths
+        self.empty_slots = empty_slots
+        self.on_cpu = on_cpu
+        self.after_insert = after_insert
 
 
 def own_copy(value: torch.Tensor, lo: int, hi: int) -> KVValue:
@@ -46,14 +78,14 @@ def own_copy(value: torch.Tensor, lo: int, hi: int) -> KVValue:
     return to_value(value[lo:hi])
 
 
-def insert_key(cache: RadixCache, key: Tokens, key_len: int, value: torch.Tensor, extra_key: Any,
+def insert_key(ctx: InsertContext, key: Tokens, key_len: int, value: torch.Tensor, extra_key: Any,
                state_slot: int | None, priority: int, rid: object,
                trusted: bool = False) -> InsertResult:
     """Insert the checked key ``key[:key_len]`` (see ``RadixCache.insert`` for the contract;
     ``key`` may run past ``key_len``: a prefix ``RadixKey`` is inserted from its base array,
     and the plan's positions stay below ``key_len``); ``trusted``: ``key`` is a ``RadixKey``'s
     token array (its walk may be the one its match remembered)."""
-    core = cache.core
+    core = ctx.core
     ps = core.page_size
     end = key_len
     if ps != 1:
@@ -67,21 +99,21 @@ def insert_key(cache: RadixCache, key: Tokens, key_len: int, value: torch.Tensor
     tree = core.tree
     walk = tree.walk(key, end, extra_key, trusted)
     if core.unplanned_inserts:  # the plain KV cache: the plan would be the walk's
-        return _insert_unplanned(cache, key, value, extra_key, walk, end, priority, rid)
+        return _insert_unplanned(ctx, key, value, extra_key, walk, end, priority, rid)
     plan = InsertPlan(key, value, extra_key, state_slot, walk, end)
     for p in core.planners:
         p(plan)
-    own = _claim(cache, plan)
+    own = _claim(ctx, plan)
     # ---- validated: mutate from here on
     path = walk.path
     core.clock += 1
     now = core.clock
     if walk.partial is not None:
         path.append(core.split_touched(walk.partial, walk.partial_len, now))
-    counted = 0 if rid is None else cache.rid_depths.counted(rid, plan.insert_end)
-    revived = cache.empty_slots
+    counted = 0 if rid is None else ctx.rid_depths.counted(rid, plan.insert_end)
+    revived = ctx.empty_slots
     if plan.revive:
-        path, revived = _revive(cache, path, plan)
+        path, revived = _revive(ctx, path, plan)
     tree_prefix = _touch_path(path, now, priority, counted, end)
     for touch in core.touch_hooks:
         touch(path)
@@ -89,20 +121,20 @@ def insert_key(cache: RadixCache, key: Tokens, key_len: int, value: torch.Tensor
     prefix_len = plan.prefix_len
     if prefix_len < plan.insert_end:
         if not plan.cuts:  # the common case: one new leaf (stamped at creation)
-            last = _new_leaf(cache, plan, last, prefix_len, plan.insert_end, own, now)
+            last = _new_leaf(ctx, plan, last, prefix_len, plan.insert_end, own, now)
             _stamp_new_leaf(last, priority, counted, end)
         else:
-            new = _new_leaves(cache, plan, last, now)
+            new = _new_leaves(ctx, plan, last, now)
             _touch_path(new, now, priority, counted, end)
             if new:
                 last = new[-1]
-        cache.kv.inserted += plan.insert_end - prefix_len
+        ctx.kv.inserted += plan.insert_end - prefix_len
     for hook in core.refreshers:
         hook(last)
     adopted = False
     for on_insert in core.insert_hooks:
         adopted = on_insert(plan, last, now) or adopted
-    after = cache.after_insert
+    after = ctx.after_insert
     if after is not None:
         after(path, last)
     return new_tuple(InsertResult, (prefix_len, plan.insert_end, last, adopted, revived, value,
@@ -127,19 +159,19 @@ def _touch_path(path: list[TreeNode], now: int, priority: int, counted: int,
     return tree_prefix
 
 
-def _insert_unplanned(cache: RadixCache, key: Tokens, value: torch.Tensor, extra_key: Any,
+def _insert_unplanned(ctx: InsertContext, key: Tokens, value: torch.Tensor, extra_key: Any,
                       walk: Walk, end: int, priority: int, rid: object) -> InsertResult:
     """:func:`insert_key` when no component or holder plans an insert, sees its new nodes or
     adopts anything at its end (``CacheCore.unplanned_inserts``: the plain KV cache). The plan
     would be the walk's (the new tail ``key[matched_len:end]``, no cuts, no revival), so none is
     built: the same claim, the same mutations in the same order, the same result (tested
     against the planned path, ``tests/radix/test_insert_unplanned.py``)."""
-    core = cache.core
+    core = ctx.core
     lo = walk.matched_len
     own = None
     if lo < end:  # the claim: the last check before anything changes
-        kv = cache.kv
-        own = kv.claim_trusted(value, lo, end, True) if cache.on_cpu \
+        kv = ctx.kv
+        own = kv.claim_trusted(value, lo, end, True) if ctx.on_cpu \
             else kv.claim_device(value, lo, end, True)
     # ---- validated: mutate from here on
     path = walk.path
@@ -147,7 +179,7 @@ def _insert_unplanned(cache: RadixCache, key: Tokens, value: torch.Tensor, extra
     now = core.clock
     if walk.partial is not None:
         path.append(core.split_touched(walk.partial, walk.partial_len, now))
-    counted = 0 if rid is None else cache.rid_depths.counted(rid, end)
+    counted = 0 if rid is None else ctx.rid_depths.counted(rid, end)
     tree_prefix = _touch_path(path, now, priority, counted, end)
     for touch in core.touch_hooks:
         touch(path)
@@ -157,18 +189,18 @@ def _insert_unplanned(cache: RadixCache, key: Tokens, value: torch.Tensor, extra
     if own is not None:  # one new leaf (as _new_leaf, without a plan: no new-node hooks)
         parent = last
         last = tree.add_leaf(parent, key[lo:end], extra_key, now)
-        cache.kv.attach(last, own)
+        ctx.kv.attach(last, own)
         if parent.parent is not None:
             for refresh in refreshers:
                 refresh(parent)
         _stamp_new_leaf(last, priority, counted, end)
-        cache.kv.inserted += end - lo
+        ctx.kv.inserted += end - lo
     for hook in refreshers:
         hook(last)
-    after = cache.after_insert
+    after = ctx.after_insert
     if after is not None:
         after(path, last)
-    return new_tuple(InsertResult, (lo, end, last, False, cache.empty_slots, value, tree_prefix))
+    return new_tuple(InsertResult, (lo, end, last, False, ctx.empty_slots, value, tree_prefix))
 
 
 class RidDepths:
@@ -204,7 +236,7 @@ def _stamp_new_leaf(leaf: TreeNode, priority: int, counted: int, end: int) -> No
     leaf.history_len = end
 
 
-def _claim(cache: RadixCache, plan: InsertPlan) -> KVValue | None:
+def _claim(ctx: InsertContext, plan: InsertPlan) -> KVValue | None:
     """Claim (``KVComponent.claim``) the slots the insert adopts: the new tail
     ``value[prefix_len:insert_end]`` and the revival ranges, as one tensor (a slot repeated
     across them is refused).
@@ -214,11 +246,11 @@ def _claim(cache: RadixCache, plan: InsertPlan) -> KVValue | None:
     their parts, :func:`own_copy`). On a device the slots are read through their host mirror
     (no host synchronisation)."""
     value, lo, hi = plan.value, plan.prefix_len, plan.insert_end
-    kv = cache.kv
+    kv = ctx.kv
     if not plan.revive:  # the common case: only the new tail is adopted
         if lo >= hi:
             return None
-        if cache.on_cpu:  # (checked: the value is on the allocator's device)
+        if ctx.on_cpu:  # (checked: the value is on the allocator's device)
             return kv.claim_trusted(value, lo, hi, not plan.cuts)
         return kv.claim_device(value, lo, hi, not plan.cuts)
     ranges = sorted((t, e) for e, (t, _) in plan.revive.items())
@@ -230,7 +262,7 @@ def _claim(cache: RadixCache, plan: InsertPlan) -> KVValue | None:
     return None
 
 
-def _revive(cache: RadixCache, path: list[TreeNode], plan: InsertPlan
+def _revive(ctx: InsertContext, path: list[TreeNode], plan: InsertPlan
             ) -> tuple[list[TreeNode], torch.Tensor]:
     """Matched nodes planned for revival take the caller's slots from the planned start (a
     node only partly covered is split there first); the component or tier that planned it
@@ -240,7 +272,7 @@ def _revive(cache: RadixCache, path: list[TreeNode], plan: InsertPlan
     out: list[TreeNode] = []
     revived: list[KVValue] = []
     runs: list[tuple[int, int]] = []
-    value, tree = plan.value, cache.core.tree
+    value, tree = plan.value, ctx.core.tree
     revive = plan.revive
     assert revive is not None
     for n in path:
@@ -257,19 +289,19 @@ def _revive(cache: RadixCache, path: list[TreeNode], plan: InsertPlan
         runs.append((t, n.depth))
         out.append(n)
     if not revived:
-        return out, cache.empty_slots
+        return out, ctx.empty_slots
     if all(runs[i][1] == runs[i + 1][0] for i in range(len(runs) - 1)):
         return out, value[runs[0][0]:runs[-1][1]]
-    return out, cache.kv.device_slots(revived)
+    return out, ctx.kv.device_slots(revived)
 
 
-def _new_leaf(cache: RadixCache, plan: InsertPlan, parent: TreeNode, lo: int, hi: int,
+def _new_leaf(ctx: InsertContext, plan: InsertPlan, parent: TreeNode, lo: int, hi: int,
               own: KVValue | None, now: int) -> TreeNode:
     """A new node for ``key[lo:hi]`` below ``parent``, holding its own copy of the caller's
     slots (``own`` when the claim made it); ``parent`` is re-filed (no longer a leaf)."""
-    core = cache.core
+    core = ctx.core
     child = core.tree.add_leaf(parent, plan.key[lo:hi], plan.extra_key, now)
-    cache.kv.attach(child, own if own is not None else own_copy(plan.value, lo, hi))
+    ctx.kv.attach(child, own if own is not None else own_copy(plan.value, lo, hi))
     for hook in core.new_node_hooks:
         hook(child, plan, lo, hi)
     if parent.parent is not None:
@@ -278,13 +310,13 @@ def _new_leaf(cache: RadixCache, plan: InsertPlan, parent: TreeNode, lo: int, hi
     return child
 
 
-def _new_leaves(cache: RadixCache, plan: InsertPlan, parent: TreeNode,
+def _new_leaves(ctx: InsertContext, plan: InsertPlan, parent: TreeNode,
                 now: int) -> list[TreeNode]:
     """One new node per segment of ``key[prefix_len:insert_end]`` (cut at ``plan.cuts``),
     each below the previous one; returns them, shallowest first."""
     bounds = [plan.prefix_len, *sorted(plan.cuts), plan.insert_end]
     created = []
     for lo, hi in zip(bounds, bounds[1:], strict=False):
-        parent = _new_leaf(cache, plan, parent, lo, hi, None, now)
+        parent = _new_leaf(ctx, plan, parent, lo, hi, None, now)
         created.append(parent)
     return created

@@ -1,8 +1,9 @@
 """Request-level helpers: a thin layer over the value-level API of ``RadixCache``.
 
 They read and write only the fields of :class:`radix.results.CacheRequest`, never an engine's
-own request object, and call the cache's public API (``insert``, the locks) plus its
-validation of nodes and locks. A request's slots, in tokens::
+own request object, and call the cache's public API (``insert``, the locks); what else they
+read (the core's validation of nodes and locks, the KV, state and SWA components) comes in a
+:class:`RequestContext` the cache builds once. A request's slots, in tokens::
 
     req.kv_indices  [ tree's slots (locked via last_node) ][ the request's own slots ]
                     0                                   cached_len            len(kv_indices)
@@ -21,23 +22,48 @@ from radix.results import CacheRequest, InsertResult, LockRef
 from radix.tree import RadixKey
 
 if TYPE_CHECKING:
+    from components.kv import KVComponent
+    from components.swa import SWAComponent
     from radix.cache import RadixCache
+    from radix.core import CacheCore
 
 #: No slots, on the host.
 _NONE = torch.empty(0, dtype=torch.int64)
 
 
-def _path_indices(cache: RadixCache, node: TreeNode) -> torch.Tensor:
+class RequestContext:
+    """What the request helpers read besides the cache's public API, built once by the facade
+    (``RadixCache``).
+
+    Attributes:
+        core: the tree, its clock and the lock checks (``radix.core.CacheCore``).
+        kv: the KV component (slot views, its allocator).
+        state_allocator: the recurrent-state pool an unadopted state goes back to, or ``None``.
+        swa: the sliding-window component (what a running request keeps, its releases), or
+            ``None``.
+    """
+
+    __slots__ = ("core", "kv", "state_allocator", "swa")
+
+    def __init__(self, core: CacheCore, kv: KVComponent, state_allocator: Any,
+                 swa: SWAComponent | None) -> None:
+        self.core = core
+        self.kv = kv
+        self.state_allocator = state_allocator
+        self.swa = swa
+
+
+def _path_indices(ctx: RequestContext, node: TreeNode) -> torch.Tensor:
     """The tree's KV slots on the path from the root to ``node`` [one per token], on the host
     (``KVComponent.host_path_slots``: a CPU tensor on every device)."""
     path = node.path_to_root()
     if not path:
         return _NONE
     path.reverse()
-    return cache.kv.host_path_slots(path)
+    return ctx.kv.host_path_slots(path)
 
 
-def _check_req(cache: RadixCache, req: Any, upto: Any) -> int:
+def _check_req(ctx: RequestContext, req: Any, upto: Any) -> int:
     """:func:`_check_full` with the common case first: a :class:`CacheRequest` with a
     :class:`RadixKey` key, fields of the exact types, and the lock the node's own on a cache
     whose locks carry no data. That case makes the same checks as scalar compares; anything
@@ -48,7 +74,7 @@ def _check_req(cache: RadixCache, req: Any, upto: Any) -> int:
                 and type(req.key) is RadixKey:
             n = len(idx)
             end = n if upto is None else upto
-            core = cache.core
+            core = ctx.core
             ps = core.page_size
             if 0 <= end <= n <= len(req.key) and node.owner == core.tree.uid \
                     and 0 <= cached <= min(n, node.depth) \
@@ -59,10 +85,10 @@ def _check_req(cache: RadixCache, req: Any, upto: Any) -> int:
                 if node.kv_value is not None and (lock is None or lock is node) \
                         and node.lock_ref > 0 and not core.lock_data and not core.unlock_checks:
                     return end
-    return _check_full(cache, req, upto)
+    return _check_full(ctx, req, upto)
 
 
-def _check_full(cache: RadixCache, req: Any, upto: Any) -> int:
+def _check_full(ctx: RequestContext, req: Any, upto: Any) -> int:
     """Validate a request record before anything changes; returns ``upto``.
 
     Checks the types of ``req``, ``req.key`` and ``req.kv_indices``, ``upto <=
@@ -95,8 +121,8 @@ def _check_full(cache: RadixCache, req: Any, upto: Any) -> int:
         raise ValueError(
             f"need upto ({upto}) <= len(req.kv_indices) ({n}) <= len(req.key) ({key_len})"
         )
-    node = check_node(cache.core, req.last_node, name="req.last_node")
-    if node is not cache.root:
+    node = check_node(ctx.core, req.last_node, name="req.last_node")
+    if node.parent is not None:
         lock = req.lock
         if lock is not None and lock is not node and not (
             isinstance(lock, LockRef) and lock.node is node
@@ -105,7 +131,7 @@ def _check_full(cache: RadixCache, req: Any, upto: Any) -> int:
                 f"req.lock must be what inc_lock_ref returned for req.last_node (node "
                 f"{node.id}) or None, got {lock!r}"
             )
-        check_lock(cache.core, node if lock is None else lock, "req.lock")
+        check_lock(ctx.core, node if lock is None else lock, "req.lock")
     cached = req.cached_len
     if isinstance(cached, bool) or not isinstance(cached, int):
         raise TypeError(f"req.cached_len must be an int, got {type(cached).__name__}")
@@ -116,14 +142,14 @@ def _check_full(cache: RadixCache, req: Any, upto: Any) -> int:
             f"from the tree: at most len(req.kv_indices) = {n} and the depth of "
             f"req.last_node = {node.depth}), got {cached}"
         )
-    ps = cache.page_size
+    ps = ctx.core.page_size
     if ps != 1:
         if cached % ps:
             raise ValueError(f"req.cached_len must be whole pages of page_size={ps} (the "
                              f"tree's slots end at a page), got {cached}")
         part = n % ps
         if part:
-            last = cache.kv.host_slots(req.kv_indices[n - part:])
+            last = ctx.kv.host_slots(req.kv_indices[n - part:])
             if last[0] % ps or not (last[1:] == last[:-1] + 1).all():
                 raise ValueError(
                     f"req.kv_indices must be whole pages of page_size={ps} in order, the last "
@@ -132,23 +158,23 @@ def _check_full(cache: RadixCache, req: Any, upto: Any) -> int:
     return upto
 
 
-def _whole_pages(cache: RadixCache, slots: torch.Tensor) -> torch.Tensor:
+def _whole_pages(ctx: RequestContext, slots: torch.Tensor) -> torch.Tensor:
     """``slots`` (the request's own, from a page start) with its partial last page completed:
     the request holds that whole page (an allocator hands out whole pages), as SGLang's paged
     ``free`` releases it."""
-    ps = cache.page_size
+    ps = ctx.core.page_size
     part = len(slots) % ps
     if ps == 1 or not part:
         return slots
-    host = cache.kv.host_slots(slots)
+    host = ctx.kv.host_slots(slots)
     first = int(host[len(host) - part])
     return torch.from_numpy(np.concatenate([host, np.arange(first + part, first + ps)]))
 
 
-def _free_state(cache: RadixCache, slot: int | torch.Tensor | None, adopted: bool) -> None:
-    if slot is None or adopted or cache.state is None:
+def _free_state(ctx: RequestContext, slot: int | torch.Tensor | None, adopted: bool) -> None:
+    allocator = ctx.state_allocator
+    if slot is None or adopted or allocator is None:
         return
-    allocator = cache.state.allocator
     if isinstance(slot, torch.Tensor):
         allocator.free(slot.reshape(-1))
     elif type(slot) is int and hasattr(allocator, "free_slot"):  # a state pool: no tensor
@@ -157,7 +183,7 @@ def _free_state(cache: RadixCache, slot: int | torch.Tensor | None, adopted: boo
         allocator.free(torch.tensor([slot], dtype=torch.int64))
 
 
-def _insert_req(cache: RadixCache, req: CacheRequest, state_slot: int | torch.Tensor | None, upto: int,
+def _insert_req(cache: RadixCache, ctx: RequestContext, req: CacheRequest, state_slot: int | torch.Tensor | None, upto: int,
                 unfinished: bool) -> tuple[InsertResult, torch.Tensor | None]:
     """Insert ``req.key[:upto]``; free the request's duplicate slots and an unadopted state.
 
@@ -177,25 +203,26 @@ def _insert_req(cache: RadixCache, req: CacheRequest, state_slot: int | torch.Te
     key = req.key if upto == len(req.key) else req.key[:upto]  # (a RadixKey's: O(1))
     res = cache.insert(key, req.kv_indices[:upto], req.extra_key,
                        state_slot=state_slot, priority=req.priority, rid=req.rid)
-    _free_state(cache, state_slot, res.state_adopted)
+    _free_state(ctx, state_slot, res.state_adopted)
     p = res.prefix_len
-    alloc = cache.kv.allocator
-    if not cache.core.revives:  # nothing below prefix_len can have taken the request's slots
+    kv = ctx.kv
+    alloc = kv.allocator
+    if not ctx.core.revives:  # nothing below prefix_len can have taken the request's slots
         if p <= req.cached_len:
             return res, None
         alloc.free(req.kv_indices[req.cached_len:p])
-        return res, _path_indices(cache, res.last_node)[:p] if unfinished else None
+        return res, _path_indices(ctx, res.last_node)[:p] if unfinished else None
     if p == 0:
         return res, None
-    tree = _path_indices(cache, res.last_node)[:p]
-    caller_h = cache.kv.host_slots(req.kv_indices)[:p]
-    tree_h = cache.kv.host_slots(tree)
+    tree = _path_indices(ctx, res.last_node)[:p]
+    caller_h = kv.host_slots(req.kv_indices)[:p]
+    tree_h = kv.host_slots(tree)
     dup = caller_h != tree_h
     if not dup.any():  # the request holds the tree's slots already: its row is unchanged
         return res, None
     merged = tree
-    if unfinished and cache.swa is not None:
-        keep = cache.swa.request_keeps(caller_h, tree_h, dup)
+    if unfinished and ctx.swa is not None:
+        keep = ctx.swa.request_keeps(caller_h, tree_h, dup)
         if keep.any():
             dup &= ~keep
             merged_h = np.where(keep, caller_h, tree_h)
@@ -205,7 +232,7 @@ def _insert_req(cache: RadixCache, req: CacheRequest, state_slot: int | torch.Te
     return res, merged
 
 
-def cache_unfinished_req(cache: RadixCache, req: CacheRequest,
+def cache_unfinished_req(cache: RadixCache, ctx: RequestContext, req: CacheRequest,
                          state_slot: int | torch.Tensor | None = None,
                          upto: int | None = None) -> InsertResult:
     """Chunked prefill: cache ``req.key[:upto]`` (default: every computed token) with a
@@ -220,13 +247,13 @@ def cache_unfinished_req(cache: RadixCache, req: CacheRequest,
             ``req.last_node`` without a lock, a ``req.lock`` that is not its lock), ``upto`` out
             of range, bad slots, or a missing state on a hybrid cache; nothing changed.
     """
-    upto = _check_req(cache, req, upto)
+    upto = _check_req(ctx, req, upto)
     if req.cached_len > upto:
         raise ValueError(
             f"req.cached_len ({req.cached_len}) > upto ({upto}): a chunk must cover what the "
             "request already holds from the tree (its lock would move above slots it keeps)"
         )
-    res, merged = _insert_req(cache, req, state_slot, upto, unfinished=True)
+    res, merged = _insert_req(cache, ctx, req, state_slot, upto, unfinished=True)
     n = res.inserted_len
     if merged is not None:
         req.kv_indices = cache.cat_slots([merged, req.kv_indices[res.prefix_len:]])
@@ -238,7 +265,7 @@ def cache_unfinished_req(cache: RadixCache, req: CacheRequest,
     return res
 
 
-def cache_finished_req(cache: RadixCache, req: CacheRequest,
+def cache_finished_req(cache: RadixCache, ctx: RequestContext, req: CacheRequest,
                        state_slot: int | torch.Tensor | None = None,
                        upto: int | None = None) -> InsertResult:
     """Cache ``req.key[:upto]`` (default: every computed token) with a state at its end,
@@ -255,13 +282,13 @@ def cache_finished_req(cache: RadixCache, req: CacheRequest,
         TypeError / ValueError: as :meth:`cache_unfinished_req` (``upto`` may end before
             ``req.cached_len`` here: the tree keeps those slots); nothing changed.
     """
-    upto = _check_req(cache, req, upto)
-    res, _ = _insert_req(cache, req, state_slot, upto, unfinished=False)
+    upto = _check_req(ctx, req, upto)
+    res, _ = _insert_req(cache, ctx, req, state_slot, upto, unfinished=False)
     # The request's own slots past what the tree kept; below cached_len they are the
     # tree's (upto may end before them), never the request's to free.
     tail = req.kv_indices[max(res.inserted_len, req.cached_len):]
     if len(tail):
-        cache.kv.allocator.free(_whole_pages(cache, tail))
+        ctx.kv.allocator.free(_whole_pages(ctx, tail))
     cache.dec_lock_ref(req.last_node if req.lock is None else req.lock)
     cache.release_rid(req.rid)
     req.last_node = cache.root
@@ -271,7 +298,7 @@ def cache_finished_req(cache: RadixCache, req: CacheRequest,
     return res
 
 
-def release_swa(cache: RadixCache, req: CacheRequest, seq_len: int) -> int:
+def release_swa(ctx: RequestContext, req: CacheRequest, seq_len: int) -> int:
     """Free the SWA KV of the request's own tokens that slid out of its window.
 
     Keeps the last ``max(sliding_window_size, page_size)`` tokens before ``seq_len`` live
@@ -285,7 +312,7 @@ def release_swa(cache: RadixCache, req: CacheRequest, seq_len: int) -> int:
     with ``seq_len`` outside ``[0, len(req.kv_indices)]``; ``TypeError`` when ``req`` is not
     a :class:`CacheRequest`.
     """
-    swa = cache.swa
+    swa = ctx.swa
     if swa is None:
         raise ValueError("release_swa on a cache without a sliding-window component")
     if not isinstance(req, CacheRequest):

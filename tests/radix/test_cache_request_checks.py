@@ -28,6 +28,7 @@ def test_fast_path_agrees_with_the_full_check_seeded() -> None:
     return the same ``upto`` or raise the same error."""
     alloc = TokenAllocator(64)
     cache = RadixCache(CacheConfig(), kv_allocator=alloc)
+    ctx = cache._request_ctx  # what the facade hands the request helpers
     other = RadixCache(CacheConfig(), kv_allocator=TokenAllocator(8))
     first = alloc.alloc(8)
     assert first is not None
@@ -56,12 +57,12 @@ def test_fast_path_agrees_with_the_full_check_seeded() -> None:
         name = rng.choice(list(fields))
         req = replace(base, **{name: rng.choice(fields[name])})
         upto = rng.choice(uptos)
-        fast, full = _outcome(_check_req, cache, req, upto), _outcome(_check_full, cache, req, upto)
+        fast, full = _outcome(_check_req, ctx, req, upto), _outcome(_check_full, ctx, req, upto)
         assert fast == full, (name, getattr(req, name), upto)
         seen["ok" if fast[0] == "ok" else "err"] += 1
     assert seen["ok"] > 50 and seen["err"] > 50  # both outcomes were exercised
-    assert _check_req(cache, base, None) == 12
-    assert _outcome(_check_req, cache, "req", None) == (
+    assert _check_req(ctx, base, None) == 12
+    assert _outcome(_check_req, ctx, "req", None) == (
         "TypeError", "req must be a CacheRequest, got str")
 
 
@@ -73,4 +74,4 @@ def test_fast_path_refuses_a_released_lock() -> None:
     node = cache.insert([1, 2, 3, 4], kv).last_node
     req = CacheRequest(key=RadixKey([1, 2, 3, 4]), kv_indices=kv, cached_len=4, last_node=node)
     with pytest.raises(ValueError, match="holds no lock of its own"):
-        _check_req(cache, req, None)
+        _check_req(cache._request_ctx, req, None)
