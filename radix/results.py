@@ -42,6 +42,11 @@ class MatchResult(NamedTuple):
             ``prefix_len`` that would add [tokens]; ``last_device_node`` and 0 otherwise.
         swa_miss_tokens: tokens the sliding-window rule alone cut off (a tombstone within a
             window of the end), beyond what the state rule cut [tokens]; 0 without SWA.
+        swa_host_hit_length / state_host_hit_length: what a ``load_back(last_host_node)``
+            would bring to device besides the full KV: SWA KV tokens (host copies of live
+            nodes of the chain) [tokens] and recurrent states (the one at
+            ``last_host_node`` when it is on host only) [states]; the host tier's load plan,
+            0 without a host hit.
     """
 
     device_indices: torch.Tensor
@@ -53,6 +58,8 @@ class MatchResult(NamedTuple):
     last_host_node: TreeNode | None = None
     host_hit_length: int = 0
     swa_miss_tokens: int = 0
+    swa_host_hit_length: int = 0
+    state_host_hit_length: int = 0
 
     @property
     def state_miss_tokens(self) -> int:

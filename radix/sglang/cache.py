@@ -267,14 +267,11 @@ class UnifiedRadixCache:
         last = views.get(m.last_device_node)
         host_node = m.last_host_node if m.last_host_node is not None else m.last_device_node
         best = views.get(host_node)
-        mamba_host = 0
-        if self.cache.hybrid and host_node is not self.cache.root and (
-                host_node.state_slot is None and host_node.host_state_slot is not None):
-            mamba_host = 1
         result = MatchResult(
             device_prefix_len=m.prefix_len, last_device_node=last, last_host_node=best,
             best_match_node=best, host_hit_length=m.host_hit_length,
-            mamba_host_hit_length=mamba_host,
+            swa_host_hit_length=m.swa_host_hit_length,
+            mamba_host_hit_length=m.state_host_hit_length,
             mamba_branching_seqlen=m.branching_seqlen if self.cache.hybrid else None,
             full_kv_hit_length=m.kv_hit_length,
             device_indices=cast("torch.Tensor", views.out_slots(m.device_indices)))

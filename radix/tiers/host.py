@@ -481,13 +481,7 @@ class HostTier(Component, Tier):
         its end) is allocated at once: a shortfall in any pool, after evicting, changes
         nothing."""
         core = self.core
-        on_device = self._on_device
-        chain: list[TreeNode] = []
-        n: TreeNode | None = node
-        while n is not None and n.parent is not None and not on_device(n):
-            chain.append(n)
-            n = n.parent
-        chain.reverse()
+        chain = self._chain(node)
         tokens = sum(len(c.key) for c in chain)
         if chain and tokens < self.controller.config.load_back_threshold:
             return 0
@@ -557,6 +551,33 @@ class HostTier(Component, Tier):
         else:
             self.counters["load_back_states"] += 1
         return tokens
+
+    def _chain(self, node: TreeNode) -> list[TreeNode]:
+        """The host-only chain ending at ``node`` (``node`` and its host-only ancestors),
+        shallowest first; empty when ``node``'s KV is on device."""
+        on_device = self._on_device
+        chain: list[TreeNode] = []
+        n: TreeNode | None = node
+        while n is not None and n.parent is not None and not on_device(n):
+            chain.append(n)
+            n = n.parent
+        chain.reverse()
+        return chain
+
+    def load_sizes(self, node: TreeNode) -> dict[str, int]:
+        """What :meth:`load_back` of ``node`` would bring to device, by component name: each
+        component's units (``Component.restore_size``, the load-back's own plan) over the
+        host-only chain ending at ``node`` (``node`` alone when its KV is on device: its
+        state); components that bring none are left out. ``load_back_threshold`` and free
+        room are not considered."""
+        chain = self._chain(node)
+        targets = chain if chain else [node]
+        out: dict[str, int] = {}
+        for c in self.parts:
+            k = sum(c.restore_size(t, t is node) for t in targets)
+            if k:
+                out[c.name] = k
+        return out
 
     def _alloc_device(self, asks: list[tuple[Component, int]]) -> list[torch.Tensor] | None:
         """Every component's device units, all or nothing, evicting once when short (each
