@@ -410,13 +410,6 @@ class RadixCache:
             prefix_len = 0
             indices = self.empty_slots
             state_slot = None
-        last_host, host_hit = last, 0
-        swa_host = state_host = 0
-        if host is not None:
-            last_host, host_hit = host.host_hit(full_path, usable, last, prefix_len)
-            if host_hit:  # what its load-back would bring besides the full KV
-                sizes = host.load_sizes(last_host)
-                swa_host, state_host = sizes.get("swa", 0), sizes.get("state", 0)
         # Where the key leaves the tree past the usable prefix (a fork, or the end of the
         # cached path): a checkpoint there serves every later key sharing that prefix.
         branching = kv_hit if kv_hit > prefix_len and core.checkpoints else None
@@ -430,6 +423,14 @@ class RadixCache:
             for field, m in zip(core.miss_fields, misses, strict=True):
                 if field == "swa_miss_tokens":
                     swa_miss = m
+        if host is None:  # no host hit: the last host node is the last device node
+            return new_tuple(MatchResult, (indices, prefix_len, kv_hit, last, state_slot,
+                                           branching, last, 0, swa_miss, 0, 0))
+        last_host, host_hit = host.host_hit(full_path, usable, last, prefix_len)
+        swa_host = state_host = 0
+        if host_hit:  # what its load-back would bring besides the full KV
+            sizes = host.load_sizes(last_host)
+            swa_host, state_host = sizes.get("swa", 0), sizes.get("state", 0)
         return new_tuple(MatchResult, (indices, prefix_len, kv_hit, last, state_slot, branching,
                                        last_host, host_hit, swa_miss, swa_host, state_host))
 
