@@ -15,9 +15,65 @@ from typing import Any
 import pytest
 import torch
 
-from allocators import MambaStatePool, TokenAllocator
+from allocators import MambaStatePool, SWAAllocator, TokenAllocator
+from hicache import HiCacheConfig
 from radix import CacheConfig, RadixCache
-from tests.hicache.test_hicache_swa import KEY, SWAH, W, demote_all, node_at
+from radix.node import TreeNode
+
+W = 4  # the sliding window [tokens]
+KEY = list(range(1, 17))
+
+
+class SWAH:
+    """An SWA cache (full pool 32 tokens, SWA pool 16, window 4, page 1) with a write-through
+    host tier, and a state pool when ``states``."""
+
+    def __init__(self, page_size: int = 1, states: int = 0) -> None:
+        self.kv = SWAAllocator(32, 16, page_size)
+        self.sp = (MambaStatePool(states, num_layers=1, conv_state_shape=(2,),
+                                  ssm_state_shape=(2,)) if states else None)
+        self.cache = RadixCache(
+            CacheConfig(page_size=page_size, sliding_window_size=W), kv_allocator=self.kv,
+            state_allocator=self.sp,
+            hicache=HiCacheConfig(hicache_ratio=2.0, hicache_write_policy="write_through",
+                                  load_back_threshold=1))
+
+    def insert(self, key: list[int], prefix: torch.Tensor | None = None,
+               tombstone: int = 0) -> tuple[torch.Tensor]:
+        """Insert ``key`` with fresh slots after ``prefix`` (the first ``tombstone`` new
+        tokens' SWA KV released before, as a request's out-of-window KV) and, on a hybrid
+        cache, a fresh state. Returns ``(fresh slots,)``."""
+        prefix = prefix if prefix is not None else torch.empty(0, dtype=torch.int64)
+        fresh = _take(self.kv, len(key) - len(prefix))
+        if tombstone:
+            self.kv.free_swa(fresh[:tombstone])
+        slot = None
+        if self.sp is not None:
+            got = self.sp.alloc(1)
+            assert got is not None
+            slot = int(got[0])
+        res = self.cache.insert(key, torch.cat([prefix, fresh]), state_slot=slot)
+        assert len(res.duplicate_indices) == 0 and res.state_adopted == (slot is not None)
+        self.cache.sanity_check()
+        return (fresh,)
+
+
+def demote_all(h: SWAH) -> None:
+    """Evict every device node (each backed up first: write-through): all host-only."""
+    h.cache.evict(32)
+    h.cache.sanity_check()
+    assert all(n.kv_value is None for n in h.cache.tree.iter_nodes())
+
+
+def node_at(cache: RadixCache, key: list[int]) -> TreeNode:
+    """The node whose path from the root spells exactly ``key`` (no match: no stamps, no
+    splits)."""
+    for n in cache.tree.iter_nodes():
+        path = list(reversed(n.path_to_root()))
+        tokens = [int(t) for p in path for t in p.key]
+        if tokens == key:
+            return n
+    raise AssertionError(f"no node ends at {key}")
 
 
 def _plain(size: int = 32) -> tuple[RadixCache, TokenAllocator]:
@@ -25,7 +81,7 @@ def _plain(size: int = 32) -> tuple[RadixCache, TokenAllocator]:
     return RadixCache(CacheConfig(), kv_allocator=alloc), alloc
 
 
-def _take(alloc: TokenAllocator, n: int) -> torch.Tensor:
+def _take(alloc: TokenAllocator | SWAAllocator, n: int) -> torch.Tensor:
     got = alloc.alloc(n)
     assert got is not None
     return got
