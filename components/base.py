@@ -45,8 +45,11 @@ its copy says where a node lives (device, host, both) and its units are the host
     split          split_host(upper, lower, split_len)
     insert over a host-only node   revive_host(node, slots) (the caller's device slots)
     a host hit     host_usable(path, n) (the usable rule counting host copies)
-    L3             the primary's host copy is stored a record per page; a component with
-                   ``l3_end_record`` adds one record at a node's end (pack_end / unpack_end)
+    L3             l3_layout() -> the layout tag's part; l3_sections() -> byte sizes; the
+                   primary's host copy is stored a record per page (pack_pages /
+                   unpack_pages, :data:`L3_PAGE_HOOKS`); every other component with host
+                   copies stores its sections at a node's end (pack_end / unpack_end,
+                   :data:`L3_END_HOOKS`): one record per page end holds them all
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ if TYPE_CHECKING:
     import torch
 
     from components.kv import KVValue
+    from hicache.storage import Page
     from radix.node import TreeNode
 
 
@@ -302,21 +306,42 @@ class Component:
     def check_host(self, nodes: list[TreeNode]) -> None:
         """Assert the host copies' invariants (``nodes``: every non-root node)."""
 
-    #: L3: this component stores one record at a node's end (``pack_end``; the L3 key of
-    #: a page end holds one such record: one component per cache may have it).
-    l3_end_record: ClassVar[bool] = False
+    # -------------------------------------------------------------------- L3
+    # (``radix.tiers.storage``, a host tier's L3: :data:`L3_PAGE_HOOKS` for the primary
+    # component, :data:`L3_END_HOOKS` for a component with a section at a node's end)
+    def l3_layout(self) -> str | None:
+        """L3: this component's part of the layout tag (the shapes and dtypes of the bytes
+        it stores, no ``;``: caches whose parts differ never share a key), or ``None``: it
+        stores nothing in L3. Asked once its ``host_allocator`` is set."""
+        return None
 
-    def pack_end(self, node: TreeNode) -> tuple[bytes, bytes]:
-        """L3: the two sections of ``node``'s record at its end, from its host copy."""
+    def l3_sections(self) -> tuple[int, ...]:
+        """L3: byte sizes of this component's sections: of each page's record for the
+        primary component (two: KV's ``(K, V)``), of its part of the record at a node's end
+        for any other (one or more; the state's ``(conv, ssm)``)."""
+        return ()
+
+    def pack_pages(self, host: torch.Tensor) -> list[tuple[bytes, bytes]]:
+        """L3, the primary component: the sections of each whole page of the host units
+        ``host`` (int64, a multiple of ``page_size`` long), in page order."""
         raise NotImplementedError
 
-    def end_ok(self, sections: tuple[bytes, bytes]) -> bool:
-        """L3: whether a fetched end record has this component's section sizes."""
-        return True
+    def unpack_pages(self, host: torch.Tensor, pages: Sequence[Page]) -> None:
+        """L3, the primary component: write ``pages`` (verified records of
+        :meth:`l3_sections`' sizes, ``.a`` and ``.b``) into the fresh host units ``host``
+        (``len(pages)`` whole pages)."""
+        raise NotImplementedError
 
-    def unpack_end(self, node: TreeNode, host: torch.Tensor, sections: tuple[bytes, bytes]) -> None:
-        """L3: host-only ``node`` takes ``host`` (one fresh unit of ``host_allocator``),
-        filled from its end record, as its host copy."""
+    def pack_end(self, node: TreeNode) -> Sequence[bytes]:
+        """L3: this component's end sections of ``node`` (sizes :meth:`l3_sections`), from
+        its host copy (only asked when ``host_copy(node)`` is not ``None``)."""
+        raise NotImplementedError
+
+    def unpack_end(self, node: TreeNode, host: torch.Tensor,
+                   sections: Sequence[bytes | memoryview]) -> None:
+        """L3: host-only ``node`` (just made from L3 records) takes ``host`` (one fresh unit
+        of ``host_allocator``), filled from ``sections`` (this component's end sections, of
+        :meth:`l3_sections`' sizes), as its host copy."""
         raise NotImplementedError
 
     # ------------------------------------------------------------- sizes, checks
@@ -387,3 +412,44 @@ def hooks(components: tuple[Any, ...], name: str) -> tuple[Callable[..., Any], .
             continue
         out.append(getattr(c, name))
     return tuple(out)
+
+
+#: The L3 hooks of a host tier's primary component: its host copy is stored a record per page.
+L3_PAGE_HOOKS = ("l3_layout", "l3_sections", "pack_pages", "unpack_pages")
+#: The L3 hooks of any other component with host copies: its sections at a node's end.
+L3_END_HOOKS = ("l3_layout", "l3_sections", "pack_end", "unpack_end")
+
+
+def _implemented(c: Any, names: tuple[str, ...]) -> list[str]:
+    return [h for h in names if getattr(type(c), h, None) is not getattr(Component, h)]
+
+
+def l3_components(parts: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """The L3 roles of a host tier's components (``parts``: :func:`tier_components`, the
+    primary first): ``(primary, end components)``, the components whose sections a record at
+    a node's end holds, in order.
+
+    Raises:
+        ValueError: the primary lacks one of :data:`L3_PAGE_HOOKS`; another component
+            implements only some of :data:`L3_END_HOOKS`, or none (its host copies could not
+            be stored, so no match could end on the records read back: a sliding window's
+            SWA KV), naming it and what it lacks.
+    """
+    primary, out = parts[0], []
+    missing = [h for h in L3_PAGE_HOOKS if h not in _implemented(primary, L3_PAGE_HOOKS)]
+    if missing:
+        raise ValueError(f"component {primary.name!r} keeps the host tier's primary copies but "
+                         f"does not implement {missing}: L3 stores them a record per page "
+                         f"({list(L3_PAGE_HOOKS)}, components.base)")
+    for c in parts[1:]:
+        have = _implemented(c, L3_END_HOOKS)
+        missing = [h for h in L3_END_HOOKS if h not in have]
+        if missing:
+            raise ValueError(
+                f"component {c.name!r} keeps host copies that L3 records cannot carry: it "
+                f"implements {have} of the L3 end hooks but not {missing} (a record at a "
+                "page's end holds every other component's sections: without them no match "
+                "could end on the pages read back); implement them, or use the host tier "
+                "without L3")
+        out.append(c)
+    return primary, tuple(out)
