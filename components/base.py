@@ -14,8 +14,9 @@ time. Units: the KV components count tokens, the state component counts slots.
 Hook order, per engine call (``node`` is a ``TreeNode``; positions are half-open token ranges)::
 
     match_prefix   on_split* -> on_touch(path) -> usable(path, n) (fixpoint, every component)
-                   -> on_hit(node)
-    insert         check_insert(n, value, state_slot) -> plan_insert(plan) (every component; raise to refuse,
+                   -> on_hit(node) -> match_part(node) (``MatchResult.parts``)
+    insert         check_insert(n, value, state_slot) -> check_value(n, value) (the components
+                   given a ``component_values`` entry) -> plan_insert(plan) (every component; raise to refuse,
                    nothing changed) -> [KV claims the slots] -> on_split* / revive ->
                    on_touch(path) -> on_new_node(node, plan, lo, hi)* -> on_insert(plan, last)
     inc_lock_ref   lock(node) -> data          (``data`` travels in the ``LockRef``)
@@ -75,19 +76,24 @@ class InsertPlan:
     caching), cut the new tail into separate nodes (:meth:`add_cut`), and ask to revive a
     matched node with the caller's slots (:meth:`add_revival`: node end -> first position
     taken from ``value``, and the component that revives it, :meth:`Component.revive`).
-    :meth:`set_note` keeps a component's own planning data, by its name. (Built on every
-    insert: the collections are created only when a component writes them.)
+    :meth:`set_note` keeps a component's own planning data, by its name. ``state_slot`` is
+    the state component's per-insert value, :meth:`value_of` any other component's (checked
+    by its ``check_value``). (Built on every insert: the collections are created only when a
+    component writes them.)
     """
 
     __slots__ = ("key", "value", "extra_key", "state_slot", "walk", "prefix_len", "end",
-                 "insert_end", "cuts", "revive", "_notes")
+                 "insert_end", "cuts", "revive", "_notes", "values")
 
     def __init__(self, key: Any, value: torch.Tensor, extra_key: Any, state_slot: int | None,
-                 walk: Any, end: int) -> None:
+                 walk: Any, end: int, values: dict[str, Any] | None = None) -> None:
         self.key = key
         self.value = value
         self.extra_key = extra_key
         self.state_slot = state_slot
+        #: Component name -> the caller's value for it (``RadixCache.insert``'s
+        #: ``component_values``, checked), or ``None``.
+        self.values = values
         self.walk = walk
         self.prefix_len: int = walk.matched_len
         self.end = end
@@ -111,6 +117,10 @@ class InsertPlan:
         if self._notes is None:
             self._notes = {}
         self._notes[name] = value
+
+    def value_of(self, name: str, default: Any = None) -> Any:
+        """The caller's per-insert value for component ``name`` (``default`` if none)."""
+        return default if self.values is None else self.values.get(name, default)
 
     def note(self, name: str, default: Any = None) -> Any:
         """What the component ``name`` noted while planning (``default`` if nothing)."""
@@ -192,10 +202,23 @@ class Component:
     def on_hit(self, node: TreeNode, now: int) -> None:
         """A match's usable prefix ends at ``node`` (not the root)."""
 
+    def match_part(self, node: TreeNode) -> Any:
+        """This component's part of a match whose usable prefix ends at ``node`` (the root
+        when it is empty): ``MatchResult.parts[name]`` (a plug-in's value valid there, say).
+        Must not mutate anything."""
+        return None
+
     # --------------------------------------------------------------------- insert
     def check_insert(self, n: int, value: Any, state_slot: int | None) -> None:
         """Validate an insert's arguments (``n``: tokens of the key) before the walk; raise
         ``TypeError`` / ``ValueError`` naming the argument."""
+
+    def check_value(self, n: int, value: Any) -> None:
+        """This component takes a per-insert value (``RadixCache.insert(...,
+        component_values={name: value})``, read in the plan as ``plan.value_of(name)``):
+        validate it for a key of ``n`` tokens before anything changes; raise ``TypeError`` /
+        ``ValueError`` naming ``component_values[name]`` and the expected form. (The state
+        component's value is ``state_slot``.)"""
 
     def plan_insert(self, plan: InsertPlan) -> None:
         """Validate and plan (``InsertPlan``) before anything changes; raise to refuse."""
