@@ -556,12 +556,13 @@ class RadixCache:
 
     def evict_component(self, name: str, n: int) -> EvictResult:
         """Free at least ``n`` of component ``name``'s units in its own eviction order (the
-        component's ``evict_field`` names them; ``evict``, ``evict_states`` and ``evict_swa``
-        are this for ``"kv"``, ``"state"`` and ``"swa"``).
+        component's ``evict_field`` names them: an ``EvictResult`` field, or for a component
+        beyond KV, state and SWA an entry of ``EvictResult.other``; ``evict``,
+        ``evict_states`` and ``evict_swa`` are this for ``"kv"``, ``"state"`` and ``"swa"``).
 
         Raises:
             ValueError: a bad count, no component ``name``, or one without an eviction walk
-                (its ``evict_field`` is not an ``EvictResult`` field).
+                (no ``evict_field``).
         """
         check_count(n, "n")
         if name == "kv":

@@ -340,6 +340,36 @@ def test_the_plug_in_is_served_from_l3_bit_exactly(store: dict[str, Any]) -> Non
         b.close_storage()
 
 
+def test_a_plug_in_failing_to_unpack_its_end_section_is_a_miss_that_changes_nothing(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    where = {"hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path)}
+    sa, sb = Summary(4), Summary(4)
+    a, kv_a = kv_cache(sa, page_size=2, hicache=l3_config(where, "m"))
+    b, _ = kv_cache(sb, page_size=2, hicache=l3_config(where, "m"))
+    v8 = vector()
+    put(a, kv_a, K[:8], v8)
+    assert a.flush_storage(10)
+    hb = b.hicache
+    assert hb is not None
+
+    def boom(*args: Any) -> None:
+        raise RuntimeError("plug-in bug")
+
+    monkeypatch.setattr(sb, "unpack_end", boom)
+    m = b.match_prefix(K[:8])  # the pages landed in host slots, the end section failed
+    assert m.host_hit_length == 0 and b.stats()["l3_faults"] == 1
+    assert b.tree.num_nodes == 0 and hb.host_kv.available_size() == hb.host_kv.size
+    assert sb.host_allocator.available_size() == sb.host_allocator.size
+    b.sanity_check()
+    monkeypatch.undo()
+    m = b.match_prefix(K[:8])  # a later match reads it again
+    assert m.host_hit_length == 8 and m.last_host_node is not None
+    assert torch.equal(bits(sb.host_table[m.last_host_node.ext["host"]]), bits(v8))
+    b.sanity_check()
+    a.close_storage()
+    b.close_storage()
+
+
 def test_kv_state_records_and_tag_keep_their_format(tmp_path: Any) -> None:
     """KV + state: the tag is ``layout_tag``'s and the end record ``(conv, ssm)``, as before
     the end sections were generalized (so records written then stay readable); a plug-in's
