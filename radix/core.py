@@ -44,10 +44,10 @@ _SINK = len(EVICT_FIELDS)  # the index units of a component without an evict fie
 NO_PARTS: dict[str, Any] = {}
 
 
-def freed_counts(others: int = 0) -> list[int]:
-    """A fresh accumulator of freed units, per ``EVICT_FIELDS``, then ``others`` other fields,
-    then a sink (``CacheCore.new_freed`` sizes it for a cache)."""
-    return [0] * (_SINK + others + 1)
+def freed_counts() -> list[int]:
+    """A fresh accumulator of freed units, per ``EVICT_FIELDS`` (plus a sink), for a cache
+    whose components report no other field (``CacheCore.new_freed``: for any cache)."""
+    return [0] * (_SINK + 1)
 
 
 class CacheCore:
@@ -103,8 +103,9 @@ class CacheCore:
         #: order: ``EvictResult.other``; in an accumulator their units follow
         #: ``EVICT_FIELDS``'s, then the sink's.
         self.other_fields = tuple(f for f in fields if f not in EVICT_FIELDS)
-        self._field_index = {f: i for i, f in enumerate(EVICT_FIELDS + self.other_fields)}
-        self._sink = len(self._field_index)
+        self._field_index: dict[str | None, int] = {
+            f: i for i, f in enumerate(EVICT_FIELDS + self.other_fields)}
+        self._sink = len(EVICT_FIELDS) + len(self.other_fields)
         self._nfreed = self._sink + 1
         tier_components(comps)  # a component with only some tier hooks is refused, named
         self._split_hooks = hooks(everything, "on_split")
@@ -179,12 +180,11 @@ class CacheCore:
     def field_index(self, comp: Component) -> int:
         """The index of ``comp``'s units in an accumulator (:meth:`new_freed`): its
         ``EVICT_FIELDS`` position, its place among ``other_fields``, or the sink."""
-        return self._field_index.get(comp.evict_field, self._sink) if comp.evict_field else (
-            self._sink)
+        return self._field_index.get(comp.evict_field, self._sink)
 
     def new_freed(self) -> list[int]:
-        """A fresh accumulator of freed units for this cache's components (``freed_counts``
-        with room for ``other_fields``)."""
+        """A fresh accumulator of freed units for this cache's components: per
+        ``EVICT_FIELDS``, then per ``other_fields``, then the sink."""
         return [0] * self._nfreed
 
     def result(self, freed: list[int] | tuple[int, ...]) -> EvictResult:

@@ -193,7 +193,16 @@ class StorageController:
     # ---------------------------------------------------------------- bytes
     def end_record(self, sections: Sequence[bytes]) -> tuple[bytes, bytes]:
         """The two sections of an end record holding ``sections`` (every end section, in
-        order, of the sizes ``end_sections``): the first, and the rest concatenated."""
+        order, of the sizes ``end_sections``): the first, and the rest concatenated.
+
+        Raises:
+            ValueError: the sections' sizes are not ``end_sections`` (a component packed
+                other sizes than its ``l3_sections``; the record is not written).
+        """
+        sizes = tuple(len(x) for x in sections)
+        if sizes != self.end_sections:
+            raise ValueError(f"end sections of {sizes} bytes, expected {self.end_sections} "
+                             "(the end components' l3_sections)")
         return sections[0], b"".join(sections[1:])
 
     def end_parts(self, page: Page) -> list[memoryview]:
