@@ -393,6 +393,50 @@ def test_kv_state_records_and_tag_keep_their_format(tmp_path: Any) -> None:
         cache.close_storage()
 
 
+def test_state_and_plug_in_end_sections_share_one_record_bit_exactly(
+        store: dict[str, Any]) -> None:
+    """A hybrid cache with the plug-in: the record at a page end holds the state's conv and
+    ssm and the plug-in's vector; a second cache reads all three back."""
+    model = f"plugin-state-{os.getpid()}-{torch.randint(1 << 30, ()).item()}"
+    sa, sb = Summary(4), Summary(4)
+    a, kv_a = kv_cache(sa, page_size=2, states=4, hicache=l3_config(store, model))
+    b, kv_b = kv_cache(sb, page_size=2, states=4, hicache=l3_config(store, model))
+    try:
+        ha, hb = a.hicache, b.hicache
+        assert ha is not None and hb is not None
+        spa, spb = ha.pools["state"].device, hb.pools["state"].device
+        slots = kv_a.alloc(8)
+        shape = (2, 8, 1, 2)
+        k, v = random_bits(shape, torch.float32, GEN), random_bits(shape, torch.float32, GEN)
+        kv_a.pool.k_all[:, slots] = k
+        kv_a.pool.v_all[:, slots] = v
+        got = spa.alloc(1)
+        assert got is not None
+        state = int(got[0])
+        conv = random_bits(tuple(spa.conv[:, state].shape), spa.dtype, GEN)
+        ssm = random_bits(tuple(spa.ssm[:, state].shape), spa.dtype, GEN)
+        spa.conv[:, state] = conv
+        spa.ssm[:, state] = ssm
+        v8 = vector()
+        res = a.insert(K[:8], slots, state_slot=state, component_values={"summary": v8})
+        assert res.state_adopted
+        assert a.flush_storage(10) and a.stats()["l3_backup_written"] == 4 + 1
+        m = b.match_prefix(K[:8])
+        assert (m.prefix_len, m.host_hit_length) == (0, 8) and m.last_host_node is not None
+        assert b.load_back(m.last_host_node) == 8
+        m = b.match_prefix(K[:8])
+        assert m.prefix_len == 8 and m.state_slot is not None
+        assert torch.equal(bits(spb.conv[:, m.state_slot]), bits(conv))
+        assert torch.equal(bits(spb.ssm[:, m.state_slot]), bits(ssm))
+        assert torch.equal(bits(part(m)), bits(v8))
+        assert torch.equal(bits(kv_b.pool.k_all[:, m.device_indices]), bits(k))
+        assert torch.equal(bits(kv_b.pool.v_all[:, m.device_indices]), bits(v))
+        b.sanity_check()
+    finally:
+        a.close_storage()
+        b.close_storage()
+
+
 class NoUnpack(Summary):
     name = "summary"
 
