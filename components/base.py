@@ -14,8 +14,9 @@ time. Units: the KV components count tokens, the state component counts slots.
 Hook order, per engine call (``node`` is a ``TreeNode``; positions are half-open token ranges)::
 
     match_prefix   on_split* -> on_touch(path) -> usable(path, n) (fixpoint, every component)
-                   -> on_hit(node)
-    insert         check_insert(n, value, state_slot) -> plan_insert(plan) (every component; raise to refuse,
+                   -> on_hit(node) -> match_part(node) (``MatchResult.parts``)
+    insert         check_insert(n, value, state_slot) -> check_value(n, value) (the components
+                   given a ``component_values`` entry) -> plan_insert(plan) (every component; raise to refuse,
                    nothing changed) -> [KV claims the slots] -> on_split* / revive ->
                    on_touch(path) -> on_new_node(node, plan, lo, hi)* -> on_insert(plan, last)
     inc_lock_ref   lock(node) -> data          (``data`` travels in the ``LockRef``)
@@ -45,8 +46,11 @@ its copy says where a node lives (device, host, both) and its units are the host
     split          split_host(upper, lower, split_len)
     insert over a host-only node   revive_host(node, slots) (the caller's device slots)
     a host hit     host_usable(path, n) (the usable rule counting host copies)
-    L3             the primary's host copy is stored a record per page; a component with
-                   ``l3_end_record`` adds one record at a node's end (pack_end / unpack_end)
+    L3             l3_layout() -> the layout tag's part; l3_sections() -> byte sizes; the
+                   primary's host copy is stored a record per page (pack_pages /
+                   unpack_pages, :data:`L3_PAGE_HOOKS`); every other component with host
+                   copies stores its sections at a node's end (pack_end / unpack_end,
+                   :data:`L3_END_HOOKS`): one record per page end holds them all
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ if TYPE_CHECKING:
     import torch
 
     from components.kv import KVValue
+    from hicache.storage import Page
     from radix.node import TreeNode
 
 
@@ -71,19 +76,24 @@ class InsertPlan:
     caching), cut the new tail into separate nodes (:meth:`add_cut`), and ask to revive a
     matched node with the caller's slots (:meth:`add_revival`: node end -> first position
     taken from ``value``, and the component that revives it, :meth:`Component.revive`).
-    :meth:`set_note` keeps a component's own planning data, by its name. (Built on every
-    insert: the collections are created only when a component writes them.)
+    :meth:`set_note` keeps a component's own planning data, by its name. ``state_slot`` is
+    the state component's per-insert value, :meth:`value_of` any other component's (checked
+    by its ``check_value``). (Built on every insert: the collections are created only when a
+    component writes them.)
     """
 
     __slots__ = ("key", "value", "extra_key", "state_slot", "walk", "prefix_len", "end",
-                 "insert_end", "cuts", "revive", "_notes")
+                 "insert_end", "cuts", "revive", "_notes", "values")
 
     def __init__(self, key: Any, value: torch.Tensor, extra_key: Any, state_slot: int | None,
-                 walk: Any, end: int) -> None:
+                 walk: Any, end: int, values: dict[str, Any] | None = None) -> None:
         self.key = key
         self.value = value
         self.extra_key = extra_key
         self.state_slot = state_slot
+        #: Component name -> the caller's value for it (``RadixCache.insert``'s
+        #: ``component_values``, checked), or ``None``.
+        self.values = values
         self.walk = walk
         self.prefix_len: int = walk.matched_len
         self.end = end
@@ -107,6 +117,10 @@ class InsertPlan:
         if self._notes is None:
             self._notes = {}
         self._notes[name] = value
+
+    def value_of(self, name: str, default: Any = None) -> Any:
+        """The caller's per-insert value for component ``name`` (``default`` if none)."""
+        return default if self.values is None else self.values.get(name, default)
 
     def note(self, name: str, default: Any = None) -> Any:
         """What the component ``name`` noted while planning (``default`` if nothing)."""
@@ -188,10 +202,23 @@ class Component:
     def on_hit(self, node: TreeNode, now: int) -> None:
         """A match's usable prefix ends at ``node`` (not the root)."""
 
+    def match_part(self, node: TreeNode) -> Any:
+        """This component's part of a match whose usable prefix ends at ``node`` (the root
+        when it is empty): ``MatchResult.parts[name]`` (a plug-in's value valid there, say).
+        Must not mutate anything."""
+        return None
+
     # --------------------------------------------------------------------- insert
     def check_insert(self, n: int, value: Any, state_slot: int | None) -> None:
         """Validate an insert's arguments (``n``: tokens of the key) before the walk; raise
         ``TypeError`` / ``ValueError`` naming the argument."""
+
+    def check_value(self, n: int, value: Any) -> None:
+        """This component takes a per-insert value (``RadixCache.insert(...,
+        component_values={name: value})``, read in the plan as ``plan.value_of(name)``):
+        validate it for a key of ``n`` tokens before anything changes; raise ``TypeError`` /
+        ``ValueError`` naming ``component_values[name]`` and the expected form. (The state
+        component's value is ``state_slot``.)"""
 
     def plan_insert(self, plan: InsertPlan) -> None:
         """Validate and plan (``InsertPlan``) before anything changes; raise to refuse."""
@@ -302,21 +329,42 @@ class Component:
     def check_host(self, nodes: list[TreeNode]) -> None:
         """Assert the host copies' invariants (``nodes``: every non-root node)."""
 
-    #: L3: this component stores one record at a node's end (``pack_end``; the L3 key of
-    #: a page end holds one such record: one component per cache may have it).
-    l3_end_record: ClassVar[bool] = False
+    # -------------------------------------------------------------------- L3
+    # (``radix.tiers.storage``, a host tier's L3: :data:`L3_PAGE_HOOKS` for the primary
+    # component, :data:`L3_END_HOOKS` for a component with a section at a node's end)
+    def l3_layout(self) -> str | None:
+        """L3: this component's part of the layout tag (the shapes and dtypes of the bytes
+        it stores, no ``;``: caches whose parts differ never share a key), or ``None``: it
+        stores nothing in L3. Asked once its ``host_allocator`` is set."""
+        return None
 
-    def pack_end(self, node: TreeNode) -> tuple[bytes, bytes]:
-        """L3: the two sections of ``node``'s record at its end, from its host copy."""
+    def l3_sections(self) -> tuple[int, ...]:
+        """L3: byte sizes of this component's sections: of each page's record for the
+        primary component (two: KV's ``(K, V)``), of its part of the record at a node's end
+        for any other (one or more; the state's ``(conv, ssm)``)."""
+        return ()
+
+    def pack_pages(self, host: torch.Tensor) -> list[tuple[bytes, bytes]]:
+        """L3, the primary component: the sections of each whole page of the host units
+        ``host`` (int64, a multiple of ``page_size`` long), in page order."""
         raise NotImplementedError
 
-    def end_ok(self, sections: tuple[bytes, bytes]) -> bool:
-        """L3: whether a fetched end record has this component's section sizes."""
-        return True
+    def unpack_pages(self, host: torch.Tensor, pages: Sequence[Page]) -> None:
+        """L3, the primary component: write ``pages`` (verified records of
+        :meth:`l3_sections`' sizes, ``.a`` and ``.b``) into the fresh host units ``host``
+        (``len(pages)`` whole pages)."""
+        raise NotImplementedError
 
-    def unpack_end(self, node: TreeNode, host: torch.Tensor, sections: tuple[bytes, bytes]) -> None:
-        """L3: host-only ``node`` takes ``host`` (one fresh unit of ``host_allocator``),
-        filled from its end record, as its host copy."""
+    def pack_end(self, node: TreeNode) -> Sequence[bytes]:
+        """L3: this component's end sections of ``node`` (sizes :meth:`l3_sections`), from
+        its host copy (only asked when ``host_copy(node)`` is not ``None``)."""
+        raise NotImplementedError
+
+    def unpack_end(self, node: TreeNode, host: torch.Tensor,
+                   sections: Sequence[bytes | memoryview]) -> None:
+        """L3: host-only ``node`` (just made from L3 records) takes ``host`` (one fresh unit
+        of ``host_allocator``), filled from ``sections`` (this component's end sections, of
+        :meth:`l3_sections`' sizes), as its host copy."""
         raise NotImplementedError
 
     # ------------------------------------------------------------- sizes, checks
@@ -387,3 +435,44 @@ def hooks(components: tuple[Any, ...], name: str) -> tuple[Callable[..., Any], .
             continue
         out.append(getattr(c, name))
     return tuple(out)
+
+
+#: The L3 hooks of a host tier's primary component: its host copy is stored a record per page.
+L3_PAGE_HOOKS = ("l3_layout", "l3_sections", "pack_pages", "unpack_pages")
+#: The L3 hooks of any other component with host copies: its sections at a node's end.
+L3_END_HOOKS = ("l3_layout", "l3_sections", "pack_end", "unpack_end")
+
+
+def _implemented(c: Any, names: tuple[str, ...]) -> list[str]:
+    return [h for h in names if getattr(type(c), h, None) is not getattr(Component, h)]
+
+
+def l3_components(parts: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """The L3 roles of a host tier's components (``parts``: :func:`tier_components`, the
+    primary first): ``(primary, end components)``, the components whose sections a record at
+    a node's end holds, in order.
+
+    Raises:
+        ValueError: the primary lacks one of :data:`L3_PAGE_HOOKS`; another component
+            implements only some of :data:`L3_END_HOOKS`, or none (its host copies could not
+            be stored, so no match could end on the records read back: a sliding window's
+            SWA KV), naming it and what it lacks.
+    """
+    primary, out = parts[0], []
+    missing = [h for h in L3_PAGE_HOOKS if h not in _implemented(primary, L3_PAGE_HOOKS)]
+    if missing:
+        raise ValueError(f"component {primary.name!r} keeps the host tier's primary copies but "
+                         f"does not implement {missing}: L3 stores them a record per page "
+                         f"({list(L3_PAGE_HOOKS)}, components.base)")
+    for c in parts[1:]:
+        have = _implemented(c, L3_END_HOOKS)
+        missing = [h for h in L3_END_HOOKS if h not in have]
+        if missing:
+            raise ValueError(
+                f"component {c.name!r} keeps host copies that L3 records cannot carry: it "
+                f"implements {have} of the L3 end hooks but not {missing} (a record at a "
+                "page's end holds every other component's sections: without them no match "
+                "could end on the pages read back); implement them, or use the host tier "
+                "without L3")
+        out.append(c)
+    return primary, tuple(out)

@@ -40,7 +40,7 @@ tensor) are the same for code holding values but not the component.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import numpy as np
@@ -60,6 +60,7 @@ except ImportError:  # pragma: no cover - no compiler at install time: the numpy
 
 if TYPE_CHECKING:
     from allocators import SlotAllocator
+    from hicache.storage import Page
     from radix.node import TreeNode
     from radix.tree import RadixTree
 
@@ -677,6 +678,49 @@ class KVComponent(Component):
     def revive_host(self, node: TreeNode, slots: KVValue) -> None:
         self.attach(node, slots)  # the node keeps ``slots`` (as its own) as its kv_value
 
+    # L3 (the primary component): a record per page of the host copy, sections ``(K, V)``,
+    # each every layer's rows of the page's tokens (empty for a host allocator without a pool)
+    def _host_pool(self) -> Any:
+        return getattr(self.host_allocator, "pool", None)
+
+    def l3_layout(self) -> str:
+        from hicache.storage.keys import kv_layout
+
+        return kv_layout(self._host_pool())
+
+    def l3_sections(self) -> tuple[int, int]:
+        pool = self._host_pool()
+        if pool is None:
+            return (0, 0)
+        elem = torch.empty((), dtype=pool.dtype).element_size()
+        n = pool.num_layers * self.page_size * pool.num_heads * pool.head_dim * elem
+        return (n, n)
+
+    def pack_pages(self, host: torch.Tensor) -> list[tuple[bytes, bytes]]:
+        npages = len(host) // self.page_size
+        pool = self._host_pool()
+        if pool is None:
+            return [(b"", b"")] * npages
+        idx = host.to(pool.device)
+        out_k = _pages_bytes(pool.k_all[:, idx], npages)
+        out_v = _pages_bytes(pool.v_all[:, idx], npages)
+        return list(zip(out_k, out_v, strict=True))
+
+    def unpack_pages(self, host: torch.Tensor, pages: Sequence[Page]) -> None:
+        pool = self._host_pool()
+        if pool is None or not pages:
+            return
+        ps = self.page_size
+        npages, layers = len(pages), pool.num_layers
+        shape = (npages, layers, ps, pool.num_heads, pool.head_dim)
+        idx = host.to(pool.device)
+        for target, sections in ((pool.k_all, [p.a for p in pages]),
+                                 (pool.v_all, [p.b for p in pages])):
+            buf = bytearray(b"".join(sections))
+            t = torch.frombuffer(buf, dtype=torch.uint8).view(pool.dtype).reshape(shape)
+            target[:, idx] = t.transpose(0, 1).reshape(layers, npages * ps, pool.num_heads,
+                                                       pool.head_dim)
+
     def check_host(self, nodes: list[TreeNode]) -> None:
         """Host KV: one slot per token, backed-up nodes a prefix from the root, every host
         slot held once and not free."""
@@ -782,3 +826,11 @@ def _array_of(slots: np.ndarray) -> array[int]:
     out = array("q")
     out.frombytes(np.ascontiguousarray(slots, dtype=np.int64).data.cast("B"))
     return out
+
+
+def _pages_bytes(x: torch.Tensor, npages: int) -> list[bytes]:
+    """Each page's bytes of ``x`` (``[layers, npages * page_size, ...]``), layers outermost."""
+    layers = x.shape[0]
+    per_page = x.reshape(layers, npages, -1).transpose(0, 1).contiguous()
+    raw = per_page.view(torch.uint8).reshape(npages, -1).cpu().numpy()
+    return [raw[i].tobytes() for i in range(npages)]

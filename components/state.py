@@ -409,8 +409,7 @@ class StateComponent(Component):
 
     # ------------------------------------------------------------------- tiers
     # ``node.host_state_slot``: the host copy of the state at a backed-up node's end. L3
-    # keeps it as the record at the end of the node's last page (``l3_end_record``).
-    l3_end_record = True
+    # keeps it in the record at the end of the node's last page (two end sections: conv, ssm).
 
     def host_pool(self, config: Any) -> tuple[Any, Any, Any]:
         from hicache.host_pools import mirror_state, state_lanes
@@ -471,18 +470,24 @@ class StateComponent(Component):
             assert not bool(self.host_allocator.is_free(torch.tensor(slots)).any()), (
                 "a host state slot held by the tree is free")
 
+    def l3_layout(self) -> str:
+        from hicache.storage.keys import state_layout
+
+        return state_layout(self.host_allocator)
+
+    def l3_sections(self) -> tuple[int, ...]:
+        """``(conv, ssm)``: one slot's bytes of every layer."""
+        hs = self.host_allocator
+        return tuple(t[:, 0].numel() * t.element_size() for t in (hs.conv, hs.ssm))
+
     def pack_end(self, node: TreeNode) -> tuple[bytes, bytes]:
         hs, slot = self.host_allocator, node.host_state_slot
         assert slot is not None
         return (hs.conv[:, slot].contiguous().view(torch.uint8).cpu().numpy().tobytes(),
                 hs.ssm[:, slot].contiguous().view(torch.uint8).cpu().numpy().tobytes())
 
-    def end_ok(self, sections: tuple[bytes, bytes]) -> bool:
-        hs = self.host_allocator
-        return tuple(len(s) for s in sections) == tuple(
-            t[:, 0].numel() * t.element_size() for t in (hs.conv, hs.ssm))
-
-    def unpack_end(self, node: TreeNode, host: torch.Tensor, sections: tuple[bytes, bytes]) -> None:
+    def unpack_end(self, node: TreeNode, host: torch.Tensor,
+                   sections: Sequence[bytes | memoryview]) -> None:
         hs = self.host_allocator
         slot = int(host[0])
         for target, section in ((hs.conv, sections[0]), (hs.ssm, sections[1])):

@@ -30,7 +30,7 @@ threads wraps the cache in ``radix.locked.LockedCache`` (one lock around every c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from operator import attrgetter
 from time import perf_counter
@@ -423,16 +423,19 @@ class RadixCache:
             for field, m in zip(core.miss_fields, misses, strict=True):
                 if field == "swa_miss_tokens":
                     swa_miss = m
+        parts = None
+        if core.part_hooks:
+            parts = {name: part(last) for name, part in core.part_hooks}
         if host is None:  # no host hit: the last host node is the last device node
             return new_tuple(MatchResult, (indices, prefix_len, kv_hit, last, state_slot,
-                                           branching, last, 0, swa_miss, 0, 0))
+                                           branching, last, 0, swa_miss, 0, 0, parts))
         last_host, host_hit = host.host_hit(full_path, usable, last, prefix_len)
         swa_host = state_host = 0
         if host_hit:  # what its load-back would bring besides the full KV
             sizes = host.load_sizes(last_host)
             swa_host, state_host = sizes.get("swa", 0), sizes.get("state", 0)
         return new_tuple(MatchResult, (indices, prefix_len, kv_hit, last, state_slot, branching,
-                                       last_host, host_hit, swa_miss, swa_host, state_host))
+                                       last_host, host_hit, swa_miss, swa_host, state_host, parts))
 
     # ============================================================== inserting
     def insert(
@@ -444,6 +447,7 @@ class RadixCache:
         state_slot: int | torch.Tensor | None = None,
         priority: int = 0,
         rid: object = None,
+        component_values: Mapping[str, Any] | None = None,
     ) -> InsertResult:
         """Cache ``key`` with KV slots ``value`` (and a state checkpoint at its end).
 
@@ -462,6 +466,11 @@ class RadixCache:
             rid: request id: a request counts once per node in ``hit_count``, also across its
                 chunked-prefill re-inserts (the cache remembers how deep each rid counted until
                 ``release_rid(rid)`` or ``cache_finished_req``; at most ``MAX_TRACKED_RIDS``).
+            component_values: component name -> a per-insert value for it, for a component
+                that takes one (it implements ``check_value``: a plug-in's value valid at the
+                key's end, say; the state component's is ``state_slot``). Each is checked
+                before anything changes; the component reads it while inserting
+                (``InsertPlan.value_of``) and says in its own docs who owns it afterwards.
 
         Returns:
             :class:`InsertResult`: ``duplicate_indices`` are the caller's to free,
@@ -474,7 +483,9 @@ class RadixCache:
                 held by a node, repeated, or (paged) not whole pages in order; a
                 ``state_slot`` that is free in the pool or held by the tree, or given with a
                 key that ends inside a page (``ValueError`` naming ``state_slot``); an unhashable
-                ``rid``; a missing state. Nothing changed then.
+                ``rid``; a missing state; ``component_values`` not a mapping, naming a
+                component that takes no value, or a value its ``check_value`` refuses.
+                Nothing changed then.
 
         Complexity: O(key length) in C (the walk, ``radix/_match.c``; the adopted slots'
         checks, marks and copy in one pass, ``components/_claim.c``) plus O(matched nodes) in
@@ -502,8 +513,27 @@ class RadixCache:
                 raise TypeError(
                     f"rid must be hashable (an int, a str, an object), got {type(rid).__name__}"
                 ) from None
+        values = None
+        if component_values is not None:
+            values = self._check_values(component_values, n)
         return insert_key(self._insert_ctx, key, n, value, extra_key, state_slot, priority, rid,
-                          trusted)
+                          trusted, values)
+
+    def _check_values(self, values: Mapping[str, Any], n: int) -> dict[str, Any] | None:
+        """``insert``'s ``component_values``, checked by each named component."""
+        if not isinstance(values, Mapping):
+            raise TypeError("component_values must be a mapping of component name -> value, "
+                            f"got {type(values).__name__}")
+        checks = self.core.value_checks
+        for name, v in values.items():
+            check = checks.get(name) if isinstance(name, str) else None
+            if check is None:
+                raise ValueError(
+                    f"component_values names {name!r}, which takes no per-insert value; the "
+                    f"components that take one: {sorted(checks)} (a component implementing "
+                    "check_value; the state's value is state_slot=)")
+            check(n, v)
+        return dict(values) if values else None
 
     def release_rid(self, rid: object) -> None:
         """Forget ``rid``'s hit-count depth (the request finished)."""
@@ -573,7 +603,7 @@ class RadixCache:
         res = self.core.evict(self.kv, num_tokens)
         self.durations.observe("eviction", perf_counter() - t0)
         if landed is not None and any(landed):
-            return EvictResult(*(a + b for a, b in zip(res, landed, strict=True)))
+            return self.core.merge(res, landed)
         return res
 
     def evict_states(self, num_states: int) -> EvictResult:
@@ -609,12 +639,13 @@ class RadixCache:
 
     def evict_component(self, name: str, n: int) -> EvictResult:
         """Free at least ``n`` of component ``name``'s units in its own eviction order (the
-        component's ``evict_field`` names them; ``evict``, ``evict_states`` and ``evict_swa``
-        are this for ``"kv"``, ``"state"`` and ``"swa"``).
+        component's ``evict_field`` names them: an ``EvictResult`` field, or for a component
+        beyond KV, state and SWA an entry of ``EvictResult.other``; ``evict``,
+        ``evict_states`` and ``evict_swa`` are this for ``"kv"``, ``"state"`` and ``"swa"``).
 
         Raises:
             ValueError: a bad count, no component ``name``, or one without an eviction walk
-                (its ``evict_field`` is not an ``EvictResult`` field).
+                (no ``evict_field``).
         """
         check_count(n, "n")
         if name == "kv":

@@ -34,15 +34,19 @@ from radix.tree import RadixTree, new_tuple
 if TYPE_CHECKING:
     from radix.node import TreeNode
 
-#: ``EvictResult`` fields, in order: the units one eviction step reports.
+#: ``EvictResult`` fields, in order: the units one eviction step reports (the units of any
+#: other component with an ``evict_field`` go to ``EvictResult.other``).
 EVICT_FIELDS = ("num_tokens", "num_states", "num_swa_tokens")
 _SINK = len(EVICT_FIELDS)  # the index units of a component without an evict field go to
+# (with other components' fields, they come first and the sink follows them:
+# ``CacheCore.field_index``)
 #: The lock data of a lock that carries none.
 NO_PARTS: dict[str, Any] = {}
 
 
 def freed_counts() -> list[int]:
-    """A fresh accumulator of freed units, per ``EVICT_FIELDS`` (plus a sink)."""
+    """A fresh accumulator of freed units, per ``EVICT_FIELDS`` (plus a sink), for a cache
+    whose components report no other field (``CacheCore.new_freed``: for any cache)."""
     return [0] * (_SINK + 1)
 
 
@@ -64,12 +68,13 @@ class CacheCore:
         #: demotes it; adds the units freed to its accumulator (``freed_counts``).
         self.free_leaf: Callable[[TreeNode, list[int]], None] = self.remove_leaf
         self._remove_leaf = self.free_leaf  # (what :meth:`evict` compares ``free_leaf`` with)
-        #: Units whose freeing is in flight (write-back copies), per ``EVICT_FIELDS``.
-        self.pending = [0] * len(EVICT_FIELDS)
         #: Called with an internal victim before an eviction drops one component's value
         #: from it (a write-back host tier backs the value up first), or ``None``.
         self.before_internal: Callable[[TreeNode], None] | None = None
         self._build_hooks()
+        #: Units whose freeing is in flight (write-back copies), per field (``EVICT_FIELDS``,
+        #: then ``other_fields``: an accumulator's indices, without the sink).
+        self.pending = [0] * self._sink
 
     def add_per_node(self, holder: Component) -> None:
         """Add a holder of per-node data that takes the structural hooks (``on_split``,
@@ -94,12 +99,19 @@ class CacheCore:
                         f"components {fields[f]!r} and {c.name!r} both claim the eviction "
                         f"field {f!r}; each EvictResult field belongs to one component")
                 fields[f] = c.name
+        #: The ``evict_field`` of every component beyond ``EVICT_FIELDS`` (plug-ins), in
+        #: order: ``EvictResult.other``; in an accumulator their units follow
+        #: ``EVICT_FIELDS``'s, then the sink's.
+        self.other_fields = tuple(f for f in fields if f not in EVICT_FIELDS)
+        self._field_index: dict[str | None, int] = {
+            f: i for i, f in enumerate(EVICT_FIELDS + self.other_fields)}
+        self._sink = len(EVICT_FIELDS) + len(self.other_fields)
+        self._nfreed = self._sink + 1
         tier_components(comps)  # a component with only some tier hooks is refused, named
         self._split_hooks = hooks(everything, "on_split")
         self.refreshers = hooks(everything, "refresh")
         self.device_removers = tuple(
-            (EVICT_FIELDS.index(c.evict_field) if c.evict_field in EVICT_FIELDS else _SINK,
-             c.on_remove)
+            (self.field_index(c), c.on_remove)
             for c in comps if type(c).on_remove is not Component.on_remove
         )
         self._node_removers = hooks(per_node, "on_remove")
@@ -110,14 +122,23 @@ class CacheCore:
         self.planners = hooks(everything, "plan_insert")
         self.new_node_hooks = hooks(comps, "on_new_node")
         self.insert_hooks = hooks(comps, "on_insert")
-        #: No component or holder plans an insert, sees its new nodes or adopts anything at
-        #: its end: an insert's plan would be its walk's, and ``radix.insert`` builds none.
-        self.unplanned_inserts = not (self.planners or self.new_node_hooks or self.insert_hooks)
+        #: Component name -> its ``check_value``: the components that take a per-insert
+        #: value (``RadixCache.insert(component_values=...)``, ``InsertPlan.value_of``).
+        self.value_checks = {c.name: c.check_value for c in comps
+                             if type(c).check_value is not Component.check_value}
+        #: No component or holder plans an insert, sees its new nodes, takes a value or adopts
+        #: anything at its end: an insert's plan would be its walk's, and ``radix.insert``
+        #: builds none.
+        self.unplanned_inserts = not (self.planners or self.new_node_hooks or self.insert_hooks
+                                      or self.value_checks)
         # (the KV component has none: the cache re-files the deepest matched node itself, the
         # only one of a matched path that can be a KV leaf)
         self.touch_hooks = hooks(comps, "on_touch")
         self.hit_hooks = hooks(comps, "on_hit")
         self.match_hooks = hooks(comps, "on_match")
+        #: ``(name, match_part)`` of the components with a part in ``MatchResult.parts``.
+        self.part_hooks = tuple((c.name, c.match_part) for c in comps
+                                if type(c).match_part is not Component.match_part)
         self.lockers = tuple(c for c in comps if type(c).lock is not Component.lock)
         self._lock_fns = tuple(c.lock for c in self.lockers)
         self._unlock_fns = hooks(comps, "unlock")
@@ -128,11 +149,11 @@ class CacheCore:
         #: Per component with an eviction walk: its EvictResult index, its internal-node
         #: eviction and its requeue hook (``None`` when it has none).
         self._evict_plans = {
-            c.name: (EVICT_FIELDS.index(c.evict_field),
+            c.name: (self.field_index(c),
                      c.evict_internal if type(c).evict_internal is not Component.evict_internal
                      else None,
                      c.requeue if type(c).requeue is not Component.requeue else None)
-            for c in comps if c.evict_field in EVICT_FIELDS
+            for c in comps if c.evict_field is not None
         }
         #: The KV component when it is the only component and nothing but it watches a
         #: removal or a re-file: its eviction runs inline (``KVComponent.evict_leaves``) as long
@@ -156,20 +177,45 @@ class CacheCore:
         #: The only rule, when there is exactly one and it reports no miss (the hybrid case).
         self.one_rule = rules[0][0] if len(rules) == 1 and rules[0][1] is None else None
 
+    def field_index(self, comp: Component) -> int:
+        """The index of ``comp``'s units in an accumulator (:meth:`new_freed`): its
+        ``EVICT_FIELDS`` position, its place among ``other_fields``, or the sink."""
+        return self._field_index.get(comp.evict_field, self._sink)
+
+    def new_freed(self) -> list[int]:
+        """A fresh accumulator of freed units for this cache's components: per
+        ``EVICT_FIELDS``, then per ``other_fields``, then the sink."""
+        return [0] * self._nfreed
+
+    def result(self, freed: list[int] | tuple[int, ...]) -> EvictResult:
+        """The :class:`EvictResult` of an accumulator (:meth:`new_freed`)."""
+        others = self.other_fields
+        other = tuple(zip(others, freed[_SINK:self._sink], strict=True)) if others else ()
+        return new_tuple(EvictResult, (freed[0], freed[1], freed[2], other))
+
+    def merge(self, res: EvictResult, extra: tuple[int, ...]) -> EvictResult:
+        """``res`` plus the units of an accumulator's difference ``extra`` (copies that
+        landed during the call)."""
+        freed = [res[0] + extra[0], res[1] + extra[1], res[2] + extra[2], 0]
+        if self.other_fields:
+            freed[_SINK:] = [n + e for (_, n), e in zip(res.other, extra[_SINK:self._sink],
+                                                           strict=True)]
+        return self.result(freed)
+
     def reset(self) -> None:
         """Remove every node (no dead-leaf cascade, nothing counted as evicted) and reset every
         component and per-node holder; the tree gets a new identity (old handles go stale)."""
         for hook in self._reset_hooks:
             hook()
         for n in sorted(self.tree.iter_nodes(), key=lambda x: -x.depth):
-            self.device_remove(n, freed_counts())
+            self.device_remove(n, self.new_freed())
             for hook in self._node_removers:
                 hook(n)
             self.tree.remove_leaf(n)
         for c in self.components + self.per_node:
             c.reset()
         self.tree.reset()
-        self.pending = [0] * len(EVICT_FIELDS)
+        self.pending = [0] * self._sink
 
     @property
     def root(self) -> TreeNode:
@@ -280,7 +326,7 @@ class CacheCore:
         """Remove a leaf whole, then the ancestors it leaves as dead leaves; ``freed``
         (``freed_counts``) accumulates the units freed."""
         if freed is None:
-            freed = freed_counts()
+            freed = self.new_freed()
         tree = self.tree
         root = tree.root
         removers, node_removers = self.device_removers, self._node_removers
@@ -319,12 +365,12 @@ class CacheCore:
         ``comp``'s units count towards ``target`` but not in the result."""
         inline = self._evict_inline
         if inline is not None and comp is self._kv_only and self.free_leaf is self._remove_leaf:
-            return new_tuple(EvictResult, (inline(target, self.tree), 0, 0))
+            return new_tuple(EvictResult, (inline(target, self.tree), 0, 0, ()))
         plan = self._evict_plans.get(comp.name)
         if plan is None:
             raise ValueError(f"component {comp.name!r} of this cache has no eviction walk")
         idx, internal, requeue = plan
-        freed = [0, 0, 0, 0]
+        freed = [0] * self._nfreed
         pending = self.pending
         start = pending[idx]
         pop, free_leaf, before = comp.pop_victim, self.free_leaf, self.before_internal
@@ -340,4 +386,6 @@ class CacheCore:
             free_leaf(node, freed)
             if requeue is not None and node.owner:  # it stayed (a copy in flight)
                 requeue(node)
-        return new_tuple(EvictResult, (freed[0], freed[1], freed[2]))
+        if self.other_fields:
+            return self.result(freed)
+        return new_tuple(EvictResult, (freed[0], freed[1], freed[2], ()))

@@ -80,11 +80,12 @@ def own_copy(value: torch.Tensor, lo: int, hi: int) -> KVValue:
 
 def insert_key(ctx: InsertContext, key: Tokens, key_len: int, value: torch.Tensor, extra_key: Any,
                state_slot: int | None, priority: int, rid: object,
-               trusted: bool = False) -> InsertResult:
+               trusted: bool = False, values: dict[str, Any] | None = None) -> InsertResult:
     """Insert the checked key ``key[:key_len]`` (see ``RadixCache.insert`` for the contract;
     ``key`` may run past ``key_len``: a prefix ``RadixKey`` is inserted from its base array,
     and the plan's positions stay below ``key_len``); ``trusted``: ``key`` is a ``RadixKey``'s
-    token array (its walk may be the one its match remembered)."""
+    token array (its walk may be the one its match remembered); ``values``: the checked
+    per-insert values of components (``InsertPlan.value_of``)."""
     core = ctx.core
     ps = core.page_size
     end = key_len
@@ -100,7 +101,7 @@ def insert_key(ctx: InsertContext, key: Tokens, key_len: int, value: torch.Tenso
     walk = tree.walk(key, end, extra_key, trusted)
     if core.unplanned_inserts:  # the plain KV cache: the plan would be the walk's
         return _insert_unplanned(ctx, key, value, extra_key, walk, end, priority, rid)
-    plan = InsertPlan(key, value, extra_key, state_slot, walk, end)
+    plan = InsertPlan(key, value, extra_key, state_slot, walk, end, values)
     for p in core.planners:
         p(plan)
     own = _claim(ctx, plan)

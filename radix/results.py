@@ -47,6 +47,10 @@ class MatchResult(NamedTuple):
             nodes of the chain) [tokens] and recurrent states (the one at
             ``last_host_node`` when it is on host only) [states]; the host tier's load plan,
             0 without a host hit.
+        parts: component name -> that component's part of the match (what its ``match_part``
+            returns for ``last_device_node``; ``components.base``), or ``None`` when no
+            component of the cache has one (the built-ins report through the fields above).
+            Last, so a result built by position without it stays valid.
     """
 
     device_indices: torch.Tensor
@@ -60,6 +64,7 @@ class MatchResult(NamedTuple):
     swa_miss_tokens: int = 0
     swa_host_hit_length: int = 0
     state_host_hit_length: int = 0
+    parts: dict[str, Any] | None = None
 
     @property
     def state_miss_tokens(self) -> int:
@@ -128,13 +133,31 @@ class InsertResult(NamedTuple):
 
 class EvictResult(NamedTuple):
     """What one eviction call freed: full KV tokens [tokens], recurrent states [slots] and
-    SWA KV tokens [tokens] (tombstoned or removed with their node). An immutable tuple, like
+    SWA KV tokens [tokens] (tombstoned or removed with their node), and ``other``: ``(field,
+    units)`` for each other component of the cache with an ``evict_field`` (a plug-in's units),
+    in component order (``()`` when there is none). An immutable tuple, like
     :class:`MatchResult` and :class:`InsertResult`: the cache builds it in about 0.1 us, where
     the frozen dataclass it was took about 0.65 us of every ``evict`` call."""
 
     num_tokens: int = 0
     num_states: int = 0
     num_swa_tokens: int = 0
+    other: tuple[tuple[str, int], ...] = ()
+
+    def units(self, field: str) -> int:
+        """The units freed of ``field``: one of the three fields above, or another
+        component's ``evict_field`` listed in ``other``.
+
+        Raises:
+            KeyError: ``field`` is neither (naming what this result has).
+        """
+        if field in ("num_tokens", "num_states", "num_swa_tokens"):
+            return int(getattr(self, field))
+        for name, n in self.other:
+            if name == field:
+                return n
+        raise KeyError(f"no eviction field {field!r} in this result; it has num_tokens, "
+                       f"num_states, num_swa_tokens{''.join(', ' + f for f, _ in self.other)}")
 
 
 @dataclass

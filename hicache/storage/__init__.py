@@ -26,10 +26,14 @@ from hicache.storage.file_store import FileStore
 from hicache.storage.keys import (
     chain_seed,
     encode_namespace,
+    end_key,
+    kv_layout,
     layout_tag,
+    layout_tag_of,
     page_hashes,
     page_key,
     state_key,
+    state_layout,
 )
 from hicache.storage.mooncake_options import MooncakeOptions
 from hicache.storage.page import CorruptPage
@@ -60,13 +64,17 @@ __all__ = [
     "backend_names",
     "chain_seed",
     "encode_namespace",
+    "end_key",
+    "kv_layout",
     "layout_tag",
+    "layout_tag_of",
     "make_backend",
     "page_hashes",
     "page_key",
     "redact_url",
     "register_backend",
     "state_key",
+    "state_layout",
     "unregister_backend",
 ]
 

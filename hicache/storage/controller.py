@@ -1,21 +1,26 @@
-"""Host slots <-> storage pages: packing, background writes, prefetch jobs.
+"""Host slots <-> storage pages: record sections, background writes, prefetch jobs.
 
-The engine thread packs host bytes into page sections (:meth:`StorageController.pack_kv`, a
-gather and a copy) and hands them to one writer thread, which asks the backend which pages are
-missing and writes only those (set-if-absent). Prefetch jobs run on one reader thread (the
-engine waits for them, up to a deadline, under ``wait_complete`` / ``timeout``): leading pages
-present in L3, their verified bytes, and for a hybrid model the state record at the deepest
-page that has one. The tree is never touched off the engine thread: jobs only collect bytes;
-:class:`radix.tiers.storage.StorageTier` attaches them (``unpack_kv`` into fresh host slots) on
-the engine thread.
+A cache stores two kinds of record (:mod:`hicache.storage.page`): one per page, the primary
+component's (KV: sections ``(K, V)``, keyed :func:`~hicache.storage.keys.page_key`), and one at
+a page's end (:func:`~hicache.storage.keys.end_key`) holding the *end sections* of every other
+component that declares some (the recurrent state valid there: ``(conv, ssm)``; a plug-in's
+per-node value). The components pack and unpack their own bytes (``components.base``: the L3
+hooks); this controller knows only section sizes. An end record's two sections are the first
+end section and the rest concatenated, in component order, so a KV + state record is
+``(conv, ssm)`` as it always was.
 
-Section byte layouts are those of :mod:`hicache.storage.page`.
+The engine thread packs host bytes and hands them to one writer thread, which asks the backend
+which records are missing and writes only those (set-if-absent). Prefetch jobs run on one
+reader thread (the engine waits for them, up to a deadline, under ``wait_complete`` /
+``timeout``): leading pages present in L3, their verified bytes, and with end sections the end
+record at the deepest page that has one. The tree is never touched off the engine thread: jobs
+only collect bytes; :class:`radix.tiers.storage.StorageTier` attaches them (the components
+unpack into fresh host slots) on the engine thread.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -23,10 +28,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from hicache.storage.base import Page, StorageBackend
-from hicache.storage.keys import chain_seed, encode_namespace, page_key, state_key
+from hicache.storage.keys import chain_seed, encode_namespace, end_key, page_key
 
 log = logging.getLogger("hicache.storage")
 
@@ -60,10 +63,12 @@ CONTROLLER_COUNTERS = (
 class PrefetchJob:
     """One lookup of consecutive pages after position ``start`` of ``tokens``.
 
-    ``hashes``: the page hashes from ``start`` on. Filled by the fetch: ``pages`` (the leading
-    verified pages, in order; for a hybrid model only once complete) and ``state`` (the state
-    record at the end of the last page, hybrid only), published together as one immutable
-    ``result`` tuple; ``done`` is set at the end.
+    ``hashes``: the page hashes from ``start`` on. ``want_end``: the cache stores end sections,
+    and a match can end only where they are (a hybrid model's state): the job reads the pages
+    up to the deepest one with an end record, and that record. Filled by the fetch: ``pages``
+    (the leading verified pages, in order; with ``want_end`` only once complete) and ``end``
+    (the end record at the last page's end, ``want_end`` only), published together as one
+    immutable ``result`` tuple; ``done`` is set at the end.
     ``deadline`` (``time.monotonic``, engine thread only): until when matches wait for it;
     ``timed_out``: a wait reached the deadline.
 
@@ -76,7 +81,7 @@ class PrefetchJob:
     extra_key: Any
     start: int
     hashes: list[bytes]
-    want_state: bool
+    want_end: bool
     result: tuple[tuple[Page, ...], Page | None] = ((), None)
     done: threading.Event = field(default_factory=threading.Event)
     deadline: float | None = None
@@ -87,54 +92,46 @@ class PrefetchJob:
         return list(self.result[0])
 
     @property
-    def state(self) -> Page | None:
+    def end(self) -> Page | None:
         return self.result[1]
 
     def snapshot(self) -> tuple[list[Page], Page | None, bool]:
-        """(pages so far, state, finished) read consistently and without waiting: ``done``
-        is read first, so a finished job's result is its final one."""
+        """(pages so far, end record, finished) read consistently and without waiting:
+        ``done`` is read first, so a finished job's result is its final one."""
         finished = self.done.is_set()
-        pages, state = self.result
-        return list(pages), state, finished
+        pages, end = self.result
+        return list(pages), end, finished
 
 
 class StorageController:
-    """Moves pages between the host pools and an L3 backend.
+    """Moves records between a cache's L3 tier and an L3 backend.
 
     Args:
         backend: the storage (its faults are already misses).
-        host_kv: the host KV allocator (its ``pool`` holds the tensors, or ``None``).
-        host_state: the host state pool, or ``None``.
         page_size: tokens per page.
-        tag: layout tag (:func:`hicache.storage.keys.layout_tag`).
+        tag: layout tag (:func:`hicache.storage.keys.layout_tag_of`).
+        page_sections: byte sizes ``(a, b)`` of a page record's sections (KV: ``(K, V)``).
+        end_sections: byte sizes of the end sections, every end component's in order (``()``:
+            no end record).
+        prefetch_policy / prefetch_timeout_s: as ``HiCacheConfig``'s.
+
+    Attributes:
+        end_record_bytes: byte sizes ``(a, b)`` of an end record's two sections, or ``None``.
     """
 
-    def __init__(self, backend: StorageBackend, host_kv: Any, host_state: Any, page_size: int,
-                 tag: str, prefetch_policy: str = "best_effort",
-                 prefetch_timeout_s: float = 0.5) -> None:
+    def __init__(self, backend: StorageBackend, page_size: int, tag: str,
+                 page_sections: tuple[int, int], end_sections: tuple[int, ...] = (),
+                 prefetch_policy: str = "best_effort", prefetch_timeout_s: float = 0.5) -> None:
         self.backend = backend
-        self.host_kv = host_kv
-        self.host_state = host_state
         self.page_size = page_size
         self.tag = tag
         self.prefetch_policy = prefetch_policy
         self.prefetch_timeout_s = prefetch_timeout_s
-        pool = getattr(host_kv, "pool", None)
-        self._kv_pool = pool
-        if pool is not None:
-            elem = torch.empty((), dtype=pool.dtype).element_size()
-            self.kv_section_bytes = pool.num_layers * page_size * pool.num_heads * pool.head_dim * elem
-        else:
-            self.kv_section_bytes = 0
-        if host_state is not None:
-            elem = torch.empty((), dtype=host_state.dtype).element_size()
-            n = host_state.num_layers
-            self.state_section_bytes = (n * math.prod(host_state.conv_state_shape) * elem,
-                                        n * math.prod(host_state.ssm_state_shape) * elem)
-        else:
-            self.state_section_bytes = (0, 0)
-        backend.expect_sections((self.kv_section_bytes, self.kv_section_bytes),
-                                self.state_section_bytes)
+        self.page_sections = page_sections
+        self.end_sections = end_sections
+        self.end_record_bytes: tuple[int, int] | None = (
+            (end_sections[0], sum(end_sections[1:])) if end_sections else None)
+        backend.expect_sections(page_sections, self.end_record_bytes or (0, 0))
         self._seeds: dict[bytes, bytes | None] = {}
         self._known: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
@@ -155,6 +152,15 @@ class StorageController:
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n
+
+    def count_prefetched(self, pages: int, tokens: int, end: bool) -> None:
+        """A prefetch attached ``pages`` pages (``tokens`` tokens), and an end record when
+        ``end`` (counted as ``prefetch_states``: the state was the first end section)."""
+        with self._lock:
+            c = self.counters
+            c["prefetch_pages"] += pages
+            c["prefetch_tokens"] += tokens
+            c["prefetch_states"] += int(end)
 
     # ------------------------------------------------------------------ keys
     def seed(self, extra_key: Any) -> bytes | None:
@@ -185,57 +191,36 @@ class StorageController:
                 known.popitem(last=False)
 
     # ---------------------------------------------------------------- bytes
-    def pack_kv(self, host_slots: torch.Tensor) -> list[tuple[bytes, bytes]]:
-        """Sections ``(K, V)`` of each whole page of ``host_slots`` (page order)."""
-        npages = len(host_slots) // self.page_size
-        pool = self._kv_pool
-        if pool is None:
-            return [(b"", b"")] * npages
-        idx = host_slots.to(pool.device)
-        out_k = self._pages_bytes(pool.k_all[:, idx], npages)
-        out_v = self._pages_bytes(pool.v_all[:, idx], npages)
-        return list(zip(out_k, out_v, strict=True))
+    def end_record(self, sections: Sequence[bytes]) -> tuple[bytes, bytes]:
+        """The two sections of an end record holding ``sections`` (every end section, in
+        order, of the sizes ``end_sections``): the first, and the rest concatenated.
 
-    @staticmethod
-    def _pages_bytes(x: torch.Tensor, npages: int) -> list[bytes]:
-        layers = x.shape[0]
-        per_page = x.reshape(layers, npages, -1).transpose(0, 1).contiguous()
-        raw = per_page.view(torch.uint8).reshape(npages, -1).cpu().numpy()
-        return [raw[i].tobytes() for i in range(npages)]
+        Raises:
+            ValueError: the sections' sizes are not ``end_sections`` (a component packed
+                other sizes than its ``l3_sections``; the record is not written).
+        """
+        sizes = tuple(len(x) for x in sections)
+        if sizes != self.end_sections:
+            raise ValueError(f"end sections of {sizes} bytes, expected {self.end_sections} "
+                             "(the end components' l3_sections)")
+        return sections[0], b"".join(sections[1:])
 
-    def unpack_kv(self, host_slots: torch.Tensor, pages: Sequence[Page]) -> None:
-        """Write the pages' K and V into ``host_slots`` (``len(pages)`` whole pages)."""
-        pool = self._kv_pool
-        if pool is None or not pages:
-            return
-        npages, layers = len(pages), pool.num_layers
-        shape = (npages, layers, self.page_size, pool.num_heads, pool.head_dim)
-        idx = host_slots.to(pool.device)
-        for target, sections in ((pool.k_all, [p.a for p in pages]), (pool.v_all, [p.b for p in pages])):
-            buf = bytearray(b"".join(sections))
-            t = torch.frombuffer(buf, dtype=torch.uint8).view(pool.dtype).reshape(shape)
-            target[:, idx] = t.transpose(0, 1).reshape(layers, npages * self.page_size,
-                                                       pool.num_heads, pool.head_dim)
+    def end_parts(self, page: Page) -> list[memoryview]:
+        """The end sections of a verified end record (:meth:`end_ok`), in order."""
+        out = [memoryview(page.a)]
+        rest, o = memoryview(page.b), 0
+        for n in self.end_sections[1:]:
+            out.append(rest[o:o + n])
+            o += n
+        return out
 
-    def pack_state(self, slot: int) -> tuple[bytes, bytes]:
-        hs = self.host_state
-        assert hs is not None
-        return (hs.conv[:, slot].contiguous().view(torch.uint8).cpu().numpy().tobytes(),
-                hs.ssm[:, slot].contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    def page_ok(self, page: Page) -> bool:
+        """Whether a page record has the page sections' sizes."""
+        return (len(page.a), len(page.b)) == self.page_sections
 
-    def unpack_state(self, slot: int, page: Page) -> None:
-        hs = self.host_state
-        assert hs is not None
-        for target, section in ((hs.conv, page.a), (hs.ssm, page.b)):
-            shape = target[:, slot].shape
-            t = torch.frombuffer(bytearray(section), dtype=torch.uint8).view(hs.dtype).reshape(shape)
-            target[:, slot] = t
-
-    def kv_page_ok(self, page: Page) -> bool:
-        return len(page.a) == self.kv_section_bytes and len(page.b) == self.kv_section_bytes
-
-    def state_ok(self, page: Page) -> bool:
-        return (len(page.a), len(page.b)) == self.state_section_bytes
+    def end_ok(self, page: Page) -> bool:
+        """Whether an end record has the end sections' sizes."""
+        return (len(page.a), len(page.b)) == self.end_record_bytes
 
     # --------------------------------------------------------------- writes
     def submit_writes(self, items: list[tuple[str, bytes, bytes]]) -> None:
@@ -326,15 +311,15 @@ class StorageController:
         be = self.backend
         keys = [page_key(h) for h in job.hashes]
         n = be.batch_exists(keys)
-        state = None
-        if job.want_state:
-            mask = be.exists_mask([state_key(h) for h in job.hashes[:n]])
+        end = None
+        if job.want_end:
+            mask = be.exists_mask([end_key(h) for h in job.hashes[:n]])
             n = max((i + 1 for i, present in enumerate(mask) if present), default=0)
             if n == 0:
                 return
-            state = be.get(state_key(job.hashes[n - 1]))
-            if state is None or not self.state_ok(state):
-                if state is not None:
+            end = be.get(end_key(job.hashes[n - 1]))
+            if end is None or not self.end_ok(end):
+                if end is not None:
                     self.count("bad_sections")
                 return
         got: list[Page] = []
@@ -344,17 +329,17 @@ class StorageController:
             for p in chunk:
                 if p is None:
                     break
-                if not self.kv_page_ok(p):
+                if not self.page_ok(p):
                     self.count("bad_sections")
                     break
                 lead.append(p)
             got.extend(lead)
-            if not job.want_state:
+            if not job.want_end:
                 job.result = (job.result[0] + tuple(lead), None)
             if len(lead) < len(chunk):
                 break
-        if job.want_state and len(got) == n:
-            job.result = (tuple(got), state)
+        if job.want_end and len(got) == n:
+            job.result = (tuple(got), end)
 
     def close(self) -> None:
         """Finish queued work, stop the threads, close the backend."""

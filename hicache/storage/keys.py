@@ -23,12 +23,16 @@ import hashlib
 import struct
 import sys
 from array import array
+from collections.abc import Sequence
 from typing import Any
 
 SEED_PREFIX = b"hpc-l3/1\x00"
 
-#: Suffix of the key of a page's recurrent-state record (the state valid at the page's end).
-STATE_SUFFIX = ".s"
+#: Suffix of the key of the record at a page's end (the end sections of the components that
+#: keep one there: the recurrent state valid at the page's end, a plug-in's per-node value).
+END_SUFFIX = ".s"
+#: The same suffix under its first name (only the state component kept an end record then).
+STATE_SUFFIX = END_SUFFIX
 
 
 def encode_namespace(extra_key: Any) -> bytes | None:
@@ -134,26 +138,50 @@ def page_key(h: bytes) -> str:
     return h.hex()
 
 
-def state_key(h: bytes) -> str:
-    """The storage key of the state record at the end of page ``h``."""
-    return h.hex() + STATE_SUFFIX
+def end_key(h: bytes) -> str:
+    """The storage key of the record at the end of page ``h`` (the components' end sections:
+    the recurrent state valid there, any plug-in's)."""
+    return h.hex() + END_SUFFIX
+
+
+#: :func:`end_key` under its first name (the state was the only end section then).
+state_key = end_key
+
+
+def kv_layout(kv_pool: Any) -> str:
+    """The layout tag part of a KV pool's pages (``kv=none``: index-only, empty pages)."""
+    if kv_pool is None:
+        return "kv=none"
+    return f"kv={kv_pool.num_layers}x{kv_pool.num_heads}x{kv_pool.head_dim}:{kv_pool.dtype}"
+
+
+def state_layout(state_pool: Any) -> str:
+    """The layout tag part of a recurrent-state pool's records (a ``MambaStatePool``)."""
+    conv = "x".join(map(str, state_pool.conv_state_shape))
+    ssm = "x".join(map(str, state_pool.ssm_state_shape))
+    return f"state={state_pool.num_layers}:{conv}/{ssm}:{state_pool.dtype}"
+
+
+def layout_tag_of(model: str, page_size: int, parts: Sequence[str]) -> str:
+    """A layout tag from each stored component's part (its ``l3_layout``), primary first.
+
+    Raises:
+        ValueError: a part holds ``;`` (the separator) or is empty.
+    """
+    for p in parts:
+        if not p or ";" in p:
+            raise ValueError(f"a layout tag part must be non-empty and hold no ';', got {p!r}")
+    return ";".join([f"model={model}", f"page={page_size}", *parts])
 
 
 def layout_tag(model: str, page_size: int, kv_pool: Any, state_pool: Any) -> str:
     """A readable tag naming the model and the layout of one page's bytes.
 
     ``kv_pool``: a :class:`~allocators.KVPool` or ``None`` (index-only replays store empty
-    pages); ``state_pool``: a :class:`~allocators.MambaStatePool` or ``None``.
+    pages); ``state_pool``: a :class:`~allocators.MambaStatePool` or ``None``. (The tag of a
+    cache whose components are KV and state; :func:`layout_tag_of` for any components.)
     """
-    parts = [f"model={model}", f"page={page_size}"]
-    if kv_pool is None:
-        parts.append("kv=none")
-    else:
-        parts.append(
-            f"kv={kv_pool.num_layers}x{kv_pool.num_heads}x{kv_pool.head_dim}:{kv_pool.dtype}"
-        )
+    parts = [kv_layout(kv_pool)]
     if state_pool is not None:
-        conv = "x".join(map(str, state_pool.conv_state_shape))
-        ssm = "x".join(map(str, state_pool.ssm_state_shape))
-        parts.append(f"state={state_pool.num_layers}:{conv}/{ssm}:{state_pool.dtype}")
-    return ";".join(parts)
+        parts.append(state_layout(state_pool))
+    return layout_tag_of(model, page_size, parts)

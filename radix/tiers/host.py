@@ -42,7 +42,6 @@ from allocators import alloc_all
 from allocators.host_mirror import host_ids
 from components.base import Component, InsertPlan, hooks, tier_components
 from components.ordered import OrderedNodeSet
-from radix.core import EVICT_FIELDS, freed_counts
 from radix.durations import Durations
 from radix.tiers.base import Tier
 
@@ -107,8 +106,9 @@ class HostTier(Component, Tier):
             if type(c).host_usable is not Component.host_usable
             or type(c).usable is not Component.usable)
         self.storage: StorageTier | None = None
-        #: Device units the tier freed (demotions, removals), per ``EVICT_FIELDS``; running.
-        self._freed = freed_counts()
+        #: Device units the tier freed (demotions, removals), per accumulator index
+        #: (``CacheCore.new_freed``); running.
+        self._freed = core.new_freed()
         if controller.config.hicache_write_policy == "write_back":
             core.before_internal = self.save_before_drop
         self.reset()
@@ -225,10 +225,10 @@ class HostTier(Component, Tier):
 
     def collect_landed(self) -> tuple[int, ...]:
         """Finish landed copies before an eviction; returns the device units they freed
-        (earlier write-back evictions), per ``EVICT_FIELDS``."""
+        (earlier write-back evictions), per accumulator index (``CacheCore.new_freed``)."""
         before = list(self._freed)
         self.poll()
-        return tuple(a - b for a, b in zip(self._freed, before, strict=False))[:len(EVICT_FIELDS)]
+        return tuple(a - b for a, b in zip(self._freed, before, strict=True))
 
     def poll(self) -> int:
         """Finish completed device -> host copies (unlock, demote); returns how many."""
@@ -280,12 +280,12 @@ class HostTier(Component, Tier):
         if got is None:
             return False
         parts: Parts = []
-        units = [0] * len(EVICT_FIELDS)
+        units = [0] * len(core.pending)
         taken = [c for c, _ in got[0]]
         for (c, _), host in zip(*got, strict=True):
             parts.append((c.name, c.backup(node, host), host))
-            if c.evict_field in EVICT_FIELDS:
-                units[EVICT_FIELDS.index(c.evict_field)] += len(host)
+            if c.evict_field is not None:
+                units[core.field_index(c)] += len(host)
         flight = _Flight(node.start, tuple(units), demote_after)
         try:  # the copy is enqueued before anything else changes: one that cannot start
             self._write(parts, lambda: self._on_write_done(node, flight))
@@ -400,7 +400,7 @@ class HostTier(Component, Tier):
         elif node.children:  # host-only children below: keep the node and its KV only
             for c in self.parts[1:]:
                 if c.has_device(node):
-                    self._freed[_field(c)] += c.evict_internal(node)
+                    self._freed[self.core.field_index(c)] += c.evict_internal(node)
         else:
             self.core.remove_leaf(node, self._freed)
 
@@ -588,7 +588,7 @@ class HostTier(Component, Tier):
             self.collect_landed()
             for c, n in asks:
                 short = n - c.restore_allocator.available_size()
-                if short > 0 and c.evict_field in EVICT_FIELDS:
+                if short > 0 and c.evict_field is not None:
                     self.core.evict(c, short)
             got = alloc_all(reqs)
         return got
@@ -637,15 +637,10 @@ class HostTier(Component, Tier):
         return out
 
 
-def _field(c: Component) -> int:
-    """The ``freed_counts`` index of component ``c``'s units."""
-    return EVICT_FIELDS.index(c.evict_field) if c.evict_field in EVICT_FIELDS else len(EVICT_FIELDS)
-
-
 class _Flight(NamedTuple):
     """One backup copy in flight: the span it covers starts at ``start`` [tokens]; a
     write-back victim (``demote``) raised ``CacheCore.pending`` by ``units`` (per
-    ``EVICT_FIELDS``)."""
+    accumulator index, ``CacheCore.new_freed``)."""
 
     start: int
     units: tuple[int, ...]

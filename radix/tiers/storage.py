@@ -6,13 +6,20 @@
                         ^                        |          already in L3 are not sent again
                         └──── prefetch ──────────┘          match: key continues past the tree
 
-* Backup (:meth:`StorageTier.backup`): when a node's host copy has landed (and when a
-  state joins a backed-up node), the node's pages (and the state at its end) are packed from
-  the host pool and queued for the writer thread; the writer stores only missing pages.
+The tier names no component: the host tier's primary component (KV) stores its host copy a
+record per page, every other component with host copies its sections in one record at a
+node's end (the state valid there, a plug-in's value); each packs and unpacks its own bytes
+(``components.base``: ``l3_layout``, ``l3_sections``, ``pack_pages`` / ``unpack_pages``,
+``pack_end`` / ``unpack_end``), and the layout tag joins their ``l3_layout`` parts.
+
+* Backup (:meth:`StorageTier.backup`): when a node's host copy has landed (and when another
+  component's copy joins a backed-up node), the node's pages (and, once every end component
+  has a host copy there, the record at its end) are packed from the host pools and queued for
+  the writer thread; the writer stores only missing records.
 * Prefetch (:meth:`StorageTier.before_match`, at the start of ``match_prefix``): the key's
-  whole pages past the tree's match are hashed and looked up in L3; the leading run found (for
-  a hybrid model: up to the deepest page whose end state is stored) is read, verified, copied
-  into fresh host slots and attached as one host-only node below the match, so the match
+  whole pages past the tree's match are hashed and looked up in L3; the leading run found
+  (with end components: up to the deepest page whose end record is stored) is read, verified,
+  copied into fresh host slots and attached as one host-only node below the match, so the match
   reports it as a host hit (``last_host_node``) and ``load_back`` brings it to device.
   The lookup runs on the prefetch thread. ``best_effort``: its pages join at a later
   ``match_prefix`` / :meth:`StorageTier.poll`; ``wait_complete``: the match waits for it,
@@ -36,18 +43,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from components.base import l3_components
 from hicache.storage import (
     PrefetchJob,
     StorageController,
-    layout_tag,
+    end_key,
+    layout_tag_of,
     make_backend,
     page_hashes,
     page_key,
-    state_key,
 )
 
 if TYPE_CHECKING:
-    from components.base import Component
     from hicache.storage import Page
     from radix.core import CacheCore
     from radix.node import TreeNode
@@ -82,30 +89,24 @@ class StorageTier:
         hc = host.controller
         cfg = hc.config
         self.page_size = core.page_size
-        #: The primary component (its host copy: a record per page) and the component with a
-        #: record at a node's end, if any (``components.base``: ``l3_end_record``).
-        self.primary = host.primary
-        lacking = [c.name for c in host.parts[1:] if not c.l3_end_record]
-        if lacking:  # e.g. sliding-window KV: L3 records carry KV pages and a state at page
-            # ends, not a window's SWA KV, so a reader could never end a match on them
-            raise ValueError(
-                f"hicache_storage_backend with components {lacking} that keep host copies L3 "
-                "records cannot carry (a record holds the KV pages and one record at a page's "
-                "end: a sliding window's SWA KV is not stored, and without it no match could "
-                "end on the pages read back); use the host tier without L3")
-        ends = [c for c in host.parts if c.l3_end_record]
-        if len(ends) > 1:
-            raise ValueError(f"components {[c.name for c in ends]} each keep an L3 record at a "
-                             "node's end; a page end holds one")
-        self.end = ends[0] if ends else None
-        host_pages = self.primary.host_allocator
-        host_end = self.end.host_allocator if self.end is not None else None
-        tag = layout_tag(cfg.hicache_storage_model, self.page_size,
-                         getattr(host_pages, "pool", None), host_end)
+        #: The primary component (its host copy: a record per page) and the components with
+        #: sections in the record at a node's end, in order (``components.base``: raises
+        #: ``ValueError`` naming a component whose host copies L3 cannot carry).
+        self.primary, self.ends = l3_components(host.parts)
+        #: How many end sections each end component has (its share of an end record).
+        self._end_counts = tuple(len(c.l3_sections()) for c in self.ends)
+        parts = [c.l3_layout() for c in (self.primary, *self.ends)]
+        tag = layout_tag_of(cfg.hicache_storage_model, self.page_size,
+                            [p for p in parts if p is not None])
         backend = make_backend(cfg, tag)
         assert backend is not None
-        self.controller = StorageController(backend, host_pages, host_end, self.page_size,
-                                            tag, cfg.hicache_storage_prefetch_policy,
+        page = tuple(self.primary.l3_sections())
+        if len(page) != 2:
+            raise ValueError(f"component {self.primary.name!r}: l3_sections() of the primary "
+                             f"must be two page sections, got {page}")
+        ends = tuple(n for c in self.ends for n in c.l3_sections())
+        self.controller = StorageController(backend, self.page_size, tag, (page[0], page[1]),
+                                            ends, cfg.hicache_storage_prefetch_policy,
                                             cfg.hicache_prefetch_timeout_s)
         #: How long a match waits for its prefetch in all, retries and re-matches included
         #: [s], by the prefetch's tokens (``HiCacheConfig.prefetch_wait_s``; ``None``: not at
@@ -165,8 +166,8 @@ class StorageTier:
 
     # ---------------------------------------------------------------- backup
     def backup(self, node: TreeNode) -> None:
-        """Hook: ``node``'s host copy (KV, or a state that joined it) is complete; its pages
-        (and the state at its end) go to L3. Never raises."""
+        """Hook: ``node``'s host copy (the primary's, or another component's that joined it)
+        is complete; its pages (and the record at its end) go to L3. Never raises."""
         try:
             self._backup_node(node)
         except Exception as exc:
@@ -187,15 +188,15 @@ class StorageTier:
         items = []
         if todo:
             slots = hv if len(todo) == len(keys) else torch.cat([hv[i * ps:(i + 1) * ps] for i in todo])
-            for i, (a, b) in zip(todo, st.pack_kv(slots), strict=True):
+            for i, (a, b) in zip(todo, self.primary.pack_pages(slots), strict=True):
                 items.append((keys[i], a, b))
-        end = self.end
-        if end is not None and end.host_copy(node) is not None:
-            sk = state_key(hashes[-1])
-            if st.is_known(sk):
+        ends = self.ends
+        if ends and all(c.host_copy(node) is not None for c in ends):
+            ek = end_key(hashes[-1])
+            if st.is_known(ek):
                 st.count("backup_known_skipped")
             else:
-                items.append((sk, *end.pack_end(node)))
+                items.append((ek, *st.end_record([s for c in ends for s in c.pack_end(node)])))
         st.submit_writes(items)
 
     # -------------------------------------------------------------- prefetch
@@ -210,12 +211,11 @@ class StorageTier:
 
     def _prefetch(self, key: Any, extra_key: Any) -> None:
         st = self.controller
-        hc = self.host.controller
         ps = self.page_size
         end = len(key) - len(key) % ps
         walk = self.core.tree.walk(key, end, extra_key)
         m = walk.matched_len
-        npages = min(end - m, hc.host_kv.size) // ps
+        npages = min(end - m, self.primary.host_allocator.size) // ps
         if npages <= 0:
             return
         prev = self._hash_at(walk, extra_key)
@@ -229,7 +229,7 @@ class StorageTier:
             if len(self._jobs) >= MAX_JOBS:
                 st.count("prefetch_in_flight_skipped")
                 return
-            job = PrefetchJob(key[:upto], extra_key, m, hashes, self.end is not None)
+            job = PrefetchJob(key[:upto], extra_key, m, hashes, bool(self.ends))
             wait = self._wait_s(npages * ps)
             if wait is not None:
                 job.deadline = time.monotonic() + wait
@@ -248,18 +248,18 @@ class StorageTier:
         """Attach the pages prefetch jobs have brought so far; return the tokens attached."""
         got = 0
         for jk, job in list(self._jobs.items()):
-            pages, state, finished = job.snapshot()
+            pages, end, finished = job.snapshot()
             if finished:
                 del self._jobs[jk]
-            if pages and (finished or not job.want_state):
-                got += self._attach(job, pages, state)
+            if pages and (finished or not job.want_end):
+                got += self._attach(job, pages, end)
         return got
 
-    def _attach(self, job: PrefetchJob, pages: list[Page], state: Page | None) -> int:
+    def _attach(self, job: PrefetchJob, pages: list[Page], end: Page | None) -> int:
         """Attach ``pages`` (from ``job.start``) as one host-only node below what the tree
         already holds of ``job.tokens``; returns the tokens attached (0: dropped)."""
         st = self.controller
-        if not pages or (job.want_state and state is None):
+        if not pages or (job.want_end and end is None):
             return 0
         ps = self.page_size
         upto = job.start + len(pages) * ps
@@ -282,46 +282,55 @@ class StorageTier:
             st.count("prefetch_dropped", len(pages) - first)  # backed-up nodes form a prefix
             return 0
         tokens = upto - m
-        end = self.end if state is not None else None
-        got = self._alloc_host(anchor, tokens, end)
+        ends = self.ends if end is not None else ()
+        asks = [(primary.host_allocator, tokens), *((c.host_allocator, 1) for c in ends)]
+        got = self._alloc_host(anchor, tokens, asks)
         if got is None:
             st.count("prefetch_dropped", len(pages) - first)
             return 0
         host_slots = got[0]
-        try:
-            st.unpack_kv(host_slots, pages[first:])
-        except BaseException:  # nothing attached: give the host slots back
-            for (alloc, _), idx in zip(self._asks(tokens, end), got, strict=True):
+        try:  # the pages land before the tree changes
+            primary.unpack_pages(host_slots, pages[first:])
+            sections = st.end_parts(end) if end is not None else []
+        except BaseException:  # nothing attached: give the host units back
+            for (alloc, _), idx in zip(asks, got, strict=True):
                 alloc.free(idx)
             raise
         leaf = self.core.tree.add_leaf(anchor, job.tokens[m:upto], job.extra_key, now)
         primary.adopt_host(leaf, host_slots)
-        if end is not None and state is not None:
-            end.unpack_end(leaf, got[1], (state.a, state.b))
+        done = 0
+        try:
+            o = 0
+            for c, k, host in zip(ends, self._end_counts, got[1:], strict=True):
+                c.unpack_end(leaf, host, sections[o:o + k])
+                o += k
+                done += 1
+        except BaseException:  # an end component failed: the leaf leaves, units given back
+            for c in (primary, *ends[:done]):
+                c.drop_host(leaf)
+            for (alloc, _), idx in zip(asks[1 + done:], got[1 + done:], strict=True):
+                alloc.free(idx)
+            self.core.tree.remove_leaf(leaf)
+            self.core.detached(leaf)
+            if anchor is not self.core.root:
+                self.core.refresh(anchor)
+            raise
         self.host.host_tokens += tokens
         hashes = job.hashes[first:len(pages)]
         self._hashes[leaf] = hashes
-        st.mark_known([page_key(h) for h in hashes] + ([state_key(hashes[-1])] if state else []))
+        st.mark_known([page_key(h) for h in hashes] + ([end_key(hashes[-1])] if end else []))
         self.core.refresh(leaf)
         if anchor is not self.core.root:
             self.core.refresh(anchor)
-        st.count("prefetch_pages", len(pages) - first)
-        st.count("prefetch_tokens", tokens)
-        st.count("prefetch_states", int(state is not None))
+        st.count_prefetched(len(pages) - first, tokens, end is not None)
         return tokens
 
-    def _asks(self, tokens: int, end: Component | None) -> list[tuple[Any, int]]:
-        asks: list[tuple[Any, int]] = [(self.primary.host_allocator, tokens)]
-        if end is not None:
-            asks.append((end.host_allocator, 1))
-        return asks
-
-    def _alloc_host(self, anchor: TreeNode, tokens: int, end: Component | None
+    def _alloc_host(self, anchor: TreeNode, tokens: int, asks: list[tuple[Any, int]]
                     ) -> list[torch.Tensor] | None:
-        """Host slots for a prefetched chain (the primary component's, and one for the end
-        record when ``end``), all or nothing, evicting host-only leaves (never ``anchor``)."""
+        """Host units for a prefetched chain (``asks``: the primary component's ``tokens``,
+        one per end component with an end record), all or nothing, evicting host-only leaves
+        (never ``anchor``)."""
         hc = self.host.controller
-        asks = self._asks(tokens, end)
         got = hc.alloc_parts(asks)
         if got is not None:
             return got

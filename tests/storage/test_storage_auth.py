@@ -98,10 +98,10 @@ def forge(victim: L3, name: str, where: str, key: list[int], secret: str | None,
     seed = st.seed(ns)
     assert seed is not None
     hashes = page_hashes(seed, array("q", key), st.page_size)
-    page = b"\x7f" * st.kv_section_bytes
+    page = b"\x7f" * st.page_sections[0]
     items = [(page_key(h), page, page) for h in hashes]
-    if st.host_state is not None:
-        conv, ssm = st.state_section_bytes
+    if st.end_record_bytes is not None:
+        conv, ssm = st.end_record_bytes
         items.append((state_key(hashes[-1]), b"\x7f" * conv, b"\x7f" * ssm))
     client = attacker_client(name, where, st.tag, secret)
     try:

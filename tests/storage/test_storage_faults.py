@@ -117,13 +117,13 @@ def test_errors_outside_the_backend_are_contained(tmp_path: Any, caches: list[L3
     def boom(*args: Any) -> None:
         raise RuntimeError("bug")
 
-    monkeypatch.setattr(st_b, "unpack_kv", boom)
+    monkeypatch.setattr(b.cache.kv, "unpack_pages", boom)
     free_host = b.cache.hicache.host_kv.available_size()  # type: ignore[union-attr]
     m = b.cache.match_prefix(key)  # the attach fails half-way: contained
     assert m.host_hit_length == 0 and b.cache.stats()["l3_faults"] == 1
     b.cache.sanity_check()
     assert b.cache.hicache.host_kv.available_size() == free_host  # type: ignore[union-attr]
-    monkeypatch.setattr(st_b, "pack_kv", boom)
+    monkeypatch.setattr(b.cache.kv, "pack_pages", boom)
     put_random(b, key_of(4, base=5), gen)  # the backup fails: insert still succeeds
     assert b.cache.stats()["l3_faults"] == 2
     b.cache.sanity_check()
