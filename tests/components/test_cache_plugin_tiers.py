@@ -226,7 +226,7 @@ def test_a_per_insert_value_lands_at_the_key_end_and_is_the_match_part() -> None
 def test_a_cache_without_a_part_reports_none_and_positional_results_stay_valid() -> None:
     cache = RadixCache(kv_allocator=TokenAllocator(8))
     m = cache.match_prefix([1, 2])
-    assert m.parts is None and len(m) == 10
+    assert m.parts is None and len(m) == 12
     from radix import MatchResult
 
     old = MatchResult(m.device_indices, 0, 0, m.last_device_node, None, None, None, 0, 0)
