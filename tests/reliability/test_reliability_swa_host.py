@@ -32,6 +32,7 @@ About 100 examples in a few seconds (``SWA_HOST_EXAMPLES`` to change).
 from __future__ import annotations
 
 import os
+from collections import Counter
 from typing import Any
 
 import torch
@@ -54,6 +55,8 @@ from tests.helpers.cache_helpers import node_slots
 KEYS = st.lists(st.integers(1, 3), min_size=1, max_size=12)
 SIZE = st.integers(0, 16)
 FULL, SWA_SIZE, STATES = 32, 16, 4
+#: What the run exercised (checked at the end: each happened at least once).
+EVENTS: Counter[str] = Counter()
 
 
 def sig(tokens: tuple[int, ...]) -> list[float]:
@@ -71,6 +74,7 @@ class SWAHostMachine(RuleBasedStateMachine):
         self.cache: RadixCache | None = None
         self.pins: list[tuple[Any, Any]] = []
         self.seen: set[tuple[int, ...]] = set()
+        self.keys: list[list[int]] = []  # what inserts cached, for later turns
 
     @initialize(ps=st.sampled_from([1, 2]), window=st.integers(1, 4),
                 policy=st.sampled_from(["write_through", "write_through_selective",
@@ -107,6 +111,8 @@ class SWAHostMachine(RuleBasedStateMachine):
         if not key:
             return
         m = c.match_prefix(key)
+        EVENTS["request host hit"] += m.host_hit_length > 0
+        EVENTS["request"] += 1
         if load and m.host_hit_length:
             c.load_back(m.last_host_node)
             m = c.match_prefix(key)
@@ -143,7 +149,13 @@ class SWAHostMachine(RuleBasedStateMachine):
                 assert self.sp is not None
                 self.sp.conv[0, slot, 0] = sig(tuple(key))[-1]
             value = torch.cat([m.device_indices, fresh])
+            over_host = m.host_hit_length > 0
             res = c.insert(key, value, state_slot=slot)
+            EVENTS["insert over host-only nodes"] += over_host
+            EVENTS["revived"] += len(res.revived_indices) > 0
+            EVENTS["stopped above host-only nodes"] += over_host and res.inserted_len < min(
+                len(key), m.prefix_len + m.host_hit_length)
+            EVENTS["released SWA KV"] += dead > 0
             for spare in (res.duplicate_indices, res.remainder_indices):
                 if len(spare):
                     kv.free(spare)
@@ -152,6 +164,8 @@ class SWAHostMachine(RuleBasedStateMachine):
                 self.sp.free(torch.tensor([slot]))
             for j in range(1, res.inserted_len + 1):
                 self.seen.add(tuple(key[:j]))
+            if res.inserted_len:
+                self.keys.append(key[:res.inserted_len])
             if realistic:  # the window before the end is live: the whole key is cached
                 assert res.inserted_len == len(key), (res.prefix_len, res.inserted_len, key)
                 c.sanity_check()
@@ -168,6 +182,21 @@ class SWAHostMachine(RuleBasedStateMachine):
     def odd_request(self, key: list[int], load: bool, dead: int) -> None:
         self._request(key, load, dead, realistic=False)
 
+    @precondition(lambda self: bool(self.keys))
+    @rule(i=SIZE, cut=SIZE, tail=st.lists(st.integers(1, 3), max_size=4), load=st.booleans(),
+          dead=SIZE, realistic=st.booleans())
+    def request_again(self, i: int, cut: int, tail: list[int], load: bool, dead: int,
+                      realistic: bool) -> None:
+        """A later turn: a key inserted before, cut somewhere, with a tail of its own."""
+        key = self.keys[i % len(self.keys)]
+        self._request(key[:max(len(key) - cut % 4, 1)] + tail, load, dead, realistic)
+
+    @rule()
+    def flush(self) -> None:
+        """Evict every device node (the backed-up ones stay host-only)."""
+        self.c.evict(FULL)
+        self.c.poll_transfers()
+
     @rule(key=KEYS)
     def match(self, key: list[int]) -> None:
         self.match_checked(self.cut(key))
@@ -178,6 +207,7 @@ class SWAHostMachine(RuleBasedStateMachine):
         m = self.match_checked(key)
         if m.host_hit_length:
             got = self.c.load_back(m.last_host_node)
+            EVENTS["load_back"] += got > 0
             assert got in (0, sum(len(n.key) for n in _host_chain(m.last_host_node))) or got > 0
             after = self.match_checked(key)
             assert after.prefix_len >= m.prefix_len
@@ -221,6 +251,8 @@ class SWAHostMachine(RuleBasedStateMachine):
         want = self.usable_prefix(key)
         m = c.match_prefix(key)
         assert m.prefix_len == want, f"match {key}: library {m.prefix_len}, model {want}"
+        EVENTS["match host hit"] += m.host_hit_length > 0
+        EVENTS["match"] += 1
         n = m.prefix_len
         vals = sig(tuple(key))
         if n:
@@ -291,6 +323,9 @@ class SWAHostMachine(RuleBasedStateMachine):
             path = above + tuple(int(x) for x in n.key)
             assert path in self.seen, f"the tree holds {path}, never inserted"
             want = torch.tensor(sig(path)[n.start:])
+            EVENTS["host-only live node" if n.kv_value is None and not n.swa_tombstone
+                   else "device tombstone" if n.swa_tombstone and n.kv_value is not None
+                   else "other"] += 1
             if n.kv_value is not None:
                 slots = node_slots(n)
                 dev_tokens += len(slots)
@@ -354,7 +389,13 @@ def _host_chain(node: Any) -> list[Any]:
 
 
 def test_swa_with_a_host_tier_against_the_model() -> None:
+    EVENTS.clear()
     run_state_machine_as_test(SWAHostMachine, settings=settings(
         max_examples=int(os.environ.get("SWA_HOST_EXAMPLES", "100")), stateful_step_count=30,
         derandomize=True, database=None, deadline=None, report_multiple_bugs=False,
         suppress_health_check=list(HealthCheck)))
+    print("\nexercised: " + ", ".join(f"{k} {v}" for k, v in sorted(EVENTS.items())))
+    missing = [k for k in ("insert over host-only nodes", "revived", "stopped above host-only "
+                           "nodes", "released SWA KV", "load_back", "host-only live node",
+                           "device tombstone") if not EVENTS[k]]
+    assert not missing, f"the run never exercised {missing}"
