@@ -32,6 +32,8 @@ from tests.hicache.test_hicache_swa import KEY, SWAH, W, demote_all
 _GEN = torch.Generator().manual_seed(3737)
 #: The KV of KEY's prefixes (token ``i`` of KEY, after KEY[:i]): full K, full V, SWA K, SWA V.
 DATA = [random_bits((2, len(KEY), 1, 2), torch.float32, _GEN) for _ in range(4)]
+#: The conv state after KEY[:n], by n.
+STATE = {n: random_bits((2, 2), torch.float32, _GEN) for n in range(1, len(KEY) + 1)}
 
 
 def fill(h: SWAH, slots: torch.Tensor, lo: int) -> None:
@@ -62,6 +64,7 @@ def put(h: SWAH, n: int, prefix: torch.Tensor | None = None, dead: int = 0) -> t
         got = h.sp.alloc(1)
         assert got is not None
         slot = int(got[0])
+        h.sp.conv[:, slot] = STATE[n]
     res = h.cache.insert(KEY[:n], value, state_slot=slot)
     if len(res.duplicate_indices):
         h.kv.free(res.duplicate_indices)
@@ -75,12 +78,27 @@ def put(h: SWAH, n: int, prefix: torch.Tensor | None = None, dead: int = 0) -> t
 
 
 def check_bits(h: SWAH) -> None:
-    """Every node's device full KV, device SWA KV (live nodes), host KV and host SWA KV hold
-    KEY's KV at its positions, bit for bit."""
+    """Every node's device full KV, device SWA KV (live nodes), host KV, host SWA KV and
+    states (device and host) hold KEY's values at its positions, bit for bit; every pool's
+    ledger (free + held by the tree == capacity: the caller holds nothing now)."""
     host_kv = h.hc.pools["kv"].host.pool
     host_swa = h.hc.pools["swa"].host.pool
+    host_st = h.hc.pools["state"].host if h.sp is not None else None
+    held = dict.fromkeys(("full", "swa", "host kv", "host swa", "state", "host state"), 0)
     for n in h.cache.tree.iter_nodes():
         lo, hi = n.start, n.depth
+        if n.state_slot is not None:
+            assert h.sp is not None and torch.equal(bits(h.sp.conv[:, n.state_slot]),
+                                                    bits(STATE[hi])), n
+            held["state"] += 1
+        if n.host_state_slot is not None:
+            assert host_st is not None and torch.equal(
+                bits(host_st.conv[:, n.host_state_slot]), bits(STATE[hi])), n
+            held["host state"] += 1
+        held["full"] += 0 if n.kv_value is None else hi - lo
+        held["swa"] += 0 if n.kv_value is None or n.swa_tombstone else hi - lo
+        held["host kv"] += 0 if n.host_value is None else hi - lo
+        held["host swa"] += 0 if n.host_swa_value is None else hi - lo
         if n.kv_value is not None:
             s = node_slots(n)
             assert torch.equal(bits(h.full.k_all[:, s]), bits(DATA[0][:, lo:hi])), n
@@ -96,6 +114,20 @@ def check_bits(h: SWAH) -> None:
             hs = n.host_swa_value
             assert torch.equal(bits(host_swa.k_all[:, hs]), bits(DATA[2][:, lo:hi])), n
             assert torch.equal(bits(host_swa.v_all[:, hs]), bits(DATA[3][:, lo:hi])), n
+    pools = h.pools()
+    for name, a, k in (("full", h.kv, "full"), ("swa", h.kv, "swa"),
+                       ("host kv", pools["host kv"], None), ("host swa", pools["host swa"], None),
+                       ("state", pools.get("device state"), None),
+                       ("host state", pools.get("host state"), None)):
+        if a is None:
+            continue
+        if k == "full":
+            free, size = a.full_available_size(), a.size
+        elif k == "swa":
+            free, size = a.swa_available_size(), a.swa_size
+        else:
+            free, size = a.available_size(), a.size
+        assert free + held[name] == size, f"{name}: {free} free + {held[name]} held != {size}"
 
 
 def layout(h: SWAH) -> list[tuple[int, int, str, bool]]:
