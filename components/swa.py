@@ -19,6 +19,11 @@ lock to both halves, and both lie below ``start``).
 Eviction (``evict_swa``): live, unlocked nodes in LRU order of ``last_access_time``; an internal
 node becomes a tombstone, a leaf leaves whole (a tombstoned leaf could never be used).
 
+With a host tier, an insert over host-only nodes gives them the caller's slots (the host
+tier revives them): each is cut where the caller's SWA KV turns live (a tombstone before, live
+after), and with no new tail below them the insert stops above those whose end the window
+rule excludes (:meth:`SWAComponent.plan_host_revival`).
+
 Planning reads the host copy of the full-to-SWA map (``SWAAllocator.has_swa_host``) at the
 host copies of the caller's slots (``KVComponent.host_slots``), never the device.
 """
