@@ -285,13 +285,9 @@ class SWAComponent(Component):
             lo, kvv = part.start, part.kv_value
             spans.append((part, lo, lo + walk.partial_len,
                           None if kvv is None else kvv[: walk.partial_len]))
-        first_host = len(spans)
-        for i, (n, lo, hi, kvv) in enumerate(spans):
-            if kvv is None:  # host-only from here on (device nodes form a prefix)
-                first_host = i
-                break
-            if not n.swa_tombstone or n.kv_lock > 0:
-                continue  # live or in use
+        for n, lo, hi, kvv in spans:
+            if not n.swa_tombstone or n.kv_lock > 0 or kvv is None:
+                continue  # live, in use, or host-only (planned below)
             if (host[lo:hi] == self.kv.host_slots(kvv)).any():
                 continue  # the caller got (some of) these slots from the tree
             t = self.live_suffix_start(host, lo, hi)
@@ -305,8 +301,9 @@ class SWAComponent(Component):
                 plan.insert_end = p  # no live SWA KV at all: nothing worth caching
             elif live_from > p:
                 plan.add_cut(live_from)
-        if first_host < len(spans):
-            self.plan_host_revival(plan, host, spans, first_host)
+        if spans and spans[-1][3] is None:  # host-only nodes (the device ones form a prefix)
+            first = next(i for i, sp in enumerate(spans) if sp[3] is None)
+            self.plan_host_revival(plan, host, spans, first)
 
     def plan_host_revival(self, plan: InsertPlan, host: np.ndarray,
                           spans: list[tuple[TreeNode, int, int, KVValue | None]],
