@@ -19,6 +19,11 @@ lock to both halves, and both lie below ``start``).
 Eviction (``evict_swa``): live, unlocked nodes in LRU order of ``last_access_time``; an internal
 node becomes a tombstone, a leaf leaves whole (a tombstoned leaf could never be used).
 
+With a host tier, an insert over host-only nodes gives them the caller's slots (the host
+tier revives them): each is cut where the caller's SWA KV turns live (a tombstone before, live
+after), and with no new tail below them the insert stops above those whose end the window
+rule excludes (:meth:`SWAComponent.plan_host_revival`).
+
 Planning reads the host copy of the full-to-SWA map (``SWAAllocator.has_swa_host``) at the
 host copies of the caller's slots (``KVComponent.host_slots``), never the device.
 """
@@ -268,7 +273,9 @@ class SWAComponent(Component):
         holds with live SWA KV of its own (not the tree's slots) are revived from the page where
         the caller's slots are live (the node the walk ends inside counts with its matched
         part, split there first); the new tail is live from the page where the caller's slots
-        are, a tombstone before it, and not cached at all when none of it is live."""
+        are, a tombstone before it, and not cached at all when none of it is live. Matched
+        host-only nodes (the host tier revives them with the caller's slots) are planned by
+        :meth:`plan_host_revival`."""
         end, walk = plan.end, plan.walk
         host = self.kv.host_slots(plan.value)
         self.kv.check_range(host[:end])
@@ -280,7 +287,7 @@ class SWAComponent(Component):
                           None if kvv is None else kvv[: walk.partial_len]))
         for n, lo, hi, kvv in spans:
             if not n.swa_tombstone or n.kv_lock > 0 or kvv is None:
-                continue  # live, in use, or host-only (the host tier revives it)
+                continue  # live, in use, or host-only (planned below)
             if (host[lo:hi] == self.kv.host_slots(kvv)).any():
                 continue  # the caller got (some of) these slots from the tree
             t = self.live_suffix_start(host, lo, hi)
@@ -294,6 +301,67 @@ class SWAComponent(Component):
                 plan.insert_end = p  # no live SWA KV at all: nothing worth caching
             elif live_from > p:
                 plan.add_cut(live_from)
+        if spans and spans[-1][3] is None:  # host-only nodes (the device ones form a prefix)
+            first = next(i for i, sp in enumerate(spans) if sp[3] is None)
+            self.plan_host_revival(plan, host, spans, first)
+
+    def plan_host_revival(self, plan: InsertPlan, host: np.ndarray,
+                          spans: list[tuple[TreeNode, int, int, KVValue | None]],
+                          first: int) -> None:
+        """Matched host-only nodes (``spans[first:]``: node, start, end, device slots) take
+        the caller's slots (``host``: their host copy); the host tier revives them, one piece
+        per cut planned here. Each node is cut where the caller's SWA KV turns live (page
+        aligned, :meth:`live_suffix_start`): a tombstone before, live from there on::
+
+            host-only [0, 8), the caller's SWA KV released on [0, 6), window 4
+            no new tail:  [0, 6) tomb, [6, 8) live: 2 live tokens < 4, not a usable end:
+                          the insert stops at 0 (prefix_len = inserted_len = 0), the node
+                          stays host-only (live on host: a load-back serves it)
+            new tail [8, 12) below: every host node comes to device (the device set is
+                          prefix-closed): [0, 6) tomb, [6, 8) live, then the tail
+
+        With no new tail, the insert stops above the host-only nodes whose end the window
+        rule excludes (after the revival): ``prefix_len`` and ``insert_end`` drop to the end
+        of the deepest usable one (or to the start of the host-only part); the caller keeps
+        its slots past it. A revived tombstone leaf would be dead, a revived live node that
+        is no usable end would trade a host copy a load-back serves for a device copy no
+        match can end on."""
+        pieces = [(lo, self.live_suffix_start(host, lo, hi), hi) for _, lo, hi, _ in spans[first:]]
+        stop = plan.prefix_len
+        if plan.insert_end <= stop:
+            stop = self._deepest_usable_end(plan, spans[:first], pieces)
+            if stop < plan.prefix_len:
+                plan.prefix_len = plan.insert_end = stop
+        for lo, t, hi in pieces:
+            if hi > stop:
+                break
+            if lo < t < hi:
+                plan.add_cut(t)
+
+    def _deepest_usable_end(self, plan: InsertPlan,
+                            device: list[tuple[TreeNode, int, int, KVValue | None]],
+                            pieces: list[tuple[int, int, int]]) -> int:
+        """The window rule (:meth:`usable_ends`) over the matched path as the insert would
+        leave it (device nodes with their planned revivals, host-only nodes ``(start, live
+        from, end)`` revived): the end of the deepest usable host-only node, else the start
+        of the host-only part."""
+        revive = plan.revive or {}
+        w = self.window
+        run, seen = 0, False
+        for n, lo, hi, _ in device:
+            r = revive.get(hi)
+            t = r[0] if r is not None else (hi if n.swa_tombstone else lo)
+            if t > lo:
+                seen, run = True, 0
+            run += hi - t
+        best = pieces[0][0]
+        for lo, t, hi in pieces:
+            if t > lo:
+                seen, run = True, 0
+            run += hi - t
+            if t < hi and (not seen or run >= w):
+                best = hi
+        return best
 
     # --------------------------------------------------------- request helpers
     def request_keeps(self, caller: np.ndarray, tree: np.ndarray, dup: np.ndarray) -> np.ndarray:

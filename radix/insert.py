@@ -9,6 +9,11 @@ to whole pages::
                                                           insert_end <= E (a component may
                                                           keep the new tail out: P)
 
+A component may also lower ``prefix_len`` (with ``insert_end``) to the end of a matched node,
+stopping the insert above matched host-only nodes it cannot use: the path ends there, the
+caller keeps its slots past it. Cuts below ``prefix_len`` fall inside matched host-only nodes
+(where the caller's SWA KV turns live): the host tier revives each piece.
+
 1. Plan (``components.base.InsertPlan``): every component and the host tier validate and plan
    (a state required, SWA tombstones to revive and the live part of the tail, host-only nodes
    to revive). A refusal raises here; nothing has changed.
@@ -109,7 +114,9 @@ def insert_key(ctx: InsertContext, key: Tokens, key_len: int, value: torch.Tenso
     path = walk.path
     core.clock += 1
     now = core.clock
-    if walk.partial is not None:
+    if plan.prefix_len < walk.matched_len:  # a component stopped the insert above matched
+        path = [n for n in path if n.depth <= plan.prefix_len]  # nodes (host-only ones)
+    elif walk.partial is not None:
         path.append(core.split_touched(walk.partial, walk.partial_len, now))
     counted = 0 if rid is None else ctx.rid_depths.counted(rid, plan.insert_end)
     revived = ctx.empty_slots
@@ -266,8 +273,10 @@ def _claim(ctx: InsertContext, plan: InsertPlan) -> KVValue | None:
 def _revive(ctx: InsertContext, path: list[TreeNode], plan: InsertPlan
             ) -> tuple[list[TreeNode], torch.Tensor]:
     """Matched nodes planned for revival take the caller's slots from the planned start (a
-    node only partly covered is split there first); the component or tier that planned it
-    does the rest (``revive``). Returns the new path and the slots the nodes took: a view of
+    node only partly covered is split there first; a node with a planned revival ending
+    inside it is cut there first, each piece revived as planned: a host-only node whose
+    caller's SWA KV turns live inside it); the component or tier that planned it does the rest
+    (``revive``). Returns the new path and the slots the nodes took: a view of
     the caller's ``value`` when they are one run of it (no CUDA call), else one new tensor on
     the cache's device (``KVComponent.device_slots``: one upload on a device)."""
     out: list[TreeNode] = []
@@ -276,19 +285,26 @@ def _revive(ctx: InsertContext, path: list[TreeNode], plan: InsertPlan
     value, tree = plan.value, ctx.core.tree
     revive = plan.revive
     assert revive is not None
+    ends = sorted(revive)
     for n in path:
-        r = revive.get(n.depth)
-        if r is None:
-            out.append(n)
-            continue
-        t, owner = r
-        if t > n.start:
-            out.append(tree.split(n, t - n.start))
-        own = own_copy(value, t, n.depth)
-        owner.revive(n, own)
-        revived.append(own)
-        runs.append((t, n.depth))
-        out.append(n)
+        pieces = []  # a revival ending inside ``n`` cuts it there first: pieces revived apart
+        for e in ends:
+            if n.start < e < n.depth:
+                pieces.append(tree.split(n, e - n.start))  # the upper part; ``n`` the rest
+        pieces.append(n)
+        for piece in pieces:
+            r = revive.get(piece.depth)
+            if r is None:
+                out.append(piece)
+                continue
+            t, owner = r
+            if t > piece.start:
+                out.append(tree.split(piece, t - piece.start))
+            own = own_copy(value, t, piece.depth)
+            owner.revive(piece, own)
+            revived.append(own)
+            runs.append((t, piece.depth))
+            out.append(piece)
     if not revived:
         return out, ctx.empty_slots
     if all(runs[i][1] == runs[i + 1][0] for i in range(len(runs) - 1)):
@@ -315,7 +331,8 @@ def _new_leaves(ctx: InsertContext, plan: InsertPlan, parent: TreeNode,
                 now: int) -> list[TreeNode]:
     """One new node per segment of ``key[prefix_len:insert_end]`` (cut at ``plan.cuts``),
     each below the previous one; returns them, shallowest first."""
-    bounds = [plan.prefix_len, *sorted(plan.cuts), plan.insert_end]
+    lo = plan.prefix_len
+    bounds = [lo, *sorted(c for c in plan.cuts if c > lo), plan.insert_end]
     created = []
     for lo, hi in zip(bounds, bounds[1:], strict=False):
         parent = _new_leaf(ctx, plan, parent, lo, hi, None, now)

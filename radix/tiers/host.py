@@ -186,15 +186,32 @@ class HostTier(Component, Tier):
 
     def plan_insert(self, plan: InsertPlan) -> None:
         """Matched host-only nodes take the caller's device slots (the caller computed those
-        tokens itself), whole; the node the walk ends inside counts with its matched part."""
+        tokens itself), whole, or one piece per cut a component planned inside them (``cuts``
+        below ``prefix_len``: where the caller's SWA KV turns live); the node the walk ends
+        inside counts with its matched part. Only those above ``prefix_len`` (a component may
+        stop the insert above host-only nodes it cannot use)."""
         walk = plan.walk
         on_device = self._on_device
+        p = plan.prefix_len
         for n in walk.path:
             if not on_device(n):
-                plan.add_revival(n.depth, n.start, self)
+                if n.depth > p:
+                    return
+                self._plan_pieces(plan, n.start, n.depth)
         part = walk.partial
         if part is not None and not on_device(part):
-            plan.add_revival(part.start + walk.partial_len, part.start, self)
+            hi = part.start + walk.partial_len
+            if hi <= p:
+                self._plan_pieces(plan, part.start, hi)
+
+    def _plan_pieces(self, plan: InsertPlan, lo: int, hi: int) -> None:
+        """Revive ``[lo, hi)`` (one matched node), a piece per cut inside it."""
+        if plan.cuts:
+            for c in sorted(plan.cuts):
+                if lo < c < hi:
+                    plan.add_revival(c, lo, self)
+                    lo = c
+        plan.add_revival(hi, lo, self)
 
     def revive(self, node: TreeNode, slots: KVValue) -> None:
         for revive in self._revivers:
