@@ -14,6 +14,11 @@ that eviction, state eviction, SWA tombstones, host-tier demotion and load-back 
     hicache   KV + recurrent states + the host tier (write_through, a one-layer KV pool: the
               copies move real data)
 
+The host tier's transfers are counted over :data:`HOST_TIER_MODELS` (``hicache``, and the
+sliding-window models ``swa_hicache``: KV + SWA KV, ``hybrid_swa_hicache``: KV + SWA KV +
+states; each with one-layer device pools behind every allocator):
+``tests/gpu/test_gpu_transfers.py`` and ``python -m bench hicache-bandwidth --replay``.
+
 Counted (``bench/dev/gpu/simcuda.py``): host synchronisations, kernel launches and memcpys of the
 engine-facing calls (the cache's, the pools' alloc / free / copy); the host tier's data
 transfers (:data:`TRANSFER_OPS`) apart. After every request the replay runs what a forward
