@@ -240,12 +240,16 @@ class ReplayEngine:
         ps = cfg.page_size
         num_slots = cfg.kv_tokens // ps * ps
         dev = cfg.device
-        pool = None
-        if cfg.hicache_ratio and dev != "cpu":
+        pool = swa_pool = None
+        swa_slots = cfg.swa_tokens // ps * ps
+        if cfg.hicache_ratio and dev != "cpu":  # a host tier on a device copies real rows
             pool = KVPool(num_slots, 1, 1, 1, torch.float16, dev, page_size=ps)
+            if cfg.sliding_window:
+                swa_pool = KVPool(swa_slots, 1, 1, 1, torch.float16, dev, page_size=ps)
         self.kv_allocator: TokenAllocator | PagedAllocator | SWAAllocator
         if cfg.sliding_window:
-            self.kv_allocator = SWAAllocator(num_slots, cfg.swa_tokens // ps * ps, ps, device=dev)
+            self.kv_allocator = SWAAllocator(num_slots, swa_slots, ps, full_pool=pool,
+                                             swa_pool=swa_pool, device=dev)
         elif ps == 1:
             self.kv_allocator = TokenAllocator(num_slots, pool=pool, device=dev)
         else:

@@ -11,16 +11,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.dev.gpu.sync_counts import COMMON, MODELS, conversations
+from bench.dev.gpu.sync_counts import COMMON, HOST_TIER_MODELS, MODELS, conversations
 from bench.engine.core import EngineConfig, ReplayEngine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+#: Every replay model, the sliding-window ones with a host tier included.
+REPLAY_MODELS = {**MODELS, **HOST_TIER_MODELS}
 
 
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model", list(REPLAY_MODELS))
 def test_the_replay_runs_with_sync_debug_mode_error(model: str) -> None:
     trace = conversations(60)
-    engine = ReplayEngine(EngineConfig(**{**COMMON, **MODELS[model]}))
+    engine = ReplayEngine(EngineConfig(**{**COMMON, **REPLAY_MODELS[model]}))
     torch.cuda.synchronize()
     try:
         torch.cuda.set_sync_debug_mode("error")
@@ -30,7 +32,7 @@ def test_the_replay_runs_with_sync_debug_mode_error(model: str) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     engine.cache.sanity_check()
-    cpu = ReplayEngine(EngineConfig(**{**COMMON, **MODELS[model], "device": "cpu"}))
+    cpu = ReplayEngine(EngineConfig(**{**COMMON, **REPLAY_MODELS[model], "device": "cpu"}))
     for i, tr in enumerate(trace):
         cpu.admit(tr, rid=i)
     cpu.drain()

@@ -29,3 +29,21 @@ def test_the_command_runs_on_the_simulated_device(tmp_path: Path) -> None:
         assert r["bit_exact"] is True and r["cpu_copied_bytes"] == 0 and r["blocking_waits"] == 0
         assert r["bytes"] == r["nodes"] * r["node_tokens"] * per_token == (1 << 30) // 2048
         assert r["backup_gb_per_s"] > 0 and r["load_gb_per_s"] > 0
+
+
+def test_the_replay_counts_cover_every_host_tier_model() -> None:
+    """``--replay``'s rows: per model with a host tier (the sliding-window ones included),
+    write policy, page size and event mode, bytes moved and none copied on the CPU or waited
+    for; the parser's model names are the library's."""
+    from bench.dev.gpu.hicache_bandwidth import replay_counts
+    from bench.dev.gpu.options import HOST_TIER_MODEL_NAMES
+    from bench.dev.gpu.sync_counts import HOST_TIER_MODELS
+
+    assert tuple(HOST_TIER_MODELS) == HOST_TIER_MODEL_NAMES
+    rows = replay_counts(requests=30, models=["swa_hicache"])
+    assert [(r["model"], r["write_policy"], r["page_size"], r["events_complete"]) for r in rows] == [
+        ("swa_hicache", p, ps, ev)
+        for p in ("write_through", "write_through_selective", "write_back")
+        for ps in (1, 16) for ev in (True, False)]
+    for r in rows:
+        assert r["link_bytes"] > 0 and r["cpu_copied_bytes"] == 0 and r["blocking_waits"] == 0, r

@@ -30,6 +30,7 @@ from bench.dev.gpu.simcuda import OUTSIDE
 from bench.dev.gpu.sync_counts import (
     API_BUDGET,
     COMMON,
+    HOST_TIER_MODELS,
     MODELS,
     STEP,
     ModelCounts,
@@ -52,7 +53,8 @@ MUST_RUN = {
 
 
 def _cpu_replay(model: str, trace: list[Any], **extra: Any) -> ReplayEngine:
-    cfg = EngineConfig(**{**COMMON, **MODELS[model], **extra, "device": "cpu"})
+    cfg = EngineConfig(**{**COMMON, **{**MODELS, **HOST_TIER_MODELS}[model], **extra,
+                          "device": "cpu"})
     engine = ReplayEngine(cfg)
     for i, tr in enumerate(trace):
         engine.admit(tr, rid=i)

@@ -225,39 +225,44 @@ def table(records: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def replay_counts(requests: int = 100) -> list[dict[str, Any]]:
-    """The seeded HiCache replay (KV + states) on the simulated device, per write policy, page
-    size and event mode: bytes the copies moved, bytes the CPU copied, blocking waits, summed
-    over the cache's engine-facing calls."""
+def replay_counts(requests: int = 100, models: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """The seeded HiCache replay on the simulated device, per model with a host tier
+    (``bench.dev.gpu.sync_counts.HOST_TIER_MODELS``: ``hicache`` KV + states, ``swa_hicache``
+    KV + sliding-window KV, ``hybrid_swa_hicache`` all three; default: all), write policy,
+    page size and event mode: bytes the copies moved, bytes the CPU copied, blocking waits,
+    summed over the cache's engine-facing calls [bytes; counts]."""
     from bench.dev.gpu import sync_counts
 
     out = []
     orig = sync_counts.SimCuda
-    for policy in ("write_through", "write_through_selective", "write_back"):
-        for page_size in (1, 16):
-            for complete in (True, False):
-                with mock.patch.object(sync_counts, "SimCuda",
-                                       functools.partial(orig, events_complete=complete)):
-                    res = sync_counts.run_model("hicache", sync_counts.conversations(requests),
-                                                strict=True, page_size=page_size,
-                                                hicache_write_policy=policy)
-                rep = {op: r for op, r in res.sim.transfer_report().items() if op.startswith("cache.")}
-                out.append({"write_policy": policy, "page_size": page_size,
-                            "events_complete": complete,
-                            "link_bytes": sum(r["link_bytes"] for r in rep.values()),
-                            "cpu_copied_bytes": sum(r["cpu_copied_bytes"] for r in rep.values()),
-                            "blocking_waits": sum(r["blocking_waits"] for r in rep.values())})
+    for model in models or sync_counts.HOST_TIER_MODELS:
+        for policy in ("write_through", "write_through_selective", "write_back"):
+            for page_size in (1, 16):
+                for complete in (True, False):
+                    with mock.patch.object(sync_counts, "SimCuda",
+                                           functools.partial(orig, events_complete=complete)):
+                        res = sync_counts.run_model(model, sync_counts.conversations(requests),
+                                                    strict=True, page_size=page_size,
+                                                    hicache_write_policy=policy)
+                    rep = {op: r for op, r in res.sim.transfer_report().items()
+                           if op.startswith("cache.")}
+                    out.append({"model": model, "write_policy": policy, "page_size": page_size,
+                                "events_complete": complete,
+                                "link_bytes": sum(r["link_bytes"] for r in rep.values()),
+                                "cpu_copied_bytes": sum(r["cpu_copied_bytes"] for r in rep.values()),
+                                "blocking_waits": sum(r["blocking_waits"] for r in rep.values())})
     return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = hicache_bandwidth_parser().parse_args(argv)
     if args.replay:
-        rows = replay_counts()
-        print("| write policy | page size | events | bytes moved | CPU-copied bytes | blocking waits |")
-        print("|---|---:|---|---:|---:|---:|")
+        rows = replay_counts(models=args.models)
+        print("| model | write policy | page size | events | bytes moved | CPU-copied bytes "
+              "| blocking waits |")
+        print("|---|---|---:|---|---:|---:|---:|")
         for r in rows:
-            print(f"| {r['write_policy']} | {r['page_size']} | "
+            print(f"| {r['model']} | {r['write_policy']} | {r['page_size']} | "
                   f"{'complete' if r['events_complete'] else 'never complete'} | {r['link_bytes']} | "
                   f"{r['cpu_copied_bytes']} | {r['blocking_waits']} |")
         if args.json:

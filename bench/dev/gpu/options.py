@@ -9,10 +9,13 @@ import argparse
 
 from bench.cli import ArgumentParser, output_path, prog
 
-__all__ = ["MODEL_NAMES", "sync_counts_parser"]
+__all__ = ["HOST_TIER_MODEL_NAMES", "MODEL_NAMES", "sync_counts_parser"]
 
 MODEL_NAMES = ("kv", "hybrid", "swa", "hicache")
 """The engine models of :data:`bench.dev.gpu.sync_counts.MODELS` (checked equal by the tests)."""
+
+HOST_TIER_MODEL_NAMES = ("hicache", "swa_hicache", "hybrid_swa_hicache")
+"""The models of :data:`bench.dev.gpu.sync_counts.HOST_TIER_MODELS` (checked equal by the tests)."""
 
 
 def sync_counts_parser() -> argparse.ArgumentParser:
@@ -71,9 +74,13 @@ def hicache_bandwidth_parser() -> argparse.ArgumentParser:
     p.add_argument("--simulate", action="store_true",
                    help="use the simulated device even where CUDA is available")
     p.add_argument("--replay", action="store_true",
-                   help="instead: the seeded HiCache replay (bench.gpu.sync_counts) on the "
-                        "simulated device per write policy, page size 1 / 16 and events that "
-                        "complete or never do: bytes moved, CPU-copied bytes, blocking waits")
+                   help="instead: the seeded HiCache replay (bench.dev.gpu.sync_counts) on the "
+                        "simulated device per model, write policy, page size 1 / 16 and events "
+                        "that complete or never do: bytes moved, CPU-copied bytes, blocking waits")
+    p.add_argument("--models", nargs="+", default=None, choices=list(HOST_TIER_MODEL_NAMES),
+                   help="with --replay: the models with a host tier (hicache: KV + states; "
+                        "swa_hicache: KV + sliding-window KV; hybrid_swa_hicache: all three; "
+                        "default: all)")
     p.add_argument("--json", default=None, metavar="FILE",
                    help="write one record per backend / layout and node size ('-': stdout)")
     return p

@@ -14,6 +14,11 @@ that eviction, state eviction, SWA tombstones, host-tier demotion and load-back 
     hicache   KV + recurrent states + the host tier (write_through, a one-layer KV pool: the
               copies move real data)
 
+The host tier's transfers are counted over :data:`HOST_TIER_MODELS` (``hicache``, and the
+sliding-window models ``swa_hicache``: KV + SWA KV, ``hybrid_swa_hicache``: KV + SWA KV +
+states; each with one-layer device pools behind every allocator):
+``tests/gpu/test_gpu_transfers.py`` and ``python -m bench hicache-bandwidth --replay``.
+
 Counted (``bench/dev/gpu/simcuda.py``): host synchronisations, kernel launches and memcpys of the
 engine-facing calls (the cache's, the pools' alloc / free / copy); the host tier's data
 transfers (:data:`TRANSFER_OPS`) apart. After every request the replay runs what a forward
@@ -65,6 +70,14 @@ MODELS: dict[str, dict[str, Any]] = {
     "hybrid": {"state_slots": 48},
     "swa": {"state_slots": 0, "sliding_window": 1024, "swa_tokens": 12_000},
     "hicache": {"state_slots": 48, "hicache_ratio": 2.0},
+}
+#: The models with a host tier whose transfers ``tests/gpu/test_gpu_transfers.py`` and
+#: ``python -m bench hicache-bandwidth --replay`` count (``run_model`` takes these names too):
+#: which pool pairs the host tier moves (KV; recurrent states; sliding-window KV).
+HOST_TIER_MODELS: dict[str, dict[str, Any]] = {
+    "hicache": MODELS["hicache"],  # KV + states
+    "swa_hicache": {**MODELS["swa"], "hicache_ratio": 2.0},  # KV + SWA KV
+    "hybrid_swa_hicache": {**MODELS["swa"], "state_slots": 48, "hicache_ratio": 2.0},
 }
 COMMON: dict[str, Any] = {"kv_tokens": 30_000, "chunk_size": 1024, "concurrency": 6,
                           "policy": "lru", "device": "cuda"}
@@ -194,8 +207,9 @@ def run_model(model: str, trace: Sequence[TraceRequest], *, strict: bool = True,
               check_every: int = 0, **extra: Any) -> ModelCounts:
     """Replay ``trace`` through one model on the simulated device (``check_every`` > 0:
     ``sanity_check()`` after every that many requests, outside the counted calls; ``extra``:
-    ``EngineConfig`` fields over the model's, e.g. ``page_size``)."""
-    cfg = EngineConfig(**{**COMMON, **MODELS[model], **extra})
+    ``EngineConfig`` fields over the model's, e.g. ``page_size``). ``model``: a name of
+    :data:`MODELS` or :data:`HOST_TIER_MODELS`."""
+    cfg = EngineConfig(**{**COMMON, **{**MODELS, **HOST_TIER_MODELS}[model], **extra})
     with SimCuda(strict=strict) as sim:
         engine = ReplayEngine(cfg)
         track_engine(sim, engine)
