@@ -36,6 +36,7 @@ from ._checks import (
     check_range,
     resolve_device,
 )
+from .memory import check_memory
 from .staging import pin_in_place, upload
 
 __all__ = ["LAYOUTS", "KVBuffers", "KVPool", "KVStorage"]
@@ -166,6 +167,9 @@ class KVPool(_KVLayout):
         dims = [self.num_layers, self.num_slots, self.num_heads, self.head_dim]
         if self.slot_first:
             dims[0], dims[1] = dims[1], dims[0]
+        check_memory(self.total_bytes, f"KVPool(size={self.size:,}, num_layers={self.num_layers}, "
+                     f"num_heads={self.num_heads}, head_dim={self.head_dim}, dtype={self.dtype})",
+                     self.device)
         #: the contiguous tensors holding the data (``layout`` order), allocated once
         self.k_store = torch.zeros(dims, dtype=self.dtype, device=self.device)
         self.v_store = torch.zeros(dims, dtype=self.dtype, device=self.device)

@@ -49,6 +49,7 @@ from ._checks import (
     check_shape,
 )
 from .host_mirror import host_ids, mirrored
+from .memory import check_memory
 from .staging import pin_in_place, upload
 from .token_allocator import _FreeListAllocator
 
@@ -130,6 +131,9 @@ class MambaStatePool(_FreeListAllocator):
         self.zero_on_alloc = bool(zero_on_alloc)
         self.slot_first = bool(slot_first)
         lead = (rows, self.num_layers) if self.slot_first else (self.num_layers, rows)
+        check_memory(self.total_bytes, f"MambaStatePool(size={size:,}, num_layers={self.num_layers}"
+                     f", conv_state_shape={self.conv_state_shape}, ssm_state_shape="
+                     f"{self.ssm_state_shape}, dtype={self.dtype})", device)
         #: the contiguous tensors holding the states (slot-first or layer-first), allocated once
         #: (read or written directly only after :meth:`flush`)
         self.conv_store = torch.zeros((*lead, *self.conv_state_shape), dtype=self.dtype, device=device)
