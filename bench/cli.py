@@ -36,6 +36,7 @@ __all__ = [
     "column_blocks",
     "figure_path",
     "main",
+    "new_parser",
     "output_path",
     "parse_count",
     "positive",
@@ -106,6 +107,12 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help: the options)\n")
+
+
+def new_parser(command: str, description: str) -> ArgumentParser:
+    """Command ``command``'s parser: an :class:`ArgumentParser` with its :func:`prog` and its
+    ``--help`` text ``description`` (every command's ``build_parser`` starts with it)."""
+    return ArgumentParser(prog=prog(command), description=description)
 
 
 _SUFFIX = {"K": 10**3, "M": 10**6, "G": 10**9}

@@ -38,12 +38,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 from bench.cli import (
-    ArgumentParser,
     Progress,
     figure_path,
+    new_parser,
     output_path,
     parse_count,
-    prog,
     require_package,
     write_json,
 )
@@ -83,10 +82,8 @@ def _ratio(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog=prog("replay"),
-        description="Replay a request trace through the hybrid prefix cache, one run per policy.",
-    )
+    p = new_parser("replay", (
+        "Replay a request trace through the hybrid prefix cache, one run per policy."))
     p.add_argument(
         "--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)"
     )

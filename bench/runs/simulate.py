@@ -35,12 +35,11 @@ from typing import TYPE_CHECKING, Any
 
 from bench.cli import (
     TABLE_WIDTH,
-    ArgumentParser,
     column_blocks,
     figure_path,
+    new_parser,
     output_path,
     parse_count,
-    prog,
     require_package,
     write_json,
 )
@@ -74,8 +73,7 @@ __all__ = ["build_parser", "main", "plan_runs", "render_rows"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog=prog("simulate"),
-                                description="Simulate an engine serving a trace over the hybrid prefix cache.")
+    p = new_parser("simulate", "Simulate an engine serving a trace over the hybrid prefix cache.")
     a = p.add_argument
     a("--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)")
     add_workload_arguments(p)
