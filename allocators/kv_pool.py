@@ -34,6 +34,7 @@ from ._checks import (
     check_int,
     check_positive_int,
     check_range,
+    check_tensor,
     resolve_device,
 )
 from .memory import check_memory
@@ -206,13 +207,8 @@ class KVPool(_KVLayout):
         layer = self._layer(layer)
         host, idx = self._slots(slots, "slots")
         shape = (host.numel(), self.num_heads, self.head_dim)
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != self.dtype:
-                raise TypeError(f"{name} has dtype {t.dtype}, pool dtype is {self.dtype}")
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+        check_tensor(k, "k", self.dtype, shape)
+        check_tensor(v, "v", self.dtype, shape)
         self.k_all[layer, idx] = k.to(self.device)
         self.v_all[layer, idx] = v.to(self.device)
 

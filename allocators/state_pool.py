@@ -47,6 +47,7 @@ from ._checks import (
     check_int,
     check_positive_int,
     check_shape,
+    check_tensor,
 )
 from .host_mirror import host_ids, mirrored
 from .memory import check_memory
@@ -331,16 +332,8 @@ class MambaStatePool(_FreeListAllocator):
         """
         s = self._single_slot(slot)
         layer = self._layer(layer)
-        for name, t, shape in (
-            ("conv", conv, self.conv_state_shape),
-            ("ssm", ssm, self.ssm_state_shape),
-        ):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != self.dtype:
-                raise TypeError(f"{name} has dtype {t.dtype}, pool dtype is {self.dtype}")
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+        check_tensor(conv, "conv", self.dtype, self.conv_state_shape)
+        check_tensor(ssm, "ssm", self.dtype, self.ssm_state_shape)
         self.conv[layer, s] = conv.to(self.device)
         self.ssm[layer, s] = ssm.to(self.device)
 
