@@ -97,20 +97,25 @@ def test_interleaved_conversations_keep_every_invariant(write_policy: str, state
 
 
 # ======================================================================== CLI
-def test_cli_runs_without_and_with_the_host_tier_side_by_side(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    # Three conversations of three turns, interleaved; each turn adds one 512-token block.
-    rows_ = [
+def three_conversations(tmp_path: Path) -> Path:
+    """A Mooncake trace file of three conversations of three turns, interleaved; each turn
+    adds one 512-token block (9 requests, 9,216 prompt tokens)."""
+    rows = [
         {"timestamp": 3 * t + c, "input_length": 512 * (t + 1), "output_length": 2,
          "hash_ids": [10 * c + j for j in range(t + 1)]}
         for t in range(3)
         for c in range(3)
     ]
     trace = tmp_path / "t.jsonl"
-    trace.write_text("".join(json.dumps(r) + "\n" for r in rows_))
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return trace
+
+
+def test_cli_runs_without_and_with_the_host_tier_side_by_side(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "r.json"
-    argv = ["--trace", str(trace), "--policy", "lru", "--kv-tokens", "1600", "--state-slots",
+    argv = ["--trace", str(three_conversations(tmp_path)), "--policy", "lru", "--kv-tokens", "1600", "--state-slots",
             "0", "--concurrency", "1", "--hicache-ratio", "0", "4", "--no-progress",
             "--json", str(out)]
     assert main(argv) == 0
@@ -138,16 +143,8 @@ def test_cli_runs_a_sliding_window_model_with_the_host_tier(
 ) -> None:
     """The same three conversations on a model with sliding-window layers (window 256): the
     host tier keeps each turn's full KV and its live window, so later turns hit from host."""
-    rows_ = [
-        {"timestamp": 3 * t + c, "input_length": 512 * (t + 1), "output_length": 2,
-         "hash_ids": [10 * c + j for j in range(t + 1)]}
-        for t in range(3)
-        for c in range(3)
-    ]
-    trace = tmp_path / "t.jsonl"
-    trace.write_text("".join(json.dumps(r) + "\n" for r in rows_))
     out = tmp_path / "r.json"
-    argv = ["--trace", str(trace), "--policy", "lru", "--kv-tokens", "1600", "--state-slots",
+    argv = ["--trace", str(three_conversations(tmp_path)), "--policy", "lru", "--kv-tokens", "1600", "--state-slots",
             "0", "--concurrency", "1", "--sliding-window", "256", "--swa-tokens", "800",
             "--hicache-ratio", "0", "4", "--no-progress", "--json", str(out)]
     assert main(argv) == 0
