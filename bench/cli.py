@@ -21,7 +21,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple, NoReturn
 
@@ -42,6 +42,7 @@ __all__ = [
     "positive",
     "positive_float",
     "prog",
+    "refuse_ignored",
     "require_package",
     "write_json",
 ]
@@ -230,6 +231,16 @@ def require_package(parser: argparse.ArgumentParser, module: str, option: str,
     installed (``extra``: the project's extra that brings it)."""
     if importlib.util.find_spec(module) is None:
         parser.error(f"{option} needs {module}: pip install 'hybrid-prefix-cache[{extra}]'")
+
+
+def refuse_ignored(parser: argparse.ArgumentParser,
+                   rules: Iterable[tuple[str, object, str, bool]]) -> None:
+    """Stop with a one-line usage error (exit status 2) when an option was given whose
+    condition is off, so it would be silently ignored. Each rule is ``(option, its value
+    (None: not given), what it needs, whether that is given)``."""
+    for option, value, needs, on in rules:
+        if value is not None and not on:
+            parser.error(f"{option} needs {needs}, which is off (give {needs}, or drop {option})")
 
 
 # ------------------------------------------------------------------ progress

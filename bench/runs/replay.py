@@ -43,6 +43,7 @@ from bench.cli import (
     new_parser,
     output_path,
     parse_count,
+    refuse_ignored,
     require_package,
     write_json,
 )
@@ -333,14 +334,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit status (0 ok, 2 bad arguments or trace)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    for flag, given, needs, on in (
-            ("--swa-tokens", args.swa_tokens, "--sliding-window", args.sliding_window),
-            ("--swa-release-extra-pages", args.swa_release_extra_pages, "--sliding-window",
-             args.sliding_window),
-            ("--hicache-write-policy", args.hicache_write_policy, "--hicache-ratio",
-             any(args.hicache_ratio))):
-        if given is not None and not on:  # it would be silently ignored
-            parser.error(f"{flag} needs {needs}, which is off (give {needs}, or drop {flag})")
+    refuse_ignored(parser, (
+        ("--swa-tokens", args.swa_tokens, "--sliding-window", bool(args.sliding_window)),
+        ("--swa-release-extra-pages", args.swa_release_extra_pages, "--sliding-window",
+         bool(args.sliding_window)),
+        ("--hicache-write-policy", args.hicache_write_policy, "--hicache-ratio",
+         any(args.hicache_ratio))))
     if args.plot is not None:
         require_package(parser, "matplotlib", "--plot", "plot")
     try:  # what can be checked without torch, first

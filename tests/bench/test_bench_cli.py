@@ -163,6 +163,10 @@ def test_reports_name_traces_by_their_repository_path(tmp_path: Path) -> None:
     (["replay", "--swa-tokens", "1000"], "--swa-tokens needs --sliding-window, which is off"),
     (["replay", "--swa-release-extra-pages", "2"], "--swa-release-extra-pages needs --sliding-window"),
     (["replay", "--hicache-write-policy", "write_back"], "--hicache-write-policy needs --hicache-ratio"),
+    (["simulate", "--arrivals", "closed", "--time-scale", "2"],
+     "--time-scale needs --arrivals trace, which is off"),
+    (["simulate", "--state-fraction", "0.3"], "--state-fraction needs --memory-gb, which is off"),
+    (["simulate", "--marconi-alpha", "0.5"], "--marconi-alpha needs --policy marconi"),
     # refused by the command before its run starts
     (["robustness", "--policies", "nosuch"], "--policies: radix_eviction_policy='nosuch' is unknown"),
     (["robustness", "--from-csv", "/nonexistent.csv"], "--from-csv: no such file"),
