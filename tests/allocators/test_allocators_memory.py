@@ -72,20 +72,27 @@ def test_unknown_figures_refuse_nothing(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert available_memory(torch.device("meta")) is None
 
 
-def test_the_real_figure_matches_the_kernels() -> None:
-    """The reading on this machine against /proc/meminfo parsed here by other means."""
-    text = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else ""
+def test_the_kernels_own_files_are_read_as_written(monkeypatch: pytest.MonkeyPatch,
+                                                    tmp_path: Path) -> None:
+    """This machine's /proc/meminfo (and cgroup files, where there are any), copied at one
+    instant, against the figure parsed here by other means."""
+    if not Path("/proc/meminfo").exists():
+        pytest.skip("no /proc/meminfo here")
+    text = Path("/proc/meminfo").read_text()
     m = re.search(r"^MemAvailable:\s+(\d+) kB$", text, re.MULTILINE)
-    if m is None:
-        pytest.skip("no MemAvailable here")
+    assert m is not None
     want = int(m.group(1)) * 1024
-    limit = Path("/sys/fs/cgroup/memory.max")
-    if limit.exists() and limit.read_text().strip() != "max":
-        current = int(Path("/sys/fs/cgroup/memory.current").read_text())
-        want = min(want, max(0, int(limit.read_text()) - current))
-    got = available_host_memory()
-    assert got is not None
-    assert abs(got - want) <= 256 * MIB  # the figure moves between the two readings
+    (tmp_path / "meminfo").write_text(text)
+    monkeypatch.setattr(memory, "MEMINFO", str(tmp_path / "meminfo"))
+    for name, attr in (("memory.max", "CGROUP_MAX"), ("memory.current", "CGROUP_CURRENT")):
+        real = Path("/sys/fs/cgroup") / name
+        if real.exists():
+            (tmp_path / name).write_text(real.read_text())
+        monkeypatch.setattr(memory, attr, str(tmp_path / name))
+    limit, current = tmp_path / "memory.max", tmp_path / "memory.current"
+    if limit.exists() and current.exists() and limit.read_text().strip() != "max":
+        want = min(want, max(0, int(limit.read_text()) - int(current.read_text())))
+    assert available_host_memory() == want
 
 
 def test_host_pools_read_the_same_figure() -> None:
