@@ -134,7 +134,8 @@ class KVPool(_KVLayout):
     Raises:
         TypeError: an argument of the wrong type (names it).
         ValueError: a non-positive size, non-float dtype, unavailable device or unknown
-            layout (names it); ``pin_memory`` on a device other than the CPU.
+            layout (names it); ``pin_memory`` on a device other than the CPU; K and V tensors
+            larger than the memory available (``allocators.memory.MemoryBudgetError``).
     """
 
     def __init__(

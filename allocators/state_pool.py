@@ -83,7 +83,8 @@ class MambaStatePool(_FreeListAllocator):
             mirror whose slots are always filled by a copy turns it off.
 
     Raises:
-        TypeError / ValueError: a bad argument, naming it.
+        TypeError / ValueError: a bad argument, naming it; a size whose states exceed the
+            memory available (``allocators.memory.MemoryBudgetError``).
 
     Attributes:
         conv: ``torch.Tensor [num_layers, size + 1, *conv_state_shape]`` (``dtype``, on
