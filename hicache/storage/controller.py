@@ -217,6 +217,20 @@ class StorageController:
             target[:, idx] = t.transpose(0, 1).reshape(layers, npages * self.page_size,
                                                        pool.num_heads, pool.head_dim)
 
+    def pack_state(self, slot: int) -> tuple[bytes, bytes]:
+        hs = self.host_state
+        assert hs is not None
+        return (hs.conv[:, slot].contiguous().view(torch.uint8).cpu().numpy().tobytes(),
+                hs.ssm[:, slot].contiguous().view(torch.uint8).cpu().numpy().tobytes())
+
+    def unpack_state(self, slot: int, page: Page) -> None:
+        hs = self.host_state
+        assert hs is not None
+        for target, section in ((hs.conv, page.a), (hs.ssm, page.b)):
+            shape = target[:, slot].shape
+            t = torch.frombuffer(bytearray(section), dtype=torch.uint8).view(hs.dtype).reshape(shape)
+            target[:, slot] = t
+
     def kv_page_ok(self, page: Page) -> bool:
         return len(page.a) == self.kv_section_bytes and len(page.b) == self.kv_section_bytes
 
