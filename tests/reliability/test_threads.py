@@ -13,7 +13,6 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,25 +22,6 @@ from allocators import TokenAllocator
 from radix import CacheConfig, RadixCache
 from radix.locked import LockedCache
 from tests.storage.test_storage_common import L3, fresh_model, make, wrap_flaky
-
-
-def run_threads(worker: Callable[[int], None], n: int, timeout_s: float) -> list[BaseException]:
-    """Run ``worker(0) .. worker(n - 1)`` on ``n`` threads at once, each joined within
-    ``timeout_s``; what they raised."""
-    errors: list[BaseException] = []
-
-    def guarded(i: int) -> None:
-        try:
-            worker(i)
-        except BaseException as exc:  # reported to the caller
-            errors.append(exc)
-
-    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s)
-    return errors
 
 
 def label(ns: Any, tokens: list[int]) -> float:
@@ -149,30 +129,38 @@ def test_prefetches_and_backups_land_while_the_engine_thread_works(
 def test_locked_cache_serialises_calls_from_several_threads() -> None:
     kv = TokenAllocator(256)
     lc = LockedCache(RadixCache(CacheConfig(), kv_allocator=kv))
+    errors: list[BaseException] = []
     alloc_lock = threading.Lock()  # the allocator is the engine's: guarded by the engine
 
     def worker(seed: int) -> None:
         rng = random.Random(seed)
-        for _ in range(300):
-            key = [rng.randint(1, 4) for _ in range(rng.randint(1, 10))]
-            with lc.lock:  # one request's match + insert as one step
-                m = lc.match_prefix(key)
-                lock = lc.inc_lock_ref(m.last_device_node)
-                with alloc_lock:
-                    fresh = kv.alloc(len(key) - m.prefix_len)
-                    if fresh is None:
-                        lc.evict(len(key))
+        try:
+            for _ in range(300):
+                key = [rng.randint(1, 4) for _ in range(rng.randint(1, 10))]
+                with lc.lock:  # one request's match + insert as one step
+                    m = lc.match_prefix(key)
+                    lock = lc.inc_lock_ref(m.last_device_node)
+                    with alloc_lock:
                         fresh = kv.alloc(len(key) - m.prefix_len)
-                if fresh is not None:
-                    res = lc.insert(key, torch.cat([m.device_indices, fresh]))
-                    if len(res.duplicate_indices):
-                        kv.free(res.duplicate_indices)
-                lc.dec_lock_ref(lock)
-            lc.stats()
-            if rng.random() < 0.1:
-                lc.evict(rng.randint(1, 8))
+                        if fresh is None:
+                            lc.evict(len(key))
+                            fresh = kv.alloc(len(key) - m.prefix_len)
+                    if fresh is not None:
+                        res = lc.insert(key, torch.cat([m.device_indices, fresh]))
+                        if len(res.duplicate_indices):
+                            kv.free(res.duplicate_indices)
+                    lc.dec_lock_ref(lock)
+                lc.stats()
+                if rng.random() < 0.1:
+                    lc.evict(rng.randint(1, 8))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
 
-    errors = run_threads(worker, 3, 60)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
     assert not errors, errors
     lc.sanity_check()
     assert lc.evictable_size() + kv.available_size() == 256  # nothing leaked, nothing locked
@@ -213,6 +201,7 @@ def test_a_request_step_under_locked_guards_the_cache_and_its_allocators() -> No
     72 refusals in 5,000 operations, 10 wrong states with the allocators unlocked)."""
     lc, sp = hybrid_locked(kv_size=24, states=4)  # small: evictions at most steps
     assert lc.state_allocator is not None
+    errors: list[BaseException] = []
     served = [0, 0]
 
     def step(rng: random.Random, who: int) -> None:
@@ -251,10 +240,17 @@ def test_a_request_step_under_locked_guards_the_cache_and_its_allocators() -> No
 
     def worker(seed: int) -> None:
         rng = random.Random(seed)
-        for _ in range(600):
-            step(rng, seed)
+        try:
+            for _ in range(600):
+                step(rng, seed)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
 
-    errors = run_threads(worker, 2, 120)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
     assert not errors, errors[:3]
     assert min(served) > 0  # both threads were served states (checked above)
     lc.sanity_check()
