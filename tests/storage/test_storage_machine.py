@@ -232,19 +232,6 @@ class L3Machine(RuleBasedStateMachine):
         self.audit()
 
     # --------------------------------------------- composite rules (the races)
-    def land_late(self, i: int) -> bool:
-        """Let engine ``i``'s stalled prefetch go and take what lands; counts a late landing
-        (attached or dropped) in ``EVENTS["late"]``. True when a page was dropped."""
-        e = self.engines[i]
-        before = e.cache.stats()
-        e.flaky.gate.set()
-        e.cache.flush_storage(10)
-        self.poll(i)
-        after = e.cache.stats()
-        if any(after[k] > before[k] for k in ("l3_prefetch_pages", "l3_prefetch_dropped")):
-            EVENTS["late"] += 1
-        return after["l3_prefetch_dropped"] > before["l3_prefetch_dropped"]
-
     def drop(self, e: Engine) -> None:
         """Evict ``e``'s device and host tiers whole."""
         e.cache.poll_transfers()
@@ -273,7 +260,13 @@ class L3Machine(RuleBasedStateMachine):
         e.flaky.gate.clear()
         self.look(i, key, ns)
         self.compute(i, key[: cut * self.ps], ns)
-        self.land_late(i)
+        before = e.cache.stats()
+        e.flaky.gate.set()
+        e.cache.flush_storage(10)
+        self.poll(i)
+        after = e.cache.stats()
+        if any(after[k] > before[k] for k in ("l3_prefetch_pages", "l3_prefetch_dropped")):
+            EVENTS["late"] += 1  # the stalled prefetch landed (attached or dropped) afterwards
         self.compute(i, key + [2] * self.ps, ns)
         self.flush()
 
@@ -300,7 +293,14 @@ class L3Machine(RuleBasedStateMachine):
         for other in others:
             self.compute(i, other, ns)
         e.cache.poll_transfers()
-        if self.land_late(i):
+        before = e.cache.stats()
+        e.flaky.gate.set()
+        e.cache.flush_storage(10)
+        self.poll(i)
+        after = e.cache.stats()
+        if any(after[k] > before[k] for k in ("l3_prefetch_pages", "l3_prefetch_dropped")):
+            EVENTS["late"] += 1
+        if after["l3_prefetch_dropped"] > before["l3_prefetch_dropped"]:
             EVENTS["dropped_under_pressure"] += 1
         self.flush()
 
