@@ -16,6 +16,7 @@ import pytest
 from bench import cli
 from bench.report.plot import POLICY_STYLES, policy_style
 from bench.traces.loader import SHIPPED_TRACE, trace_label
+from tests.helpers.replay_helpers import assert_usage_error
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -115,9 +116,7 @@ def test_output_path_checked_before_the_run(tmp_path: Path) -> None:
     # The replay refuses a bad --json path at once (no trace read, no run).
     from bench.runs.replay import main
 
-    with pytest.raises(SystemExit) as exc:
-        main(["--json", str(tmp_path / "missing" / "x.json")])
-    assert exc.value.code == 2
+    assert_usage_error(main, ["--json", str(tmp_path / "missing" / "x.json")])
 
 
 def test_progress_prints_lines_when_not_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -177,9 +176,7 @@ def test_reports_name_traces_by_their_repository_path(tmp_path: Path) -> None:
 ])
 def test_bad_input_is_refused_before_a_run_starts(argv: list[str], says: str,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
-        cli.main(argv)
-    assert exc.value.code == 2
+    assert_usage_error(cli.main, argv)
     err = capsys.readouterr().err
     assert says in err and f"python -m bench {argv[0]}: error: " in err
     assert "usage:" not in err, err  # the error in one line, not argparse's usage first

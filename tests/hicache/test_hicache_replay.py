@@ -12,7 +12,7 @@ import pytest
 from bench.engine.core import EngineConfig
 from bench.runs.replay import _configs, build_parser, main
 from bench.traces.loader import TraceRequest
-from tests.helpers.replay_helpers import replay, rows
+from tests.helpers.replay_helpers import assert_usage_error, replay, rows
 
 
 def block_req(ids: list[int], length: int, out: int = 2, block: int = 16) -> TraceRequest:
@@ -188,9 +188,7 @@ def test_cli_builds_one_config_per_ratio_and_policy() -> None:
     ["--hicache-write-policy", "write_around"],
 ])
 def test_cli_refuses_bad_host_tier_options(argv: list[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
-        main([*argv, "--max-requests", "2", "--no-progress"])
-    assert exc.value.code == 2
+    assert_usage_error(main, [*argv, "--max-requests", "2", "--no-progress"])
 
 
 def test_engine_config_validates_the_host_tier() -> None:
