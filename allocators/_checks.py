@@ -97,6 +97,22 @@ def check_shape(shape: object, name: str) -> tuple[int, ...]:
     return tuple(check_positive_int(d, f"{name}[{i}]") for i, d in enumerate(shape))
 
 
+def check_tensor(t: object, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """Raise unless ``t`` is a ``torch.Tensor`` of ``dtype`` (a pool's) and ``shape``, on any
+    device (what a pool's ``set_*`` takes).
+
+    Raises:
+        TypeError: not a tensor, or another dtype.
+        ValueError: another shape.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} has dtype {t.dtype}, pool dtype is {dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+
+
 def as_index_tensor(indices: object, name: str = "indices") -> torch.Tensor:
     """Validate a 1-D ``torch.int64`` index tensor and return its values as a CPU tensor.
 

@@ -39,6 +39,12 @@ except ImportError:  # pragma: no cover - no compiler at install time: the numpy
     _release_held_c = None
 
 
+def free_list_bytes(capacity: int) -> int:
+    """Bytes a :class:`FreeList` of ``capacity`` ids allocates: the int64 ring, the free mask
+    and the int32 (int64 from 2**31 ids) duplicate-detection stamps."""
+    return 8 * capacity + (1 + (8 if capacity >= 2**31 else 4)) * (capacity + 1)
+
+
 @dataclass(frozen=True)
 class AllocatorSnapshot:
     """The complete bookkeeping state of an allocator, hashable and comparable with ``==``.

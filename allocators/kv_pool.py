@@ -34,8 +34,10 @@ from ._checks import (
     check_int,
     check_positive_int,
     check_range,
+    check_tensor,
     resolve_device,
 )
+from .memory import check_memory
 from .staging import pin_in_place, upload
 
 __all__ = ["LAYOUTS", "KVBuffers", "KVPool", "KVStorage"]
@@ -132,7 +134,8 @@ class KVPool(_KVLayout):
     Raises:
         TypeError: an argument of the wrong type (names it).
         ValueError: a non-positive size, non-float dtype, unavailable device or unknown
-            layout (names it); ``pin_memory`` on a device other than the CPU.
+            layout (names it); ``pin_memory`` on a device other than the CPU; K and V tensors
+            larger than the memory available (``allocators.memory.MemoryBudgetError``).
     """
 
     def __init__(
@@ -166,6 +169,9 @@ class KVPool(_KVLayout):
         dims = [self.num_layers, self.num_slots, self.num_heads, self.head_dim]
         if self.slot_first:
             dims[0], dims[1] = dims[1], dims[0]
+        check_memory(self.total_bytes, f"KVPool(size={self.size:,}, num_layers={self.num_layers}, "
+                     f"num_heads={self.num_heads}, head_dim={self.head_dim}, dtype={self.dtype})",
+                     self.device)
         #: the contiguous tensors holding the data (``layout`` order), allocated once
         self.k_store = torch.zeros(dims, dtype=self.dtype, device=self.device)
         self.v_store = torch.zeros(dims, dtype=self.dtype, device=self.device)
@@ -202,13 +208,8 @@ class KVPool(_KVLayout):
         layer = self._layer(layer)
         host, idx = self._slots(slots, "slots")
         shape = (host.numel(), self.num_heads, self.head_dim)
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != self.dtype:
-                raise TypeError(f"{name} has dtype {t.dtype}, pool dtype is {self.dtype}")
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+        check_tensor(k, "k", self.dtype, shape)
+        check_tensor(v, "v", self.dtype, shape)
         self.k_all[layer, idx] = k.to(self.device)
         self.v_all[layer, idx] = v.to(self.device)
 

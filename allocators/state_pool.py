@@ -47,8 +47,10 @@ from ._checks import (
     check_int,
     check_positive_int,
     check_shape,
+    check_tensor,
 )
 from .host_mirror import host_ids, mirrored
+from .memory import check_memory
 from .staging import pin_in_place, upload
 from .token_allocator import _FreeListAllocator
 
@@ -81,7 +83,8 @@ class MambaStatePool(_FreeListAllocator):
             mirror whose slots are always filled by a copy turns it off.
 
     Raises:
-        TypeError / ValueError: a bad argument, naming it.
+        TypeError / ValueError: a bad argument, naming it; a size whose states exceed the
+            memory available (``allocators.memory.MemoryBudgetError``).
 
     Attributes:
         conv: ``torch.Tensor [num_layers, size + 1, *conv_state_shape]`` (``dtype``, on
@@ -130,6 +133,9 @@ class MambaStatePool(_FreeListAllocator):
         self.zero_on_alloc = bool(zero_on_alloc)
         self.slot_first = bool(slot_first)
         lead = (rows, self.num_layers) if self.slot_first else (self.num_layers, rows)
+        check_memory(self.total_bytes, f"MambaStatePool(size={size:,}, num_layers={self.num_layers}"
+                     f", conv_state_shape={self.conv_state_shape}, ssm_state_shape="
+                     f"{self.ssm_state_shape}, dtype={self.dtype})", device)
         #: the contiguous tensors holding the states (slot-first or layer-first), allocated once
         #: (read or written directly only after :meth:`flush`)
         self.conv_store = torch.zeros((*lead, *self.conv_state_shape), dtype=self.dtype, device=device)
@@ -327,16 +333,8 @@ class MambaStatePool(_FreeListAllocator):
         """
         s = self._single_slot(slot)
         layer = self._layer(layer)
-        for name, t, shape in (
-            ("conv", conv, self.conv_state_shape),
-            ("ssm", ssm, self.ssm_state_shape),
-        ):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != self.dtype:
-                raise TypeError(f"{name} has dtype {t.dtype}, pool dtype is {self.dtype}")
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+        check_tensor(conv, "conv", self.dtype, self.conv_state_shape)
+        check_tensor(ssm, "ssm", self.dtype, self.ssm_state_shape)
         self.conv[layer, s] = conv.to(self.device)
         self.ssm[layer, s] = ssm.to(self.device)
 

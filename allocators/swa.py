@@ -60,6 +60,7 @@ from ._checks import as_index_tensor, check_device, check_positive_int, check_ra
 from .base import AllocatorSnapshot, SlotAllocator
 from .host_mirror import host_ids, register
 from .kv_pool import KVStorage
+from .memory import HOST, check_memory
 from .staging import upload
 from .token_allocator import PagedAllocator, TokenAllocator, _check_pool, _FreeListAllocator
 
@@ -160,6 +161,7 @@ class SWAAllocator(SlotAllocator):
                 _check_pool(pool, size + page_size)
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"{name}: {exc}") from None
+        check_memory(8 * (full_size + page_size), f"SWAAllocator(full_size={full_size:,})", HOST)
         self._page_size = page_size
         self._full: _FreeListAllocator
         self._swa: _FreeListAllocator

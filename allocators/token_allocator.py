@@ -36,9 +36,10 @@ import torch
 
 from ._checks import as_index_tensor, check_device, check_int, check_positive_int
 from .base import AllocatorSnapshot, SlotAllocator
-from .free_list import FreeList
+from .free_list import FreeList, free_list_bytes
 from .host_mirror import host_ids, register
 from .kv_pool import KVBuffers, KVPool, KVStorage
+from .memory import HOST, check_memory
 from .staging import upload
 
 __all__ = ["PagedAllocator", "SlotAllocator", "TokenAllocator"]
@@ -55,6 +56,8 @@ class _FreeListAllocator(SlotAllocator):
     """
 
     def __init__(self, num_pages: int, page_size: int, device: torch.device, unit: str) -> None:
+        check_memory(free_list_bytes(num_pages),
+                     f"{type(self).__name__}(size={num_pages * page_size:,})", HOST)
         self._page_size = page_size
         self._device = device
         self._pages = FreeList(num_pages, unit)

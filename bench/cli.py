@@ -21,7 +21,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple, NoReturn
 
@@ -36,11 +36,13 @@ __all__ = [
     "column_blocks",
     "figure_path",
     "main",
+    "new_parser",
     "output_path",
     "parse_count",
     "positive",
     "positive_float",
     "prog",
+    "refuse_ignored",
     "require_package",
     "write_json",
 ]
@@ -106,6 +108,12 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help: the options)\n")
+
+
+def new_parser(command: str, description: str) -> ArgumentParser:
+    """Command ``command``'s parser: an :class:`ArgumentParser` with its :func:`prog` and its
+    ``--help`` text ``description`` (every command's ``build_parser`` starts with it)."""
+    return ArgumentParser(prog=prog(command), description=description)
 
 
 _SUFFIX = {"K": 10**3, "M": 10**6, "G": 10**9}
@@ -223,6 +231,16 @@ def require_package(parser: argparse.ArgumentParser, module: str, option: str,
     installed (``extra``: the project's extra that brings it)."""
     if importlib.util.find_spec(module) is None:
         parser.error(f"{option} needs {module}: pip install 'hybrid-prefix-cache[{extra}]'")
+
+
+def refuse_ignored(parser: argparse.ArgumentParser,
+                   rules: Iterable[tuple[str, object, str, bool]]) -> None:
+    """Stop with a one-line usage error (exit status 2) when an option was given whose
+    condition is off, so it would be silently ignored. Each rule is ``(option, its value
+    (None: not given), what it needs, whether that is given)``."""
+    for option, value, needs, on in rules:
+        if value is not None and not on:
+            parser.error(f"{option} needs {needs}, which is off (give {needs}, or drop {option})")
 
 
 # ------------------------------------------------------------------ progress

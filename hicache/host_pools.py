@@ -35,6 +35,7 @@ from allocators import (
     SlotAllocator,
     TokenAllocator,
 )
+from allocators.memory import available_host_memory
 from hicache.config import HiCacheConfig
 
 
@@ -104,29 +105,9 @@ def state_lanes(device: MambaStatePool, host: MambaStatePool) -> tuple[Lane, ...
                                    ("ssm", device.ssm, host.ssm_store)))
 
 
-def host_memory_budget() -> int | None:
-    """Host memory available to new pools [bytes]: ``MemAvailable`` of ``/proc/meminfo``,
-    bounded by the cgroup v2 ``memory.max`` less ``memory.current`` when a limit is set;
-    ``None`` where neither can be read (no cap)."""
-    avail: int | None = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError):
-        avail = None
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        if limit != "max":
-            with open("/sys/fs/cgroup/memory.current") as f:
-                left = max(0, int(limit) - int(f.read().strip()))
-            avail = left if avail is None else min(avail, left)
-    except (OSError, ValueError):
-        pass
-    return avail
+#: Host memory available to new pools [bytes] (``MemAvailable`` bounded by the cgroup's
+#: ``memory.max``), ``None`` where not known: the one reading of ``allocators.memory``.
+host_memory_budget = available_host_memory
 
 
 def _host_size(device_size: int, page_size: int, cfg: HiCacheConfig, bytes_per_unit: int,

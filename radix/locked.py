@@ -51,8 +51,44 @@ from typing import Any
 from radix.cache import RadixCache
 
 
-class LockedCache:
-    """``cache`` with every method call made under one ``threading.RLock``.
+def _under(lock: threading.RLock, name: str, attr: Callable[..., Any]) -> Callable[..., Any]:
+    def locked(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return attr(*args, **kwargs)
+
+    locked.__name__ = name
+    locked.__doc__ = attr.__doc__
+    return locked
+
+
+class Guarded:
+    """``obj`` (an allocator or pool; the cache itself in :class:`LockedCache`) with every
+    public method call made under ``lock``, wrapped on first use; attributes that are not
+    callable, and private ones, pass through unlocked."""
+
+    def __init__(self, obj: Any, lock: threading.RLock) -> None:
+        self._obj = obj
+        self._lock = lock
+        self._wrapped: dict[str, Callable[..., Any]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        fn = self._wrapped.get(name)
+        if fn is not None:
+            return fn
+        attr = getattr(self._obj, name)
+        if not callable(attr) or name.startswith("_"):
+            return attr
+        locked = _under(self._lock, name, attr)
+        self._wrapped[name] = locked
+        return locked
+
+    def __repr__(self) -> str:
+        return f"Guarded({self._obj!r})"
+
+
+class LockedCache(Guarded):
+    """``cache`` with every method call made under one ``threading.RLock`` (a
+    :class:`Guarded` cache).
 
     Methods are wrapped on first use (``getattr``); attributes that are not callable
     (``config``, ``page_size``, views such as ``tree``) are returned as they are, unlocked:
@@ -68,9 +104,9 @@ class LockedCache:
     def __init__(self, cache: RadixCache) -> None:
         if not isinstance(cache, RadixCache):
             raise TypeError(f"cache must be a RadixCache, got {type(cache).__name__}")
+        super().__init__(cache, threading.RLock())
         self._cache = cache
-        self.lock = threading.RLock()
-        self._wrapped: dict[str, Callable[..., Any]] = {}
+        self.lock = self._lock
 
         self.kv_allocator = Guarded(cache.kv.allocator, self.lock)
         """The cache's KV allocator, every call under the cache's lock."""
@@ -91,50 +127,5 @@ class LockedCache:
         with self.lock:
             yield self
 
-    def __getattr__(self, name: str) -> Any:
-        fn = self._wrapped.get(name)
-        if fn is not None:
-            return fn
-        attr = getattr(self._cache, name)
-        if not callable(attr) or name.startswith("_"):
-            return attr
-        locked = _under(self.lock, name, attr)
-        self._wrapped[name] = locked
-        return locked
-
     def __repr__(self) -> str:
         return f"LockedCache({self._cache!r})"
-
-
-def _under(lock: threading.RLock, name: str, attr: Callable[..., Any]) -> Callable[..., Any]:
-    def locked(*args: Any, **kwargs: Any) -> Any:
-        with lock:
-            return attr(*args, **kwargs)
-
-    locked.__name__ = name
-    locked.__doc__ = attr.__doc__
-    return locked
-
-
-class Guarded:
-    """``obj`` (an allocator or pool) with every public method call made under ``lock``;
-    attributes that are not callable pass through unlocked (as :class:`LockedCache`)."""
-
-    def __init__(self, obj: Any, lock: threading.RLock) -> None:
-        self._obj = obj
-        self._lock = lock
-        self._wrapped: dict[str, Callable[..., Any]] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        fn = self._wrapped.get(name)
-        if fn is not None:
-            return fn
-        attr = getattr(self._obj, name)
-        if not callable(attr) or name.startswith("_"):
-            return attr
-        locked = _under(self._lock, name, attr)
-        self._wrapped[name] = locked
-        return locked
-
-    def __repr__(self) -> str:
-        return f"Guarded({self._obj!r})"

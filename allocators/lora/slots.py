@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..memory import check_memory
 from .identity import AdapterId
 from .weights import LoraAdapter
 
@@ -49,6 +50,8 @@ class LoraSlots:
         self.device = device
         self.non_blocking = non_blocking
         k, r = num_slots, max_lora_rank
+        check_memory(k * (1 + r * sum(i + o for i, o in target_modules.values())) * dtype.itemsize,
+                     f"LoraMemoryPool(max_loras_per_batch={k}, max_lora_rank={r})", device)
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.A_buffer = {m: torch.zeros((k, r, i), **kw) for m, (i, _) in target_modules.items()}
         self.B_buffer = {m: torch.zeros((k, o, r), **kw) for m, (_, o) in target_modules.items()}

@@ -56,6 +56,7 @@ from allocators import (
     TokenAllocator,
     cat_slots,
 )
+from allocators.memory import MemoryBudgetError, available_host_memory
 from bench.engine.metrics import RequestLog
 from bench.traces.loader import TraceRequest
 from components.state import StateWalkFactory
@@ -63,32 +64,13 @@ from hicache import HiCacheConfig
 from radix import CacheConfig, CacheRequest, EvictResult, RadixCache, RadixKey
 from radix.config import SWA_RELEASE_EXTRA_PAGES
 
-__all__ = ["EndCheckpoint", "EngineConfig", "EngineCounters", "MemoryBudgetError", "ReplayEngine",
-           "available_memory"]
+__all__ = ["EndCheckpoint", "EngineConfig", "EngineCounters", "MemoryBudgetError", "ReplayEngine"]
 
 EndCheckpoint = Literal["block", "exact"]
 
 #: Bytes a pool's free list takes per entry (``allocators.free_list``: the int64 ring, the
 #: free flag, the int32 / int64 release stamp): the least an entry of any pool costs.
 FREE_LIST_BYTES = 13
-
-
-class MemoryBudgetError(ValueError):
-    """An :class:`EngineConfig` whose pools cannot fit in the memory this machine has
-    available (refused before anything is allocated)."""
-
-
-def available_memory() -> int | None:
-    """Bytes this machine has available now (``MemAvailable`` of ``/proc/meminfo``), or
-    ``None`` where that is not known (then nothing is refused)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def _gib(n: float) -> str:
@@ -163,7 +145,7 @@ class EngineConfig:
             raise ValueError(f"kv_events must be 'off', 'on' or 'check', got {self.kv_events!r}")
         if self.hicache_ratio:
             self.hicache_config()  # validates ratio and write policy (ValueError / TypeError)
-        avail = available_memory()
+        avail = available_host_memory()
         if avail is not None and self.min_bytes() > avail:
             raise MemoryBudgetError(
                 f"kv_tokens={self.kv_tokens:,} (page {self.page_size}"

@@ -38,12 +38,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 from bench.cli import (
-    ArgumentParser,
     Progress,
     figure_path,
+    new_parser,
     output_path,
     parse_count,
-    prog,
+    refuse_ignored,
     require_package,
     write_json,
 )
@@ -83,160 +83,69 @@ def _ratio(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog=prog("replay"),
-        description="Replay a request trace through the hybrid prefix cache, one run per policy.",
-    )
-    p.add_argument(
-        "--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)"
-    )
-    p.add_argument(
-        "--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto",
-        help="the trace file's format (default auto: read off its first line)",
-    )
+    p = new_parser("replay", (
+        "Replay a request trace through the hybrid prefix cache, one run per policy."))
+    a = p.add_argument
+    a("--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)")
+    a("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto",
+      help="the trace file's format (default auto: read off its first line)")
     add_workload_arguments(p)
-    p.add_argument(
-        "--torch-threads",
-        type=_positive,
-        default=1,
-        help="torch intra-op threads (default 1: the replay's tensor ops are bookkeeping-sized;"
-        " on a shared 2-core machine two threads made the whole replay 1.9x slower)",
-    )
-    p.add_argument(
-        "--mooncake-block-size",
-        type=_positive,
-        default=512,
-        help="tokens per hash id of a Mooncake-format file (default 512)",
-    )
-    p.add_argument(
-        "--tracelab-block-size",
-        type=_positive,
-        default=1,
-        help="block size recorded for TraceLab rounds [tokens] (default 1: token-exact)",
-    )
-    p.add_argument(
-        "--max-requests", type=_positive, default=None, help="replay only the first N requests"
-    )
-    p.add_argument(
-        "--policy",
-        nargs="+",
-        default=["lru", "gds"],
-        help="radix eviction policies (default: lru gds)",
-    )
-    p.add_argument(
-        "--kv-tokens",
-        nargs="+",
-        type=_positive,
-        default=[16_000_000],
-        help="KV pool size(s) [tokens] (default 16M)",
-    )
-    p.add_argument(
-        "--state-slots",
-        nargs="+",
-        type=parse_count,
-        default=[512],
-        help="recurrent-state pool size(s) [slots]; 0 = KV-only model (default 512)",
-    )
-    p.add_argument(
-        "--page-size",
-        type=_positive,
-        default=1,
-        help="tokens per KV page (default 1: exact token accounting; any divisor of the "
-        "trace block keeps block boundaries page-aligned)",
-    )
-    p.add_argument(
-        "--chunk-size", type=_positive, default=8192, help="prefill chunk [tokens] (default 8192)"
-    )
-    p.add_argument(
-        "--concurrency", type=_positive, default=32, help="requests in flight (default 32)"
-    )
-    p.add_argument(
-        "--end-checkpoint",
-        choices=("block", "exact"),
-        default="block",
-        help="state of a finished prompt at its last full trace block (default) or its last token",
-    )
-    p.add_argument(
-        "--json", metavar="FILE|-", type=output_path, default=None,
-        help="also write results as JSON ('-': stdout)"
-    )
-    p.add_argument(
-        "--plot",
-        metavar="FILE",
-        type=figure_path,
-        default=None,
-        help="hit rate and state-miss vs memory, one line per policy (needs a sweep and matplotlib)",
-    )
-    p.add_argument(
-        "--policy-config",
-        metavar="NAME=JSON",
-        action="append",
-        default=[],
-        help="knobs of one policy, e.g. tlru='{\"threshold\": 8192}' (repeatable); tlru "
-        f"defaults to {DEFAULT_POLICY_CONFIG['tlru']} here",
-    )
-    p.add_argument(
-        "--sliding-window",
-        type=parse_count,
-        default=0,
-        help="SWA window [tokens] of a model with sliding-window layers (default 0: none)",
-    )
-    p.add_argument(
-        "--swa-tokens",
-        type=parse_count,
-        default=None,
-        help="SWA pool size [tokens] with --sliding-window (default: kv-tokens / 4)",
-    )
-    p.add_argument(
-        "--swa-release-extra-pages",
-        type=int,
-        default=None,
-        help="pages a request keeps live past the window when it releases out-of-window SWA KV "
-        f"(default {SWA_RELEASE_EXTRA_PAGES}; 0 keeps exactly max(window, page); needs "
-        "--sliding-window)",
-    )
-    p.add_argument(
-        "--hicache-ratio",
-        nargs="+",
-        type=_ratio,
-        default=[0.0],
-        help="host (L2) KV and state pools of R x the device pools (R > 1); 0 = no host tier "
-        "(default); several values run side by side, e.g. 0 4",
-    )
-    p.add_argument(
-        "--hicache-write-policy",
-        choices=WRITE_POLICIES,
-        default=None,
-        help="when a node is copied to host (default write_through; needs --hicache-ratio)",
-    )
-    p.add_argument(
-        "--kv-events",
-        nargs="+",
-        choices=("off", "on", "check"),
-        default=["off"],
-        help="KV events (BlockStored / BlockRemoved for routers): off (default); on = the "
-        "cache records them and the replay takes them after every request; check = also "
-        "rebuild the page set from them and compare it with the tree's; several values run "
-        "side by side (off on: the events' cost)",
-    )
-    p.add_argument(
-        "--kv-events-check-every",
-        type=parse_count,
-        default=1000,
-        help="with --kv-events check: compare the rebuilt page set with the tree's every N "
-        "requests, and at the end (default 1000; 0 = at the end only)",
-    )
-    p.add_argument(
-        "--floor",
-        action="store_true",
-        help="also replay each pool size through the minimal block-level engine "
-        "(bench/engine/floor.py), twice before the runs and once after (the fastest counts), "
-        "and print every run's CPU time as a multiple of it",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--wide", action="store_true",
-                   help="every run in one row block, however wide (default: blocks of at most "
-                   "120 columns)")
+    a("--torch-threads", type=_positive, default=1,
+      help="torch intra-op threads (default 1: the replay's tensor ops are bookkeeping-sized;"
+           " on a shared 2-core machine two threads made the whole replay 1.9x slower)")
+    a("--mooncake-block-size", type=_positive, default=512,
+      help="tokens per hash id of a Mooncake-format file (default 512)")
+    a("--tracelab-block-size", type=_positive, default=1,
+      help="block size recorded for TraceLab rounds [tokens] (default 1: token-exact)")
+    a("--max-requests", type=_positive, default=None, help="replay only the first N requests")
+    a("--policy", nargs="+", default=["lru", "gds"],
+      help="radix eviction policies (default: lru gds)")
+    a("--kv-tokens", nargs="+", type=_positive, default=[16_000_000],
+      help="KV pool size(s) [tokens] (default 16M)")
+    a("--state-slots", nargs="+", type=parse_count, default=[512],
+      help="recurrent-state pool size(s) [slots]; 0 = KV-only model (default 512)")
+    a("--page-size", type=_positive, default=1,
+      help="tokens per KV page (default 1: exact token accounting; any divisor of the "
+           "trace block keeps block boundaries page-aligned)")
+    a("--chunk-size", type=_positive, default=8192, help="prefill chunk [tokens] (default 8192)")
+    a("--concurrency", type=_positive, default=32, help="requests in flight (default 32)")
+    a("--end-checkpoint", choices=("block", "exact"), default="block",
+      help="state of a finished prompt at its last full trace block (default) or its last token")
+    a("--json", metavar="FILE|-", type=output_path, default=None,
+      help="also write results as JSON ('-': stdout)")
+    a("--plot", metavar="FILE", type=figure_path, default=None,
+      help="hit rate and state-miss vs memory, one line per policy (needs a sweep and matplotlib)")
+    a("--policy-config", metavar="NAME=JSON", action="append", default=[],
+      help="knobs of one policy, e.g. tlru='{\"threshold\": 8192}' (repeatable); tlru "
+           f"defaults to {DEFAULT_POLICY_CONFIG['tlru']} here")
+    a("--sliding-window", type=parse_count, default=0,
+      help="SWA window [tokens] of a model with sliding-window layers (default 0: none)")
+    a("--swa-tokens", type=parse_count, default=None,
+      help="SWA pool size [tokens] with --sliding-window (default: kv-tokens / 4)")
+    a("--swa-release-extra-pages", type=int, default=None,
+      help="pages a request keeps live past the window when it releases out-of-window SWA KV "
+           f"(default {SWA_RELEASE_EXTRA_PAGES}; 0 keeps exactly max(window, page); needs "
+           "--sliding-window)")
+    a("--hicache-ratio", nargs="+", type=_ratio, default=[0.0],
+      help="host (L2) KV and state pools of R x the device pools (R > 1); 0 = no host tier "
+           "(default); several values run side by side, e.g. 0 4")
+    a("--hicache-write-policy", choices=WRITE_POLICIES, default=None,
+      help="when a node is copied to host (default write_through; needs --hicache-ratio)")
+    a("--kv-events", nargs="+", choices=("off", "on", "check"), default=["off"],
+      help="KV events (BlockStored / BlockRemoved for routers): off (default); on = the "
+           "cache records them and the replay takes them after every request; check = also "
+           "rebuild the page set from them and compare it with the tree's; several values run "
+           "side by side (off on: the events' cost)")
+    a("--kv-events-check-every", type=parse_count, default=1000,
+      help="with --kv-events check: compare the rebuilt page set with the tree's every N "
+           "requests, and at the end (default 1000; 0 = at the end only)")
+    a("--floor", action="store_true",
+      help="also replay each pool size through the minimal block-level engine "
+           "(bench/engine/floor.py), twice before the runs and once after (the fastest counts), "
+           "and print every run's CPU time as a multiple of it")
+    a("--no-progress", action="store_true", help="no progress bar")
+    a("--wide", action="store_true",
+      help="every run in one row block, however wide (default: blocks of at most 120 columns)")
     add_lora_arguments(p)
     return p
 
@@ -425,14 +334,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit status (0 ok, 2 bad arguments or trace)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    for flag, given, needs, on in (
-            ("--swa-tokens", args.swa_tokens, "--sliding-window", args.sliding_window),
-            ("--swa-release-extra-pages", args.swa_release_extra_pages, "--sliding-window",
-             args.sliding_window),
-            ("--hicache-write-policy", args.hicache_write_policy, "--hicache-ratio",
-             any(args.hicache_ratio))):
-        if given is not None and not on:  # it would be silently ignored
-            parser.error(f"{flag} needs {needs}, which is off (give {needs}, or drop {flag})")
+    refuse_ignored(parser, (
+        ("--swa-tokens", args.swa_tokens, "--sliding-window", bool(args.sliding_window)),
+        ("--swa-release-extra-pages", args.swa_release_extra_pages, "--sliding-window",
+         bool(args.sliding_window)),
+        ("--hicache-write-policy", args.hicache_write_policy, "--hicache-ratio",
+         any(args.hicache_ratio))))
     if args.plot is not None:
         require_package(parser, "matplotlib", "--plot", "plot")
     try:  # what can be checked without torch, first

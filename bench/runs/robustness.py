@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.cli import ArgumentParser, output_path, positive, prog
+from bench.cli import new_parser, output_path, positive
 from bench.policies import baselines
 from bench.runs.sweep import run_all
 from bench.traces.loader import load_trace
@@ -244,7 +244,7 @@ def _write_csv(path: str, rows: Sequence[Row]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog=prog("robustness"), description=__doc__.split("\n")[0])
+    p = new_parser("robustness", __doc__.split("\n")[0])
     p.add_argument("--sources", nargs="+", default=list(SOURCES), choices=list(ALL_SOURCES),
                    help=f"default: {' '.join(SOURCES)}; more hold-out data: {' '.join(HOLDOUT)}")
     p.add_argument("--policies", nargs="+", default=None,

@@ -35,12 +35,12 @@ from typing import TYPE_CHECKING, Any
 
 from bench.cli import (
     TABLE_WIDTH,
-    ArgumentParser,
     column_blocks,
     figure_path,
+    new_parser,
     output_path,
     parse_count,
-    prog,
+    refuse_ignored,
     require_package,
     write_json,
 )
@@ -74,8 +74,7 @@ __all__ = ["build_parser", "main", "plan_runs", "render_rows"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog=prog("simulate"),
-                                description="Simulate an engine serving a trace over the hybrid prefix cache.")
+    p = new_parser("simulate", "Simulate an engine serving a trace over the hybrid prefix cache.")
     a = p.add_argument
     a("--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)")
     add_workload_arguments(p)
@@ -97,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--model", choices=sorted(PRESETS), default=None,
       help="model preset: with --memory-gb, sizes both pools from bytes (Marconi's bytes too)")
     a("--memory-gb", type=_positive_float, default=None, help="cache memory [GB = 1e9 bytes]")
-    a("--state-fraction", type=float, default=0.2, help="share of --memory-gb for states (default 0.2)")
+    a("--state-fraction", type=float, default=None,
+      help=f"share of --memory-gb for states (default {DEFAULT_STATE_FRACTION})")
     a("--page-size", type=_positive, default=1, help="tokens per KV page (default 1)")
     a("--chunk-size", type=_positive, default=8192,
       help="prefill chunk / checkpoint stride [tokens] (default 8192)")
@@ -109,10 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
       help="state of a finished prompt at its last full trace block (default) or its last token")
     a("--arrivals", choices=("trace", "closed"), default="trace",
       help="trace timestamps (default) or a closed loop of --concurrency clients")
-    a("--time-scale", type=_positive_float, default=1.0,
-      help="arrival time = timestamp x this (2 halves the request rate) (default 1)")
+    a("--time-scale", type=_positive_float, default=None,
+      help="arrival time = timestamp x this (2 halves the request rate) (default 1; needs "
+           "--arrivals trace)")
     a("--decode-ms", type=float, default=20.0, help="one decode step [ms] (default 20)")
-    a("--marconi-alpha", type=float, default=None, help="fix Marconi's alpha (default: tuned)")
+    a("--marconi-alpha", type=float, default=None,
+      help="fix Marconi's alpha (default: tuned; needs --policy marconi)")
     a("--sweep", type=sweep_arg, default=None, metavar="AXIS=V1,V2,...",
       help="kv-tokens / state-slots / concurrency / memory-gb / state-fraction")
     a("--jobs", type=_positive, default=os.cpu_count() or 1, help="parallel runs (default: CPUs)")
@@ -127,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: The states' share of ``--memory-gb`` without ``--state-fraction``; the arrival time scale
+#: without ``--time-scale``.
+DEFAULT_STATE_FRACTION = 0.2
+DEFAULT_TIME_SCALE = 1.0
+
 #: Pool sizes without ``--kv-tokens`` / ``--state-slots`` (and without ``--memory-gb``).
 DEFAULT_KV_TOKENS = 16_000_000
 DEFAULT_STATE_SLOTS = 512
@@ -140,11 +147,19 @@ def _state_slots(args: argparse.Namespace) -> int:
     return DEFAULT_STATE_SLOTS if args.state_slots is None else int(args.state_slots)
 
 
+def _state_fraction(args: argparse.Namespace) -> float:
+    return DEFAULT_STATE_FRACTION if args.state_fraction is None else float(args.state_fraction)
+
+
+def _time_scale(args: argparse.Namespace) -> float:
+    return DEFAULT_TIME_SCALE if args.time_scale is None else float(args.time_scale)
+
+
 def _base_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = dict(
         kv_tokens=_kv_tokens(args), state_slots=_state_slots(args), page_size=args.page_size,
         chunk_size=args.chunk_size, concurrency=args.concurrency,
-        end_checkpoint=args.end_checkpoint, time_scale=args.time_scale, decode_ms=args.decode_ms,
+        end_checkpoint=args.end_checkpoint, time_scale=_time_scale(args), decode_ms=args.decode_ms,
         max_prefill_tokens=args.max_prefill_tokens, arrivals=args.arrivals,
         marconi_alpha=args.marconi_alpha,
     )
@@ -189,7 +204,7 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[SimConfig, float | None]]:
     out = []
     for value in values:
         kw = _base_kwargs(args)
-        memory, fraction = args.memory_gb, args.state_fraction
+        memory, fraction = args.memory_gb, _state_fraction(args)
         if sweep is not None and value is not None:
             if sweep.axis == "memory-gb":
                 memory = value
@@ -278,7 +293,7 @@ def _header(args: argparse.Namespace, path: Path | str, n: int, bounds: Bounds) 
         model = (f", model {p.name} ({p.kv_bytes_per_token:,} B/token, "
                  f"{p.state_bytes_per_slot:,} B/slot)")
     return "\n".join([
-        f"trace: {trace_label(path) if isinstance(path, Path) else path} ({n:,} requests), arrivals {args.arrivals}, time scale {args.time_scale:g}"
+        f"trace: {trace_label(path) if isinstance(path, Path) else path} ({n:,} requests), arrivals {args.arrivals}, time scale {_time_scale(args):g}"
         f", decode {args.decode_ms:g} ms/token, prefill budget "
         f"{args.max_prefill_tokens or args.chunk_size:,} tokens/step{model}",
         f"infinite-memory bounds (match prompt[:-1]): every block {bounds.every_block_hit_rate:.4f}, "
@@ -303,7 +318,7 @@ def sizes_caption(args: argparse.Namespace) -> str:
     fixed: dict[str, str]
     if args.model is not None:  # both pools sized from bytes
         fixed = {"model": f"model {args.model}", "memory-gb": f"{args.memory_gb} GB",
-                 "state-fraction": f"state fraction {args.state_fraction:g}",
+                 "state-fraction": f"state fraction {_state_fraction(args):g}",
                  "concurrency": f"concurrency {args.concurrency}"}
     else:
         fixed = {"kv-tokens": f"KV {_kv_tokens(args):,} tokens",
@@ -320,6 +335,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; 0 ok, 2 bad arguments or trace."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    refuse_ignored(parser, (
+        ("--time-scale", args.time_scale, "--arrivals trace", args.arrivals == "trace"),
+        ("--state-fraction", args.state_fraction, "--memory-gb",
+         args.memory_gb is not None or (args.sweep is not None and args.sweep.axis == "memory-gb")),
+        ("--marconi-alpha", args.marconi_alpha, "--policy marconi", "marconi" in args.policy)))
     if args.plot is not None:
         require_package(parser, "matplotlib", "--plot", "plot")
     if args.torch_threads < 1:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.cli import ArgumentParser, output_path, prog, write_json
+from bench.cli import new_parser, output_path, write_json
 from bench.engine.bounds import compute_bounds
 from bench.traces.loader import (
     TraceFormatError,
@@ -155,7 +155,7 @@ def render_stats(path: str, fmt: str, s: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog=prog("trace-stats"), description=__doc__.split("\n")[0])
+    p = new_parser("trace-stats", __doc__.split("\n")[0])
     p.add_argument("trace", nargs="?", default=None, help="JSONL trace (default: the shipped one)")
     p.add_argument("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto")
     p.add_argument("--mooncake-block-size", type=int, default=512)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 
-from bench.cli import ArgumentParser, output_path, prog, write_json
+from bench.cli import new_parser, output_path, write_json
 from bench.traces.loader import TraceRequest
 from bench.traces.stats import render_stats, trace_stats
 from bench.workloads import WORKLOADS, generate
@@ -48,8 +48,7 @@ def _listing() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog=prog("workloads"),
-                                description="Generate a workload and print its reuse statistics.")
+    p = new_parser("workloads", "Generate a workload and print its reuse statistics.")
     p.add_argument("spec", nargs="?", help="NAME or NAME:key=value,... (--list shows them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", metavar="FILE", type=output_path, default=None, help="write Mooncake-format JSONL")

@@ -426,19 +426,7 @@ class AdaptiveGDSStrategy:
         others = [i for i in range(len(self.orders)) if i != lead]
         if node is self._victim:  # the leader's choice: a ghost, kept by who would keep it
             self._victim = None
-            owners = 1 << lead
-            keep = {}
-            for i in others:
-                o = self.orders[i]
-                if nid in o.excluded:
-                    owners |= 1 << i
-                else:
-                    keep[i] = o.true_priority(node)
-            self.ghosts.limit = max(256, 2 * len(self._live))
-            gid = self.ghosts.add(node, owners)
-            if gid is not None:
-                for i, prio in keep.items():
-                    self.orders[i].retain(gid, prio)
+            self.ghosts.bury(node, self.orders, lead, len(self._live))
         entry = self._pending_of.pop(nid, None)
         if entry is not None:  # the node may leave the tree with its state: keep its count
             entry[4] = node.hit_count

@@ -121,6 +121,28 @@ class Ghosts:
             self._on_drop(old_gid)
         return gid
 
+    def bury(self, node: TreeNode, orders: Sequence[GreedyDualHeap], lead: int,
+             live: int) -> None:
+        """``node``'s state, order ``lead``'s victim, is being evicted: its ghost (:meth:`add`)
+        is owned by the leader and by every order that had it excluded (evicted in its
+        simulated pool already); each other order retains it at its true priority (it would
+        have kept it). ``live``: states cached now; at most ``max(256, 2 * live)`` ghosts."""
+        nid = node.id
+        owners = 1 << lead
+        keep: dict[int, float] = {}
+        for i, o in enumerate(orders):
+            if i == lead:
+                continue
+            if nid in o.excluded:
+                owners |= 1 << i
+            else:
+                keep[i] = o.true_priority(node)
+        self.limit = max(256, 2 * live)
+        gid = self.add(node, owners)
+        if gid is not None:
+            for i, prio in keep.items():
+                orders[i].retain(gid, prio)
+
     def forget(self, node: TreeNode) -> None:
         """A state is cached on ``node`` again: its internal ghost is no ghost any more."""
         gid = self._inner.pop(node.id, None)
@@ -265,24 +287,11 @@ class KVOrderDuel:
         if victim is None or isinstance(victim, int):
             return None
         nid = victim.id
-        owners = 1 << lead
-        keep = {}
-        for i, o in enumerate(self.orders):
-            if i == lead:
-                continue
-            if nid in o.excluded:
-                owners |= 1 << i
-            else:
-                keep[i] = o.true_priority(victim)
-        self.ghosts.limit = max(256, 2 * len(self.members))
-        gid = self.ghosts.add(victim, owners)
+        self.ghosts.bury(victim, self.orders, lead, len(self.members))
         del self.members[nid]
         del self._seen[nid]
         for o in self.orders:
             o.remove(nid)
-        if gid is not None:
-            for i, prio in keep.items():
-                self.orders[i].retain(gid, prio)
         for i in range(len(self.orders)):
             if i != lead:
                 self._rebalance(i)

@@ -16,6 +16,7 @@ import pytest
 from bench import cli
 from bench.report.plot import POLICY_STYLES, policy_style
 from bench.traces.loader import SHIPPED_TRACE, trace_label
+from tests.helpers.replay_helpers import assert_usage_error
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -115,9 +116,7 @@ def test_output_path_checked_before_the_run(tmp_path: Path) -> None:
     # The replay refuses a bad --json path at once (no trace read, no run).
     from bench.runs.replay import main
 
-    with pytest.raises(SystemExit) as exc:
-        main(["--json", str(tmp_path / "missing" / "x.json")])
-    assert exc.value.code == 2
+    assert_usage_error(main, ["--json", str(tmp_path / "missing" / "x.json")])
 
 
 def test_progress_prints_lines_when_not_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -163,6 +162,10 @@ def test_reports_name_traces_by_their_repository_path(tmp_path: Path) -> None:
     (["replay", "--swa-tokens", "1000"], "--swa-tokens needs --sliding-window, which is off"),
     (["replay", "--swa-release-extra-pages", "2"], "--swa-release-extra-pages needs --sliding-window"),
     (["replay", "--hicache-write-policy", "write_back"], "--hicache-write-policy needs --hicache-ratio"),
+    (["simulate", "--arrivals", "closed", "--time-scale", "2"],
+     "--time-scale needs --arrivals trace, which is off"),
+    (["simulate", "--state-fraction", "0.3"], "--state-fraction needs --memory-gb, which is off"),
+    (["simulate", "--marconi-alpha", "0.5"], "--marconi-alpha needs --policy marconi"),
     # refused by the command before its run starts
     (["robustness", "--policies", "nosuch"], "--policies: radix_eviction_policy='nosuch' is unknown"),
     (["robustness", "--from-csv", "/nonexistent.csv"], "--from-csv: no such file"),
@@ -173,9 +176,7 @@ def test_reports_name_traces_by_their_repository_path(tmp_path: Path) -> None:
 ])
 def test_bad_input_is_refused_before_a_run_starts(argv: list[str], says: str,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
-        cli.main(argv)
-    assert exc.value.code == 2
+    assert_usage_error(cli.main, argv)
     err = capsys.readouterr().err
     assert says in err and f"python -m bench {argv[0]}: error: " in err
     assert "usage:" not in err, err  # the error in one line, not argparse's usage first

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from allocators.memory import available_host_memory
 from bench import cli
 from bench.cli import column_blocks
-from bench.engine.core import EngineConfig, MemoryBudgetError, available_memory
+from bench.engine.core import EngineConfig, MemoryBudgetError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -104,7 +105,7 @@ def test_simulate_names_the_unit_of_every_time_column(capsys: pytest.CaptureFixt
 
 def test_pools_larger_than_memory_are_refused_before_allocation(
         capsys: pytest.CaptureFixture[str]) -> None:
-    avail = available_memory()
+    avail = available_host_memory()
     if avail is None:
         pytest.skip("no /proc/meminfo: the available memory is not known here")
     too_many = 2 * avail // 13  # 13 bytes per free-list entry: twice what fits

@@ -15,8 +15,8 @@ import pytest
 from bench.engine.core import ReplayEngine
 from bench.runs.replay import main, parse_count
 from bench.traces.loader import TraceRequest, load_trace
+from tests.helpers.replay_helpers import assert_usage_error, rows
 from tests.helpers.replay_helpers import replay as replay_checked
-from tests.helpers.replay_helpers import rows
 
 
 def block_req(ids: list[int], length: int, out: int = 2, block: int = 4) -> TraceRequest:
@@ -127,9 +127,7 @@ def test_cli_writes_json_with_one_run_per_policy(
     assert data["engine"]["end_checkpoint"] == "block" and data["trace"]["requests"] == 6
     # one at a time, requests 1..5 resume from the state at the end of block 0 (512 tokens)
     assert data["runs"][0]["usable_tokens"] == data["bounds"]["sparse_hit_tokens"] == 5 * 512
-    with pytest.raises(SystemExit) as exc:
-        main(["--trace", str(trace), "--policy", "nope", "--no-progress"])
-    assert exc.value.code == 2
+    assert_usage_error(main, ["--trace", str(trace), "--policy", "nope", "--no-progress"])
 
 
 def test_parse_count() -> None:
@@ -139,9 +137,9 @@ def test_parse_count() -> None:
 
 
 def test_plot_needs_a_single_memory_sweep(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit) as exc:  # no sweep: refused before any replay
-        main(["--max-requests", "5", "--plot", str(tmp_path / "p.png"), "--no-progress"])
-    assert exc.value.code == 2
+    # no sweep: refused before any replay
+    assert_usage_error(main, ["--max-requests", "5", "--plot", str(tmp_path / "p.png"),
+                              "--no-progress"])
     pytest.importorskip("matplotlib")
     png = tmp_path / "p.png"
     argv = [

@@ -31,6 +31,7 @@ from components.event_publisher import (
 from components.events import STATE_GROUP, AllBlocksCleared, BlockStored
 from tests.components.test_kv_events import CONFIGS, build, step, tree_pages
 from tests.helpers.engine_kv_schemas import DECODERS
+from tests.helpers.isolated import run_python
 
 LOOPBACK = "tcp://127.0.0.1:*"
 
@@ -254,11 +255,6 @@ def test_bad_config_text_and_rank() -> None:
 
 
 def test_without_pyzmq_only_the_publisher_refuses() -> None:
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     code = """
 import sys
 sys.modules['zmq'] = None
@@ -268,7 +264,4 @@ try:
 except ImportError as e:
     print('refused:', e)
 """
-    repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo,
-                         env={**os.environ, "PYTHONPATH": str(repo)}, check=True).stdout
-    assert "refused: components.event_publisher needs pyzmq" in out
+    assert "refused: components.event_publisher needs pyzmq" in run_python(code)

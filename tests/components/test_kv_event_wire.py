@@ -19,7 +19,6 @@ import os
 import random
 import struct
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -43,6 +42,7 @@ from components.events import (
 from hicache import HiCacheConfig
 from radix import CacheConfig, RadixCache
 from tests.helpers.engine_kv_schemas import DECODERS, decodes
+from tests.helpers.isolated import run_python
 
 REPO = Path(__file__).resolve().parents[2]
 ANCHOR_PY = Path(os.environ.get("HPC_SGLANG_ANCHOR_PYTHON", "/tmp/sglang-anchor/bin/python"))
@@ -354,9 +354,7 @@ try:
 except ImportError as e:
     print('refused:', e)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
-    assert "refused: components.event_wire needs msgspec" in out.stdout
+    assert "refused: components.event_wire needs msgspec" in run_python(code)
 
 
 def test_media_constants() -> None:

@@ -99,3 +99,44 @@ def node_slots(node: Any) -> torch.Tensor:
     ``node.kv_value`` holds (an ``array('q')`` on the host)."""
     assert node.kv_value is not None, f"node without device KV: {node}"
     return slot_tensor(node.kv_value)
+
+
+class FailAllocs:
+    """Fault injection: make the ``k``-th ``alloc`` call across ``pools`` (name -> allocator)
+    return ``None`` (``mode="once"``) or the ``k``-th and every later one (``mode="from"``);
+    ``k=0`` never fails. Records every call as ``(pool name, n, failed)`` in ``calls``."""
+
+    def __init__(self, pools: dict[str, Any], k: int = 0, mode: str = "from") -> None:
+        assert mode in ("once", "from")
+        self.pools = pools
+        self.k = k
+        self.mode = mode
+        self.calls: list[tuple[str, int, bool]] = []
+
+    def _wrap(self, name: str, real: Any) -> Any:
+        def alloc(n: int) -> torch.Tensor | None:
+            i = len(self.calls) + 1
+            fail = self.k > 0 and (i == self.k or (self.mode == "from" and i > self.k))
+            self.calls.append((name, n, fail))
+            if fail:
+                self.on_fail(name)
+                return None
+            return real(n)
+
+        return alloc
+
+    def __enter__(self) -> FailAllocs:
+        for name, a in self.pools.items():
+            a.alloc = self._wrap(name, a.alloc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for a in self.pools.values():
+            del a.alloc  # back to the class method
+
+    def on_fail(self, name: str) -> None:
+        """Called for each ``alloc`` made to fail (of pool ``name``); a subclass counts them."""
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _, _ in self.calls]

@@ -2,20 +2,22 @@
 download), adapters made and saved by PEFT itself, and a forward through the library's pool.
 
 ``peft`` and ``transformers`` are imported inside the functions: the test modules that use
-these helpers skip themselves first when the packages are missing.
+these helpers skip themselves first when the packages are missing (:func:`skip_without_peft`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
-from allocators.lora import LoraMemoryPool
+from allocators.lora import BASE_MODEL, LoraMemoryPool, linear_module_shapes
+from radix.lora import LoraArgs, LoraManager
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded, ever
 
@@ -24,6 +26,15 @@ HIDDEN = 32
 INTERMEDIATE = 48
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def skip_without_peft() -> None:
+    """Skip the calling test module (at its import) unless PEFT, transformers and safetensors
+    are installed: the adapters are made by PEFT, on a transformers model, saved as
+    safetensors."""
+    pytest.importorskip("peft", reason="PEFT adapters are made with PEFT")
+    pytest.importorskip("transformers", reason="PEFT adapters are made on a transformers model")
+    pytest.importorskip("safetensors", reason="PEFT adapter directories are safetensors files")
 
 
 def tiny_model(seed: int = 0, hidden: int = HIDDEN) -> Any:
@@ -114,3 +125,33 @@ def pool_forward(model: Any, pool: LoraMemoryPool, row_slots: torch.Tensor) -> I
     finally:
         for h in handles:
             h.remove()
+
+
+def reference_logits(dirs: dict[str, Path], input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """PEFT's logits of every adapter in ``dirs`` (name -> directory) and of the base model
+    (``"base"``) on every row of ``input_ids``: the oracle of the pool's batched forward."""
+    with torch.no_grad():
+        out = {"base": tiny_model()(input_ids).logits}
+    out.update({name: peft_logits(d, input_ids) for name, d in dirs.items()})
+    return out
+
+
+def manager_for(dirs: dict[str, Path], names: Iterable[str], **kw: Any) -> LoraManager:
+    """A :class:`LoraManager` over :func:`tiny_model`'s linear layers serving the adapters
+    ``names`` of ``dirs`` (``kw``: more ``LoraArgs``); its pool checked."""
+    args = LoraArgs(lora_paths=[f"{n}={dirs[n]}" for n in names], **kw)
+    m = LoraManager(args, linear_module_shapes(tiny_model()))
+    m.pool.check()
+    return m
+
+
+def batched_logits(m: LoraManager, rows: list[str], input_ids: torch.Tensor) -> torch.Tensor:
+    """One forward of the base model with the pool's LoRA, row ``i`` running ``rows[i]`` (an
+    adapter name, or ``"base"``); the pool and its slot weights checked first."""
+    uids = [BASE_MODEL if n == "base" else m.uid_of(n) for n in rows]
+    batch = m.pool.prepare_batch(uids)
+    m.pool.check()
+    m.pool.check_weights()
+    model = tiny_model()
+    with torch.no_grad(), pool_forward(model, m.pool, batch.weight_indices):
+        return model(input_ids).logits

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import pytest
 
 from bench.engine.core import EngineConfig, ReplayEngine
 from bench.traces.loader import TraceRequest
+
+
+def assert_usage_error(main: Callable[[list[str]], int], argv: Sequence[str]) -> None:
+    """``main(argv)`` (a command's entry point) stops with exit status 2: an argument error,
+    refused before anything runs."""
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    assert exc.value.code == 2
 
 
 def replay(trace: list[TraceRequest], **kw: Any) -> ReplayEngine:

@@ -4,8 +4,9 @@
 * :func:`dump` is everything a failed step must leave unchanged: every node's values, locks
   and stamps, ``pretty_print``, ``stats()``, every size, the order of every eviction set,
   every pool's ``snapshot()`` (free list order included) and the controller's counters.
-* :class:`FailAllocs` wraps the ``alloc`` of chosen pools so the k-th call across them (or the
-  k-th and every later one) returns ``None``, the way a real shortage does.
+* :class:`FailAllocs` (``tests.helpers.cache_helpers``) wraps the ``alloc`` of chosen pools so
+  the k-th call across them (or the k-th and every later one) returns ``None``, the way a real
+  shortage does.
 * :func:`sig` gives every token position a value that depends on its whole prefix, so a test
   can write "the KV of this prefix" into slots and later check any slot's content exactly.
 
@@ -27,7 +28,7 @@ from allocators import KVPool, MambaStatePool, PagedAllocator, TokenAllocator
 from hicache import HiCacheConfig, HiCacheController
 from radix import CacheConfig, RadixCache
 from radix.node import TreeNode
-from tests.helpers.cache_helpers import free_leftovers, node_slots
+from tests.helpers.cache_helpers import FailAllocs, free_leftovers, node_slots
 from tests.helpers.gds_helpers import gds_entry, gds_stamp
 
 
@@ -211,41 +212,6 @@ def check_accounting(h: HC, held_kv: int = 0, held_states: int = 0) -> None:
 
 
 # ======================================================================== faults
-class FailAllocs:
-    """Make the ``k``-th ``alloc`` call across ``pools`` return ``None`` (``mode="once"``) or
-    the ``k``-th and every later one (``mode="from"``); ``k=0`` never fails. Records every
-    call as ``(pool name, n, failed)`` in ``calls``."""
-
-    def __init__(self, pools: dict[str, Any], k: int = 0, mode: str = "from") -> None:
-        assert mode in ("once", "from")
-        self.pools = pools
-        self.k = k
-        self.mode = mode
-        self.calls: list[tuple[str, int, bool]] = []
-
-    def _wrap(self, name: str, real: Any) -> Any:
-        def alloc(n: int) -> torch.Tensor | None:
-            i = len(self.calls) + 1
-            fail = self.k > 0 and (i == self.k or (self.mode == "from" and i > self.k))
-            self.calls.append((name, n, fail))
-            return None if fail else real(n)
-
-        return alloc
-
-    def __enter__(self) -> FailAllocs:
-        for name, a in self.pools.items():
-            a.alloc = self._wrap(name, a.alloc)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for a in self.pools.values():
-            del a.alloc  # back to the class method
-
-    @property
-    def names(self) -> list[str]:
-        return [name for name, _, _ in self.calls]
-
-
 @contextmanager
 def held(h: HC) -> Iterator[None]:
     """Backups issued inside stay in flight until the block ends (then they land)."""

@@ -12,7 +12,7 @@ import pytest
 from bench.engine.core import EngineConfig
 from bench.runs.replay import _configs, build_parser, main
 from bench.traces.loader import TraceRequest
-from tests.helpers.replay_helpers import replay, rows
+from tests.helpers.replay_helpers import assert_usage_error, replay, rows
 
 
 def block_req(ids: list[int], length: int, out: int = 2, block: int = 16) -> TraceRequest:
@@ -97,20 +97,25 @@ def test_interleaved_conversations_keep_every_invariant(write_policy: str, state
 
 
 # ======================================================================== CLI
-def test_cli_runs_without_and_with_the_host_tier_side_by_side(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    # Three conversations of three turns, interleaved; each turn adds one 512-token block.
-    rows_ = [
+def three_conversations(tmp_path: Path) -> Path:
+    """A Mooncake trace file of three conversations of three turns, interleaved; each turn
+    adds one 512-token block (9 requests, 9,216 prompt tokens)."""
+    rows = [
         {"timestamp": 3 * t + c, "input_length": 512 * (t + 1), "output_length": 2,
          "hash_ids": [10 * c + j for j in range(t + 1)]}
         for t in range(3)
         for c in range(3)
     ]
     trace = tmp_path / "t.jsonl"
-    trace.write_text("".join(json.dumps(r) + "\n" for r in rows_))
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return trace
+
+
+def test_cli_runs_without_and_with_the_host_tier_side_by_side(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "r.json"
-    argv = ["--trace", str(trace), "--policy", "lru", "--kv-tokens", "1600", "--state-slots",
+    argv = ["--trace", str(three_conversations(tmp_path)), "--policy", "lru", "--kv-tokens", "1600", "--state-slots",
             "0", "--concurrency", "1", "--hicache-ratio", "0", "4", "--no-progress",
             "--json", str(out)]
     assert main(argv) == 0
@@ -138,16 +143,8 @@ def test_cli_runs_a_sliding_window_model_with_the_host_tier(
 ) -> None:
     """The same three conversations on a model with sliding-window layers (window 256): the
     host tier keeps each turn's full KV and its live window, so later turns hit from host."""
-    rows_ = [
-        {"timestamp": 3 * t + c, "input_length": 512 * (t + 1), "output_length": 2,
-         "hash_ids": [10 * c + j for j in range(t + 1)]}
-        for t in range(3)
-        for c in range(3)
-    ]
-    trace = tmp_path / "t.jsonl"
-    trace.write_text("".join(json.dumps(r) + "\n" for r in rows_))
     out = tmp_path / "r.json"
-    argv = ["--trace", str(trace), "--policy", "lru", "--kv-tokens", "1600", "--state-slots",
+    argv = ["--trace", str(three_conversations(tmp_path)), "--policy", "lru", "--kv-tokens", "1600", "--state-slots",
             "0", "--concurrency", "1", "--sliding-window", "256", "--swa-tokens", "800",
             "--hicache-ratio", "0", "4", "--no-progress", "--json", str(out)]
     assert main(argv) == 0
@@ -191,9 +188,7 @@ def test_cli_builds_one_config_per_ratio_and_policy() -> None:
     ["--hicache-write-policy", "write_around"],
 ])
 def test_cli_refuses_bad_host_tier_options(argv: list[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
-        main([*argv, "--max-requests", "2", "--no-progress"])
-    assert exc.value.code == 2
+    assert_usage_error(main, [*argv, "--max-requests", "2", "--no-progress"])
 
 
 def test_engine_config_validates_the_host_tier() -> None:

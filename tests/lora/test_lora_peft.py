@@ -15,21 +15,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from allocators.lora import BASE_MODEL, LoraAdapter, leaf_name, linear_module_shapes
+from allocators.lora import LoraAdapter, leaf_name, linear_module_shapes
 from radix.lora import LoraArgs, LoraManager, read_peft_adapter, write_peft_adapter
 from tests.helpers.lora_peft_helpers import (
     ATTENTION,
     LAYERS,
     MLP,
+    batched_logits,
+    manager_for,
     peft_logits,
-    pool_forward,
+    reference_logits,
     save_peft_adapter,
+    skip_without_peft,
     tiny_model,
 )
 
-pytest.importorskip("peft", reason="the tests of real adapters make them with PEFT")
-pytest.importorskip("transformers", reason="PEFT adapters are made on a transformers model")
-pytest.importorskip("safetensors", reason="PEFT adapter directories are safetensors files")
+skip_without_peft()
 
 # name -> PEFT LoraConfig keywords (init_lora_weights=False: B is not zero)
 ADAPTERS = {
@@ -68,29 +69,7 @@ def input_ids() -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def reference(dirs: dict[str, Path], input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """PEFT's logits of every adapter (and the base model) on every row of ``input_ids``."""
-    with torch.no_grad():
-        out = {"base": tiny_model()(input_ids).logits}
-    out.update({name: peft_logits(d, input_ids) for name, d in dirs.items()})
-    return out
-
-
-def manager_for(dirs: dict[str, Path], names, **kw) -> LoraManager:
-    args = LoraArgs(lora_paths=[f"{n}={dirs[n]}" for n in names], **kw)
-    m = LoraManager(args, linear_module_shapes(tiny_model()))
-    m.pool.check()
-    return m
-
-
-def batched_logits(m: LoraManager, rows: list[str], input_ids: torch.Tensor) -> torch.Tensor:
-    """One forward of the base model with the pool's LoRA, row ``i`` running ``rows[i]``."""
-    uids = [BASE_MODEL if n == "base" else m.uid_of(n) for n in rows]
-    batch = m.pool.prepare_batch(uids)
-    m.pool.check()
-    m.pool.check_weights()
-    model = tiny_model()
-    with torch.no_grad(), pool_forward(model, m.pool, batch.weight_indices):
-        return model(input_ids).logits
+    return reference_logits(dirs, input_ids)
 
 
 # ---------------------------------------------------------------------- forward vs PEFT

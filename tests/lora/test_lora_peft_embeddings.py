@@ -13,20 +13,20 @@ from typing import cast
 import pytest
 import torch
 
-from allocators.lora import BASE_MODEL, LoraAdapter, LoraMemoryPool, linear_module_shapes
-from radix.lora import LoraArgs, LoraManager, read_peft_adapter, write_peft_adapter
+from allocators.lora import LoraAdapter, LoraMemoryPool
+from radix.lora import read_peft_adapter, write_peft_adapter
 from tests.helpers.lora_peft_helpers import (
     HIDDEN,
     LAYERS,
+    batched_logits,
+    manager_for,
     peft_logits,
-    pool_forward,
+    reference_logits,
     save_peft_adapter,
-    tiny_model,
+    skip_without_peft,
 )
 
-pytest.importorskip("peft", reason="the tests of real adapters make them with PEFT")
-pytest.importorskip("transformers", reason="PEFT adapters are made on a transformers model")
-pytest.importorskip("safetensors", reason="PEFT adapter directories are safetensors files")
+skip_without_peft()
 
 VOCAB = 64
 EMBED, HEAD = "model.embed_tokens", "lm_head"
@@ -54,27 +54,7 @@ def input_ids() -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def reference(dirs: dict[str, Path], input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    with torch.no_grad():
-        out = {"base": tiny_model()(input_ids).logits}
-    out.update({name: peft_logits(d, input_ids) for name, d in dirs.items()})
-    return out
-
-
-def manager_for(dirs: dict[str, Path], names, **kw) -> LoraManager:
-    args = LoraArgs(lora_paths=[f"{n}={dirs[n]}" for n in names], **kw)
-    m = LoraManager(args, linear_module_shapes(tiny_model()))
-    m.pool.check()
-    return m
-
-
-def batched_logits(m: LoraManager, rows: list[str], input_ids: torch.Tensor) -> torch.Tensor:
-    uids = [BASE_MODEL if n == "base" else m.uid_of(n) for n in rows]
-    batch = m.pool.prepare_batch(uids)
-    m.pool.check()
-    m.pool.check_weights()
-    model = tiny_model()
-    with torch.no_grad(), pool_forward(model, m.pool, batch.weight_indices):
-        return model(input_ids).logits
+    return reference_logits(dirs, input_ids)
 
 
 def test_peft_tensors_are_read_and_slotted_with_sglang_shapes(dirs) -> None:

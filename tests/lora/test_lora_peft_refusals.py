@@ -15,11 +15,9 @@ import torch
 
 from allocators.lora import LoraAdapter, linear_module_shapes
 from radix.lora import LoraArgs, LoraFormatError, LoraManager, read_peft_adapter, write_peft_adapter
-from tests.helpers.lora_peft_helpers import save_peft_adapter, tiny_model
+from tests.helpers.lora_peft_helpers import save_peft_adapter, skip_without_peft, tiny_model
 
-pytest.importorskip("peft", reason="the bad adapters are made with PEFT")
-pytest.importorskip("transformers", reason="PEFT adapters are made on a transformers model")
-pytest.importorskip("safetensors", reason="PEFT adapter directories are safetensors files")
+skip_without_peft()
 
 CFG = r"adapter_config\.json'"
 WTS = r"adapter_model\.safetensors'"

@@ -21,6 +21,7 @@ from bench.lora.sched import (
 )
 from bench.runs.replay import main
 from bench.traces.loader import TraceRequest
+from tests.helpers.replay_helpers import assert_usage_error
 
 
 def req(t: float, out: int, first_block: int, n_blocks: int = 2, block: int = 4) -> TraceRequest:
@@ -172,9 +173,7 @@ def test_cli_reports_both_policies(tmp_path: Path, capsys: pytest.CaptureFixture
     ],
 )
 def test_cli_refuses_bad_lora_options(bad: list[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
-        main(["--max-requests", "1", "--adapters", "4", "--no-progress", *bad])
-    assert exc.value.code == 2
+    assert_usage_error(main, ["--max-requests", "1", "--adapters", "4", "--no-progress", *bad])
 
 
 # ---------------------------------------------------------------------- real adapter directories
@@ -235,9 +234,7 @@ def test_cli_refuses_adapter_directories_it_cannot_serve(
 
     trace = str(_small_trace(tmp_path))
     base = ["--trace", trace, "--no-progress", "--policy", "lru", "--kv-tokens", "100K"]
-    with pytest.raises(SystemExit) as exc:
-        main([*base, "--adapters", str(tmp_path / "nowhere")])
-    assert exc.value.code == 2
+    assert_usage_error(main, [*base, "--adapters", str(tmp_path / "nowhere")])
     assert "LoRA adapter directory not found" in capsys.readouterr().err
     narrow = write_peft_adapter(tmp_path / "a", LoraAdapter({"q": (torch.ones(2, 8), torch.ones(8, 2))}))
     wide = write_peft_adapter(tmp_path / "b", LoraAdapter({"q": (torch.ones(2, 16), torch.ones(8, 2))}))

@@ -4,9 +4,6 @@ SGLang's names, histograms counting the calls made, bad prefixes and labels refu
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, cast
 
@@ -19,6 +16,7 @@ from hicache import HiCacheConfig
 from radix import CacheConfig, RadixCache
 from radix.durations import BUCKETS
 from radix.metrics import COUNTERS, GAUGES, CacheCollector
+from tests.helpers.isolated import run_python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -176,9 +174,7 @@ try:
 except ImportError as e:
     print('refused:', e)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
-    assert "refused: radix.metrics needs prometheus-client" in out.stdout
+    assert "refused: radix.metrics needs prometheus-client" in run_python(code)
 
 
 

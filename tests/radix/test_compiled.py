@@ -61,6 +61,19 @@ def _run(kv: KVComponent, slots: torch.Tensor,
     return None, kv.held_mask(), got.tolist()
 
 
+def _run_both(kv_c: KVComponent, kv_np: KVComponent,
+              slots: list[int]) -> tuple[str | None, list[int] | None]:
+    """Claim ``slots`` in twin components, one through the C pass and one through numpy;
+    assert the same answer, held marks and copy, and return (error message or None, copy)."""
+    value = torch.tensor(slots, dtype=torch.int64)
+    err_c, held_c, copy_c = _run(kv_c, value, True)
+    err_np, held_np, copy_np = _run(kv_np, value, False)
+    assert err_c == err_np
+    assert held_c is not None and held_np is not None and (held_c == held_np).all()
+    assert copy_c == copy_np
+    return err_c, copy_c
+
+
 @needs_claim_c
 @pytest.mark.parametrize("ps", [1, 4])
 @settings(max_examples=300, deadline=None)
@@ -90,12 +103,7 @@ def test_c_claim_agrees_with_numpy(ps: int, data: st.DataObject) -> None:
         slots.append(slots[0])  # a repeat
         if ps > 1:
             slots += [slots[-1] + j for j in range(1, ps)]
-    value = torch.tensor(slots, dtype=torch.int64)
-    err_c, held_c, copy_c = _run(kv_c, value, True)
-    err_np, held_np, copy_np = _run(kv_np, value, False)
-    assert err_c == err_np
-    assert held_c is not None and held_np is not None and (held_c == held_np).all()
-    assert copy_c == copy_np
+    err_c, copy_c = _run_both(kv_c, kv_np, slots)
     if err_c is None:
         assert copy_c == slots
 
@@ -126,12 +134,7 @@ def test_c_claim_of_runs_agrees_with_numpy(data: st.DataObject) -> None:
         first = data.draw(st.integers(-2, RUN_POOL + 2), label="first")
         length = data.draw(st.integers(1, 80), label="length")
         slots += range(first, first + length)
-    value = torch.tensor(slots, dtype=torch.int64)
-    err_c, held_c, copy_c = _run(kv_c, value, True)
-    err_np, held_np, copy_np = _run(kv_np, value, False)
-    assert err_c == err_np
-    assert held_c is not None and held_np is not None and (held_c == held_np).all()
-    assert copy_c == copy_np
+    err_c, copy_c = _run_both(kv_c, kv_np, slots)
     fits = all(1 <= s <= RUN_POOL - 16 for s in slots) and not set(slots) & set(held)
     assert (err_c is None) == (fits and len(set(slots)) == len(slots))
     if err_c is None:

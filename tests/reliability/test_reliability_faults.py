@@ -35,6 +35,7 @@ from allocators import KVPool, MambaStatePool, TokenAllocator
 from allocators import alloc_all as real_alloc_all
 from hicache import HiCacheConfig
 from radix import RadixCache
+from tests.helpers.cache_helpers import FailAllocs
 from tests.helpers.reliability_harness import DOCS, Harness
 
 #: Counts for the report: faulty runs, ``alloc`` calls failed on purpose (by pool), and failed
@@ -55,37 +56,16 @@ def fingerprint(h: Harness) -> tuple:
     return (c.pretty_print(), c.stats(), tuple(p.snapshot() for p in pools(h).values()))
 
 
-class FailAt:
-    """The ``k``-th ``alloc`` call across every pool of ``h`` (a harness, or a dict of pools by
-    name) returns ``None`` (and, in mode ``from``, every later one); ``k = 0`` records calls
-    without failing."""
+class FailAt(FailAllocs):
+    """:class:`FailAllocs` over every pool of ``h`` (a harness, or a dict of pools by name),
+    each injected failure counted in :data:`FAULTS`."""
 
     def __init__(self, h: Harness | dict[str, Any], k: int = 0, mode: str = "from") -> None:
-        self.pools = h if isinstance(h, dict) else pools(h)
-        self.k, self.mode = k, mode
-        self.calls: list[tuple[str, int, bool]] = []
+        super().__init__(h if isinstance(h, dict) else pools(h), k, mode)
 
-    def _wrap(self, name: str, real: Callable[[int], torch.Tensor | None]) -> Callable:
-        def alloc(n: int) -> torch.Tensor | None:
-            i = len(self.calls) + 1
-            fail = self.k > 0 and (i == self.k or (self.mode == "from" and i > self.k))
-            self.calls.append((name, n, fail))
-            if fail:
-                FAULTS["injected"] += 1
-                FAULTS[f"injected into {name}"] += 1
-                return None
-            return real(n)
-
-        return alloc
-
-    def __enter__(self) -> FailAt:
-        for name, p in self.pools.items():
-            p.alloc = self._wrap(name, p.alloc)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for p in self.pools.values():
-            del p.alloc
+    def on_fail(self, name: str) -> None:
+        FAULTS["injected"] += 1
+        FAULTS[f"injected into {name}"] += 1
 
 
 @contextmanager

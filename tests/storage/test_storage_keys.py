@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import struct
-import subprocess
-import sys
 from array import array
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,6 +33,7 @@ from hicache.storage.page import (
     mac_state,
     tag_digest,
 )
+from tests.helpers.isolated import run_python
 
 
 def ref_seed(tag: str, ns: bytes) -> bytes:
@@ -173,9 +170,7 @@ try:
 except ValueError as e:
     print('refused:', e)
 """
-    repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo,
-                         env={**os.environ, "PYTHONPATH": str(repo)}, check=True).stdout
+    out = run_python(code)
     assert "foreign XXH3-128 checksum" in out
     assert "refused: checksum='xxh3_128' needs the xxhash package" in out
 

@@ -9,7 +9,6 @@ import inspect
 import json
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -48,11 +47,9 @@ def storage_config(extra: dict[str, Any], model: str = "org/model", tp_rank: int
 
 
 @pytest.fixture
-def adapters() -> Iterator[list[SGLangStorageAdapter]]:
-    made: list[SGLangStorageAdapter] = []
-    yield made
-    for a in made:
-        a.close()
+def adapters(caches: list[Any]) -> list[SGLangStorageAdapter]:
+    """The adapters a test builds, each ``close()``d at teardown (the shared ``caches``)."""
+    return caches
 
 
 def engine(tmp_path: Any, made: list[SGLangStorageAdapter], **kw: Any) -> tuple[SGLangStorageAdapter, HostPool]:

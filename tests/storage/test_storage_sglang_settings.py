@@ -25,14 +25,6 @@ from tests.storage.test_storage_common import (
 )
 
 
-@pytest.fixture
-def caches() -> Iterator[list[L3]]:
-    made: list[L3] = []
-    yield made
-    for h in made:
-        h.close()
-
-
 # ====================================================================== host memory
 def test_host_memory_mode_defaults_to_cache_and_refuses_buffer_only() -> None:
     assert HiCacheConfig().hicache_host_memory_mode == "cache"

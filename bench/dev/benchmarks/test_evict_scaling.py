@@ -54,29 +54,27 @@ def build(policy: str, nodes: int, hybrid: bool) -> RadixCache:
     return cache
 
 
-@pytest.mark.parametrize("nodes", [1_000, 10_000, 100_000])
-@pytest.mark.parametrize("policy", POLICIES)
-def test_evict_one_node(benchmark, policy: str, nodes: int) -> None:
+def time_evictions(benchmark, policy: str, nodes: int, evict: str) -> None:
+    """Time ``EVICTIONS`` calls of ``cache.<evict>(1)`` on a fresh hybrid tree per round."""
     def setup():
         return (build(policy, nodes, True),), {}
 
     def run(cache: RadixCache) -> None:
+        one = getattr(cache, evict)
         for _ in range(EVICTIONS):
-            cache.evict(1)
+            one(1)
 
     benchmark.extra_info["evictions_per_round"] = EVICTIONS
     benchmark.pedantic(run, setup=setup, rounds=3, iterations=1)
+
+
+@pytest.mark.parametrize("nodes", [1_000, 10_000, 100_000])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_evict_one_node(benchmark, policy: str, nodes: int) -> None:
+    time_evictions(benchmark, policy, nodes, "evict")
 
 
 @pytest.mark.parametrize("nodes", [1_000, 10_000, 100_000])
 @pytest.mark.parametrize("policy", ["lru", "joint_lru", "gds"])
 def test_evict_one_state(benchmark, policy: str, nodes: int) -> None:
-    def setup():
-        return (build(policy, nodes, True),), {}
-
-    def run(cache: RadixCache) -> None:
-        for _ in range(EVICTIONS):
-            cache.evict_states(1)
-
-    benchmark.extra_info["evictions_per_round"] = EVICTIONS
-    benchmark.pedantic(run, setup=setup, rounds=3, iterations=1)
+    time_evictions(benchmark, policy, nodes, "evict_states")

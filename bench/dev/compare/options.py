@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import argparse
 
-from bench.cli import ArgumentParser, positive, prog
+from bench.cli import new_parser, positive
 
 __all__ = ["evict_scaling_parser", "radix_ops_parser"]
 
 
 def radix_ops_parser() -> argparse.ArgumentParser:
-    ap = ArgumentParser(
-        prog=prog("radix-ops"),
-        description="Our RadixCache on the SGLang anchor's seeded workloads (one JSON line).",
-    )
+    ap = new_parser("radix-ops", (
+        "Our RadixCache on the SGLang anchor's seeded workloads (one JSON line)."))
     ap.add_argument("--workload", choices=["sysprompt", "multiturn"], default="sysprompt")
     ap.add_argument("--states", action="store_true",
                     help="KV + recurrent state (the anchor's unified-mamba-* impls)")
@@ -62,11 +60,9 @@ def radix_ops_parser() -> argparse.ArgumentParser:
 
 
 def evict_scaling_parser() -> argparse.ArgumentParser:
-    ap = ArgumentParser(
-        prog=prog("evict-scaling"),
-        description="Per-node cost of evict() against tree size (KV only, real allocator, "
-                    "CPU clock): one JSON line per size.",
-    )
+    ap = new_parser("evict-scaling", (
+        "Per-node cost of evict() against tree size (KV only, real allocator, CPU clock): one JSON "
+        "line per size."))
     ap.add_argument("--nodes", type=positive, nargs="+", default=[10_000, 100_000, 1_000_000],
                     help="leaves of each tree (default 10,000 100,000 1,000,000)")
     ap.add_argument("--leaf-len", type=positive, default=8,

@@ -91,7 +91,7 @@ def make_workload(args: argparse.Namespace) -> list[list[int]]:
 class CountingKVAllocator:
     """The anchor's allocator convention: ids from a counter, ``free`` only counts."""
 
-    size = 1 << 60  # ids are never reused: the pool is as large as the counter goes
+    size: int | None = 1 << 60  # ids are never reused: the pool is as large as the counter goes
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
@@ -108,22 +108,13 @@ class CountingKVAllocator:
         self.freed_tokens += int(idx.numel())
 
 
-class CountingStatePool:
-    """State-slot stub: fresh ids from a counter, ``free`` only counts."""
+class CountingStatePool(CountingKVAllocator):
+    """State-slot stub: the same convention, ids from 1 (``freed_tokens`` counts slots)."""
 
     size = None
 
     def __init__(self) -> None:
-        self.next = 1
-        self.freed = 0
-
-    def alloc(self, n: int) -> torch.Tensor:
-        out = torch.arange(self.next, self.next + n, dtype=torch.int64)
-        self.next += n
-        return out
-
-    def free(self, idx: torch.Tensor) -> None:
-        self.freed += int(idx.numel())
+        super().__init__(1)
 
 
 class CountingReal:

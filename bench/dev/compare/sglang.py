@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.cli import ArgumentParser, output_path, prog
+from bench.cli import new_parser, output_path
 
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_ANCHOR_PYTHON = "/tmp/sglang-anchor/bin/python"
@@ -434,8 +434,7 @@ def memory_table(args: argparse.Namespace, with_anchor: bool) -> tuple[str, list
 
 # ------------------------------------------------------------------ CLI
 def build_parser() -> argparse.ArgumentParser:
-    ap = ArgumentParser(prog=prog("compare"),
-                                 description=__doc__.split("\n\n")[0])
+    ap = new_parser("compare", __doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=3,
                     help="paired repetitions; ratios are medians over them (default 3)")
     ap.add_argument("--workloads", nargs="+", choices=["sysprompt", "multiturn"],

@@ -34,6 +34,19 @@ INPLACE_EXTRA = {T.__setitem__, T.copy_, T.index_copy_, T.index_fill_, T.index_p
                  T.masked_fill_, T.scatter_, T.zero_, T.fill_}
 
 
+def _fixed(value: object, what: str) -> Any:
+    """A read-only property of every device tensor, ``value``; assigning it raises
+    ``AttributeError`` naming ``what`` (as a real tensor's does)."""
+
+    def get(_self: torch.Tensor) -> object:
+        return value
+
+    def refuse(_self: torch.Tensor, _value: object) -> None:
+        raise AttributeError(f"{what} cannot be assigned")
+
+    return property(get, refuse)
+
+
 class DeviceTensor(torch.Tensor):
     """A CPU tensor that says it lives on ``cuda:0`` (see ``bench/dev/gpu/simcuda.py``).
 
@@ -47,29 +60,9 @@ class DeviceTensor(torch.Tensor):
             ret = func(*args, **(kwargs or {}))
         return wrap_results(ret)
 
-    @property
-    def device(self) -> torch.device:
-        return CUDA0
-
-    @device.setter
-    def device(self, value: torch.device) -> None:
-        raise AttributeError("a tensor's device cannot be assigned")
-
-    @property
-    def is_cpu(self) -> bool:
-        return False
-
-    @is_cpu.setter
-    def is_cpu(self, value: bool) -> None:
-        raise AttributeError("is_cpu cannot be assigned")
-
-    @property
-    def is_cuda(self) -> bool:
-        return True
-
-    @is_cuda.setter
-    def is_cuda(self, value: bool) -> None:
-        raise AttributeError("is_cuda cannot be assigned")
+    device = _fixed(CUDA0, "a tensor's device")
+    is_cpu = _fixed(False, "is_cpu")
+    is_cuda = _fixed(True, "is_cuda")
 
 
 def is_device(x: object) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench.cli import ArgumentParser, output_path, prog
+from bench.cli import new_parser, output_path
 
 __all__ = ["HOST_TIER_MODEL_NAMES", "MODEL_NAMES", "sync_counts_parser"]
 
@@ -19,14 +19,10 @@ HOST_TIER_MODEL_NAMES = ("hicache", "swa_hicache", "hybrid_swa_hicache")
 
 
 def sync_counts_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog=prog("sync-counts"),
-        description=(
-            "Host synchronisations, kernel launches and memcpys per request and per "
-            "operation of the replay's engine on a simulated CUDA device; with --device "
-            "cuda, us/request on a real GPU against the CPU, the counts from the profiler."
-        ),
-    )
+    p = new_parser("sync-counts", (
+        "Host synchronisations, kernel launches and memcpys per request and per operation of the "
+        "replay's engine on a simulated CUDA device; with --device cuda, us/request on a real GPU "
+        "against the CPU, the counts from the profiler."))
     p.add_argument("--requests", type=int, default=160, help="requests per model (160)")
     p.add_argument("--trace", default=None,
                    help="replay this trace file's first --requests instead of the seeded "
@@ -48,17 +44,13 @@ def sync_counts_parser() -> argparse.ArgumentParser:
 
 
 def hicache_bandwidth_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog=prog("hicache-bandwidth"),
-        description=(
-            "The host tier at the speed of the link: raw pinned host <-> device copy bandwidth "
-            "and the library's backup (insert, write_through) and load_back of whole nodes, "
-            "per hicache_io_backend / hicache_mem_layout and node size: GB/s, share of the "
-            "raw bandwidth, engine-thread time per call, CPU-copied bytes, blocking waits, "
-            "bit-exactness. On a machine without CUDA it runs the same paths on a small pool "
-            "on the simulated device (bench/gpu/simcuda.py): those figures are not a GPU's."
-        ),
-    )
+    p = new_parser("hicache-bandwidth", (
+        "The host tier at the speed of the link: raw pinned host <-> device copy bandwidth and the "
+        "library's backup (insert, write_through) and load_back of whole nodes, per "
+        "hicache_io_backend / hicache_mem_layout and node size: GB/s, share of the raw bandwidth, "
+        "engine-thread time per call, CPU-copied bytes, blocking waits, bit-exactness. On a machine"
+        " without CUDA it runs the same paths on a small pool on the simulated device "
+        "(bench/gpu/simcuda.py): those figures are not a GPU's."))
     p.add_argument("--node-tokens", type=int, nargs="+", default=None,
                    help="tokens per node (GPU default: 16384 256; simulated: 256 16)")
     p.add_argument("--gib", type=float, default=None,

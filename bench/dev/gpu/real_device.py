@@ -19,7 +19,6 @@ status 2) before running anything.
 from __future__ import annotations
 
 import functools
-import json
 import sys
 import time
 from collections import Counter
@@ -28,6 +27,7 @@ from typing import Any
 
 import torch
 
+from bench.cli import write_json
 from bench.dev.gpu.sync_counts import (
     ALLOC_OPS,
     CACHE_OPS,
@@ -207,10 +207,5 @@ def compare(models: Sequence[str], trace: Sequence[TraceRequest], *, json_path: 
     print(f"(device {_device_name()}, torch {torch.__version__}, "
           f"{len(trace)} requests, transfers {', '.join(TRANSFER_OPS)} inside the api ranges)")
     if json_path is not None:
-        text = json.dumps(rows, indent=1)
-        if json_path == "-":
-            print(text)
-        else:
-            with open(json_path, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
+        write_json(json_path, rows)
     return 0 if all(r["stats_equal"] for r in rows) else 1

@@ -7,18 +7,13 @@ from __future__ import annotations
 
 import argparse
 
-from bench.cli import ArgumentParser, output_path, prog
+from bench.cli import new_parser, output_path
 
 __all__ = ["lora_load_parser"]
 
 
 def lora_load_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog=prog("lora-load"),
-        description=(
-            "Load time and bytes of real PEFT adapters."
-        ),
-    )
+    p = new_parser("lora-load", "Load time and bytes of real PEFT adapters.")
     p.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 64], help="LoRA ranks")

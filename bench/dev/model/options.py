@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench.cli import ArgumentParser, prog
+from bench.cli import new_parser
 
 __all__ = ["ARCHITECTURE_NAMES", "WRITE_POLICIES", "model_parser"]
 
@@ -18,13 +18,8 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 def model_parser() -> argparse.ArgumentParser:
-    ap = ArgumentParser(
-        prog=prog("model"),
-        description=(
-            "Multi-request driver: a real hybrid model served through our cache, "
-            "every request checked."
-        ),
-    )
+    ap = new_parser("model", "Multi-request driver: a real hybrid model served through our cache, "
+                             "every request checked.")
     ap.add_argument("--arch", nargs="+", default=list(ARCHITECTURE_NAMES))
     ap.add_argument("--page-size", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--prompts", type=int, default=32)

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.cli import ArgumentParser, prog
+from bench.cli import new_parser
 from bench.traces.loader import TraceRequest
 
 __all__ = ["HOLD_TIMES", "LENGTH_BANDS", "EndState", "build_parser", "end_states", "main",
@@ -144,7 +144,7 @@ def by_bucket_and_length(s: EndState) -> object:
 def build_parser() -> argparse.ArgumentParser:
     from bench.runs.robustness import ALL_SOURCES
 
-    p = ArgumentParser(prog=prog("state-budget"), description=__doc__.split("\n")[0])
+    p = new_parser("state-budget", __doc__.split("\n")[0])
     p.add_argument("--source", default="mooncake", choices=list(ALL_SOURCES),
                    help="a source of the robustness table (default mooncake: its first 2,000 "
                         "requests)")

@@ -7,18 +7,13 @@ from __future__ import annotations
 
 import argparse
 
-from bench.cli import ArgumentParser, parse_count, positive, prog
+from bench.cli import new_parser, parse_count, positive
 
 __all__ = ["hit_breakdown_parser"]
 
 
 def hit_breakdown_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog=prog("hit-breakdown"),
-        description=(
-            "Where a state walk's hits come from."
-        ),
-    )
+    p = new_parser("hit-breakdown", "Where a state walk's hits come from.")
     p.add_argument("--trace", default=None)
     p.add_argument("--max-requests", type=positive, default=None)
     p.add_argument("--policy", nargs="+", default=["belady", "gds_adaptive"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench.cli import ArgumentParser, output_path, parse_count, prog
+from bench.cli import new_parser, output_path, parse_count
 
 __all__ = ["SETUPS", "l3_share_parser", "parse_l3", "storage_parser"]
 
@@ -29,13 +29,8 @@ def parse_l3(text: str) -> tuple[str, str]:
 
 
 def storage_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog=prog("storage"),
-        description=(
-            "Page throughput of the L3 backends: pages/s and MiB/s, written and read, "
-            "batched or not."
-        ),
-    )
+    p = new_parser("storage", (
+        "Page throughput of the L3 backends: pages/s and MiB/s, written and read, batched or not."))
     p.add_argument("--page-bytes", type=parse_count, default=parse_count("256K"))
     p.add_argument("--pages", type=int, default=256)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
@@ -52,13 +47,8 @@ def storage_parser() -> argparse.ArgumentParser:
 
 
 def l3_share_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog=prog("l3-share"),
-        description=(
-            "Engine instances sharing one HiCache L3: hit rate with and without "
-            "sharing."
-        ),
-    )
+    p = new_parser("l3-share", "Engine instances sharing one HiCache L3: hit rate with and without "
+                               "sharing.")
     p.add_argument("--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)")
     p.add_argument("--max-requests", type=int, default=1000)
     p.add_argument("--instances", type=int, default=2)
