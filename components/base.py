@@ -103,7 +103,9 @@ class InsertPlan:
         self._notes: dict[str, Any] | None = None
 
     def add_cut(self, pos: int) -> None:
-        """The new tail becomes separate nodes at ``pos`` (inside ``(prefix_len, end)``)."""
+        """Cut at ``pos`` [tokens]: inside ``(prefix_len, end)`` the new tail becomes separate
+        nodes there; below ``prefix_len`` a matched host-only node being revived is split there
+        (SWA: where the caller's SWA KV turns live)."""
         self.cuts = (*self.cuts, pos)
 
     def add_revival(self, end: int, start: int, owner: Component) -> None:
