@@ -12,7 +12,10 @@ Inside ``with SimCuda() as sim:``
 * ``torch.cuda.Stream`` / ``Event`` / ``stream()`` / ``synchronize()`` are simulated
   (:class:`SimStream`, :class:`SimEvent`): an event completes when it is queried or
   synchronised (the simulated device is infinitely fast), and everything an asynchronous copy
-  issued before the event's ``record`` on the same stream lands then;
+  issued before the event's ``record`` on the same stream lands then; a ``non_blocking`` copy
+  from pinned host memory to the device reads its source when it lands (that event seen
+  complete, a wait for its stream, or a device call on its destination), not when it is
+  enqueued, so host bytes changed before then reach the device, as on a GPU;
 * a ``TorchFunctionMode`` sees every torch call and sorts it.
 
 What counts as one host synchronisation (:attr:`SimCuda.syncs`, with its call site), as on a
@@ -99,6 +102,16 @@ __all__ = ["OUTSIDE", "DeviceTensor", "SimCuda", "SimEvent", "SimStream"]
 OUTSIDE = "(outside)"
 
 @dataclass
+class _Copy:
+    """A ``non_blocking`` host -> device copy from pinned memory that has not run yet."""
+
+    stream: SimStream
+    seq: int
+    dst: torch.Tensor  # a plain alias of the destination's memory
+    src: torch.Tensor
+
+
+@dataclass
 class _Region:
     """Host memory an asynchronous copy is writing (``dst``) or reading (``src``)."""
 
@@ -178,6 +191,8 @@ class SimCuda:
         #: host storage pointer -> the pinned tensor (weak): what ``is_pinned`` answers from
         self.pinned: dict[int, Callable[[], object]] = {}
         self._regions: list[_Region] = []
+        #: asynchronous host -> device copies not yet run (each reads its source when it lands)
+        self._pending: list[_Copy] = []
         #: stream -> the last sequence number known complete (synchronised)
         self.synced: dict[SimStream, int] = {}
         #: pinned host allocations (``pin_memory=True``) made, with their sizes [bytes]
@@ -233,6 +248,7 @@ class SimCuda:
 
     def __exit__(self, *exc: object) -> None:
         self._mode.__exit__(None, None, None)
+        self._run_copies(lambda c: True)
         for name, value in self._saved.items():
             setattr(torch.cuda, name, value)
         self._saved.clear()
@@ -312,6 +328,7 @@ class SimCuda:
         for s in self.streams:
             self.synced[s] = self.seq
         self._regions.clear()
+        self._run_copies(lambda c: True)
 
     def land(self, stream: SimStream, seq: int) -> None:
         """Work on ``stream`` up to sequence number ``seq`` is complete (synchronised): its
@@ -321,6 +338,29 @@ class SimCuda:
         if self._regions:
             self._regions = [r for r in self._regions
                              if not (r.stream is stream and r.seq <= seq) and r.ref() is not None]
+        if self._pending:  # its copies and those of the streams it waited for
+            self._run_copies(lambda c: c.seq <= (seq if c.stream is stream
+                                                 else stream.waited.get(c.stream, -1)))
+
+    def _run_copies(self, due: Callable[[_Copy], bool]) -> None:
+        """Run the pending host -> device copies ``due`` says have landed, in enqueue order:
+        each reads its pinned source now."""
+        now = [c for c in self._pending if due(c)]
+        if not now:
+            return
+        self._pending = [c for c in self._pending if not due(c)]
+        with torch._C.DisableTorchFunction():
+            for c in now:
+                c.dst.copy_(c.src)
+
+    def _land_touched(self, ts: list[torch.Tensor]) -> None:
+        """A device call on the destination of a pending copy runs after it (the copy lands
+        first, with everything its stream enqueued before it)."""
+        ptrs = {t.untyped_storage().data_ptr() for t in ts if is_device(t)}
+        hit = [c for c in self._pending if c.dst.untyped_storage().data_ptr() in ptrs]
+        if hit:
+            last = {c.stream: c.seq for c in hit}
+            self._run_copies(lambda c: c.seq <= last.get(c.stream, -1))
 
     def _pin(self, t: torch.Tensor) -> torch.Tensor:
         self.pinned[t.untyped_storage().data_ptr()] = weakref.ref(t)
@@ -380,6 +420,8 @@ class SimCuda:
     # ------------------------------------------------------------------ dispatch
     def _dispatch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         ts = tensors_of(args, kwargs)
+        if self._pending and not no_access(func, args):
+            self._land_touched(ts)
         if self._regions and not no_access(func, args):
             target = (True if func in (T.numpy, T.__array__, T.data_ptr) else
                       args[0] if args and writes_first_arg(func) else None)
@@ -480,8 +522,9 @@ class SimCuda:
 
     # ------------------------------------------------------------------ copies
     def _copy_kind(self, src: torch.Tensor, to_dev: bool, non_blocking: bool,
-                   dst: torch.Tensor | None) -> None:
-        """Count or track one copy between host and device."""
+                   dst: torch.Tensor | None) -> bool:
+        """Count or track one copy between host and device; True: an asynchronous host ->
+        device copy from pinned memory (the caller defers it, :meth:`_defer`)."""
         self._memcpy("D2H copy" if is_device(src) else "H2D copy", src)
         self._charge_link(src)
         if is_device(src) and not to_dev:  # device -> host
@@ -492,9 +535,19 @@ class SimCuda:
         elif not is_device(src) and to_dev:  # host -> device
             if non_blocking and self.is_pinned(src):
                 self._in_flight(src, "src", self.current)
-            else:
-                self.sync("host->device copy" + ("" if non_blocking else " (blocking)")
-                           + ("" if self.is_pinned(src) else " from pageable memory"))
+                return True
+            self.sync("host->device copy" + ("" if non_blocking else " (blocking)")
+                      + ("" if self.is_pinned(src) else " from pageable memory"))
+        return False
+
+    def _defer(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Enqueue the copy just tracked (:meth:`_in_flight`) to run when it lands. It writes
+        ``dst``'s memory through an alias with a version counter of its own: the enqueueing
+        call already counted the write (as ``copy_`` does on a GPU), landing adds none."""
+        with torch._C.DisableTorchFunction():
+            alias = torch.empty(0, dtype=dst.dtype).set_(
+                dst.untyped_storage(), dst.storage_offset(), dst.shape, dst.stride())
+        self._pending.append(_Copy(self.current, self.seq, alias, src))
 
     def _to(self, args: Any, kwargs: dict[str, Any]) -> Any:
         src = args[0]
@@ -517,7 +570,8 @@ class SimCuda:
             self._check_streams([src], [], T.to)
             self._copy_kind(src, False, non_blocking, out)
             return out
-        self._copy_kind(src, True, non_blocking, None)
+        if self._copy_kind(src, True, non_blocking, None):
+            self._defer(out, data)  # runs again when it lands: the source as it is then
         out_d = to_device(out)
         self._check_streams([], [out_d], T.to)
         return out_d
@@ -531,14 +585,18 @@ class SimCuda:
     def _copy_(self, args: Any, kwargs: dict[str, Any]) -> Any:
         dst, src = args[0], args[1]
         non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        deferred = False
         if is_device(dst) != is_device(src):
-            self._copy_kind(src, is_device(dst), non_blocking, dst)
+            deferred = self._copy_kind(src, is_device(dst), non_blocking, dst)
+            if deferred:
+                self._defer(dst, plain(src))
         elif is_device(dst):
             self._launch("Tensor.copy_", dst)
         else:
             self._charge_cpu_copy(T.copy_, args, kwargs, dst)
         self._check_streams([t for t in (dst, src) if is_device(t)], [dst], T.copy_)
-        plain(dst).copy_(plain(src))
+        if not deferred:
+            plain(dst).copy_(plain(src))
         return dst
 
     def _pin_memory(self, args: Any, kwargs: dict[str, Any]) -> Any:
