@@ -380,8 +380,7 @@ class MemoryArena:
         """Per chunk: every one of its KV pages is free (chunk 0: False)."""
         ppc = self.pages_per_chunk
         mask = self.kv_allocator.free_mask  # page ids 0..num_chunks*ppc - 1
-        out: np.ndarray = mask.reshape(self.num_chunks, ppc).all(axis=1)
-        return out
+        return np.asarray(mask.reshape(self.num_chunks, ppc).all(axis=1))
 
     def stranded_bytes(self) -> int:
         """Bytes of free KV pages in KV chunks that also hold used pages: usable by KV, not by
