@@ -19,7 +19,8 @@ bands), and a chunk moves from one kind to the other only while it is wholly fre
 The two kinds are served by *views*, the same interfaces the cache uses today, over one
 ``torch.uint8`` buffer (nothing copied, no second allocation):
 
-* :class:`ArenaKVAllocator` -- a paged KV allocator (``PagedAllocator``'s contract) whose
+* :class:`ArenaKVAllocator` -- a paged KV allocator (``PagedAllocator``'s contract, except
+  that ``alloc`` takes the lowest free pages: the KV band packs low) whose
   ``pool`` is a :class:`~allocators.kv_pool.KVBuffers` over the arena: KV slot ``s`` is the
   ``kv_bytes_per_token`` bytes at ``s * kv_bytes_per_token`` (every layer's K then V).
 * :class:`ArenaStatePool` -- a :class:`~allocators.state_pool.MambaStatePool` whose ``conv``
@@ -41,7 +42,7 @@ the chunk empties: :meth:`MemoryArena.stranded_bytes` reports them apart.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,7 @@ from ._checks import (
     check_positive_int,
     check_shape,
 )
+from .free_list import AllocatorSnapshot
 from .host_mirror import mirrored
 from .kv_pool import KVBuffers
 from .state_pool import _NUMPY_DTYPES, MambaStatePool
@@ -172,6 +174,29 @@ class ArenaKVAllocator(_FreeListAllocator):
     def owned_size(self) -> int:
         """Slots (tokens) in the chunks KV owns now. O(n chunks)."""
         return self.arena.num_kv_chunks * self.arena.pages_per_chunk * self._page_size
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """``PagedAllocator.alloc``, but the pages taken are the *lowest* free page ids (the
+        KV band packs towards chunk 1, so that chunks at the high end empty and can become
+        states), ascending; ``None`` (nothing taken) when fewer are free. O(num_pages): one
+        scan of the free mask."""
+        k = self._num_pages_for(n)
+        if k > self._pages.num_free:
+            return None
+        pages = np.flatnonzero(self._free_mask)[:k]
+        self._pages.withdraw(pages)
+        slots = self._pages_to_slots(torch.from_numpy(pages))
+        if not self._on_device:
+            return slots
+        return self._to_device(slots.numpy())
+
+    def snapshot(self) -> AllocatorSnapshot:
+        """As every allocator's, with the free list in ascending order: ``alloc`` takes the
+        lowest free pages whatever their order, so only the set of free pages (and the
+        counters) decides what happens next."""
+        snap = super().snapshot()
+        order = np.sort(np.frombuffer(snap.free_order, dtype="<i8"))
+        return replace(snap, free_order=order.astype("<i8").tobytes())
 
     def free(self, indices: torch.Tensor) -> None:
         """``PagedAllocator.free``, refusing too a page of a chunk KV does not own

@@ -233,3 +233,20 @@ def test_shapes_that_do_not_divide_are_refused() -> None:
         KVShape(1, 0, 4)
     with pytest.raises(ValueError, match="conv_state_shape"):
         StateShape(1, (0,), (1,))
+
+
+def test_kv_alloc_takes_the_lowest_free_pages_so_high_chunks_empty() -> None:
+    a = arena()
+    kv = a.kv_allocator
+    first = kv.alloc(18)  # pages 3..11: chunks 1..3
+    assert first is not None and first.tolist() == list(range(6, 24))
+    kv.free(first[:6])  # chunk 1 free again (pages 3, 4, 5), appended at the back
+    # the lowest free pages come first whatever the free-list order: chunk 1's
+    assert kv.alloc(4).tolist() == [6, 7, 8, 9]
+    # chunks 4..6 never held a page: they are the ones that can become states
+    assert a.movable_kv_chunks() == 3 and a.kv_to_state(3) is True
+    before = kv.snapshot()
+    with AllocTxn() as txn:
+        assert txn.alloc(kv, 2) is not None
+    assert kv.snapshot() == before
+    a.check()
