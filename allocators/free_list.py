@@ -246,7 +246,9 @@ class FreeList:
         if not self._is_free[ids].all():
             bad = int(ids[~self._is_free[ids]][0])
             raise ValueError(f"withdraw: {self._unit} {bad} is not free")
-        if np.unique(ids).size != ids.size:
+        pos = np.arange(ids.size, dtype=self._stamp.dtype)
+        self._stamp[ids] = pos
+        if (self._stamp[ids] != pos).any():
             raise ValueError(f"withdraw: a {self._unit} id is repeated")
         order = self.free_order()
         self._is_free[ids] = False

@@ -250,3 +250,22 @@ def test_kv_alloc_takes_the_lowest_free_pages_so_high_chunks_empty() -> None:
         assert txn.alloc(kv, 2) is not None
     assert kv.snapshot() == before
     a.check()
+
+
+def test_free_list_withdraw_keeps_the_rest_in_order_and_refuses_misuse() -> None:
+    import numpy as np
+
+    from allocators.free_list import FreeList
+
+    fl = FreeList(6, "page")
+    fl.take(1)  # 1 used
+    before = fl.snapshot("x", 1)
+    for bad, msg in (([2, 2], "repeated"), ([1], "not free"), ([7], "outside")):
+        with pytest.raises(ValueError, match=msg):
+            fl.withdraw(np.array(bad, dtype=np.int64))
+        assert fl.snapshot("x", 1) == before
+    fl.withdraw(np.array([5, 3], dtype=np.int64))
+    assert fl.free_order().tolist() == [2, 4, 6] and (fl.num_free, fl.num_used) == (3, 3)
+    fl.release(torch.tensor([3], dtype=torch.int64))  # given back at the back
+    assert fl.free_order().tolist() == [2, 4, 6, 3]
+    fl.check("x")
