@@ -233,7 +233,7 @@ def run_arena(trace: Sequence[Any], preset: Any, memory_gb: float,
 def render(records: Sequence[dict[str, Any]]) -> str:
     """A markdown table: one row per budget, token hit rate [%] per split and unified."""
     splits = sorted({r["split"] for r in records if r["split"] != "unified"})
-    head = ["GB"] + [f"{s:.3g}" + (" (sglang)" if math.isclose(s, SGLANG_DEFAULT_FRACTION)
+    head = ["GB"] + [f"{s:.3g}" + (" (sglang)" if math.isclose(s, SGLANG_DEFAULT_FRACTION, rel_tol=1e-3)
                                    else "") for s in splits] + ["best fixed", "unified",
                                                                 "unified - best", "cpu x"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
