@@ -42,7 +42,7 @@ the chunk empties: :meth:`MemoryArena.stranded_bytes` reports them apart.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -56,7 +56,7 @@ from ._checks import (
     check_positive_int,
     check_shape,
 )
-from .free_list import AllocatorSnapshot
+from .free_list import FreeList
 from .host_mirror import mirrored
 from .kv_pool import KVBuffers
 from .state_pool import _NUMPY_DTYPES, MambaStatePool
@@ -147,6 +147,100 @@ class StateShape:
         return self.num_layers * per_layer * _elem(self.dtype)
 
 
+class _LowestFirst(FreeList):
+    """A :class:`~allocators.free_list.FreeList` whose ``take`` hands out the *lowest* free
+    ids (ascending) instead of the front of a FIFO ring: the arena's KV pages pack towards
+    chunk 1, so that chunks at the high end empty and can become states. The ``is_free`` mask
+    is the whole state (the ring is unused; :meth:`free_order` is the free ids ascending), so
+    a release is a mask write and ``withdraw`` needs no ring rebuild. ``take(k)`` scans the
+    mask in blocks from ``_low`` (every id below it is used): O(k + the used ids it passes),
+    not O(capacity). The C release paths are declined (they write the ring)."""
+
+    _BLOCK = 1 << 16
+
+    def __init__(self, capacity: int, unit: str) -> None:
+        self._low = 1
+        super().__init__(capacity, unit)
+
+    def reset(self) -> None:
+        super().reset()
+        self._low = 1
+
+    def take(self, k: int) -> torch.Tensor | None:
+        if k > self._num_free:
+            return None
+        free, cap, block = self._is_free, self._capacity, self._BLOCK
+        parts = []
+        need, pos = k, self._low
+        while need and pos <= cap:
+            ids = np.flatnonzero(free[pos:pos + block])[:need] + pos
+            parts.append(ids)
+            need -= ids.size
+            pos += block
+        out = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        out = out.astype(np.int64, copy=False)
+        free[out] = False
+        if k:
+            self._low = int(out[-1]) + 1
+        self._num_free -= k
+        self._num_used += k
+        return torch.from_numpy(out)
+
+    def take_one(self) -> int | None:
+        got = self.take(1)
+        return None if got is None or not got.numel() else int(got[0])
+
+    def _mark_free(self, arr: np.ndarray) -> None:
+        super()._mark_free(arr)
+        if arr.size:
+            self._low = min(self._low, int(arr.min()))
+
+    def release(self, ids: torch.Tensor) -> None:
+        if ids.numel() == 0:
+            return
+        self.validate_release(ids)
+        self._mark_free(ids.numpy())
+
+    restore = release
+
+    def release_owned(self, arr: np.ndarray) -> None:
+        if arr.size:
+            self._mark_free(arr)
+
+    def release_owned_at(self, src: int, n: int, page_size: int) -> bool:
+        return False
+
+    def release_held_at(self, src: int, n: int, page_size: int, held: int,
+                        held_bytes: int) -> bool:
+        return False
+
+    def release_one(self, i: int) -> None:
+        self.release(torch.tensor([i], dtype=torch.int64))
+
+    def withdraw(self, ids: np.ndarray) -> None:
+        if ids.size == 0:
+            return
+        if ((ids < 1) | (ids > self._capacity)).any():
+            raise ValueError(f"withdraw: a {self._unit} id is outside 1..{self._capacity}")
+        if not self._is_free[ids].all():
+            raise ValueError(f"withdraw: {self._unit} {int(ids[~self._is_free[ids]][0])} is not free")
+        pos = np.arange(ids.size, dtype=self._stamp.dtype)
+        self._stamp[ids] = pos
+        if (self._stamp[ids] != pos).any():
+            raise ValueError(f"withdraw: a {self._unit} id is repeated")
+        self._is_free[ids] = False
+        self._num_free -= ids.size
+        self._num_used += ids.size
+
+    def free_order(self) -> np.ndarray:
+        return np.flatnonzero(self._is_free).astype(np.int64)
+
+    def dump(self, limit: int = 32) -> str:
+        return (f"  capacity={self._capacity} unit={self._unit} num_free={self._num_free}"
+                f" num_used={self._num_used} low={self._low}\n"
+                f"  lowest free (first {limit})={self.free_order()[:limit].tolist()}")
+
+
 class ArenaKVAllocator(_FreeListAllocator):
     """The arena's KV view: a paged KV allocator (``PagedAllocator``'s contract: whole pages,
     free-list order, errors, ``snapshot``) over the pages of the chunks KV owns.
@@ -162,7 +256,9 @@ class ArenaKVAllocator(_FreeListAllocator):
     """
 
     def __init__(self, arena: MemoryArena, num_pages: int, pool: KVBuffers) -> None:
-        super().__init__(num_pages, arena.kv_shape.page_size, arena.device, "page")
+        super().__init__(1, arena.kv_shape.page_size, arena.device, "page")
+        self._pages = _LowestFirst(num_pages, "page")
+        self._free_mask = self._pages.free_mask()
         self.arena = arena
         self.pool = pool
 
@@ -174,29 +270,6 @@ class ArenaKVAllocator(_FreeListAllocator):
     def owned_size(self) -> int:
         """Slots (tokens) in the chunks KV owns now. O(n chunks)."""
         return self.arena.num_kv_chunks * self.arena.pages_per_chunk * self._page_size
-
-    def alloc(self, n: int) -> torch.Tensor | None:
-        """``PagedAllocator.alloc``, but the pages taken are the *lowest* free page ids (the
-        KV band packs towards chunk 1, so that chunks at the high end empty and can become
-        states), ascending; ``None`` (nothing taken) when fewer are free. O(num_pages): one
-        scan of the free mask."""
-        k = self._num_pages_for(n)
-        if k > self._pages.num_free:
-            return None
-        pages = np.flatnonzero(self._free_mask)[:k]
-        self._pages.withdraw(pages)
-        slots = self._pages_to_slots(torch.from_numpy(pages))
-        if not self._on_device:
-            return slots
-        return self._to_device(slots.numpy())
-
-    def snapshot(self) -> AllocatorSnapshot:
-        """As every allocator's, with the free list in ascending order: ``alloc`` takes the
-        lowest free pages whatever their order, so only the set of free pages (and the
-        counters) decides what happens next."""
-        snap = super().snapshot()
-        order = np.sort(np.frombuffer(snap.free_order, dtype="<i8"))
-        return replace(snap, free_order=order.astype("<i8").tobytes())
 
     def free(self, indices: torch.Tensor) -> None:
         """``PagedAllocator.free``, refusing too a page of a chunk KV does not own
