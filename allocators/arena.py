@@ -28,10 +28,11 @@ The two kinds are served by *views*, the same interfaces the cache uses today, o
   then SSM of every layer, from the chunk's first byte).
 
 Each view's free list spans every id of the arena (``size`` is the whole id range); ids of
-chunks the other kind owns are *withdrawn* (they count as used), so the free-list order,
-``undo_alloc``, :class:`~allocators.txn.AllocTxn` and ``snapshot`` behave exactly as in the
-fixed pools. :meth:`SlotAllocator.available_size` is what the kind can hand out now;
-``owned_size()`` is what it owns.
+chunks the other kind owns are *withdrawn* (they count as used), so ``undo_alloc``,
+:class:`~allocators.txn.AllocTxn` and ``snapshot`` behave exactly as in the fixed pools. The
+state view keeps the FIFO order; the KV view hands out the lowest free pages (its free list is
+a mask, ``snapshot`` lists it ascending). :meth:`SlotAllocator.available_size` is what the kind
+can hand out now; ``owned_size()`` is what it owns.
 
 Waste (bytes no kind can use, :meth:`MemoryArena.waste_bytes`): the budget's tail past the
 last whole chunk, the padding chunk, and per state chunk ``chunk_bytes - state_bytes``. Free

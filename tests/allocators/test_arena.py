@@ -269,3 +269,19 @@ def test_free_list_withdraw_keeps_the_rest_in_order_and_refuses_misuse() -> None
     fl.release(torch.tensor([3], dtype=torch.int64))  # given back at the back
     assert fl.free_order().tolist() == [2, 4, 6, 3]
     fl.check("x")
+
+
+def test_kv_free_list_is_lowest_first_whatever_the_free_order() -> None:
+    a = MemoryArena(20 * 384, KV, ST, state_slots=2)  # KV chunks 1..17: pages 3..53
+    kv = a.kv_allocator
+    got = kv.alloc(2 * 30)  # pages 3..32
+    assert got is not None and got.tolist() == list(range(6, 66))
+    kv.free(t(40, 41, 12, 13, 58, 59))  # pages 20, 6, 29 in that order
+    assert kv.snapshot().free_ids()[:4] == [6, 20, 29, 33]
+    assert kv.alloc(6).tolist() == [12, 13, 40, 41, 58, 59]
+    assert kv.alloc(2).tolist() == [66, 67]  # then the first page never handed out
+    kv.free_owned(t(12, 13))  # the cache's unchecked path
+    assert kv.alloc(2).tolist() == [12, 13]
+    with pytest.raises(ValueError, match="double free"):
+        kv.free(t(68, 69))  # page 34: free already
+    a.check()
