@@ -236,6 +236,34 @@ class FreeList:
         self._write(self._head, arr)
         self._mark_free(arr)
 
+    def withdraw(self, ids: np.ndarray) -> None:
+        """Remove the free ``ids`` from wherever they are in the free list (the rest keep
+        their order); from then on they count as used until :meth:`release` gives them back
+        (at the back). What an arena does when it hands ids' memory to another pool
+        (``allocators.arena``). O(num_free).
+
+        Raises:
+            ValueError: an id outside ``1..capacity``, not free, or repeated (nothing changes).
+        """
+        if ids.size == 0:
+            return
+        if ((ids < 1) | (ids > self._capacity)).any():
+            raise ValueError(f"withdraw: a {self._unit} id is outside 1..{self._capacity}")
+        if not self._is_free[ids].all():
+            bad = int(ids[~self._is_free[ids]][0])
+            raise ValueError(f"withdraw: {self._unit} {bad} is not free")
+        pos = np.arange(ids.size, dtype=self._stamp.dtype)
+        self._stamp[ids] = pos
+        if (self._stamp[ids] != pos).any():
+            raise ValueError(f"withdraw: a {self._unit} id is repeated")
+        order = self.free_order()
+        self._is_free[ids] = False
+        keep = order[self._is_free[order]]
+        self._ring[: keep.size] = keep
+        self._head = 0
+        self._num_free = keep.size
+        self._num_used += ids.size
+
     def take_one(self) -> int | None:
         """``take(1)`` as a Python ``int`` (no tensor, no array): the front id, or ``None``
         when none is free. O(1)."""

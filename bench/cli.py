@@ -73,6 +73,8 @@ COMMANDS: dict[str, Command] = {
                          "hit rates; sweeps over one axis (--sweep), CSV and plots"),
     "robustness": _command("bench.runs.robustness", "every policy on every trace and generated "
                            "workload across memory sizes: the robustness table"),
+    "memory-split": _command("bench.runs.memory_split", "fixed KV / state splits of a byte "
+                             "budget against one memory arena evicting by value (unified)"),
     "workloads": _command("bench.workloads.__main__", "generate a seeded workload (docqa, "
                           "agentic, multiturn, sysprompt, mix), print its reuse"),
     "trace-stats": _command("bench.traces.stats", "reuse statistics of a trace file"),

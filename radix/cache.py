@@ -43,6 +43,7 @@ from allocators.host_mirror import cat_mirrored, host_int, register
 from components.base import Component
 from components.events import KVEvent, KVEventRecorder
 from components.eviction.gds import GDS_WALKS
+from components.eviction.unified import UnifiedStrategy, unified_bytes
 from components.kv import KVComponent, cat_values
 from components.state import StateComponent, StateWalkFactory, check_state_walk_factory
 from components.swa import SWAComponent
@@ -60,6 +61,8 @@ from radix.tiers.storage import StorageTier
 from radix.tree import RadixKey, new_tuple, resolve_key
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from allocators import MambaStatePool, SlotAllocator
     from allocators.swa import SWAAllocator
     from components.kv import KVValue
@@ -151,6 +154,9 @@ class RadixCache:
         self.kv = KVComponent(kv_allocator, policy.kv_key, host_tier=hicache is not None)
         self.device = self.kv.device
         built: list[Component] = [self.kv]
+        if policy.name == "unified":  # one byte order over KV leaves and states
+            state_walk = _unified_walk(kv_allocator, state_allocator, hicache, state_walk,
+                                       policy.knobs)
         self.state: StateComponent | None = None
         if state_allocator is not None:
             gds = (policy.knobs["d"], policy.knobs["e"]) if policy.state_walk in GDS_WALKS else None
@@ -637,6 +643,28 @@ class RadixCache:
         self.durations.observe("eviction", perf_counter() - t0)
         return res
 
+    def evict_bytes(self, num_bytes: int) -> EvictResult:
+        """Free at least ``num_bytes`` bytes of KV tokens and recurrent states together, the
+        candidate of least recompute cost per byte first (``radix_eviction_policy="unified"``:
+        ``components.eviction.unified``): unlocked KV leaves leave whole (their state with
+        them), states of internal nodes alone. Bytes: ``num_tokens * K + num_states * S``
+        (KV bytes per token, bytes a state frees). Stops early when nothing more can go.
+
+        Raises:
+            TypeError / ValueError: a bad count; a cache whose policy is not ``"unified"``.
+        """
+        num_bytes = check_count(num_bytes, "num_bytes")
+        state = self.state
+        walk = state.gds if state is not None else None
+        if state is None or not isinstance(walk, UnifiedStrategy):
+            raise ValueError("evict_bytes needs radix_eviction_policy='unified' (a hybrid cache "
+                             f"ordering KV and states by bytes); this cache's is {self.policy.name!r}")
+        t0 = perf_counter()
+        res = self.core.evict_bytes(num_bytes, walk.pop_byte_victim, {
+            "kv": (self.kv, walk.kv_bytes_per_token), "state": (state, walk.state_bytes)})
+        self.durations.observe("eviction", perf_counter() - t0)
+        return res
+
     def evict_component(self, name: str, n: int) -> EvictResult:
         """Free at least ``n`` of component ``name``'s units in its own eviction order (the
         component's ``evict_field`` names them: an ``EvictResult`` field, or for a component
@@ -821,3 +849,20 @@ class RadixCache:
         """Recompute every counter and check every invariant; raise ``AssertionError`` with
         the printed tree on failure."""
         diagnostics.sanity_check(self)
+
+
+def _unified_walk(kv_allocator: Any, state_allocator: Any, hicache: Any, state_walk: Any,
+                  knobs: Mapping[str, Any]) -> StateWalkFactory | None:
+    """The state-walk factory of ``radix_eviction_policy="unified"``, after refusing what it
+    does not support (``ValueError`` naming the argument); ``None`` without a state pool (the
+    KV leaves then follow lru, as under ``gds``)."""
+    if hicache is not None:
+        raise ValueError("hicache is not supported with radix_eviction_policy='unified' (a "
+                         "demoted leaf's bytes stay on host; the byte order is device-only)")
+    if state_walk is not None:
+        raise ValueError("state_walk cannot replace the walk of radix_eviction_policy='unified'")
+    if state_allocator is None:  # nothing to weigh KV against: lru on KV leaves, as gds
+        return None
+    k, s = unified_bytes(kv_allocator, state_allocator)
+    d, e = knobs["d"], knobs["e"]
+    return lambda is_candidate: UnifiedStrategy(d, e, k, s, is_candidate)

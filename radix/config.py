@@ -123,6 +123,10 @@ class CacheConfig:
                 f"state_recency='path' needs a policy whose states age in the state LRU; "
                 f"{policy.name!r} orders states by {policy.state_walk!r}"
             )
+        if policy.name == "unified" and self.sliding_window_size is not None:
+            raise ValueError(
+                "sliding_window_size is not supported with radix_eviction_policy='unified' "
+                "(its byte order covers full-attention KV and recurrent states only)")
         object.__setattr__(self, "policy", policy)
 
     @property

@@ -358,6 +358,34 @@ class CacheCore:
             self.remove_leaf(node)
 
     # ------------------------------------------------------------------- eviction
+    def evict_bytes(self, target: int, pop: Callable[[], tuple[str, TreeNode] | None],
+                    kinds: dict[str, tuple[Component, int]]) -> EvictResult:
+        """Free at least ``target`` bytes over several components in one order: ``pop()``
+        gives the next victim and its kind (``None``: nothing left), ``kinds[kind]`` the
+        component it is a victim of and the bytes one of that component's units frees. A
+        victim with children loses only that component's value when it evicts internal
+        nodes, else it leaves whole (``free_leaf``: every component's units on it are freed
+        and counted). The bytes freed are the units freed times their bytes."""
+        freed = [0, 0, 0, 0]
+        plans = {kind: (self._evict_plans[c.name], size) for kind, (c, size) in kinds.items()}
+        sizes = [0, 0, 0, 0]
+        for (idx, _, _), size in plans.values():
+            sizes[idx] = size
+        free_leaf = self.free_leaf
+        done = 0
+        while done < target:
+            picked = pop()
+            if picked is None:
+                break
+            kind, node = picked
+            (idx, internal, _), _ = plans[kind]
+            if internal is not None and node.children:
+                freed[idx] += internal(node)
+            else:
+                free_leaf(node, freed)
+            done = sum(f * s for f, s in zip(freed, sizes, strict=True))
+        return new_tuple(EvictResult, (freed[0], freed[1], freed[2]))
+
     def evict(self, comp: Component, target: int) -> EvictResult:
         """Free at least ``target`` of ``comp``'s units (``comp.evict_field``) in its order:
         a victim with children loses only ``comp``'s value when ``comp`` evicts internal

@@ -180,6 +180,10 @@ POLICY_REGISTRY: dict[str, PolicySpec] = {
         PolicySpec("gds_adaptive", _lru, "gds_adaptive", False, _D, cross_check=_gds_cross,
                    doc="GDS with learned reuse weights on recurrent states "
                        "(components.eviction.adaptive); LRU on KV leaves"),
+        PolicySpec("unified", _lru, "gds", False, _D, cross_check=_gds_cross,
+                   doc="one GreedyDual-Size order per byte freed over KV leaves and recurrent "
+                       "states (components.eviction.unified): what a memory arena evicts when "
+                       "short (RadixCache.evict_bytes); hybrid caches without SWA or host tier"),
         PolicySpec("fifo", _fifo, "lru", False, doc="oldest creation_time first"),
         PolicySpec("mru", _mru, "lru", True, doc="most recent first"),
         PolicySpec("filo", _filo, "lru", True, doc="newest creation_time first"),

@@ -20,7 +20,8 @@ from bench.engine.core import EngineConfig, MemoryBudgetError
 
 REPO = Path(__file__).resolve().parents[2]
 
-USER_COMMANDS = ["convert", "replay", "robustness", "simulate", "trace-stats", "workloads"]
+USER_COMMANDS = ["convert", "memory-split", "replay", "robustness", "simulate", "trace-stats",
+                 "workloads"]
 
 
 def _without_dev(code: str) -> list[str]:

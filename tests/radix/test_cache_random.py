@@ -382,6 +382,7 @@ def _oracle_key(name: str, knobs: dict[str, Any]) -> Any:
         "gds": lambda s: (s["t"],),  # KV leaves follow lru under gds
         "gdsf": lambda s: (s["t"],),  # ... and under its variants
         "gds_adaptive": lambda s: (s["t"],),
+        "unified": lambda s: (s["t"],),  # without states: lru on KV leaves, as gds
         "fifo": lambda s: (s["created"],),
         "mru": lambda s: (-s["t"],),
         "filo": lambda s: (-s["created"],),

@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from allocators import MambaStatePool, TokenAllocator
+from allocators import KVPool, MambaStatePool, TokenAllocator
 from radix import POLICY_REGISTRY, CacheConfig, RadixCache, RadixKey
 
 EVICTIONS = 500
@@ -29,7 +29,8 @@ KNOBS = {"tlru": {"threshold": 32, "next_prompt_estimate": 0}}
 def build(policy: str, nodes: int, hybrid: bool) -> RadixCache:
     rng = random.Random(nodes)
     size = nodes * (LEAF_LEN + PREFIX_LEN) + 16
-    kv = TokenAllocator(size)
+    # (unified weighs bytes: its KV allocator needs a pool that says how many per token)
+    kv = TokenAllocator(size, pool=KVPool(size, 1, 1, 1) if policy == "unified" else None)
     states = MambaStatePool(nodes + 64, num_layers=1, conv_state_shape=(1, 1),
                             ssm_state_shape=(1, 1, 1)) if hybrid else None
     cache = RadixCache(

@@ -1,0 +1,611 @@
+"""One memory arena for KV pages and recurrent states, with a boundary movable at run time.
+
+A hybrid model's cache memory is one byte budget. The arena cuts it into **chunks** of one
+size, each holding either ``pages_per_chunk`` KV pages or one recurrent-state slot::
+
+    kv_page_bytes   = page_size * kv_bytes_per_token          (K + V, every attention layer)
+    pages_per_chunk = ceil(state_bytes / kv_page_bytes)         (a state fits in one chunk)
+    chunk_bytes     = pages_per_chunk * kv_page_bytes
+    num_chunks      = budget_bytes // chunk_bytes
+
+    chunk:  0 (padding) | 1 .. num_kv_chunks: KV band ... | ... state band: num_chunks - 1
+            KV page 0 and state slot 0 lie here; never handed out
+
+Chunk 0 is the padding of both kinds (KV page 0, state slot 0). Chunks are owned by one kind
+at a time: KV takes the low end, states the high end (SGLang's ``--enable-unified-memory``
+bands), and a chunk moves from one kind to the other only while it is wholly free
+(:meth:`MemoryArena.kv_to_state`, :meth:`MemoryArena.state_to_kv`; all or nothing).
+
+The two kinds are served by *views*, the same interfaces the cache uses today, over one
+``torch.uint8`` buffer (nothing copied, no second allocation):
+
+* :class:`ArenaKVAllocator` -- a paged KV allocator (``PagedAllocator``'s contract, except
+  that ``alloc`` takes the lowest free pages: the KV band packs low) whose
+  ``pool`` is a :class:`~allocators.kv_pool.KVBuffers` over the arena: KV slot ``s`` is the
+  ``kv_bytes_per_token`` bytes at ``s * kv_bytes_per_token`` (every layer's K then V).
+* :class:`ArenaStatePool` -- a :class:`~allocators.state_pool.MambaStatePool` whose ``conv``
+  and ``ssm`` are views of the arena: state slot ``c`` is chunk ``c`` (conv of every layer,
+  then SSM of every layer, from the chunk's first byte).
+
+Each view's free list spans every id of the arena (``size`` is the whole id range); ids of
+chunks the other kind owns are *withdrawn* (they count as used), so ``undo_alloc``,
+:class:`~allocators.txn.AllocTxn` and ``snapshot`` behave exactly as in the fixed pools. The
+state view keeps the FIFO order; the KV view hands out the lowest free pages (its free list is
+a mask, ``snapshot`` lists it ascending). :meth:`SlotAllocator.available_size` is what the kind
+can hand out now; ``owned_size()`` is what it owns.
+
+Waste (bytes no kind can use, :meth:`MemoryArena.waste_bytes`): the budget's tail past the
+last whole chunk, the padding chunk, and per state chunk ``chunk_bytes - state_bytes``. Free
+KV pages in a chunk that still holds used pages are usable by KV but not by a state until
+the chunk empties: :meth:`MemoryArena.stranded_bytes` reports them apart.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._checks import (
+    as_index_tensor,
+    check_device,
+    check_float_dtype,
+    check_int,
+    check_positive_int,
+    check_shape,
+)
+from .free_list import FreeList
+from .host_mirror import mirrored
+from .kv_pool import KVBuffers
+from .state_pool import _NUMPY_DTYPES, MambaStatePool
+from .token_allocator import _FreeListAllocator
+
+__all__ = ["ArenaKVAllocator", "ArenaStatePool", "KVShape", "MemoryArena", "StateShape"]
+
+#: Chunk owners (``MemoryArena.owner``).
+PAD, KV, STATE = 0, 1, 2
+_KINDS = ("the padding", "KV", "the states")
+
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """Shape of the full-attention KV of one token.
+
+    Args:
+        num_layers, num_heads, head_dim: attention layers, KV heads per layer, elements per
+            head (each ``> 0``).
+        dtype: floating-point ``torch.dtype`` of K and V.
+        page_size: tokens per KV page (``> 0``): the cache's ``page_size``.
+
+    Raises:
+        TypeError / ValueError: a bad field, naming it.
+    """
+
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float16
+    page_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_heads", "head_dim", "page_size"):
+            check_positive_int(getattr(self, name), name)
+        check_float_dtype(self.dtype, "dtype")
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K plus V bytes of one token over every layer."""
+        return 2 * self.num_layers * self.num_heads * self.head_dim * _elem(self.dtype)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one KV page (``page_size`` tokens)."""
+        return self.page_size * self.bytes_per_token
+
+
+@dataclass(frozen=True)
+class StateShape:
+    """Shape of one recurrent-state slot (``MambaStatePool``'s arguments).
+
+    Args:
+        num_layers: recurrent layers (``> 0``).
+        conv_state_shape, ssm_state_shape: per-layer shapes of one slot, positive ints.
+        dtype: floating-point ``torch.dtype`` of both states.
+
+    Raises:
+        TypeError / ValueError: a bad field, naming it.
+    """
+
+    num_layers: int
+    conv_state_shape: tuple[int, ...]
+    ssm_state_shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        check_positive_int(self.num_layers, "num_layers")
+        object.__setattr__(self, "conv_state_shape",
+                           check_shape(self.conv_state_shape, "conv_state_shape"))
+        object.__setattr__(self, "ssm_state_shape",
+                           check_shape(self.ssm_state_shape, "ssm_state_shape"))
+        check_float_dtype(self.dtype, "dtype")
+
+    @property
+    def conv_elems(self) -> int:
+        """Elements of every layer's conv state of one slot."""
+        return self.num_layers * math.prod(self.conv_state_shape)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of one slot: conv plus SSM state of every layer."""
+        per_layer = math.prod(self.conv_state_shape) + math.prod(self.ssm_state_shape)
+        return self.num_layers * per_layer * _elem(self.dtype)
+
+
+class _LowestFirst(FreeList):
+    """A :class:`~allocators.free_list.FreeList` whose ``take`` hands out the *lowest* free
+    ids (ascending) instead of the front of a FIFO ring: the arena's KV pages pack towards
+    chunk 1, so that chunks at the high end empty and can become states. The ``is_free`` mask
+    is the whole state (the ring is unused; :meth:`free_order` is the free ids ascending), so
+    a release is a mask write and ``withdraw`` needs no ring rebuild. ``take(k)`` scans the
+    mask in blocks from ``_low`` (every id below it is used): O(k + the used ids it passes),
+    not O(capacity). The C release paths are declined (they write the ring)."""
+
+    _BLOCK = 1 << 16
+
+    def __init__(self, capacity: int, unit: str) -> None:
+        self._low = 1
+        super().__init__(capacity, unit)
+
+    def reset(self) -> None:
+        super().reset()
+        self._low = 1
+
+    def take(self, k: int) -> torch.Tensor | None:
+        if k > self._num_free:
+            return None
+        free, cap, block = self._is_free, self._capacity, self._BLOCK
+        parts = []
+        need, pos = k, self._low
+        while need and pos <= cap:
+            ids = np.flatnonzero(free[pos:pos + block])[:need] + pos
+            parts.append(ids)
+            need -= ids.size
+            pos += block
+        out = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        out = out.astype(np.int64, copy=False)
+        free[out] = False
+        if k:
+            self._low = int(out[-1]) + 1
+        self._num_free -= k
+        self._num_used += k
+        return torch.from_numpy(out)
+
+    def take_one(self) -> int | None:
+        got = self.take(1)
+        return None if got is None or not got.numel() else int(got[0])
+
+    def _mark_free(self, arr: np.ndarray) -> None:
+        super()._mark_free(arr)
+        if arr.size:
+            self._low = min(self._low, int(arr.min()))
+
+    def release(self, ids: torch.Tensor) -> None:
+        if ids.numel() == 0:
+            return
+        self.validate_release(ids)
+        self._mark_free(ids.numpy())
+
+    restore = release
+
+    def release_owned(self, arr: np.ndarray) -> None:
+        if arr.size:
+            self._mark_free(arr)
+
+    def release_owned_at(self, src: int, n: int, page_size: int) -> bool:
+        return False
+
+    def release_held_at(self, src: int, n: int, page_size: int, held: int,
+                        held_bytes: int) -> bool:
+        return False
+
+    def release_one(self, i: int) -> None:
+        self.release(torch.tensor([i], dtype=torch.int64))
+
+    def withdraw(self, ids: np.ndarray) -> None:
+        if ids.size == 0:
+            return
+        if ((ids < 1) | (ids > self._capacity)).any():
+            raise ValueError(f"withdraw: a {self._unit} id is outside 1..{self._capacity}")
+        if not self._is_free[ids].all():
+            raise ValueError(f"withdraw: {self._unit} {int(ids[~self._is_free[ids]][0])} is not free")
+        pos = np.arange(ids.size, dtype=self._stamp.dtype)
+        self._stamp[ids] = pos
+        if (self._stamp[ids] != pos).any():
+            raise ValueError(f"withdraw: a {self._unit} id is repeated")
+        self._is_free[ids] = False
+        self._num_free -= ids.size
+        self._num_used += ids.size
+
+    def free_order(self) -> np.ndarray:
+        return np.flatnonzero(self._is_free).astype(np.int64)
+
+    def dump(self, limit: int = 32) -> str:
+        return (f"  capacity={self._capacity} unit={self._unit} num_free={self._num_free}"
+                f" num_used={self._num_used} low={self._low}\n"
+                f"  lowest free (first {limit})={self.free_order()[:limit].tolist()}")
+
+
+class ArenaKVAllocator(_FreeListAllocator):
+    """The arena's KV view: a paged KV allocator (``PagedAllocator``'s contract: whole pages,
+    free-list order, errors, ``snapshot``) over the pages of the chunks KV owns.
+
+    Built by :class:`MemoryArena` only. ``size`` is the whole KV id range
+    (``(num_chunks * pages_per_chunk - 1) * page_size`` slots); pages of chunks KV does not
+    own are withdrawn (counted in ``used_size()``); ``owned_size()`` is the slots KV owns.
+
+    Attributes:
+        pool: :class:`~allocators.kv_pool.KVBuffers` over the arena (``k_buffer(layer)`` is a
+            ``[num_slots, num_heads, head_dim]`` strided view of the arena's bytes).
+        arena: the owning :class:`MemoryArena`.
+    """
+
+    def __init__(self, arena: MemoryArena, num_pages: int, pool: KVBuffers) -> None:
+        super().__init__(1, arena.kv_shape.page_size, arena.device, "page")
+        self._pages = _LowestFirst(num_pages, "page")
+        self._free_mask = self._pages.free_mask()
+        self.arena = arena
+        self.pool = pool
+
+    @property
+    def num_pages(self) -> int:
+        """Page ids ``1..num_pages`` (every chunk's pages, owned or not)."""
+        return self._pages.capacity
+
+    def owned_size(self) -> int:
+        """Slots (tokens) in the chunks KV owns now. O(n chunks)."""
+        return self.arena.num_kv_chunks * self.arena.pages_per_chunk * self._page_size
+
+    def free(self, indices: torch.Tensor) -> None:
+        """``PagedAllocator.free``, refusing too a page of a chunk KV does not own
+        (``ValueError``, ``foreign index``; nothing changes). ``free_owned`` (the cache's
+        own slots) skips the checks, as in every allocator."""
+        pages = self._slots_to_pages(as_index_tensor(indices, "indices"))
+        self.arena.check_owned(pages.numpy() // self.arena.pages_per_chunk, KV, "indices")
+        self._pages.release(pages)
+
+
+class ArenaStatePool(MambaStatePool):
+    """The arena's state view: a :class:`~allocators.state_pool.MambaStatePool` (same
+    contract: ``alloc`` zeroes, ``copy``, ``get_state`` / ``set_state``, pending work on a
+    device) whose state slot ``c`` is arena chunk ``c`` (``slot_first`` layout).
+
+    Built by :class:`MemoryArena` only. ``size`` is ``num_chunks - 1``; chunks states do not
+    own are withdrawn; ``owned_size()`` is the slots states own.
+    """
+
+    def __init__(self, arena: MemoryArena, conv_store: torch.Tensor,
+                 ssm_store: torch.Tensor) -> None:
+        shape = arena.state_shape
+        rows = arena.num_chunks
+        # (MambaStatePool's attributes, over the arena's memory instead of its own tensors)
+        _FreeListAllocator.__init__(self, rows - 1, 1, arena.device, "state slot")
+        self.arena = arena
+        self.num_layers = shape.num_layers
+        self.conv_state_shape = shape.conv_state_shape
+        self.ssm_state_shape = shape.ssm_state_shape
+        self.dtype = shape.dtype
+        self.zero_on_alloc = True
+        self.slot_first = True
+        self.conv_store = conv_store
+        self.ssm_store = ssm_store
+        self._conv = conv_store.transpose(0, 1)
+        self._ssm = ssm_store.transpose(0, 1)
+        self._pending: dict[int, int] = {}
+        self.ids: torch.Tensor | None = None
+        if arena.device.type != "cpu":
+            self.ids = mirrored(np.arange(rows, dtype=np.int64), arena.device)
+        self._views: tuple[np.ndarray, np.ndarray] | None = None
+        if arena.device.type == "cpu" and self.dtype in _NUMPY_DTYPES:
+            self._views = (self._conv.numpy(), self._ssm.numpy())
+
+    def owned_size(self) -> int:
+        """State slots in the chunks states own now. O(n chunks)."""
+        return self.arena.num_state_chunks
+
+    def free(self, indices: torch.Tensor) -> None:
+        """``MambaStatePool.free``, refusing too a slot of a chunk states do not own
+        (``ValueError``, ``foreign index``; nothing changes)."""
+        idx = as_index_tensor(indices, "indices")
+        self.arena.check_owned(idx.numpy(), STATE, "indices")
+        self._pages.release(idx)
+
+    def free_slot(self, slot: int) -> None:
+        """``MambaStatePool.free_slot``, refusing too a chunk states do not own."""
+        if type(slot) is not int:
+            slot = check_int(slot, "slot", minimum=-(2**62))
+        self.arena.check_owned(np.array([slot], dtype=np.int64), STATE, "slot")
+        self._pages.release_one(slot)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the chunks states own (padding excluded)."""
+        return self.arena.num_state_chunks * self.arena.chunk_bytes
+
+
+class MemoryArena:
+    """One byte budget for KV pages and recurrent-state slots (module docstring: layout).
+
+    Args:
+        budget_bytes: the bytes to use (``> 0``); ``budget_bytes // chunk_bytes`` chunks are
+            allocated, at least 3 (padding, one state, one KV chunk).
+        kv_shape: :class:`KVShape` of the attention KV.
+        state_shape: :class:`StateShape` of one recurrent-state slot.
+        state_slots: chunks states own at first (the high end), ``0 .. num_chunks - 1``; the
+            rest (bar the padding chunk) are KV's. Default: half the usable chunks.
+        device: where the buffer lives (``str`` or ``torch.device``).
+
+    Raises:
+        TypeError: an argument of the wrong type, naming it.
+        ValueError: a budget below 3 chunks (``budget_bytes``, naming the minimum), a chunk
+            whose bytes the state dtype does not divide, ``state_slots`` out of range.
+
+    Attributes:
+        kv_allocator: :class:`ArenaKVAllocator`, the KV view (pass as a cache's
+            ``kv_allocator``).
+        state_pool: :class:`ArenaStatePool`, the state view (``state_allocator``).
+        buffer: the ``torch.uint8`` tensor of ``num_chunks * chunk_bytes`` bytes.
+        owner: numpy ``int8`` per chunk: ``0`` padding, ``1`` KV, ``2`` state (read only).
+    """
+
+    def __init__(self, budget_bytes: int, kv_shape: KVShape, state_shape: StateShape, *,
+                 state_slots: int | None = None, device: str | torch.device = "cpu") -> None:
+        budget_bytes = check_positive_int(budget_bytes, "budget_bytes")
+        if not isinstance(kv_shape, KVShape):
+            raise TypeError(f"kv_shape must be a KVShape, got {type(kv_shape).__name__}")
+        if not isinstance(state_shape, StateShape):
+            raise TypeError(f"state_shape must be a StateShape, got {type(state_shape).__name__}")
+        self.device = check_device(device, "device")
+        self.budget_bytes = budget_bytes
+        self.kv_shape = kv_shape
+        self.state_shape = state_shape
+        self.state_bytes = state_shape.bytes
+        kv_page = kv_shape.page_bytes
+        self.pages_per_chunk = ppc = -(-self.state_bytes // kv_page)
+        self.chunk_bytes = chunk = ppc * kv_page
+        s_elem = _elem(state_shape.dtype)
+        if chunk % s_elem:
+            raise ValueError(
+                f"kv_shape and state_shape do not divide: a chunk of {chunk} bytes "
+                f"({ppc} KV pages of {kv_page}) is not a whole number of "
+                f"{state_shape.dtype} elements ({s_elem} bytes)")
+        self.num_chunks = n = budget_bytes // chunk
+        if n < 3:
+            raise ValueError(
+                f"budget_bytes={budget_bytes} is below 3 chunks of {chunk} bytes (the padding "
+                f"chunk, one state slot, one KV chunk of {ppc} pages): need >= {3 * chunk}")
+        if state_slots is None:
+            state_slots = (n - 1) // 2
+        state_slots = check_int(state_slots, "state_slots", minimum=0)
+        if state_slots > n - 1:
+            raise ValueError(f"state_slots={state_slots} exceeds the {n - 1} usable chunks")
+        self.buffer = torch.zeros(n * chunk, dtype=torch.uint8, device=self.device)
+        self._owner = np.full(n, KV, dtype=np.int8)
+        self._owner[0] = PAD
+        self._owner[n - state_slots:] = STATE
+        self.owner = self._owner.view()
+        self.owner.flags.writeable = False
+        self.kv_allocator = ArenaKVAllocator(self, n * ppc - 1, self._kv_buffers())
+        self.state_pool = ArenaStatePool(self, *self._state_stores())
+        # Withdraw from each view the ids of chunks it does not own.
+        self.kv_allocator._pages.withdraw(self._pages_of(np.flatnonzero(self._owner != KV)))
+        self.state_pool._pages.withdraw(np.flatnonzero(self._owner[1:] != STATE) + 1)
+
+    # ------------------------------------------------------------------ views
+    def _kv_buffers(self) -> KVBuffers:
+        s = self.kv_shape
+        rows = self.num_chunks * self.pages_per_chunk * s.page_size
+        t = self.buffer.view(s.dtype).view(rows, 2, s.num_layers, s.num_heads, s.head_dim)
+        return KVBuffers([t[:, 0, layer] for layer in range(s.num_layers)],
+                         [t[:, 1, layer] for layer in range(s.num_layers)],
+                         page_size=s.page_size)
+
+    def _state_stores(self) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.state_shape
+        per_chunk = self.chunk_bytes // _elem(s.dtype)
+        t = self.buffer.view(s.dtype).view(self.num_chunks, per_chunk)
+        ce = s.conv_elems
+        se = s.num_layers * math.prod(s.ssm_state_shape)
+        conv = t[:, :ce].view(self.num_chunks, s.num_layers, *s.conv_state_shape)
+        ssm = t[:, ce:ce + se].view(self.num_chunks, s.num_layers, *s.ssm_state_shape)
+        return conv, ssm
+
+    def _pages_of(self, chunks: np.ndarray) -> np.ndarray:
+        """KV page ids of ``chunks`` (page 0, the padding page, left out)."""
+        ppc = self.pages_per_chunk
+        pages = (chunks[:, None] * ppc + np.arange(ppc, dtype=np.int64)).reshape(-1)
+        return pages[pages > 0].astype(np.int64)
+
+    def check_owned(self, chunks: np.ndarray, kind: int, name: str) -> None:
+        """Raise ``ValueError`` (``foreign index``, naming ``name``) when one of ``chunks``
+        that lies in the arena is not owned by ``kind`` (ids outside are left to the free
+        list's own range check)."""
+        inside = chunks[(chunks >= 0) & (chunks < self.num_chunks)]
+        bad = inside[self._owner[inside] != kind]
+        if bad.size:
+            c = int(bad[0])
+            raise ValueError(f"{name}: foreign index: arena chunk {c} belongs to "
+                             f"{_KINDS[self._owner[c]]}, not {_KINDS[kind]}")
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def num_kv_chunks(self) -> int:
+        """Chunks KV owns now."""
+        return int((self._owner == KV).sum())
+
+    @property
+    def num_state_chunks(self) -> int:
+        """Chunks (= slots) states own now."""
+        return int((self._owner == STATE).sum())
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes allocated: ``num_chunks * chunk_bytes``."""
+        return self.num_chunks * self.chunk_bytes
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        """KV tokens one chunk holds (what one state slot is worth in KV tokens, rounded up
+        to whole pages)."""
+        return self.pages_per_chunk * self.kv_shape.page_size
+
+    def waste_bytes(self) -> int:
+        """Bytes no kind can use now: the budget's tail past the last chunk, the padding
+        chunk, and ``chunk_bytes - state_bytes`` per state chunk."""
+        tail = self.budget_bytes - self.arena_bytes
+        return tail + self.chunk_bytes + self.num_state_chunks * (self.chunk_bytes - self.state_bytes)
+
+    def waste_fraction(self) -> float:
+        """:meth:`waste_bytes` over ``budget_bytes`` (a fraction in ``[0, 1)``)."""
+        return self.waste_bytes() / self.budget_bytes
+
+    def _kv_chunk_free(self) -> np.ndarray:
+        """Per chunk: every one of its KV pages is free (chunk 0: False)."""
+        ppc = self.pages_per_chunk
+        mask = self.kv_allocator.free_mask  # page ids 0..num_chunks*ppc - 1
+        return np.asarray(mask.reshape(self.num_chunks, ppc).all(axis=1))
+
+    def stranded_bytes(self) -> int:
+        """Bytes of free KV pages in KV chunks that also hold used pages: usable by KV, not by
+        a state until the chunk empties."""
+        ppc = self.pages_per_chunk
+        mask = self.kv_allocator.free_mask.reshape(self.num_chunks, ppc)
+        kv = self._owner == KV
+        partial = kv & ~mask.all(axis=1)
+        return int(mask[partial].sum()) * self.kv_shape.page_bytes
+
+    def movable_kv_chunks(self) -> int:
+        """KV chunks wholly free now (what :meth:`kv_to_state` can move)."""
+        return int((self._kv_chunk_free() & (self._owner == KV)).sum())
+
+    def movable_state_chunks(self) -> int:
+        """State chunks free now (what :meth:`state_to_kv` can move)."""
+        return int((self.state_pool.free_mask & (self._owner == STATE)).sum())
+
+    # ------------------------------------------------------------------ the boundary
+    def kv_to_state(self, n: int) -> bool:
+        """Hand ``n`` wholly free KV chunks to the states (the highest chunk ids first, next to
+        the state band): their pages leave KV's free list, the chunks join the back of the
+        state free list. All or nothing.
+
+        Returns:
+            ``True`` when moved; ``False`` (nothing changed) when fewer than ``n`` KV chunks
+            are wholly free.
+
+        Raises:
+            TypeError / ValueError: ``n`` not an int ``>= 0``.
+        """
+        n = check_int(n, "n", minimum=0)
+        cand = np.flatnonzero(self._kv_chunk_free() & (self._owner == KV))
+        if cand.size < n:
+            return False
+        if n == 0:
+            return True
+        chunks = cand[::-1][:n].astype(np.int64)
+        self.kv_allocator._pages.withdraw(self._pages_of(chunks))
+        self._owner[chunks] = STATE
+        self.state_pool._pages.release(torch.from_numpy(chunks.copy()))
+        return True
+
+    def state_to_kv(self, n: int) -> bool:
+        """Hand ``n`` free state chunks to KV (the lowest chunk ids first, next to the KV band):
+        they leave the state free list, their pages join the back of KV's. All or nothing.
+
+        Returns:
+            ``True`` when moved; ``False`` (nothing changed) when fewer than ``n`` state
+            slots are free.
+
+        Raises:
+            TypeError / ValueError: ``n`` not an int ``>= 0``.
+        """
+        n = check_int(n, "n", minimum=0)
+        cand = np.flatnonzero(self.state_pool.free_mask & (self._owner == STATE))
+        if cand.size < n:
+            return False
+        if n == 0:
+            return True
+        chunks = cand[:n].astype(np.int64)
+        self.state_pool._pages.withdraw(chunks)
+        self._owner[chunks] = KV
+        self.kv_allocator._pages.release(torch.from_numpy(self._pages_of(chunks)))
+        return True
+
+    def ensure_kv(self, num_tokens: int) -> bool:
+        """Make ``kv_allocator.available_size() >= num_tokens`` by moving free state chunks to
+        KV (as few as needed). ``False``, moving nothing, when the free state chunks do not
+        suffice. Raises like :meth:`kv_to_state` for a bad ``num_tokens``."""
+        num_tokens = check_int(num_tokens, "num_tokens", minimum=0)
+        short = num_tokens - self.kv_allocator.available_size()
+        if short <= 0:
+            return True
+        return self.state_to_kv(-(-short // self.tokens_per_chunk))
+
+    def ensure_states(self, num_slots: int) -> bool:
+        """Make ``state_pool.available_size() >= num_slots`` by moving wholly free KV chunks
+        to the states. ``False``, moving nothing, when too few KV chunks are wholly free."""
+        num_slots = check_int(num_slots, "num_slots", minimum=0)
+        short = num_slots - self.state_pool.available_size()
+        return True if short <= 0 else self.kv_to_state(short)
+
+    # ------------------------------------------------------------------ checking
+    def check(self) -> None:
+        """Every invariant from scratch: each view's free list, each chunk's ids withdrawn from
+        exactly the view that does not own it. Raises ``AssertionError``. O(arena ids)."""
+        self.kv_allocator.check()
+        self.state_pool.check()
+        kv_free = self.kv_allocator.free_mask.reshape(self.num_chunks, self.pages_per_chunk)
+        st_free = self.state_pool.free_mask
+        problems = []
+        for c in range(self.num_chunks):
+            o = self._owner[c]
+            if o != KV and kv_free[c].any():
+                problems.append(f"chunk {c} (owner {o}) has free KV pages")
+            if o != STATE and st_free[c]:
+                problems.append(f"chunk {c} (owner {o}) is a free state slot")
+        if self._owner[0] != PAD or (self._owner[1:] == PAD).any():
+            problems.append("only chunk 0 is padding")
+        if problems:
+            raise AssertionError("MemoryArena invariant broken: " + "; ".join(problems))
+
+    def stats(self) -> dict[str, Any]:
+        """Sizes in bytes and chunks, for reports: budget, chunk size, chunks per kind, free
+        and used per kind, waste (bytes and fraction), stranded KV bytes."""
+        kv, st = self.kv_allocator, self.state_pool
+        kv_owned = kv.owned_size()
+        kv_free = kv.available_size()
+        return {
+            "budget_bytes": self.budget_bytes,
+            "chunk_bytes": self.chunk_bytes,
+            "pages_per_chunk": self.pages_per_chunk,
+            "num_chunks": self.num_chunks,
+            "kv_chunks": self.num_kv_chunks,
+            "state_chunks": self.num_state_chunks,
+            "kv_tokens_owned": kv_owned,
+            "kv_tokens_used": kv_owned - kv_free,
+            "state_slots_owned": st.owned_size(),
+            "state_slots_used": st.owned_size() - st.available_size(),
+            "waste_bytes": self.waste_bytes(),
+            "waste_fraction": self.waste_fraction(),
+            "stranded_bytes": self.stranded_bytes(),
+        }
+
+    def __repr__(self) -> str:
+        return (f"MemoryArena(budget_bytes={self.budget_bytes}, chunk_bytes={self.chunk_bytes}, "
+                f"kv_chunks={self.num_kv_chunks}, state_chunks={self.num_state_chunks}, "
+                f"device={self.device})")

@@ -1,0 +1,289 @@
+"""``python -m bench memory-split``: fixed KV / state splits against one memory arena.
+
+For each byte budget (``--memory-gb``) of a model preset (``--model``,
+``bench.engine.presets``), the trace is replayed in the engine model
+(``bench.engine.core.ReplayEngine``) once per fixed split of ``--state-fractions`` (the state
+pool gets that share of the bytes: ``split_memory``; the per-kind policy ``--policy``) and once
+with the unified arena (``allocators.arena.MemoryArena`` with
+``radix_eviction_policy="unified"``: the boundary moves at run time, and when the arena is
+short the cache evicts KV tokens or states, whichever costs the least recompute per byte:
+``components.eviction.unified.make_room``). One JSON record per run: ``memory_gb``, ``split``
+(the state fraction, or ``"unified"``), ``token_hit_rate``, CPU time, and for the arena its
+layout waste (real bytes) and where the boundary ended.
+
+The default split an operator gets: SGLang's ``--mamba-full-memory-ratio`` (default 0.9,
+``server_args.py``), the ratio of Mamba-state to full-attention KV memory; the model runner
+gives states ``total * r / (1 + r)`` of the cache memory, a state fraction of
+``0.9 / 1.9 = 0.4737`` (:data:`SGLANG_DEFAULT_FRACTION`).
+
+The arena of a replay is built with the preset's *counts*, not its bytes: one chunk holds
+``tokens_per_chunk = ceil(state_bytes / (page * kv_bytes_per_token)) * page`` KV tokens or one
+state, and the budget holds ``memory_gb * 1e9 // (tokens_per_chunk * kv_bytes_per_token)``
+chunks, as a real arena of the preset's shapes would; its tensors use 4 bytes per KV token
+(the replay writes no KV data), so a 100 GB budget costs megabytes here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from bench.cli import ArgumentParser, output_path, positive_float, prog
+
+__all__ = ["SGLANG_DEFAULT_FRACTION", "ArenaReplayEngine", "build_parser", "main", "run_arena",
+           "run_fixed"]
+
+#: SGLang's default state share: ``mamba_full_memory_ratio = 0.9`` -> ``0.9 / (1 + 0.9)``.
+SGLANG_DEFAULT_FRACTION = 0.9 / 1.9
+
+#: The fixed splits swept by default (state fraction of the budget).
+DEFAULT_FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.3, SGLANG_DEFAULT_FRACTION, 0.6, 0.8)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from bench.engine.presets import PRESETS
+    from bench.workloads import add_workload_arguments
+
+    p = ArgumentParser(prog=prog("memory-split"), description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", default=None, help="trace file (default: the shipped Mooncake trace)")
+    add_workload_arguments(p)
+    p.add_argument("--model", default="qwen3-next-80b", choices=sorted(PRESETS),
+                   help="model preset whose KV and state bytes split the budget")
+    p.add_argument("--memory-gb", type=positive_float, nargs="+", required=True,
+                   help="byte budgets of the cache [decimal GB]")
+    p.add_argument("--state-fractions", type=float, nargs="+", default=list(DEFAULT_FRACTIONS),
+                   help="fixed splits: the state pool's share of the budget, in [0, 1) "
+                        "(default: a grid with SGLang's default 0.4737)")
+    p.add_argument("--policy", default="gds", help="radix eviction policy of the fixed splits")
+    p.add_argument("--max-requests", type=int, default=None, help="replay only the first N")
+    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--chunk-size", type=int, default=8192)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--json", type=output_path, default=None, metavar="OUT",
+                   help="write the records as a JSON list")
+    return p
+
+
+def _arena_for(preset: Any, memory_gb: float, page_size: int, fraction: float) -> Any:
+    """The scaled arena of ``preset`` at ``memory_gb`` (module docstring), states owning
+    ``fraction`` of the usable chunks at first."""
+    import torch
+
+    from allocators.arena import KVShape, MemoryArena, StateShape
+    from bench.engine.presets import GB
+
+    kv_page = page_size * preset.kv_bytes_per_token
+    tokens_per_chunk = -(-preset.state_bytes_per_slot // kv_page) * page_size
+    chunks = int(memory_gb * GB // (tokens_per_chunk * preset.kv_bytes_per_token))
+    kv = KVShape(1, 1, 1, torch.float16, page_size)  # 4 B per token
+    st = StateShape(1, (1,), (tokens_per_chunk - 1,), torch.float32)  # 4 * tokens_per_chunk B
+    return MemoryArena(chunks * tokens_per_chunk * 4, kv, st,
+                       state_slots=max(1, round(fraction * (chunks - 1))))
+
+
+def real_waste_fraction(preset: Any, memory_gb: float, arena: Any, state_chunks: int) -> float:
+    """The layout waste of a real arena of ``preset``'s bytes with ``arena``'s chunk counts and
+    ``state_chunks`` state chunks: the budget's tail, the padding chunk, ``chunk - state``
+    bytes per state chunk (a fraction of the budget)."""
+    from bench.engine.presets import GB
+
+    budget = memory_gb * GB
+    chunk = arena.tokens_per_chunk * preset.kv_bytes_per_token
+    waste = (budget - arena.num_chunks * chunk) + chunk \
+        + state_chunks * (chunk - preset.state_bytes_per_slot)
+    return float(waste / budget)
+
+
+def _engine_class() -> Any:
+    from collections import deque
+    from dataclasses import dataclass
+
+    from bench.engine.core import ReplayEngine
+    from components.eviction.unified import make_room
+    from radix import CacheConfig, RadixCache
+
+    @dataclass
+    class _Arena(ReplayEngine):
+        """:class:`bench.engine.core.ReplayEngine` over a :class:`MemoryArena` (``arena``): the
+        arena's views as pools, ``radix_eviction_policy="unified"``, and on a shortfall
+        ``make_room`` (boundary, then eviction by value) before finishing running requests."""
+
+        arena: Any = None
+
+        def __post_init__(self) -> None:
+            arena = self.arena
+            self.kv_allocator = arena.kv_allocator
+            self.state_pool = arena.state_pool
+            self.cache = RadixCache(CacheConfig(page_size=self.config.page_size,
+                                                radix_eviction_policy="unified"),
+                                    kv_allocator=self.kv_allocator,
+                                    state_allocator=self.state_pool)
+            self._running = deque()
+            self._empty = self.cache.empty_slots
+            self._on_cpu = True
+            #: fewest and most chunks the states owned over the replay
+            self.state_chunks = [arena.num_state_chunks, arena.num_state_chunks]
+
+        def _note(self) -> None:
+            n = self.arena.num_state_chunks
+            self.state_chunks = [min(self.state_chunks[0], n), max(self.state_chunks[1], n)]
+
+        def _alloc_kv(self, n: int) -> Any:
+            if n == 0:
+                return self._empty
+            alloc = self.kv_allocator
+            while True:
+                kv = alloc.alloc(n)
+                if kv is not None:
+                    return kv
+                if make_room(self.cache, self.arena, kv_tokens=n):
+                    self._note()
+                    kv = alloc.alloc(n)
+                    if kv is not None:
+                        return kv
+                if not self._finish_oldest():
+                    return None
+
+        def _alloc_state(self, *, finish_running: bool) -> Any:
+            pool = self.arena.state_pool
+            while True:
+                t = pool.alloc_slot()
+                if t is not None:
+                    return t
+                if make_room(self.cache, self.arena, states=1):
+                    self._note()
+                    t = pool.alloc_slot()
+                    if t is not None:
+                        return t
+                if not finish_running or not self._finish_oldest():
+                    return None
+
+    return _Arena
+
+
+#: ``ReplayEngine`` over a ``MemoryArena`` (built on first use: importing torch lazily).
+ArenaReplayEngine: Any = None
+
+
+def _replay(engine: Any, trace: Sequence[Any]) -> dict[str, Any]:
+    """Replay ``trace`` through ``engine``: the token hit rate over every request's prompt
+    tokens (a skipped request's count as misses, so that runs that skip differently compare),
+    the requests skipped, the CPU seconds of the replay."""
+    cpu0 = time.process_time()
+    for i, tr in enumerate(trace):
+        engine.admit(tr, rid=i)
+    engine.drain()
+    cpu = time.process_time() - cpu0
+    engine.cache.sanity_check()
+    total = sum(len(tr.token_array) for tr in trace)
+    usable = sum(engine.log.usable_len)
+    return {"token_hit_rate": usable / total if total else 0.0,
+            "skipped": engine.log.skipped, "cpu_s": cpu}
+
+
+def run_fixed(trace: Sequence[Any], preset: Any, memory_gb: float, fraction: float,
+              args: argparse.Namespace) -> dict[str, Any] | None:
+    """One fixed split; ``None`` when it holds no state slot or no KV page."""
+    from bench.engine.core import EngineConfig, ReplayEngine
+    from bench.engine.presets import split_memory
+
+    try:
+        split = split_memory(preset, memory_gb, fraction, args.page_size)
+    except ValueError:
+        return None
+    if split.state_slots < 1:
+        return None
+    cfg = EngineConfig(policy=args.policy, kv_tokens=split.kv_tokens,
+                       state_slots=split.state_slots, page_size=args.page_size,
+                       chunk_size=args.chunk_size, concurrency=args.concurrency)
+    return {"memory_gb": memory_gb, "split": fraction, "policy": args.policy,
+            **_replay(ReplayEngine(cfg), trace), "kv_tokens": split.kv_tokens,
+            "state_slots": split.state_slots}
+
+
+def run_arena(trace: Sequence[Any], preset: Any, memory_gb: float,
+              args: argparse.Namespace) -> dict[str, Any]:
+    """The unified arena, starting from SGLang's default split."""
+    from bench.engine.core import EngineConfig
+
+    global ArenaReplayEngine
+    if ArenaReplayEngine is None:
+        ArenaReplayEngine = _engine_class()
+    arena = _arena_for(preset, memory_gb, args.page_size, SGLANG_DEFAULT_FRACTION)
+    cfg = EngineConfig(policy="unified", kv_tokens=arena.kv_allocator.owned_size(),
+                       state_slots=arena.num_state_chunks, page_size=args.page_size,
+                       chunk_size=args.chunk_size, concurrency=args.concurrency)
+    engine = ArenaReplayEngine(cfg, arena=arena)
+    rec = _replay(engine, trace)
+    arena.check()
+    return {"memory_gb": memory_gb, "split": "unified", "policy": "unified",
+            **rec, "chunks": arena.num_chunks,
+            "tokens_per_chunk": arena.tokens_per_chunk,
+            "final_state_fraction": arena.num_state_chunks / max(arena.num_chunks - 1, 1),
+            "state_chunks_range": engine.state_chunks,
+            "waste_fraction_max": max(real_waste_fraction(preset, memory_gb, arena, n)
+                                      for n in engine.state_chunks)}
+
+
+def render(records: Sequence[dict[str, Any]]) -> str:
+    """A markdown table: one row per budget, token hit rate [%] per split and unified."""
+    splits = sorted({r["split"] for r in records if r["split"] != "unified"})
+    head = ["GB"] + [f"{s:.3g}" + (" (sglang)" if math.isclose(s, SGLANG_DEFAULT_FRACTION, rel_tol=1e-3)
+                                   else "") for s in splits] + ["best fixed", "unified",
+                                                                "unified - best", "cpu x"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for gb in sorted({r["memory_gb"] for r in records}):
+        row = {r["split"]: r for r in records if r["memory_gb"] == gb}
+        fixed = [row[s]["token_hit_rate"] for s in splits if s in row]
+        best = max(fixed) if fixed else float("nan")
+        uni = row.get("unified")
+        cells = [f"{gb:g}"] + [f"{100 * row[s]['token_hit_rate']:.1f}" if s in row else "-"
+                               for s in splits]
+        cells.append(f"{100 * best:.1f}")
+        if uni is not None:
+            cpu_fixed = [row[s]["cpu_s"] for s in splits if s in row]
+            ratio = uni["cpu_s"] / (sum(cpu_fixed) / len(cpu_fixed)) if cpu_fixed else float("nan")
+            cells += [f"{100 * uni['token_hit_rate']:.1f}",
+                      f"{100 * (uni['token_hit_rate'] - best):+.1f}", f"{ratio:.2f}"]
+        else:
+            cells += ["-", "-", "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from bench.engine.presets import get_preset
+    from bench.traces.loader import load_trace
+    from bench.workloads import workload_requests
+
+    for f in args.state_fractions:
+        if not 0.0 <= f < 1.0:
+            raise SystemExit(f"--state-fractions: {f} is not in [0, 1)")
+    preset = get_preset(args.model)
+    if args.workload is not None:
+        trace = workload_requests(args.workload, args.workload_seed, args.max_requests,
+                                  args.trace)
+    else:
+        trace = load_trace(args.trace, max_requests=args.max_requests)
+    records: list[dict[str, Any]] = []
+    for gb in args.memory_gb:
+        for f in args.state_fractions:
+            rec = run_fixed(trace, preset, gb, f, args)
+            if rec is not None:
+                records.append(rec)
+                print(json.dumps(rec), flush=True)
+        rec = run_arena(trace, preset, gb, args)
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+    print(render(records))
+    if args.json is not None:
+        from bench.cli import write_json
+
+        write_json(args.json, records)
+    return 0
