@@ -60,6 +60,7 @@ from ._checks import (
 from .free_list import FreeList
 from .host_mirror import mirrored
 from .kv_pool import KVBuffers
+from .memory import check_memory
 from .state_pool import _NUMPY_DTYPES, MambaStatePool
 from .token_allocator import _FreeListAllocator
 
@@ -276,7 +277,7 @@ class ArenaKVAllocator(_FreeListAllocator):
         """``PagedAllocator.free``, refusing too a page of a chunk KV does not own
         (``ValueError``, ``foreign index``; nothing changes). ``free_owned`` (the cache's
         own slots) skips the checks, as in every allocator."""
-        pages = self._slots_to_pages(as_index_tensor(indices, "indices"))
+        pages = self.slots_to_pages(as_index_tensor(indices, "indices"))
         self.arena.check_owned(pages.numpy() // self.arena.pages_per_chunk, KV, "indices")
         self._pages.release(pages)
 
@@ -395,6 +396,7 @@ class MemoryArena:
         state_slots = check_int(state_slots, "state_slots", minimum=0)
         if state_slots > n - 1:
             raise ValueError(f"state_slots={state_slots} exceeds the {n - 1} usable chunks")
+        check_memory(n * chunk, f"MemoryArena(budget_bytes={budget_bytes:,})", self.device)
         self.buffer = torch.zeros(n * chunk, dtype=torch.uint8, device=self.device)
         self._owner = np.full(n, KV, dtype=np.int8)
         self._owner[0] = PAD
