@@ -28,6 +28,7 @@ from radix import CacheConfig, RadixCache
 from tests.storage.test_storage_common import (
     L3,
     REDIS_ENV,
+    WAIT_S,
     RedisServer,
     fresh_model,
     make,
@@ -44,8 +45,6 @@ STORE_TIMEOUT_S = 10
 #: Scheduling slack on a loaded 2-core machine [s]: below one deadline, so a second wait (or
 #: a wait per retry) is still caught.
 SLACK = 1.0
-#: An upper bound for what only has to finish (a flush, a thread) [s]; costs nothing when fast.
-WAIT_S = 30.0
 
 
 @pytest.fixture
@@ -79,7 +78,7 @@ def timed(fn: Any, *args: Any) -> tuple[Any, float]:
 
 
 def write_key(server: RedisServer, model: str, seed: int) -> None:
-    writer = make("redis", where=server.url, model=model, storage_timeout_s=WAIT_S)
+    writer = make("redis", where=server.url, model=model)
     try:
         put_random(writer, KEY, torch.Generator().manual_seed(seed))
         assert writer.cache.flush_storage(WAIT_S)

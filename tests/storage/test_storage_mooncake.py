@@ -22,7 +22,14 @@ from tests.helpers.mooncake_helpers import (
     mooncake_extra,
     mooncake_package,
 )
-from tests.storage.test_storage_common import L3, assert_same_kv, fresh_model, make, put_random
+from tests.storage.test_storage_common import (
+    L3,
+    WAIT_S,
+    assert_same_kv,
+    fresh_model,
+    make,
+    put_random,
+)
 
 TIMEOUT_S = 1.0  # hicache_storage_timeout_s of the caches below (HiCacheConfig's default)
 STALL_BOUND_S = TIMEOUT_S + 1.0  # one timed-out call plus scheduling slack on a loaded machine
@@ -114,6 +121,7 @@ def key_of(n: int, base: int = 1000) -> list[int]:
 
 
 def on(master: MooncakeMaster, caches: list[L3], segment: int = 0, **kw: Any) -> L3:
+    kw.setdefault("storage_timeout_s", TIMEOUT_S)
     h = make("mooncake", where=master.url, extra=mooncake_extra(master.metadata, segment), **kw)
     caches.append(h)
     return h
@@ -162,7 +170,7 @@ def test_master_killed_mid_replay_and_restarted(master: MooncakeMaster, caches: 
             written.append(put_random(a, k, gen))  # never raises
             _, dt = timed(a.cache.match_prefix, key_of(6, base=77 + 1000 * i))  # an inline lookup
             stall = max(stall, dt)
-            a.cache.flush_storage(30)
+            assert a.cache.flush_storage(WAIT_S)
             a.cache.evict(a.kv.size)
             a.cache.sanity_check()
         st = a.cache.stats()
@@ -212,7 +220,7 @@ def segment_owner_gone(master: MooncakeMaster, caches: list[L3]) -> None:
     a = on(master, caches, page_size=4, model=model)  # lends nothing: every page is the owner's
     key = key_of(16)
     put_random(a, key, gen)
-    assert a.cache.flush_storage(30) and a.cache.stats()["l3_backup_written"] == 4
+    assert a.cache.flush_storage(WAIT_S) and a.cache.stats()["l3_backup_written"] == 4
     owner.kill()
     b = on(master, caches, page_size=4, model=model)
     m, stall = timed(b.cache.match_prefix, key)  # present in the master, unreadable
@@ -230,7 +238,7 @@ def segment_owner_gone(master: MooncakeMaster, caches: list[L3]) -> None:
     time.sleep(4)  # twice the master's client_ttl: the dead client is dropped
     wait_writable(c)
     w = put_random(c, key_of(8, base=9), gen)
-    assert c.cache.flush_storage(30)
+    assert c.cache.flush_storage(WAIT_S)
     m = d.cache.match_prefix(key_of(8, base=9))
     assert m.host_hit_length == 8 and load(d, m) == 8
     m = d.cache.match_prefix(key_of(8, base=9))
@@ -252,7 +260,7 @@ def test_a_full_segment_refuses_pages_and_serves_only_verified_ones(master: Moon
             w, dt = timed(put_random, a, k, gen)
             stall = max(stall, dt)
             written.append(w)
-            a.cache.flush_storage(30)
+            assert a.cache.flush_storage(WAIT_S)
             a.cache.evict(a.kv.size)
             a.cache.evict_host(host_size(a))
         st = a.cache.stats()
