@@ -11,6 +11,7 @@ fresh ports.
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import socket
@@ -57,11 +58,32 @@ def free_ports(n: int, bus_offset: int = 0) -> list[int]:
     return out
 
 
+def listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds a TCP socket listening on loopback ``port`` (Linux's
+    ``/proc``; elsewhere ``True``: whoever answers is taken for it)."""
+    try:
+        with open("/proc/net/tcp") as f:
+            rows = [line.split() for line in f.readlines()[1:]]
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return not os.path.exists("/proc/net/tcp")
+    want = f"0100007F:{port:04X}"  # 127.0.0.1:port
+    inodes = {f"socket:[{r[9]}]" for r in rows if r[1] == want and r[3] == "0A"}  # LISTEN
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def wait_port(port: int, timeout_s: float = START_WAIT_S, poll_s: float = 0.05,
               what: str | None = None, proc: subprocess.Popen[Any] | None = None) -> None:
-    """Return once something accepts TCP connections on loopback ``port``. Raises
-    ``ServerExited`` as soon as ``proc`` (the server meant to listen there) has exited, and
-    ``RuntimeError(what)`` (default: which port stayed silent) after ``timeout_s`` seconds."""
+    """Return once something accepts TCP connections on loopback ``port`` (with ``proc``: once
+    ``proc`` itself listens there, not another process that holds the port). Raises
+    ``ServerExited`` as soon as ``proc`` has exited, and ``RuntimeError(what)`` (default: which
+    port stayed silent) after ``timeout_s`` seconds."""
     deadline = time.monotonic() + timeout_s
     while True:
         if proc is not None and proc.poll() is not None:
@@ -69,11 +91,13 @@ def wait_port(port: int, timeout_s: float = START_WAIT_S, poll_s: float = 0.05,
                                f"listened on port {port}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
+                if proc is None or listens(proc.pid, port):
+                    return
         except OSError:
-            if time.monotonic() >= deadline:
-                raise RuntimeError(what or f"nothing listens on port {port}") from None
-            time.sleep(poll_s)
+            pass
+        if time.monotonic() >= deadline:
+            raise RuntimeError(what or f"nothing listens on port {port}")
+        time.sleep(poll_s)
 
 
 class ChildProcess:

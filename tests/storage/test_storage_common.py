@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import threading
 import uuid
@@ -296,3 +297,35 @@ def test_flaky_numbers_calls_and_raises_on_the_chosen_ones(tmp_path: Any) -> Non
     assert f.get(key) is None and f.stats["errors"] == 1  # call 2 fails
     assert not f.exists(key) and f.stats["timeouts"] == 1  # call 3 times out
     assert f.get(key) is not None and f.calls == 4
+
+
+def test_a_redis_server_whose_port_is_taken_starts_again_on_a_fresh_one(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first port picked is taken by another listener before redis-server binds it: the
+    server exits, and it is started again on the next port picked (not mistaken for the other
+    listener, which answers on the first port)."""
+    import tests.storage.test_storage_common as common
+
+    need_env(REDIS_ENV)
+    other = socket.socket()
+    other.bind(("127.0.0.1", 0))
+    other.listen()
+    taken = other.getsockname()[1]
+    picks = [[taken]]
+    real = common.free_ports
+
+    def pick(n: int, bus_offset: int = 0) -> list[int]:
+        return picks.pop() if picks else real(n, bus_offset)
+
+    monkeypatch.setattr(common, "free_ports", pick)
+    try:
+        server = RedisServer(str(tmp_path))
+        try:
+            assert server.port != taken and server.proc is not None and not picks
+            import redis
+
+            assert redis.Redis.from_url(server.url).ping()
+        finally:
+            server.kill()
+    finally:
+        other.close()
