@@ -59,16 +59,23 @@ def free_ports(n: int, bus_offset: int = 0) -> list[int]:
 
 
 def listens(pid: int, port: int) -> bool:
-    """Whether process ``pid`` holds a TCP socket listening on loopback ``port`` (Linux's
-    ``/proc``; elsewhere ``True``: whoever answers is taken for it)."""
+    """Whether process ``pid`` holds a TCP socket listening on ``port`` (any local address,
+    IPv4 or IPv6; Linux's ``/proc``, elsewhere ``True``: whoever answers is taken for it)."""
+    if not os.path.exists("/proc/net/tcp"):
+        return True
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = [line.split() for line in f.readlines()[1:]]
+        except OSError:
+            continue
+        inodes |= {f"socket:[{r[9]}]" for r in rows
+                   if r[1].endswith(f":{port:04X}") and r[3] == "0A"}  # LISTEN
     try:
-        with open("/proc/net/tcp") as f:
-            rows = [line.split() for line in f.readlines()[1:]]
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        return not os.path.exists("/proc/net/tcp")
-    want = f"0100007F:{port:04X}"  # 127.0.0.1:port
-    inodes = {f"socket:[{r[9]}]" for r in rows if r[1] == want and r[3] == "0A"}  # LISTEN
+        return False
     for fd in fds:
         try:
             if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
