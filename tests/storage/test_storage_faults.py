@@ -304,7 +304,7 @@ def private_cluster(tmp_path: Any) -> Iterator[list[RedisServer]]:
         subprocess.run(["redis-cli", "--cluster", "create",
                         *[f"127.0.0.1:{n.port}" for n in nodes],
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True,
-                       timeout=30)
+                       timeout=WAIT_S)
         wait_cluster_ok(nodes)
         yield nodes
     finally:
@@ -312,7 +312,7 @@ def private_cluster(tmp_path: Any) -> Iterator[list[RedisServer]]:
             n.kill()
 
 
-def wait_cluster_ok(nodes: list[RedisServer], timeout_s: float = 15.0) -> None:
+def wait_cluster_ok(nodes: list[RedisServer], timeout_s: float = WAIT_S) -> None:
     import redis
 
     deadline = time.monotonic() + timeout_s
