@@ -105,9 +105,9 @@ def test_two_engines_share_pages_through_one_store(env: str, page_size: int, cac
     model = fresh_model()
     gen = torch.Generator().manual_seed(11)
     # B's first match opens its client (a cluster: the slot map too) inside the prefetch's
-    # one deadline; on a loaded machine that alone can pass 1 s, so the deadline is generous.
-    a = make(name, where=url, page_size=page_size, states=4, model=model, storage_timeout_s=10)
-    b = make(name, where=url, page_size=page_size, states=4, model=model, storage_timeout_s=10)
+    # one deadline; on a loaded machine that alone can pass 1 s: make's deadline is WAIT_S.
+    a = make(name, where=url, page_size=page_size, states=4, model=model)
+    b = make(name, where=url, page_size=page_size, states=4, model=model)
     caches += [a, b]
     key = key_of(24)
     w = put_random(a, key, gen)
@@ -152,7 +152,7 @@ def test_a_second_engine_with_another_layout_or_model_gets_nothing(backend: tupl
     # a fresh engine's first match opens its store client inside the prefetch deadline (a
     # Redis Cluster client asks every node for its slots): a generous one, this test is not
     # about latency
-    same = make(name, where=where, page_size=4, model=model, timeout_s=10, storage_timeout_s=10)
+    same = make(name, where=where, page_size=4, model=model, timeout_s=WAIT_S)
     caches.append(same)
     assert same.cache.match_prefix(key).host_hit_length == 16
 
@@ -248,7 +248,7 @@ def test_timeout_policy_gives_up_waiting_then_attaches_later(tmp_path: Any, cach
     assert b.cache.flush_storage(WAIT_S)
     assert b.cache.match_prefix(key).host_hit_length == 8
     # Unblocked, the timeout policy returns with the pages.
-    c = make("file", where=where, page_size=2, model=model, prefetch="timeout", timeout_s=5.0)
+    c = make("file", where=where, page_size=2, model=model, prefetch="timeout", timeout_s=WAIT_S)
     caches.append(c)
     assert c.cache.match_prefix(key).host_hit_length == 8
     assert c.cache.stats()["l3_prefetch_timeouts"] == 0
