@@ -107,6 +107,31 @@ def wait_port(port: int, timeout_s: float = START_WAIT_S, poll_s: float = 0.05,
         time.sleep(poll_s)
 
 
+def freeze(proc: subprocess.Popen[Any]) -> None:
+    """Stop ``proc`` with SIGSTOP (its connections stay open, nothing answers) and return once
+    every one of its threads is stopped: the signal is delivered asynchronously, and a server
+    thread still running could answer a request sent just after ``kill`` returned."""
+    proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + START_WAIT_S
+    while True:
+        try:
+            tasks = os.listdir(f"/proc/{proc.pid}/task")
+        except OSError:
+            return  # no /proc (or the process is gone): nothing more to wait for
+        states = []
+        for t in tasks:
+            try:
+                with open(f"/proc/{proc.pid}/task/{t}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                continue
+        if all(st in ("T", "t", "Z", "X") for st in states):
+            return
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"process {proc.pid} did not stop: thread states {states}")
+        time.sleep(0.005)
+
+
 class ChildProcess:
     """A server the test owns: ``proc`` while it runs, ``kill()`` to stop it at once (SIGKILL:
     the tests of crashes want no graceful shutdown), a no-op once stopped."""

@@ -25,6 +25,7 @@ import torch
 
 from hicache import HiCacheConfig
 from radix import CacheConfig, RadixCache
+from tests.helpers.server_helpers import freeze
 from tests.storage.test_storage_common import (
     L3,
     REDIS_ENV,
@@ -107,7 +108,7 @@ def test_a_frozen_store_stalls_a_match_for_one_deadline(server: RedisServer, pol
         assert b.cache.flush_storage(WAIT_S)  # (on a loaded machine this one may time out too)
         before = faults(b)
         assert server.proc is not None
-        server.proc.send_signal(signal.SIGSTOP)
+        freeze(server.proc)
         m, dt = timed(b.cache.match_prefix, KEY + [1])
         assert m.host_hit_length == 0  # nothing came in time: a miss
         assert dt < DEADLINE_S + SLACK, f"{policy}: stalled {dt:.2f} s, deadline {DEADLINE_S} s"
@@ -157,7 +158,7 @@ def test_a_frozen_store_costs_one_timeout_per_call_and_then_rests(server: RedisS
     try:
         assert s.set(key, b"a", b"b")
         assert server.proc is not None
-        server.proc.send_signal(signal.SIGSTOP)
+        freeze(server.proc)
         got, dt = timed(s.exists_mask, [key])
         assert got == [False] and dt < DEADLINE_S + SLACK, \
             f"stalled {dt:.2f} s for a {DEADLINE_S} s timeout"
