@@ -10,14 +10,28 @@ read from its file name (``test_<area>_*.py``), one rule for every module presen
 wherever it lives; a module whose name names no area gets only ``core``.
 
 Fixtures used by more than one module live here too (``caches``).
+
+Hypothesis profiles (``HYPOTHESIS_PROFILE`` picks one; unset: ``ci`` when ``CI`` is set, else
+``dev``): both without hypothesis's 200 ms per-example deadline and its too-slow health check,
+which fail a correct test on a loaded machine; ``ci`` also draws the same examples every run
+(``derandomize``) and keeps no example database, so a CI run is reproducible. A test's own
+``@settings`` / ``.settings`` override the profile only in what they name.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("dev", deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow],
+                          derandomize=True, database=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 #: File-name prefix (after ``test_``) -> the markers its tests carry.
 AREAS: dict[str, tuple[str, ...]] = {

@@ -10,7 +10,8 @@ probed once (``INFO cluster``) and used as a cluster when the node has cluster m
   per slot (reads) and ``SET NX`` / ``EXISTS`` commands per key (writes, presence), which
   redis-py sends as one round trip per node. On one node: ``MGET`` in chunks of 512 keys.
 * ``SET ... NX``: a page is written once; a second writer of the same key changes nothing.
-* Timeouts: ``timeout_s`` for connecting and for every socket read/write; one retry on a
+* Timeouts: ``timeout_s`` for connecting and for every socket read/write (a URL's own
+  ``?socket_timeout=`` / ``?socket_connect_timeout=`` wins); one retry on a
   connection error (which reconnects), none on a timeout (a frozen server costs one
   ``timeout_s`` per call, not two); then the fault is a miss and the backend rests for
   ``cooldown_s`` (:class:`~hicache.storage.base.StorageBackend`). The client is made on first
@@ -160,7 +161,9 @@ class RedisStore(StorageBackend):
     Args:
         urls: one URL, comma-separated URLs, or a sequence of them (cluster startup nodes).
         tag / cooldown_s / secret: see :class:`StorageBackend`.
-        timeout_s: connect and socket timeout of every call [s].
+        timeout_s: connect and socket timeout of every call [s], unless the (first) URL's
+            query sets its own (``?socket_timeout=10&socket_connect_timeout=2``): the URL's
+            option wins.
         prefix: key prefix (several caches may share a server under different prefixes).
 
     Raises:
@@ -236,10 +239,11 @@ class RedisStore(StorageBackend):
         for kw in parsed:  # rediss://: redis-py takes ssl=True, not a connection class
             if kw.pop("connection_class", None) is SSLConnection:
                 kw["ssl"] = True
-        first = dict(parsed[0])
+        # the URL's own options (``?socket_timeout=10``) win over ``timeout_s``
+        first = {**self._common(), **parsed[0]}
         cluster = len(parsed) > 1
         if not cluster:
-            probe = redis.Redis(**first, **self._common())
+            probe = redis.Redis(**first)
             try:
                 cluster = int(probe.info("cluster").get("cluster_enabled", 0)) == 1
             finally:
@@ -251,7 +255,7 @@ class RedisStore(StorageBackend):
         kwargs = {k: v for k, v in first.items() if k not in ("host", "port", "db")}
         nodes = [ClusterNode(p["host"], p.get("port", 6379)) for p in parsed]
         self.is_cluster = True
-        return RedisCluster(startup_nodes=nodes, **kwargs, **self._common())
+        return RedisCluster(startup_nodes=nodes, **kwargs)
 
     def close(self) -> None:
         c, self._client_obj = self._client_obj, None

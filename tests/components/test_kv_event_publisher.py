@@ -34,13 +34,17 @@ from tests.helpers.engine_kv_schemas import DECODERS
 from tests.helpers.isolated import run_python
 
 LOOPBACK = "tcp://127.0.0.1:*"
+#: An upper bound for what only has to arrive (a batch, a replay answer, the sender thread's
+#: progress) on a loaded 2-core machine [s]: generous, and free when things are fast.
+WAIT_S = 30.0
 
 
-def recv_all(sock: zmq.Socket[bytes], quiet_s: float = 0.3) -> list[list[bytes]]:
-    out = []
-    while sock.poll(int(quiet_s * 1000)):
-        out.append(sock.recv_multipart())
-    return out
+def wait_until(cond: Any, what: str) -> None:
+    """Poll ``cond()`` until it holds; fail naming ``what`` after ``WAIT_S``."""
+    deadline = time.monotonic() + WAIT_S
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not within {WAIT_S} s"
+        time.sleep(0.01)
 
 
 def replay(endpoint: str, start: int) -> list[list[bytes]]:
@@ -52,7 +56,7 @@ def replay(endpoint: str, start: int) -> list[list[bytes]]:
         dealer.send_multipart((b"", start.to_bytes(8, "big")))
         got = []
         while True:
-            assert dealer.poll(5000), "no replay answer"
+            assert dealer.poll(int(WAIT_S * 1000)), "no replay answer"
             frames = dealer.recv_multipart()[1:]  # the empty delimiter
             if frames[1] == END_SEQ:
                 assert frames == [b"", END_SEQ, b""]
@@ -89,15 +93,23 @@ def test_a_subscriber_rebuilds_the_page_set_over_loopback() -> None:
     sub.connect(pub.endpoint)
     try:
         # the subscription takes a moment to reach the PUB socket (slow joiner): probe with a
-        # batch that changes nothing until one arrives
+        # batch that changes nothing until one arrives; the probes are batches 0 .. probes - 1
+        # (those sent before the subscription arrived are lost), so the subscriber then reads
+        # up to the last one, however late the sender thread sends it
         pages: set[tuple[int, str, int]] = set()
         seen = -1
+        probes = 0
+        deadline = time.monotonic() + WAIT_S
         while seen < 0:
+            assert time.monotonic() < deadline, "the subscription never reached the publisher"
             pub.publish([AllBlocksCleared()])
+            probes += 1
             if sub.poll(100):
                 seen = int.from_bytes(sub.recv_multipart()[1], "big")
-        while sub.poll(200):  # probes still in flight
+        while seen < probes - 1:  # probes still in flight
+            assert sub.poll(int(WAIT_S * 1000)), f"probe {seen + 1} of {probes} not received"
             seen = int.from_bytes(sub.recv_multipart()[1], "big")
+        assert seen == probes - 1
         rng = random.Random("publisher")
         locks: list[Any] = []
         history: list[Any] = []
@@ -108,7 +120,7 @@ def test_a_subscriber_rebuilds_the_page_set_over_loopback() -> None:
             if not evs:
                 continue
             pub.publish(evs)
-            assert sub.poll(5000), f"batch of step {i} not received"
+            assert sub.poll(int(WAIT_S * 1000)), f"batch of step {i} not received"
             topic, seq, payload = sub.recv_multipart()
             assert topic == b"kv" and int.from_bytes(seq, "big") == seen + 1  # no gap
             seen += 1
@@ -142,9 +154,7 @@ def test_replay_returns_from_the_start_sequence_with_topic_frames() -> None:
     try:
         for k in range(5):
             pub.publish([BlockStored([k], None, [k], 1)])
-        deadline = time.monotonic() + 5
-        while pub.stats()["kv_events_next_seq"] < 5 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: pub.stats()["kv_events_next_seq"] == 5, "5 batches sent")
         assert pub.replay_endpoint is not None
         got = replay(pub.replay_endpoint, 3)
         assert [(t, int.from_bytes(s, "big")) for t, s, _ in got] == [(b"t", 3), (b"t", 4)]
@@ -162,13 +172,10 @@ def test_failures_never_raise_into_the_caller() -> None:
     ev = [BlockStored([1], None, [1], 1)]
     pub.publish(ev)
     pub.publish(cast(Any, [object()]))  # cannot be encoded: dropped
-    deadline = time.monotonic() + 5
-    while pub.stats()["kv_events_next_seq"] < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: pub.stats()["kv_events_next_seq"] == 1, "the first batch sent")
     pub._pub.close(linger=0)  # the socket fails under the sender thread
     pub.publish(ev)
-    while pub.stats()["kv_events_next_seq"] < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: pub.stats()["kv_events_next_seq"] == 2, "the second batch tried")
     st = pub.stats()
     assert (st["kv_events_published_batches"], st["kv_events_send_failures"],
             st["kv_events_dropped_batches"], st["kv_events_dropped_events"]) == (1, 1, 1, 1)
@@ -182,7 +189,8 @@ def test_failures_never_raise_into_the_caller() -> None:
 def test_a_full_queue_drops_and_counts() -> None:
     pub = ZmqEventPublisher({"publisher": "zmq", "endpoint": LOOPBACK, "max_queue_size": 1})
     pub._running = False  # the thread leaves after its current wait: nothing drains the queue
-    pub._thread.join(2)
+    pub._thread.join(WAIT_S)
+    assert not pub._thread.is_alive()
     pub._running = True
     ev = [BlockStored([1], None, [1], 1)]
     pub.publish(ev)

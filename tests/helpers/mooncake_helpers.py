@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.server_helpers import ChildProcess, wait_port
+from tests.helpers.server_helpers import ChildProcess, free_ports, wait_port
 
 # The client logs through glog, read from the environment when it is first imported: warnings
 # and errors only, so a failing test's output stays readable.
@@ -71,18 +70,6 @@ def mooncake_extra(meta: str, segment: int = 0, zero_copy: bool = True, **more: 
             **more}
 
 
-def _free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
-
-
 class MooncakeMaster(ChildProcess):
     """A private ``mooncake_master`` with its HTTP metadata server, on fixed free ports (so a
     restart comes back where its clients look)."""
@@ -90,10 +77,13 @@ class MooncakeMaster(ChildProcess):
     def __init__(self, tmp: str, *args: str) -> None:
         self.exe = str(mooncake_package() / "mooncake_master")
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-        self.rpc, self.http, self.metrics = _free_ports(3)
+        self.rpc = self.http = self.metrics = 0
         self.args, self.log = args, Path(tmp) / "master.log"
         self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
+        self.launch(self._pick_ports, self.start)
+
+    def _pick_ports(self) -> None:
+        self.rpc, self.http, self.metrics = free_ports(3)
 
     def start(self) -> None:
         with open(self.log, "ab") as log:
@@ -103,8 +93,8 @@ class MooncakeMaster(ChildProcess):
                  f"--http_metadata_server_port={self.http}", "--metrics_host=127.0.0.1",
                  f"--metrics_port={self.metrics}", "--rpc_thread_num=2", *self.args],
                 stdout=log, stderr=log)
-        wait_port(self.rpc)
-        wait_port(self.http)
+        wait_port(self.rpc, what="mooncake_master: no RPC port", proc=self.proc)
+        wait_port(self.http, what="mooncake_master: no metadata server", proc=self.proc)
 
     @property
     def url(self) -> str:

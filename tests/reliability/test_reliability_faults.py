@@ -284,7 +284,7 @@ def test_l3_prefetch_that_cannot_get_host_memory_attaches_nothing(tmp_path: Any,
     slots = kv.alloc(8)
     assert slots is not None
     a.insert(key, slots, state_slot=int(a.state.allocator.alloc(1)[0]))
-    assert a.flush_storage(10.0)
+    assert a.flush_storage(30.0)
     b = _l3_engine(str(tmp_path))
     pools_b = _l3_pools(b)
     before = (b.pretty_print(), tuple(p.snapshot() for p in pools_b.values()))

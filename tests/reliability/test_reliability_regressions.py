@@ -519,7 +519,7 @@ def test_10_typed_namespaces_never_share_through_a_shared_l3(tmp_path: Any) -> N
         s = new_state(a)
         sp_of(a).conv[0, s, 0] = float(i + 1)
         assert a.insert(key, slots, ns, state_slot=s).state_adopted
-    assert a.flush_storage(10.0)
+    assert a.flush_storage(30.0)
     b = engine()
     for i, ns in enumerate(NAMESPACES):
         m = b.match_prefix(key, ns)  # wait_complete: the L3 pages are attached host-only

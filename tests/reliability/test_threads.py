@@ -21,7 +21,7 @@ import torch
 from allocators import TokenAllocator
 from radix import CacheConfig, RadixCache
 from radix.locked import LockedCache
-from tests.storage.test_storage_common import L3, fresh_model, make, wrap_flaky
+from tests.storage.test_storage_common import L3, WAIT_S, fresh_model, make, wrap_flaky
 
 
 def label(ns: Any, tokens: list[int]) -> float:
@@ -88,7 +88,7 @@ def test_prefetches_and_backups_land_while_the_engine_thread_works(
     caches.append(a)
     for k in keys[::2]:
         compute(a, k, rng.choice(spaces))
-    assert a.cache.flush_storage(60)
+    assert a.cache.flush_storage(WAIT_S)
     b = make("file", where=where, model=model, size=48, prefetch="best_effort")
     caches.append(b)
     flaky = wrap_flaky(b)
@@ -116,7 +116,7 @@ def test_prefetches_and_backups_land_while_the_engine_thread_works(
             landed_late += 1
         b.cache.sanity_check()
     flaky.gate.set()
-    assert b.cache.flush_storage(60)
+    assert b.cache.flush_storage(WAIT_S)
     b.cache.sanity_check()
     st = b.cache.stats()
     assert st["l3_prefetch_pages"] > 0 and st["l3_backup_written"] > 0 and landed_late > 0
@@ -160,7 +160,8 @@ def test_locked_cache_serialises_calls_from_several_threads() -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(10 * WAIT_S)
+        assert not t.is_alive()
     assert not errors, errors
     lc.sanity_check()
     assert lc.evictable_size() + kv.available_size() == 256  # nothing leaked, nothing locked
@@ -172,9 +173,9 @@ def test_locked_cache_holds_its_lock_around_a_call() -> None:
     t = threading.Thread(target=lambda: (lc.match_prefix([1, 2]), done.set()))
     with lc.lock:
         t.start()
-        time.sleep(0.2)
+        time.sleep(0.2)  # (a late start only makes the check weaker, never wrong)
         assert not done.is_set()  # the call waits for the lock
-    t.join(5)
+    t.join(WAIT_S)
     assert done.is_set()
     assert lc.page_size == 1 and lc.cache.page_size == 1  # plain attributes pass through
     with pytest.raises(TypeError, match="RadixCache"):
@@ -250,7 +251,8 @@ def test_a_request_step_under_locked_guards_the_cache_and_its_allocators() -> No
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
+        t.join(10 * WAIT_S)
+        assert not t.is_alive()
     assert not errors, errors[:3]
     assert min(served) > 0  # both threads were served states (checked above)
     lc.sanity_check()
@@ -266,10 +268,10 @@ def test_locked_holds_other_threads_allocator_calls_until_the_step_ends() -> Non
         assert same is lc
         m = lc.match_prefix([1, 2, 3])
         t.start()
-        time.sleep(0.2)
+        time.sleep(0.2)  # (a late start only makes the check weaker, never wrong)
         assert not got  # the other thread's alloc waits for this step
         assert lc.kv_allocator.available_size() == 96 and m.prefix_len == 0
-    t.join(5)
+    t.join(WAIT_S)
     assert len(got) == 1 and got[0] is not None and len(got[0]) == 4
     assert repr(lc.kv_allocator).startswith("Guarded(")
 
@@ -279,34 +281,45 @@ def test_a_node_matched_inside_locked_cannot_be_evicted_before_it_is_locked() ->
     eviction of everything in between. Inside ``with lc.locked()`` B waits, so A's lock is
     taken on a node still in the tree and B's eviction then spares it. With a lock per call
     only, B evicts the node first and A's ``inc_lock_ref`` is refused (``not in this
-    cache``)."""
+    cache``). A holds its lock until B's eviction has returned (before: 0.2 s, and a B
+    scheduled later evicted the unlocked node)."""
     lc, sp = hybrid_locked()
     kv = lc.kv_allocator
     slot = lc.state_allocator.alloc_slot() if lc.state_allocator is not None else None
     lc.insert([1, 2, 3, 4], kv.alloc(4), state_slot=slot)
-    matched, errors, freed = threading.Event(), [], []
+    matched, asking, evicted = threading.Event(), threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+    freed: list[int] = []
 
     def a() -> None:
         try:
             with lc.locked():
                 m = lc.match_prefix([1, 2, 3, 4])
                 matched.set()
-                time.sleep(0.2)  # B's eviction is asked for now
+                assert asking.wait(WAIT_S)
+                time.sleep(0.2)  # B's eviction is asked for now (a late one: still after)
                 lock = lc.inc_lock_ref(m.last_device_node)
-            time.sleep(0.2)  # B's eviction runs while A holds the node
+            assert evicted.wait(WAIT_S)  # B's eviction ran while A held the node
             lc.dec_lock_ref(lock)
         except BaseException as exc:  # reported below
             errors.append(exc)
 
     def b() -> None:
-        matched.wait(5)
-        freed.append(lc.evict(100).num_tokens)
+        try:
+            assert matched.wait(WAIT_S)
+            asking.set()
+            freed.append(lc.evict(100).num_tokens)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            evicted.set()
 
     threads = [threading.Thread(target=a), threading.Thread(target=b)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(10)
+        t.join(2 * WAIT_S)
+        assert not t.is_alive()
     assert not errors, errors
     assert freed == [0]  # the locked node was spared
     assert lc.match_prefix([1, 2, 3, 4]).prefix_len == 4

@@ -49,6 +49,7 @@ from tests.helpers.mooncake_helpers import (
 from tests.storage.test_storage_common import (
     L3,
     REDIS_ENV,
+    WAIT_S,
     RedisServer,
     assert_same_kv,
     drop_everything,
@@ -61,11 +62,6 @@ from tests.storage.test_storage_common import (
 SECRET = "deployment-secret-0123456789abcdef"
 OTHER = "attackers-own-secret-9876543210"
 KEY = [4000 + 5 * i for i in range(16)]
-#: The ``wait_complete`` deadline of a cache whose match must see the prefetch finish [s]: a
-#: match waits only until the prefetch is done, so a long deadline costs nothing when it runs;
-#: the default 1 s could pass on a loaded machine before the reader thread read the records,
-#: and the match would then miss without having checked them.
-WAIT_S = 30.0
 
 
 @pytest.fixture(params=["file", REDIS_ENV, MOONCAKE_ENV], ids=["file", "redis", "mooncake"])
@@ -121,8 +117,7 @@ def test_forged_records_are_misses_under_a_secret(store_at: tuple[str, str], cac
                                                   forger_secret: str | None) -> None:
     name, where = store_at
     model = fresh_model()
-    victim = make(name, where=where, model=model, secret=SECRET, page_size=2, states=4,
-                  storage_timeout_s=WAIT_S)
+    victim = make(name, where=where, model=model, secret=SECRET, page_size=2, states=4)
     caches.append(victim)
     assert forge(victim, name, where, KEY, forger_secret) == 8 + 1
     assert served(victim, KEY) == 0  # no valid MAC: a miss
@@ -135,7 +130,7 @@ def test_without_a_secret_a_well_formed_forgery_is_served(tmp_path: Any, caches:
     """What the checksum does not do (the reason for the secret): a record written by anyone
     who knows the tokens, namespace and model is indistinguishable from a real one."""
     where, model = str(tmp_path / "l3"), fresh_model()
-    victim = make("file", where=where, model=model, page_size=2, storage_timeout_s=WAIT_S)
+    victim = make("file", where=where, model=model, page_size=2)
     caches.append(victim)
     assert forge(victim, "file", where, KEY, None) == 8
     assert served(victim, KEY) == 16
@@ -150,10 +145,10 @@ def test_a_forged_record_under_our_key_does_not_stop_our_backup(
     caches.append(a)
     assert forge(a, name, where, KEY, forger_secret) == 8  # planted before A computes KEY
     w = put_random(a, KEY, torch.Generator().manual_seed(5))
-    assert a.cache.flush_storage(10)
+    assert a.cache.flush_storage(WAIT_S)
     st = a.cache.stats()
     assert st["l3_backup_unverified"] == 8 and st["l3_backup_written"] == 8
-    b = make(name, where=where, model=model, secret=SECRET, page_size=2, storage_timeout_s=WAIT_S)
+    b = make(name, where=where, model=model, secret=SECRET, page_size=2)
     caches.append(b)
     m = b.cache.match_prefix(KEY + [1])
     assert m.host_hit_length == 16
@@ -170,11 +165,11 @@ def test_engines_with_and_without_the_secret_never_serve_each_other(tmp_path: An
     other = make("file", where=where, model=model, secret=OTHER)
     caches += [plain, sealed, other]
     put_random(plain, KEY, torch.Generator().manual_seed(1))
-    assert plain.cache.flush_storage(10)
+    assert plain.cache.flush_storage(WAIT_S)
     assert served(sealed, KEY) == 0  # a checksummed record is not authenticated
     key2 = [k + 1 for k in KEY]
     put_random(sealed, key2, torch.Generator().manual_seed(2))
-    assert sealed.cache.flush_storage(10)
+    assert sealed.cache.flush_storage(WAIT_S)
     drop_everything(plain)
     assert served(plain, key2) == 0  # a sealed record cannot be checked without the secret
     assert served(other, key2) == 0  # nor under another secret
@@ -223,7 +218,7 @@ def test_the_secret_is_checked_and_never_shown(tmp_path: Any, caches: list[L3],
     put_random(h, KEY, torch.Generator().manual_seed(3))
     forge(h, "file", where, [k + 9 for k in KEY], None)
     served(h, [k + 9 for k in KEY])  # refused records: logged
-    h.cache.flush_storage(10)
+    assert h.cache.flush_storage(WAIT_S)
     cfg = h.cache.hicache.config  # type: ignore[union-attr]
     assert "refused" in caplog.text
     for text in (repr(cfg), str(cfg), repr(h.cache.storage), repr(h.cache.storage.backend),
@@ -260,7 +255,7 @@ def test_redis_reached_as_an_acl_user_with_only_the_commands_it_needs(
     b = make("redis", where=url, model=model, page_size=2, states=4, secret=SECRET)
     caches += [a, b]
     w = put_random(a, KEY, torch.Generator().manual_seed(8))
-    assert a.cache.flush_storage(10)
+    assert a.cache.flush_storage(WAIT_S)
     assert a.cache.stats()["l3_backup_written"] == 8 + 1
     m = b.cache.match_prefix(KEY + [1])
     assert m.host_hit_length == 16 and b.cache.load_back(m.last_host_node) == 16

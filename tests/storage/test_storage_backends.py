@@ -195,3 +195,33 @@ def test_clients_of_another_layout_see_a_miss(h: Handle, tmp_path: Any) -> None:
         assert isinstance(s, MooncakeStore)
         other = MooncakeStore(s.options, tag="other")
     assert other.get(k) is None and other.stats["corrupt"] == 1
+
+
+@pytest.mark.parametrize("env", [REDIS_ENV, CLUSTER_ENV], ids=["redis-single", "redis-cluster"])
+def test_a_redis_url_timeout_wins_over_timeout_s(env: str) -> None:
+    """``?socket_timeout=7&socket_connect_timeout=3`` in the URL: the client's connections
+    use 7 s / 3 s, not ``timeout_s``. Before: the URL's option and ``timeout_s`` went to
+    redis-py as the same keyword twice (``TypeError`` on connect), so every call failed."""
+    import redis
+
+    urls = need_env(env).split(",")
+    urls[0] += "?socket_timeout=7&socket_connect_timeout=3"
+    s = RedisStore(",".join(urls), tag="t", timeout_s=0.5, prefix=f"t-{fresh_model()}:")
+    try:
+        (k,) = keys(1, "url-timeout")
+        assert s.set(k, b"K", b"V")
+        page = s.get(k)
+        assert page is not None and (bytes(page.a), bytes(page.b)) == (b"K", b"V")
+        assert s.stats["errors"] == 0
+        client = s._client()
+        if env == CLUSTER_ENV:
+            pools = [n.redis_connection.connection_pool for n in client.get_nodes()]
+            assert len(pools) == 3
+        else:
+            assert isinstance(client, redis.Redis)
+            pools = [client.connection_pool]
+        for pool in pools:
+            kw = pool.connection_kwargs
+            assert (kw["socket_timeout"], kw["socket_connect_timeout"]) == (7.0, 3.0)
+    finally:
+        s.close()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import socket
 import subprocess
@@ -34,10 +33,15 @@ from hicache.storage import StorageBackend
 from radix import CacheConfig, RadixCache
 from tests.helpers.cache_helpers import bits, random_bits
 from tests.helpers.mooncake_helpers import MOONCAKE_META_ENV, mooncake_extra
-from tests.helpers.server_helpers import ChildProcess, wait_port
+from tests.helpers.server_helpers import ChildProcess, free_ports, wait_port
 
 REDIS_ENV = "HPC_REDIS_URL"
 CLUSTER_ENV = "HPC_REDIS_CLUSTER_URLS"
+#: An upper bound for what only has to finish (a flush, a prefetch a test waits for, a
+#: thread) on a loaded 2-core machine [s]: generous, and free when things are fast. The
+#: default ``hicache_storage_timeout_s`` of :func:`make`; tests of the deadlines themselves set
+#: their own, short ones.
+WAIT_S = 30.0
 
 
 def need_env(name: str) -> str:
@@ -80,7 +84,7 @@ def make(backend: str = "file", *, where: str, page_size: int = 1, size: int = 3
          policy: str = "write_through", dtype: torch.dtype = torch.float32,
          max_bytes: int | None = None, timeout_s: float = 0.2, layers: int = 2,
          extra: dict[str, Any] | None = None, head_dim: int = 2,
-         secret: str | bytes | None = None, storage_timeout_s: float = 1.0) -> L3:
+         secret: str | bytes | None = None, storage_timeout_s: float = WAIT_S) -> L3:
     """A cache whose L3 is ``backend`` at ``where`` (a directory, Redis URL(s) or a
     ``mooncake://`` master; ``"mooncake-copying"``: Mooncake without zero-copy transfers)."""
     pool = KVPool(size, layers, 1, head_dim, dtype, "cpu", page_size=page_size)
@@ -181,7 +185,7 @@ class InjectedFault(RuntimeError):
 class Flaky(StorageBackend):
     """``inner``'s raw calls, numbered from 1 across all four; ``fail`` numbers raise
     ``InjectedFault`` (``timeout`` numbers raise ``TimeoutError``); while ``gate`` is clear,
-    reads (``_exists_raw`` / ``_get_raw``) wait on it."""
+    reads (``_exists_raw`` / ``_get_raw``) wait on it (up to ``WAIT_S``)."""
 
     name = "flaky"
 
@@ -207,12 +211,12 @@ class Flaky(StorageBackend):
             raise InjectedFault(f"injected fault on call {n}")
 
     def _exists_raw(self, keys: Sequence[str]) -> list[bool]:
-        self.gate.wait(10)
+        self.gate.wait(WAIT_S)
         self._tick()
         return self.inner._exists_raw(keys)
 
     def _get_raw(self, keys: Sequence[str]) -> Sequence[bytes | memoryview | None]:
-        self.gate.wait(10)
+        self.gate.wait(WAIT_S)
         self._tick()
         return self.inner._get_raw(keys)
 
@@ -234,26 +238,9 @@ def wrap_flaky(h: L3, **kw: Any) -> Flaky:
 
 
 # =============================================================== redis servers
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def free_port() -> int:
-    """A free loopback port whose cluster-bus port (+10000) is free too."""
-    rng = random.Random()
-    while True:
-        port = rng.randint(20000, 45000)
-        if _bindable(port) and _bindable(port + 10000):
-            return port
-
-
 class RedisServer(ChildProcess):
-    """A private ``redis-server`` on a free loopback port, persistence off."""
+    """A private ``redis-server`` on a free loopback port (its cluster bus port, +10000, free
+    too in cluster mode), persistence off."""
 
     def __init__(self, tmp: str, *args: str) -> None:
         exe = shutil.which("redis-server")
@@ -263,9 +250,12 @@ class RedisServer(ChildProcess):
                 pytest.fail(msg)
             pytest.skip(msg)
         self.exe, self.args, self.tmp = exe, args, tmp
-        self.port = free_port()
+        self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
+        self.launch(self._pick_port, self.start)
+
+    def _pick_port(self) -> None:
+        (self.port,) = free_ports(1, bus_offset=10000 if "--cluster-enabled" in self.args else 0)
 
     def start(self) -> None:
         ports = ["--port", str(self.port)]
@@ -276,7 +266,7 @@ class RedisServer(ChildProcess):
              "--appendonly", "no", "--dir", self.tmp, *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        wait_port(self.port, 5.0, 0.02, "private redis-server did not start")
+        wait_port(self.port, what="private redis-server did not start", proc=self.proc)
 
     @property
     def url(self) -> str:
@@ -307,3 +297,35 @@ def test_flaky_numbers_calls_and_raises_on_the_chosen_ones(tmp_path: Any) -> Non
     assert f.get(key) is None and f.stats["errors"] == 1  # call 2 fails
     assert not f.exists(key) and f.stats["timeouts"] == 1  # call 3 times out
     assert f.get(key) is not None and f.calls == 4
+
+
+def test_a_redis_server_whose_port_is_taken_starts_again_on_a_fresh_one(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first port picked is taken by another listener before redis-server binds it: the
+    server exits, and it is started again on the next port picked (not mistaken for the other
+    listener, which answers on the first port)."""
+    import tests.storage.test_storage_common as common
+
+    need_env(REDIS_ENV)
+    other = socket.socket()
+    other.bind(("127.0.0.1", 0))
+    other.listen()
+    taken = other.getsockname()[1]
+    picks = [[taken]]
+    real = common.free_ports
+
+    def pick(n: int, bus_offset: int = 0) -> list[int]:
+        return picks.pop() if picks else real(n, bus_offset)
+
+    monkeypatch.setattr(common, "free_ports", pick)
+    try:
+        server = RedisServer(str(tmp_path))
+        try:
+            assert server.port != taken and server.proc is not None and not picks
+            import redis
+
+            assert redis.Redis.from_url(server.url).ping()
+        finally:
+            server.kill()
+    finally:
+        other.close()

@@ -18,6 +18,7 @@ from tests.storage.test_storage_common import (
     CLUSTER_ENV,
     L3,
     REDIS_ENV,
+    WAIT_S,
     RedisServer,
     assert_same_kv,
     assert_same_state,
@@ -45,7 +46,7 @@ def scripted_requests(b: L3, key: list[int], gen: torch.Generator) -> int:
     m = c.match_prefix(key)
     c.sanity_check()
     put_random(b, key_of(8, base=90000 + int(torch.randint(0, 10**6, (1,), generator=gen))), gen)
-    c.flush_storage(10)
+    assert c.flush_storage(WAIT_S)
     c.match_prefix(key_of(12, base=7))
     c.sanity_check()
     return served if m.prefix_len else 0
@@ -61,7 +62,7 @@ def test_a_fault_on_any_storage_call_is_a_counted_miss(tmp_path: Any, caches: li
     caches.append(a)
     key = key_of(12)
     w = put_random(a, key, gen)
-    a.cache.flush_storage(10)
+    assert a.cache.flush_storage(WAIT_S)
     clean = make("file", where=str(tmp_path), page_size=2, states=states, model=model)
     caches.append(clean)
     wrap_flaky(clean)
@@ -93,7 +94,7 @@ def test_a_dead_backend_leaves_a_working_cache(tmp_path: Any, caches: list[L3]) 
     wrap_flaky(b, fail_from=1)
     for i in range(5):
         w = put_random(b, key_of(6, base=100 * i), gen)
-        b.cache.flush_storage(10)
+        assert b.cache.flush_storage(WAIT_S)
         m = b.cache.match_prefix(key_of(6, base=100 * i) + [1])
         assert m.prefix_len == 6 and torch.equal(m.device_indices, w.slots)
     st = b.cache.stats()
@@ -110,7 +111,7 @@ def test_errors_outside_the_backend_are_contained(tmp_path: Any, caches: list[L3
     caches += [a, b]
     key = key_of(8)
     put_random(a, key, gen)
-    a.cache.flush_storage(10)
+    assert a.cache.flush_storage(WAIT_S)
     st_b = b.cache.storage
     assert st_b is not None
 
@@ -171,7 +172,7 @@ def test_a_corrupt_page_ends_the_prefetched_run(where: str, tmp_path: Any, cache
     caches += [a, b]
     key = key_of(16)
     w = put_random(a, key, gen)
-    a.cache.flush_storage(10)
+    assert a.cache.flush_storage(WAIT_S)
     damage_second_page(a, key)
     m = b.cache.match_prefix(key)
     assert m.host_hit_length == 4  # the first page only: never the damaged one or past it
@@ -198,7 +199,7 @@ def test_redis_killed_mid_replay_and_restarted(redis_server: RedisServer,  # noq
             redis_server.start()  # empty again: persistence is off
             time.sleep(0.1)
         put_random(a, k, gen)  # never raises
-        a.cache.flush_storage(10)
+        assert a.cache.flush_storage(WAIT_S)
         a.cache.evict(a.kv.size)
         a.cache.sanity_check()
     st = a.cache.stats()
@@ -229,12 +230,12 @@ def test_credentials_never_in_repr_logs_or_stats(secret_server: RedisServer, cac
     a = make("redis", where=good, page_size=2)
     caches.append(a)
     put_random(a, key_of(4), gen)
-    a.cache.flush_storage(10)
+    assert a.cache.flush_storage(WAIT_S)
     assert a.cache.stats()["l3_backup_written"] == 2  # authenticated as alice
     wrong = make("redis", where=f"redis://alice:hunter2-default-pw@127.0.0.1:{port}/0", page_size=2)
     caches.append(wrong)
     put_random(wrong, key_of(4), gen)
-    wrong.cache.flush_storage(10)
+    assert wrong.cache.flush_storage(WAIT_S)
     assert wrong.cache.stats()["l3_backend_errors"] >= 1  # bad password: a counted miss
     secret_server.kill()
     a.cache.storage.backend._down_until = 0.0  # type: ignore[union-attr]
@@ -303,7 +304,7 @@ def private_cluster(tmp_path: Any) -> Iterator[list[RedisServer]]:
         subprocess.run(["redis-cli", "--cluster", "create",
                         *[f"127.0.0.1:{n.port}" for n in nodes],
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True,
-                       timeout=30)
+                       timeout=WAIT_S)
         wait_cluster_ok(nodes)
         yield nodes
     finally:
@@ -311,7 +312,7 @@ def private_cluster(tmp_path: Any) -> Iterator[list[RedisServer]]:
             n.kill()
 
 
-def wait_cluster_ok(nodes: list[RedisServer], timeout_s: float = 15.0) -> None:
+def wait_cluster_ok(nodes: list[RedisServer], timeout_s: float = WAIT_S) -> None:
     import redis
 
     deadline = time.monotonic() + timeout_s
@@ -345,7 +346,7 @@ def test_a_cluster_node_killed_mid_replay_and_restarted(private_cluster: list[Re
             wait_cluster_ok(nodes)
             time.sleep(0.1)
         written.append(put_random(a, k, gen))  # never raises
-        a.cache.flush_storage(30)
+        assert a.cache.flush_storage(WAIT_S)
         a.cache.evict(a.kv.size)
         a.cache.sanity_check()
     st = a.cache.stats()

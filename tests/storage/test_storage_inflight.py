@@ -14,7 +14,14 @@ from typing import Any
 import pytest
 import torch
 
-from tests.storage.test_storage_common import L3, drop_everything, fresh_model, make, put_random
+from tests.storage.test_storage_common import (
+    L3,
+    WAIT_S,
+    drop_everything,
+    fresh_model,
+    make,
+    put_random,
+)
 
 
 def key_of(n: int, base: int = 5000) -> list[int]:
@@ -68,7 +75,7 @@ def test_split_during_an_inflight_copy_backs_up_both_halves(
     hc.release_held()
     hc.hold_completions = False
     c.poll_transfers()
-    assert c.flush_storage(10)
+    assert c.flush_storage(WAIT_S)
     c.sanity_check()
     # Every page of the 24 tokens went to L3 (the insert's own new leaf adds its pages).
     assert pages_in_l3(h) >= 24 // page_size + (1 if states else 0)
@@ -110,7 +117,7 @@ def test_write_back_victim_split_in_flight_settles_its_pending_counts(
     assert c.core.pending == [0, 0, 0]
     c.sanity_check()
     assert c.host_size() == 16
-    assert c.flush_storage(10)
+    assert c.flush_storage(WAIT_S)
     assert pages_in_l3(h) == 16 // page_size
     drop_everything(h)
     assert fresh_cache_finds(where, model, key, page_size, 0, caches) == 16
@@ -130,9 +137,9 @@ def test_a_prefetch_never_evicts_its_own_anchor_to_make_room(tmp_path: Any,
     b = make("file", where=where, size=8, model=model)
     caches += [a, b]
     put_random(a, p + x, gen)
-    assert a.cache.flush_storage(10)
+    assert a.cache.flush_storage(WAIT_S)
     put_random(b, p + key_of(4, base=7000), gen)
-    assert b.cache.flush_storage(10)
+    assert b.cache.flush_storage(WAIT_S)
     b.cache.match_prefix(p + key_of(4, base=8000))  # splits P off: P -> Q
     b.cache.poll_transfers()
     b.cache.evict(8)  # both demoted to host only

@@ -36,7 +36,7 @@ from hicache.storage import FileStore, page_hashes, page_key
 from hicache.storage.keys import STATE_SUFFIX
 from radix import CacheConfig, RadixCache
 from tests.helpers.l3_refmodel import L3Model, label
-from tests.storage.test_storage_common import Flaky, fresh_model
+from tests.storage.test_storage_common import WAIT_S, Flaky, fresh_model
 
 ENGINES = 3
 #: ``HPC_SOAK=<n>``: n times the examples on fresh random sequences; unset: the deterministic
@@ -228,7 +228,7 @@ class L3Machine(RuleBasedStateMachine):
     @rule()
     def flush(self) -> None:
         for e in self.engines:
-            assert e.cache.flush_storage(10)
+            assert e.cache.flush_storage(WAIT_S)
         self.audit()
 
     # --------------------------------------------- composite rules (the races)
@@ -262,7 +262,7 @@ class L3Machine(RuleBasedStateMachine):
         self.compute(i, key[: cut * self.ps], ns)
         before = e.cache.stats()
         e.flaky.gate.set()
-        e.cache.flush_storage(10)
+        assert e.cache.flush_storage(WAIT_S)
         self.poll(i)
         after = e.cache.stats()
         if any(after[k] > before[k] for k in ("l3_prefetch_pages", "l3_prefetch_dropped")):
@@ -295,7 +295,7 @@ class L3Machine(RuleBasedStateMachine):
         e.cache.poll_transfers()
         before = e.cache.stats()
         e.flaky.gate.set()
-        e.cache.flush_storage(10)
+        assert e.cache.flush_storage(WAIT_S)
         self.poll(i)
         after = e.cache.stats()
         if any(after[k] > before[k] for k in ("l3_prefetch_pages", "l3_prefetch_dropped")):

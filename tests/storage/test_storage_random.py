@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.storage.test_storage_common import L3, Flaky, fresh_model, make, t64
+from tests.storage.test_storage_common import L3, WAIT_S, Flaky, fresh_model, make, t64
 
 VOCAB = (1, 2, 3)
 SPACES = (None, "tenant")
@@ -106,7 +106,7 @@ def test_random_ops_on_two_caches_sharing_l3(tmp_path: Any, seed: int) -> None:
             elif op < 0.9:
                 h.cache.evict_host(rng.randint(1, 24))
             else:
-                h.cache.flush_storage(10)
+                assert h.cache.flush_storage(WAIT_S)
             for x in caches:
                 x.cache.sanity_check()
         st = [x.cache.stats() for x in caches]

@@ -18,6 +18,7 @@ from hicache import HiCacheConfig
 from hicache.storage import FileStore, StorageBackend, register_backend, unregister_backend
 from tests.storage.test_storage_common import (
     L3,
+    WAIT_S,
     fresh_model,
     make,
     put_random,
@@ -123,13 +124,13 @@ def test_timeout_keys_bound_a_match_in_the_tier(tmp_path: Any, caches: list[L3])
     caches += [a, b]
     key = list(range(500, 508))
     put_random(a, key, gen)
-    a.cache.flush_storage(10)
+    assert a.cache.flush_storage(WAIT_S)
     flaky = wrap_flaky(b)
     flaky.gate.clear()
     assert b.cache.match_prefix(key).host_hit_length == 0
     assert b.cache.stats()["l3_prefetch_timeouts"] == 1
     flaky.gate.set()
-    b.cache.flush_storage(10)
+    assert b.cache.flush_storage(WAIT_S)
     assert b.cache.match_prefix(key).host_hit_length == 8
 
 
@@ -201,7 +202,7 @@ def test_a_registered_backend_carries_pages_between_engines(tmp_path: Any, cache
     caches += [a, b]
     key = list(range(100, 110))
     w = put_random(a, key, gen)
-    assert a.cache.flush_storage(10)
+    assert a.cache.flush_storage(WAIT_S)
     m = b.cache.match_prefix(key)
     assert m.host_hit_length == 10 and len(seen) == 2 and seen[0] == seen[1]
     b.cache.load_back(m.last_host_node)
@@ -301,7 +302,7 @@ def test_the_dynamic_backend_loads_a_factory_by_module_path(tmp_path: Any, cache
     assert a.cache.storage is not None and type(a.cache.storage.backend) is ConfigStore
     key = list(range(300, 306))
     put_random(a, key, gen)
-    assert a.cache.flush_storage(10)
+    assert a.cache.flush_storage(WAIT_S)
     assert b.cache.match_prefix(key).host_hit_length == 6
 
 

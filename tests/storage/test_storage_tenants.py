@@ -30,7 +30,7 @@ from allocators.lora.identity import LoraUid
 from hicache.storage.keys import encode_namespace
 from radix.tree import namespace_key
 from tests.helpers.lora_refmodel import SHAPES, make_adapter
-from tests.storage.test_storage_common import L3, fresh_model, make, put_random
+from tests.storage.test_storage_common import L3, WAIT_S, fresh_model, make, put_random
 
 
 def factory() -> type:
@@ -86,7 +86,7 @@ def test_factory_made_types_of_one_name_are_two_tenants_and_never_stored(
     a, b = engines(tmp_path, caches)
     put_random(a, KEY, torch.Generator().manual_seed(1), extra_key=ns_a)
     assert a.cache.match_prefix(KEY, ns_b).kv_hit_length == 0
-    assert a.cache.flush_storage(10)
+    assert a.cache.flush_storage(WAIT_S)
     assert served(b, ns_b) == 0  # tenant B is never served tenant A's tokens
     assert served(b, ns_a) == 0  # nor A its own: not stored, a miss
     st_a = a.cache.stats()
@@ -111,7 +111,7 @@ def test_the_old_class_of_a_reloaded_module_is_not_stored(tmp_path: Any, caches:
         assert encode_namespace(new) is not None
         a, b = engines(tmp_path, caches)
         put_random(a, KEY, torch.Generator().manual_seed(2), extra_key=old)
-        assert a.cache.flush_storage(10)
+        assert a.cache.flush_storage(WAIT_S)
         assert served(b, new) == 0
     finally:
         sys.modules.pop("ns_reload_mod", None)
@@ -123,7 +123,7 @@ def test_module_level_dataclasses_are_still_shared_through_l3(tmp_path: Any,
     for i, ns in enumerate((Canonical("x"), LoraUid("adapter-1", 1))):
         key = [k + 100 * i for k in KEY]
         put_random(a, key, torch.Generator().manual_seed(3 + i), extra_key=ns)
-        assert a.cache.flush_storage(10)
+        assert a.cache.flush_storage(WAIT_S)
         m = b.cache.match_prefix(key + [1], ns)
         assert m.host_hit_length == 16, ns
     assert served(b, Canonical("y")) == 0
@@ -140,7 +140,7 @@ def test_int_and_str_enum_members_are_their_values_in_the_tree_and_in_l3(
     a, b = engines(tmp_path, caches)
     put_random(a, KEY, torch.Generator().manual_seed(4), extra_key=Color.RED)
     assert a.cache.match_prefix(KEY, 1).prefix_len == 16  # one tenant in the tree
-    assert a.cache.flush_storage(10)
+    assert a.cache.flush_storage(WAIT_S)
     assert served(b, 1) == 16  # and in L3
     assert served(b, Color.GREEN) == 0 and served(b, True) == 0
 
@@ -190,7 +190,7 @@ def test_a_different_adapter_under_a_reused_name_and_serial_is_never_served_the_
 
     a, b = engines(tmp_path, caches)
     put_random(a, KEY, torch.Generator().manual_seed(5), extra_key=uid_of(old))
-    assert a.cache.flush_storage(10)
+    assert a.cache.flush_storage(WAIT_S)
     assert uid_of(new).serial == uid_of(old).serial == 0
     assert served(b, uid_of(new)) == 0
     assert served(b, uid_of(old)) == 16

@@ -19,6 +19,7 @@ from tests.storage.test_storage_common import (
     CLUSTER_ENV,
     L3,
     REDIS_ENV,
+    WAIT_S,
     assert_same_kv,
     assert_same_state,
     bits,
@@ -68,7 +69,7 @@ def round_trip(name: str, where: str, caches: list[L3], page_size: int, states: 
     c = h.cache
     key = key_of(16)
     w = put_random(h, key, gen)
-    assert c.flush_storage(10)
+    assert c.flush_storage(WAIT_S)
     st = c.stats()
     assert st["l3_backup_written"] == 16 // page_size + (1 if states else 0)
     assert st["l3_backend_errors"] == 0
@@ -91,7 +92,7 @@ def round_trip(name: str, where: str, caches: list[L3], page_size: int, states: 
     # The page keys were remembered: backing the reloaded pages up again sends nothing.
     before = c.stats()["l3_backend_written"]
     c.evict(h.kv.size)
-    c.flush_storage(10)
+    assert c.flush_storage(WAIT_S)
     assert c.stats()["l3_backend_written"] == before
     c.sanity_check()
 
@@ -104,13 +105,13 @@ def test_two_engines_share_pages_through_one_store(env: str, page_size: int, cac
     model = fresh_model()
     gen = torch.Generator().manual_seed(11)
     # B's first match opens its client (a cluster: the slot map too) inside the prefetch's
-    # one deadline; on a loaded machine that alone can pass 1 s, so the deadline is generous.
-    a = make(name, where=url, page_size=page_size, states=4, model=model, storage_timeout_s=10)
-    b = make(name, where=url, page_size=page_size, states=4, model=model, storage_timeout_s=10)
+    # one deadline; on a loaded machine that alone can pass 1 s: make's deadline is WAIT_S.
+    a = make(name, where=url, page_size=page_size, states=4, model=model)
+    b = make(name, where=url, page_size=page_size, states=4, model=model)
     caches += [a, b]
     key = key_of(24)
     w = put_random(a, key, gen)
-    assert a.cache.flush_storage(10)
+    assert a.cache.flush_storage(WAIT_S)
     b.pool.k_all.fill_(9.0)
     m = b.cache.match_prefix(key)  # B never saw this prompt
     assert m.host_hit_length == 24 and m.prefix_len == 0
@@ -127,7 +128,7 @@ def test_two_engines_share_pages_through_one_store(env: str, page_size: int, cac
     assert slots is not None and got is not None
     res = b.cache.insert(tail, torch.cat([m.device_indices, slots]), state_slot=int(got[0]))
     assert res.prefix_len == 24
-    assert b.cache.flush_storage(10)
+    assert b.cache.flush_storage(WAIT_S)
     st = b.cache.stats()
     assert st["l3_backend_written"] == 8 // page_size + 1  # the new pages and their state
 
@@ -141,7 +142,7 @@ def test_a_second_engine_with_another_layout_or_model_gets_nothing(backend: tupl
     caches.append(a)
     key = key_of(16)
     put_random(a, key, gen)
-    a.cache.flush_storage(10)
+    assert a.cache.flush_storage(WAIT_S)
     for other in (make(name, where=where, page_size=4, model=model + "-other"),
                   make(name, where=where, page_size=4, model=model, layers=3),
                   make(name, where=where, page_size=4, model=model, dtype=torch.bfloat16)):
@@ -151,7 +152,7 @@ def test_a_second_engine_with_another_layout_or_model_gets_nothing(backend: tupl
     # a fresh engine's first match opens its store client inside the prefetch deadline (a
     # Redis Cluster client asks every node for its slots): a generous one, this test is not
     # about latency
-    same = make(name, where=where, page_size=4, model=model, timeout_s=10, storage_timeout_s=10)
+    same = make(name, where=where, page_size=4, model=model, timeout_s=WAIT_S)
     caches.append(same)
     assert same.cache.match_prefix(key).host_hit_length == 16
 
@@ -165,7 +166,7 @@ def test_namespaces_never_share_pages(backend: tuple[str, str], caches: list[L3]
     caches += [a, b]
     key = key_of(8)
     put_random(a, key, gen, extra_key="tenant-a")
-    a.cache.flush_storage(10)
+    assert a.cache.flush_storage(WAIT_S)
     for ns in (None, "tenant-b", ("tenant-a",), b"tenant-a", 1):
         m = b.cache.match_prefix(key, ns)
         assert m.host_hit_length == 0, ns
@@ -178,7 +179,7 @@ def test_namespaces_never_share_pages(backend: tuple[str, str], caches: list[L3]
     caches.append(c)
     odd = frozenset({1})
     put_random(c, key_of(4, 77), gen, extra_key=odd)
-    c.cache.flush_storage(10)
+    assert c.cache.flush_storage(WAIT_S)
     assert c.cache.stats()["l3_backup_written"] == 0 and c.cache.stats()["l3_unkeyable"] >= 1
     assert c.cache.match_prefix(key_of(4, 77), odd).prefix_len == 4
 
@@ -194,7 +195,7 @@ def test_prefetch_continues_below_a_partial_match(tmp_path: Any, caches: list[L3
     caches += [a, b]
     key = key_of(12)
     w = put_random(a, key, gen)
-    a.cache.flush_storage(10)
+    assert a.cache.flush_storage(WAIT_S)
     wb = put_random(b, key[:4] + [1, 2, 3, 4], gen)  # shares 4 tokens, then forks inside a node
     m = b.cache.match_prefix(key)
     assert (m.prefix_len, m.host_hit_length) == (4, 8)
@@ -216,7 +217,7 @@ def test_best_effort_attaches_at_a_later_match(tmp_path: Any, caches: list[L3]) 
     caches += [a, b]
     key = key_of(8)
     put_random(a, key, gen)
-    a.cache.flush_storage(10)
+    assert a.cache.flush_storage(WAIT_S)
     flaky = wrap_flaky(b)
     flaky.gate.clear()  # L3 reads stall
     m = b.cache.match_prefix(key)
@@ -224,7 +225,7 @@ def test_best_effort_attaches_at_a_later_match(tmp_path: Any, caches: list[L3]) 
     m = b.cache.match_prefix(key)  # the same miss again: one job, not two
     assert b.cache.stats()["l3_prefetch_started"] == 1
     flaky.gate.set()
-    assert b.cache.flush_storage(10)
+    assert b.cache.flush_storage(WAIT_S)
     m = b.cache.match_prefix(key)
     assert m.host_hit_length == 8 and b.cache.stats()["l3_prefetch_tokens"] == 8
     b.cache.sanity_check()
@@ -238,16 +239,16 @@ def test_timeout_policy_gives_up_waiting_then_attaches_later(tmp_path: Any, cach
     caches += [a, b]
     key = key_of(8)
     put_random(a, key, gen)
-    a.cache.flush_storage(10)
+    assert a.cache.flush_storage(WAIT_S)
     flaky = wrap_flaky(b)
     flaky.gate.clear()
     m = b.cache.match_prefix(key)
     assert m.host_hit_length == 0 and b.cache.stats()["l3_prefetch_timeouts"] == 1
     flaky.gate.set()
-    b.cache.flush_storage(10)
+    assert b.cache.flush_storage(WAIT_S)
     assert b.cache.match_prefix(key).host_hit_length == 8
     # Unblocked, the timeout policy returns with the pages.
-    c = make("file", where=where, page_size=2, model=model, prefetch="timeout", timeout_s=5.0)
+    c = make("file", where=where, page_size=2, model=model, prefetch="timeout", timeout_s=WAIT_S)
     caches.append(c)
     assert c.cache.match_prefix(key).host_hit_length == 8
     assert c.cache.stats()["l3_prefetch_timeouts"] == 0
@@ -264,7 +265,7 @@ def test_hybrid_prefetch_stops_at_the_deepest_stored_state(tmp_path: Any, caches
     slots, got = a.kv.alloc(2), a.sp.alloc(1)  # type: ignore[union-attr]
     assert slots is not None and got is not None
     a.cache.insert(key, torch.cat([w.slots, slots]), state_slot=int(got[0]))  # and one at 8
-    a.cache.flush_storage(10)
+    assert a.cache.flush_storage(WAIT_S)
     store = a.cache.storage.backend  # type: ignore[union-attr]
     assert len([k for k in store.keys_lru() if k.endswith(".s")]) == 2
     node8 = a.cache.match_prefix(key).last_device_node
@@ -292,7 +293,7 @@ def test_file_store_cap_under_a_working_cache(tmp_path: Any, caches: list[L3]) -
     keys = [key_of(8, base=100 * i) for i in range(12)]  # 48 pages in all
     for k in keys:
         put_random(a, k, gen)
-        a.cache.flush_storage(10)
+        assert a.cache.flush_storage(WAIT_S)
         a.cache.evict(a.kv.size)
     store = a.cache.storage.backend  # type: ignore[union-attr]
     assert store.total_bytes <= cap and store.evicted == 48 - 10
@@ -314,7 +315,7 @@ def test_prefetch_below_a_device_only_node_backs_it_up_first(tmp_path: Any, cach
     caches += [a, b]
     key = key_of(12)
     w = put_random(a, key, gen)
-    a.cache.flush_storage(10)
+    assert a.cache.flush_storage(WAIT_S)
     put_random(b, key[:4], gen)
     own = b.cache.match_prefix(key[:4]).last_device_node
     assert own.host_value is None
