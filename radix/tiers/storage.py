@@ -10,7 +10,10 @@ The tier names no component: the host tier's primary component (KV) stores its h
 record per page, every other component with host copies its sections in one record at a
 node's end (the state valid there, a plug-in's value); each packs and unpacks its own bytes
 (``components.base``: ``l3_layout``, ``l3_sections``, ``pack_pages`` / ``unpack_pages``,
-``pack_end`` / ``unpack_end``), and the layout tag joins their ``l3_layout`` parts.
+``pack_end`` / ``unpack_end``), and the layout tag joins their ``l3_layout`` parts. An end
+component may cover the last ``l3_span()`` tokens before the end (the SWA component: the SWA
+KV of its window, whole pages): a chain read back is attached as two host-only nodes, the
+part above the span without that component's value (SWA tombstones), the span with it.
 
 * Backup (:meth:`StorageTier.backup`): when a node's host copy has landed (and when another
   component's copy joins a backed-up node), the node's pages (and, once every end component
@@ -100,6 +103,13 @@ class StorageTier:
                             [p for p in parts if p is not None])
         backend = make_backend(cfg, tag)
         assert backend is not None
+        #: Each end component's span (``Component.l3_span``: tokens before a record's end
+        #: its sections cover; 0: the value at the end).
+        self._spans = tuple(c.l3_span() for c in self.ends)
+        for c, span in zip(self.ends, self._spans, strict=True):
+            if span < 0 or span % self.page_size:
+                raise ValueError(f"component {c.name!r}: l3_span() must be a multiple of "
+                                 f"page_size={self.page_size} >= 0, got {span}")
         page = tuple(self.primary.l3_sections())
         if len(page) != 2:
             raise ValueError(f"component {self.primary.name!r}: l3_sections() of the primary "
@@ -196,7 +206,9 @@ class StorageTier:
             if st.is_known(ek):
                 st.count("backup_known_skipped")
             else:
-                items.append((ek, *st.end_record([s for c in ends for s in c.pack_end(node)])))
+                packed = [c.pack_end(node) for c in ends]
+                if all(p is not None for p in packed):
+                    items.append((ek, *st.end_record([s for p in packed if p for s in p])))
         st.submit_writes(items)
 
     # -------------------------------------------------------------- prefetch
@@ -282,8 +294,10 @@ class StorageTier:
             st.count("prefetch_dropped", len(pages) - first)  # backed-up nodes form a prefix
             return 0
         tokens = upto - m
-        ends = self.ends if end is not None else ()
-        asks = [(primary.host_allocator, tokens), *((c.host_allocator, 1) for c in ends)]
+        ends, spans = (self.ends, self._spans) if end is not None else ((), ())
+        asks = [(primary.host_allocator, tokens),
+                *((c.host_allocator, min(s, tokens) if s else 1)
+                  for c, s in zip(ends, spans, strict=True))]
         got = self._alloc_host(anchor, tokens, asks)
         if got is None:
             st.count("prefetch_dropped", len(pages) - first)
@@ -296,30 +310,41 @@ class StorageTier:
             for (alloc, _), idx in zip(asks, got, strict=True):
                 alloc.free(idx)
             raise
-        leaf = self.core.tree.add_leaf(anchor, job.tokens[m:upto], job.extra_key, now)
-        primary.adopt_host(leaf, host_slots)
+        # the chain [m, upto), cut where a span before its end begins (SWA: the window)
+        bounds = sorted({m, upto, *(upto - s for s in spans if 0 < s < tokens)})
+        tree, nodes = self.core.tree, []
+        parent = anchor
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            parent = tree.add_leaf(parent, job.tokens[lo:hi], job.extra_key, now)
+            primary.adopt_host(parent, host_slots[lo - m:hi - m])
+            nodes.append(parent)
         done = 0
         try:
             o = 0
             for c, k, host in zip(ends, self._end_counts, got[1:], strict=True):
-                c.unpack_end(leaf, host, sections[o:o + k])
+                c.unpack_end(nodes, host, sections[o:o + k])
                 o += k
                 done += 1
-        except BaseException:  # an end component failed: the leaf leaves, units given back
-            for c in (primary, *ends[:done]):
-                c.drop_host(leaf)
+        except BaseException:  # an end component failed: the chain leaves, units given back
+            for n in nodes:
+                for c in (primary, *ends[:done]):
+                    c.drop_host(n)
             for (alloc, _), idx in zip(asks[1 + done:], got[1 + done:], strict=True):
                 alloc.free(idx)
-            self.core.tree.remove_leaf(leaf)
-            self.core.detached(leaf)
+            for n in reversed(nodes):
+                tree.remove_leaf(n)
+                self.core.detached(n)
             if anchor is not self.core.root:
                 self.core.refresh(anchor)
             raise
         self.host.host_tokens += tokens
         hashes = job.hashes[first:len(pages)]
-        self._hashes[leaf] = hashes
+        for n in nodes:
+            lo = (n.depth - len(n.key) - m) // ps
+            self._hashes[n] = hashes[lo:lo + len(n.key) // ps]
         st.mark_known([page_key(h) for h in hashes] + ([end_key(hashes[-1])] if end else []))
-        self.core.refresh(leaf)
+        for n in nodes:
+            self.core.refresh(n)
         if anchor is not self.core.root:
             self.core.refresh(anchor)
         st.count_prefetched(len(pages) - first, tokens, end is not None)
