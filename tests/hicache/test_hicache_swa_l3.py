@@ -22,6 +22,7 @@ window ``W = 6``, page size 4, so the SWA part of an end record covers ``SPAN = 
 from __future__ import annotations
 
 import os
+import random
 from array import array
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from components.swa import SWAComponent
 from hicache import HiCacheConfig
 from hicache.storage import end_key, page_hashes
 from radix import CacheConfig, RadixCache
-from tests.helpers.cache_helpers import bits, random_bits
+from tests.helpers.cache_helpers import bits, free_leftovers, random_bits
 from tests.hicache.test_hicache_common import node_at
 
 W = 6  # the sliding window [tokens]
@@ -67,17 +68,18 @@ def fresh_model(name: str) -> str:
 class SWAL3:
     """One SWA cache with a host tier and L3, and every pool around it."""
 
-    def __init__(self, where: dict[str, Any], model: str, states: int = 0) -> None:
-        self.full = KVPool(64, 2, 1, 2, torch.float32, "cpu", page_size=PS)
-        self.swa = KVPool(32, 2, 1, 2, torch.float32, "cpu", page_size=PS)
-        self.kv = SWAAllocator(64, 32, PS, full_pool=self.full, swa_pool=self.swa)
+    def __init__(self, where: dict[str, Any], model: str, states: int = 0,
+                 page_size: int = PS, window: int = W, layout: str = "page_first") -> None:
+        self.full = KVPool(64, 2, 1, 2, torch.float32, "cpu", page_size=page_size)
+        self.swa = KVPool(32, 2, 1, 2, torch.float32, "cpu", page_size=page_size)
+        self.kv = SWAAllocator(64, 32, page_size, full_pool=self.full, swa_pool=self.swa)
         self.sp = (MambaStatePool(states, num_layers=2, conv_state_shape=(2,),
                                   ssm_state_shape=(2, 2)) if states else None)
         self.cache = RadixCache(
-            CacheConfig(page_size=PS, sliding_window_size=W), kv_allocator=self.kv,
+            CacheConfig(page_size=page_size, sliding_window_size=window), kv_allocator=self.kv,
             state_allocator=self.sp,
             hicache=HiCacheConfig(hicache_ratio=2.0, hicache_write_policy="write_through",
-                                  load_back_threshold=1,
+                                  load_back_threshold=1, hicache_mem_layout=layout,
                                   hicache_storage_prefetch_policy="wait_complete",
                                   hicache_storage_model=model, **where))
         hc = self.cache.hicache
@@ -217,11 +219,12 @@ def test_an_swa_prefix_read_back_from_l3_is_usable_and_bit_exact(
         close(a, b) if b is not a else close(a)
 
 
-def test_the_span_gathers_the_swa_kv_of_several_nodes(store: dict[str, Any]) -> None:
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_the_span_gathers_the_swa_kv_of_several_nodes(store: dict[str, Any], layout: str) -> None:
     """[0, 8) then [8, 12) below it: the record at 12 holds [4, 12), from both nodes' host
     copies; the record at 8 holds [0, 8)."""
     model = fresh_model("swa-l3-gather")
-    a, b = SWAL3(store, model), SWAL3(store, model)
+    a, b = SWAL3(store, model, layout=layout), SWAL3(store, model, layout=layout)
     try:
         fk1, sk1, _ = a.insert(KEY[:8])
         pa = a.cache.match_prefix(KEY[:8]).device_indices
@@ -377,3 +380,111 @@ def test_no_end_record_where_the_span_lacks_host_swa_kv(tmp_path: Any) -> None:
     m = b.cache.match_prefix(KEY[:8])
     assert (m.prefix_len, m.host_hit_length) == (0, 0) and b.cache.tree.num_nodes == 0
     close(a, b)
+
+
+# ======================================================================== random
+def sig(prefix: list[int], salt: int) -> float:
+    h = salt
+    for t in prefix:
+        h = (h * 1_000_003 + t + 1) % (1 << 23)
+    return float(h)
+
+
+def sigs(key: list[int], lo: int, hi: int, salt: int) -> torch.Tensor:
+    """Token ``j``'s value for ``j`` in ``[lo, hi)``: a signature of ``key[:j+1]``, shaped as
+    a pool's ``[layers, tokens, heads, head_dim]``."""
+    vals = torch.tensor([sig(key[: j + 1], salt) for j in range(lo, hi)])
+    return vals.view(1, -1, 1, 1).expand(2, hi - lo, 1, 2)
+
+
+def serve(h: SWAL3, key: list[int], window: int, rng: random.Random) -> None:
+    """An engine's request: match (prefetch from L3), maybe load back, check every served
+    full and SWA value and the window rule, then insert with fresh slots (some of their SWA
+    KV released first, as out of a request's window)."""
+    c, kv, ps = h.cache, h.kv, h.cache.page_size
+    m = c.match_prefix(key)
+    if m.host_hit_length and rng.random() < 0.8:
+        c.load_back(m.last_host_node)
+        m = c.match_prefix(key)
+    n, dev = m.prefix_len, m.device_indices
+    assert torch.equal(h.full.k_all[:, dev], sigs(key, 0, n, 1))
+    assert torch.equal(h.full.v_all[:, dev], sigs(key, 0, n, 2))
+    live = kv.has_swa(dev)
+    assert bool(live[max(0, n - window):].all()), "a match ended without its window's SWA KV"
+    at = torch.nonzero(live).flatten()
+    swa = kv.translate(dev[at])
+    want_k = torch.cat([sigs(key, j, j + 1, 4) for j in at.tolist()], 1) if len(at) else None
+    if want_k is not None:
+        assert torch.equal(h.swa.k_all[:, swa], want_k)
+        assert torch.equal(h.swa.v_all[:, swa], -want_k)
+    if h.sp is not None and n:
+        assert m.state_slot is not None and bool((h.sp.conv[:, m.state_slot] == sig(key[:n], 3)).all())
+    end = len(key) - len(key) % ps
+    if end <= n:
+        return
+    lock = c.inc_lock_ref(m.last_device_node)
+    need = end - n
+    fresh = kv.alloc(need)
+    if fresh is None:
+        c.evict(need)
+        c.evict_swa(need)
+        fresh = kv.alloc(need)
+    slot = None
+    if h.sp is not None:
+        got = h.sp.alloc(1)
+        if got is None:
+            c.evict_states(1)
+            got = h.sp.alloc(1)
+        slot = None if got is None else int(got[0])
+    if fresh is None or (h.sp is not None and slot is None):
+        if fresh is not None:
+            kv.free(fresh)
+        c.dec_lock_ref(lock)
+        return
+    h.full.k_all[:, fresh] = sigs(key, n, end, 1)
+    h.full.v_all[:, fresh] = sigs(key, n, end, 2)
+    h.swa.k_all[:, kv.translate(fresh)] = sigs(key, n, end, 4)
+    h.swa.v_all[:, kv.translate(fresh)] = -sigs(key, n, end, 4)
+    released = rng.choice([0, 0, rng.randrange(0, need + 1, ps)])
+    if released:
+        kv.free_swa(fresh[:released])
+    if slot is not None:
+        assert h.sp is not None
+        h.sp.conv[:, slot] = sig(key[:end], 3)
+    res = c.insert(key[:end], torch.cat([dev, fresh]), state_slot=slot)
+    c.dec_lock_ref(lock)
+    free_leftovers(kv, res, fresh, need)
+    if slot is not None and not res.state_adopted:
+        assert h.sp is not None
+        h.sp.free(torch.tensor([slot]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_ops_on_two_swa_caches_sharing_l3(tmp_path: Any, seed: int) -> None:
+    """Two caches (page 1, 2 or 4; window 3 or 6; with or without states) serve random keys
+    of a 3-token vocabulary, evict device, SWA and host, flush to L3; every served value is
+    the signature of its prefix, every match ends with its window live, the invariant check
+    holds after every step, and L3 serves tokens."""
+    rng = random.Random(seed)
+    ps, window, states = rng.choice([1, 2, 4]), rng.choice([3, 6]), rng.choice([0, 6])
+    where = file_store(tmp_path)
+    caches = [SWAL3(where, "m", states, page_size=ps, window=window) for _ in range(2)]
+    try:
+        for _ in range(150):
+            h = rng.choice(caches)
+            op = rng.random()
+            if op < 0.55:
+                serve(h, [rng.choice((1, 2, 3)) for _ in range(rng.randint(1, 20))], window, rng)
+            elif op < 0.65:
+                h.cache.evict(rng.randint(1, 24))
+            elif op < 0.75:
+                h.cache.evict_swa(rng.randint(1, 16))
+            elif op < 0.85:
+                h.cache.evict_host(rng.randint(1, 24))
+            else:
+                assert h.cache.flush_storage(10)
+            for x in caches:
+                x.cache.sanity_check()
+        assert sum(x.cache.stats()["l3_prefetch_tokens"] for x in caches) > 0
+    finally:
+        close(*caches)
