@@ -18,7 +18,10 @@ part above the span without that component's value (SWA tombstones), the span wi
 * Backup (:meth:`StorageTier.backup`): when a node's host copy has landed (and when another
   component's copy joins a backed-up node), the node's pages (and, once every end component
   has a host copy there, the record at its end) are packed from the host pools and queued for
-  the writer thread; the writer stores only missing records.
+  the writer thread; the writer stores only missing records. An end record is packed only
+  when no device -> host copy is in flight (an end section may read a copy issued after the
+  node's own: another component's, an ancestor's SWA KV within the span); else it waits for
+  the next landing, match or flush.
 * Prefetch (:meth:`StorageTier.before_match`, at the start of ``match_prefix``): the key's
   whole pages past the tree's match are hashed and looked up in L3; the leading run found
   (with end components: up to the deepest page whose end record is stored) is read, verified,
@@ -68,6 +71,8 @@ log = logging.getLogger("hicache.storage")
 
 #: Prefetch jobs in flight at once (a new miss beyond this is not looked up).
 MAX_JOBS = 64
+#: Nodes whose end record waits for host copies in flight (beyond this: not written).
+MAX_DEFERRED = 4096
 
 
 class StorageTier:
@@ -89,6 +94,9 @@ class StorageTier:
             weakref.WeakKeyDictionary()
         )
         self._jobs: dict[str, PrefetchJob] = {}
+        #: Nodes whose end record waits until no host copy is in flight (see
+        #: :meth:`_backup_node`), oldest first.
+        self._deferred: weakref.WeakKeyDictionary[TreeNode, None] = weakref.WeakKeyDictionary()
         hc = host.controller
         cfg = hc.config
         self.page_size = core.page_size
@@ -128,6 +136,7 @@ class StorageTier:
         would attach to a tree that no longer holds their prefix)."""
         self._hashes = weakref.WeakKeyDictionary()
         self._jobs = {}
+        self._deferred = weakref.WeakKeyDictionary()
 
     def _fault(self, op: str, exc: BaseException) -> None:
         self.controller.count("faults")
@@ -180,8 +189,18 @@ class StorageTier:
         is complete; its pages (and the record at its end) go to L3. Never raises."""
         try:
             self._backup_node(node)
+            self._retry_deferred()
         except Exception as exc:
             self._fault("backup", exc)
+
+    def _retry_deferred(self) -> None:
+        """Pack the deferred end records once no host copy is in flight."""
+        if not self._deferred or self.host.controller.writes_landing():
+            return
+        nodes = list(self._deferred.keys())
+        self._deferred = weakref.WeakKeyDictionary()
+        for n in nodes:
+            self._backup_node(n)
 
     def _backup_node(self, node: TreeNode) -> None:
         st = self.controller
@@ -205,6 +224,14 @@ class StorageTier:
             ek = end_key(hashes[-1])
             if st.is_known(ek):
                 st.count("backup_known_skipped")
+            elif self.host.controller.writes_landing():
+                # an end section may read host copies still in flight (another component's
+                # copy issued after this node's, an ancestor's SWA KV within the span): packed
+                # at a later landing, match or flush, once every copy has landed
+                if len(self._deferred) < MAX_DEFERRED:
+                    self._deferred[node] = None
+                else:
+                    st.count("backup_dropped")
             else:
                 packed = [c.pack_end(node) for c in ends]
                 if all(p is not None for p in packed):
@@ -216,6 +243,7 @@ class StorageTier:
         """Hook at the start of ``match_prefix``: attach finished prefetches, then look the
         key's continuation past the tree up in L3 (per the prefetch policy). Never raises."""
         try:
+            self._retry_deferred()
             self._harvest()
             self._prefetch(key, extra_key)
         except Exception as exc:
@@ -371,6 +399,7 @@ class StorageTier:
         """Attach the pages finished prefetches brought (host-only nodes); return the tokens
         attached. Never raises (a fault is counted and is a miss)."""
         try:
+            self._retry_deferred()
             return self._harvest()
         except Exception as exc:
             self._fault("prefetch", exc)
@@ -380,6 +409,10 @@ class StorageTier:
         """Wait for queued L3 writes and running prefetches (at most ``timeout_s``), then
         attach what the prefetches brought. Returns whether everything finished."""
         self.host.poll()
+        try:
+            self._retry_deferred()
+        except Exception as exc:
+            self._fault("backup", exc)
         done = self.controller.flush(timeout_s)
         self.poll()
         return done

@@ -488,3 +488,31 @@ def test_random_ops_on_two_swa_caches_sharing_l3(tmp_path: Any, seed: int) -> No
         assert sum(x.cache.stats()["l3_prefetch_tokens"] for x in caches) > 0
     finally:
         close(*caches)
+
+
+def test_an_end_record_waits_while_a_host_copy_is_in_flight(tmp_path: Any) -> None:
+    """X's copy lands while a later copy (Y's) is still in flight: X's pages go to L3 at
+    once, its end record (whose SWA KV could lie in a copy issued after X's: an ancestor's
+    within the span) waits until nothing is in flight, then is written; a reader gets X."""
+    where = file_store(tmp_path)
+    a = SWAL3(where, "m")
+    hc = a.hc
+    hc.hold_completions = True  # copies are issued (on the CPU: run) but not complete
+    fk, sk, _ = a.insert(KEY[:8])
+    a.insert([100 + t for t in range(8)])
+    assert hc.num_inflight == 2
+    hc._pending[0][0].released = True  # X's copy (issued first) lands, Y's does not
+    a.cache.poll_transfers()
+    assert hc.num_inflight == 1 and hc.writes_landing()
+    assert a.cache.flush_storage(10)
+    assert a.cache.stats()["l3_backup_written"] == 2  # X's pages, not its end record
+    hc.hold_completions = False
+    hc.release_held()
+    assert a.cache.flush_storage(10)
+    assert a.cache.stats()["l3_backup_written"] == 2 + 3 + 1  # Y's pages and end, X's end
+    b = SWAL3(where, "m")
+    m = b.cache.match_prefix(KEY[:8])
+    assert (m.prefix_len, m.host_hit_length) == (0, 8)
+    assert b.cache.load_back(m.last_host_node) == 8
+    b.check_loaded(KEY[:8], fk, sk, 0)
+    close(a, b)
