@@ -25,8 +25,9 @@ part above the span without that component's value (SWA tombstones), the span wi
 * Prefetch (:meth:`StorageTier.before_match`, at the start of ``match_prefix``): the key's
   whole pages past the tree's match are hashed and looked up in L3; the leading run found
   (with end components: up to the deepest page whose end record is stored) is read, verified,
-  copied into fresh host slots and attached as one host-only node below the match, so the match
-  reports it as a host hit (``last_host_node``) and ``load_back`` brings it to device.
+  copied into fresh host slots and attached as one host-only node below the match (two when
+  an end component's span cuts it), so the match reports it as a host hit
+  (``last_host_node``) and ``load_back`` brings it to device.
   The lookup runs on the prefetch thread. ``best_effort``: its pages join at a later
   ``match_prefix`` / :meth:`StorageTier.poll`; ``wait_complete``: the match waits for it,
   ``hicache_storage_timeout_s`` at most in all; ``timeout``: ``hicache_prefetch_timeout_s`` at
@@ -296,8 +297,9 @@ class StorageTier:
         return got
 
     def _attach(self, job: PrefetchJob, pages: list[Page], end: Page | None) -> int:
-        """Attach ``pages`` (from ``job.start``) as one host-only node below what the tree
-        already holds of ``job.tokens``; returns the tokens attached (0: dropped)."""
+        """Attach ``pages`` (from ``job.start``) as a chain of host-only nodes below what the
+        tree already holds of ``job.tokens`` (one node, cut where an end component's span
+        begins); returns the tokens attached (0: dropped)."""
         st = self.controller
         if not pages or (job.want_end and end is None):
             return 0
