@@ -462,9 +462,10 @@ def serve(h: SWAL3, key: list[int], window: int, rng: random.Random) -> None:
 @pytest.mark.parametrize("seed", range(6))
 def test_random_ops_on_two_swa_caches_sharing_l3(tmp_path: Any, seed: int) -> None:
     """Two caches (page 1, 2 or 4; window 3 or 6; with or without states) serve random keys
-    of a 3-token vocabulary, evict device, SWA and host, flush to L3; every served value is
-    the signature of its prefix, every match ends with its window live, the invariant check
-    holds after every step, and L3 serves tokens."""
+    of a 3-token vocabulary, evict device, SWA and host, flush to L3, with host copies held
+    in flight at times (end records then wait); every served value is the signature of its
+    prefix, every match ends with its window live, the invariant check holds after every
+    step, and L3 serves tokens."""
     rng = random.Random(seed)
     ps, window, states = rng.choice([1, 2, 4]), rng.choice([3, 6]), rng.choice([0, 6])
     where = file_store(tmp_path)
@@ -472,8 +473,12 @@ def test_random_ops_on_two_swa_caches_sharing_l3(tmp_path: Any, seed: int) -> No
     try:
         for _ in range(150):
             h = rng.choice(caches)
+            h.hc.hold_completions = rng.random() < 0.2
             op = rng.random()
-            if op < 0.55:
+            if op < 0.05:
+                h.hc.release_held()
+                h.cache.poll_transfers()
+            elif op < 0.55:
                 serve(h, [rng.choice((1, 2, 3)) for _ in range(rng.randint(1, 20))], window, rng)
             elif op < 0.65:
                 h.cache.evict(rng.randint(1, 24))
@@ -485,6 +490,11 @@ def test_random_ops_on_two_swa_caches_sharing_l3(tmp_path: Any, seed: int) -> No
                 assert h.cache.flush_storage(10)
             for x in caches:
                 x.cache.sanity_check()
+        for x in caches:
+            x.hc.hold_completions = False
+            x.hc.release_held()
+            assert x.cache.flush_storage(10)
+            x.cache.sanity_check()
         assert sum(x.cache.stats()["l3_prefetch_tokens"] for x in caches) > 0
     finally:
         close(*caches)
