@@ -69,7 +69,8 @@ class SWAL3:
     """One SWA cache with a host tier and L3, and every pool around it."""
 
     def __init__(self, where: dict[str, Any], model: str, states: int = 0,
-                 page_size: int = PS, window: int = W, layout: str = "page_first") -> None:
+                 page_size: int = PS, window: int = W, layout: str = "page_first",
+                 policy: str = "write_through") -> None:
         self.full = KVPool(64, 2, 1, 2, torch.float32, "cpu", page_size=page_size)
         self.swa = KVPool(32, 2, 1, 2, torch.float32, "cpu", page_size=page_size)
         self.kv = SWAAllocator(64, 32, page_size, full_pool=self.full, swa_pool=self.swa)
@@ -78,7 +79,7 @@ class SWAL3:
         self.cache = RadixCache(
             CacheConfig(page_size=page_size, sliding_window_size=window), kv_allocator=self.kv,
             state_allocator=self.sp,
-            hicache=HiCacheConfig(hicache_ratio=2.0, hicache_write_policy="write_through",
+            hicache=HiCacheConfig(hicache_ratio=2.0, hicache_write_policy=policy,
                                   load_back_threshold=1, hicache_mem_layout=layout,
                                   hicache_storage_prefetch_policy="wait_complete",
                                   hicache_storage_model=model, **where))
@@ -461,7 +462,8 @@ def serve(h: SWAL3, key: list[int], window: int, rng: random.Random) -> None:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_random_ops_on_two_swa_caches_sharing_l3(tmp_path: Any, seed: int) -> None:
-    """Two caches (page 1, 2 or 4; window 3 or 6; with or without states) serve random keys
+    """Two caches (page 1, 2 or 4; window 3 or 6; with or without states; write-through or
+    write-back) serve random keys
     of a 3-token vocabulary, evict device, SWA and host, flush to L3, with host copies held
     in flight at times (end records then wait); every served value is the signature of its
     prefix, every match ends with its window live, the invariant check holds after every
@@ -469,7 +471,8 @@ def test_random_ops_on_two_swa_caches_sharing_l3(tmp_path: Any, seed: int) -> No
     rng = random.Random(seed)
     ps, window, states = rng.choice([1, 2, 4]), rng.choice([3, 6]), rng.choice([0, 6])
     where = file_store(tmp_path)
-    caches = [SWAL3(where, "m", states, page_size=ps, window=window) for _ in range(2)]
+    caches = [SWAL3(where, "m", states, page_size=ps, window=window,
+                    policy=rng.choice(["write_through", "write_back"])) for _ in range(2)]
     try:
         for _ in range(150):
             h = rng.choice(caches)
