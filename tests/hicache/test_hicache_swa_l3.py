@@ -463,11 +463,10 @@ def serve(h: SWAL3, key: list[int], window: int, rng: random.Random) -> None:
 @pytest.mark.parametrize("seed", range(6))
 def test_random_ops_on_two_swa_caches_sharing_l3(tmp_path: Any, seed: int) -> None:
     """Two caches (page 1, 2 or 4; window 3 or 6; with or without states; write-through or
-    write-back) serve random keys
-    of a 3-token vocabulary, evict device, SWA and host, flush to L3, with host copies held
-    in flight at times (end records then wait); every served value is the signature of its
-    prefix, every match ends with its window live, the invariant check holds after every
-    step, and L3 serves tokens."""
+    write-back) serve random keys of a 3-token vocabulary, evict device, SWA and host, flush
+    to L3, with host copies held in flight at times (end records then wait); every served
+    value is the signature of its prefix, every match ends with its window live, the
+    invariant check holds after every step, and L3 serves tokens."""
     rng = random.Random(seed)
     ps, window, states = rng.choice([1, 2, 4]), rng.choice([3, 6]), rng.choice([0, 6])
     where = file_store(tmp_path)
