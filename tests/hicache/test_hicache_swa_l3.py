@@ -16,7 +16,11 @@ window ``W = 6``, page size 4, so the SWA part of an end record covers ``SPAN = 
 * a chain shorter than the span (the tree already holds its start) or a key shallower than
   the span takes the record's last tokens;
 * a damaged end record (truncated, a flipped SWA byte, a well-formed one with a short SWA
-  section) and an SWA ``unpack_end`` that fails are contained misses that change nothing.
+  section) and an SWA ``unpack_end`` that fails are contained misses that change nothing;
+* no end record where the span holds a tombstone, and none packed while a host copy is in
+  flight (it waits for the next landing);
+* seeded random operations on two caches sharing L3: every served full and SWA value is the
+  signature of its prefix, every match ends with its window live.
 """
 
 from __future__ import annotations
