@@ -50,7 +50,9 @@ its copy says where a node lives (device, host, both) and its units are the host
                    primary's host copy is stored a record per page (pack_pages /
                    unpack_pages, :data:`L3_PAGE_HOOKS`); every other component with host
                    copies stores its sections at a node's end (pack_end / unpack_end,
-                   :data:`L3_END_HOOKS`): one record per page end holds them all
+                   :data:`L3_END_HOOKS`): one record per page end holds them all; an end
+                   component may cover the last l3_span() tokens before the end (SWA KV:
+                   the window), the chain read back is cut there
 """
 
 from __future__ import annotations
@@ -346,6 +348,16 @@ class Component:
         for any other (one or more; the state's ``(conv, ssm)``)."""
         return ()
 
+    def l3_span(self) -> int:
+        """L3, an end component: how many tokens before a record's end its end sections
+        cover [tokens, a multiple of ``page_size``]. ``0`` (the default): a value valid at
+        the end itself, one host unit (the state). ``s > 0``: one host unit per token of the
+        last ``s`` tokens before the end (SWA KV: the window, whole pages); a chain of
+        ``t`` tokens read back from L3 is cut ``s`` tokens before its end when ``t > s``,
+        and the component fills the last ``min(s, t)`` tokens' units (the records of a
+        shallower end still have the full size: their leading part is unused)."""
+        return 0
+
     def pack_pages(self, host: torch.Tensor) -> list[tuple[bytes, bytes]]:
         """L3, the primary component: the sections of each whole page of the host units
         ``host`` (int64, a multiple of ``page_size`` long), in page order."""
@@ -357,16 +369,21 @@ class Component:
         (``len(pages)`` whole pages)."""
         raise NotImplementedError
 
-    def pack_end(self, node: TreeNode) -> Sequence[bytes]:
+    def pack_end(self, node: TreeNode) -> Sequence[bytes] | None:
         """L3: this component's end sections of ``node`` (sizes :meth:`l3_sections`), from
-        its host copy (only asked when ``host_copy(node)`` is not ``None``)."""
+        its host copies (only asked when ``host_copy(node)`` is not ``None``), or ``None``:
+        not every host copy they need is there (with :meth:`l3_span`, the ancestors' within
+        the span): no end record is written at ``node``'s end."""
         raise NotImplementedError
 
-    def unpack_end(self, node: TreeNode, host: torch.Tensor,
+    def unpack_end(self, nodes: Sequence[TreeNode], host: torch.Tensor,
                    sections: Sequence[bytes | memoryview]) -> None:
-        """L3: host-only ``node`` (just made from L3 records) takes ``host`` (one fresh unit
-        of ``host_allocator``), filled from ``sections`` (this component's end sections, of
-        :meth:`l3_sections`' sizes), as its host copy."""
+        """L3: the host-only ``nodes`` (just made from L3 records, top to bottom: the chain
+        read back, ending at the record's end, cut where :meth:`l3_span` s ask) take
+        ``host`` (fresh units of ``host_allocator``: one with span ``0``, else one per token
+        of the last ``min(span, chain tokens)``), filled from ``sections`` (this
+        component's end sections, of :meth:`l3_sections`' sizes), as their host copies;
+        a node that gets none is set as a node without one (an SWA tombstone)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------- sizes, checks
@@ -454,11 +471,15 @@ def l3_components(parts: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
     primary first): ``(primary, end components)``, the components whose sections a record at
     a node's end holds, in order.
 
+    An end component with a span (:meth:`Component.l3_span`, the SWA component: its window
+    of SWA KV) is read back over the last ``span`` tokens of a chain; the nodes above stay
+    without its value (SWA tombstones), as a device tree keeps them.
+
     Raises:
         ValueError: the primary lacks one of :data:`L3_PAGE_HOOKS`; another component
             implements only some of :data:`L3_END_HOOKS`, or none (its host copies could not
-            be stored, so no match could end on the records read back: a sliding window's
-            SWA KV), naming it and what it lacks.
+            be stored, so no match could end on the records read back), naming it and what
+            it lacks.
     """
     primary, out = parts[0], []
     missing = [h for h in L3_PAGE_HOOKS if h not in _implemented(primary, L3_PAGE_HOOKS)]

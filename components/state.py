@@ -486,8 +486,10 @@ class StateComponent(Component):
         return (hs.conv[:, slot].contiguous().view(torch.uint8).cpu().numpy().tobytes(),
                 hs.ssm[:, slot].contiguous().view(torch.uint8).cpu().numpy().tobytes())
 
-    def unpack_end(self, node: TreeNode, host: torch.Tensor,
+    def unpack_end(self, nodes: Sequence[TreeNode], host: torch.Tensor,
                    sections: Sequence[bytes | memoryview]) -> None:
+        """The state valid at the chain's end: the last node's."""
+        node = nodes[-1]
         hs = self.host_allocator
         slot = int(host[0])
         for target, section in ((hs.conv, sections[0]), (hs.ssm, sections[1])):

@@ -30,6 +30,7 @@ host copies of the caller's slots (``KVComponent.host_slots``), never the device
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -483,6 +484,103 @@ class SWAComponent(Component):
             assert slots.unique().numel() == slots.numel(), "a host SWA slot is held twice"
             assert not bool(self.host_allocator.is_free(slots).any()), (
                 "a host SWA slot held by the tree is free")
+
+    # ---------------------------------------------------------------------- L3
+    # The record at a node's end holds the SWA KV of the last ``l3_span()`` tokens before it
+    # (the window in whole pages: ``ceil(window / page_size)`` pages), sections ``(K, V)``,
+    # each ``[layers, span, heads, head_dim]`` of the host SWA pool's dtype, layers
+    # outermost; an end shallower than the span leaves the leading tokens zero. A usable end
+    # has that much live SWA KV (live runs are whole pages) or no tombstone above it, so the
+    # record is exactly what a match ending there reads. Read back, the chain's last
+    # ``min(span, chain)`` tokens are live, the nodes above tombstones, as a device tree
+    # keeps a node further from the end than the window.
+    def _host_pool(self) -> Any:
+        return getattr(self.host_allocator, "pool", None)
+
+    def l3_span(self) -> int:
+        """The window in whole pages [tokens]: ``ceil(window / page_size) * page_size``."""
+        ps = self.kv.page_size
+        return -(-self.window // ps) * ps
+
+    def l3_layout(self) -> str:
+        """``swa=<layers>x<heads>x<head_dim>:<dtype>,last=<span>`` (``swa=none,...``
+        index-only)."""
+        from hicache.storage.keys import kv_layout
+
+        return "swa" + kv_layout(self._host_pool())[2:] + f",last={self.l3_span()}"
+
+    def l3_sections(self) -> tuple[int, int]:
+        """``(K, V)``: ``span`` tokens of every SWA layer each (``(0, 0)`` index-only)."""
+        pool = self._host_pool()
+        if pool is None:
+            return (0, 0)
+        elem = torch.empty((), dtype=pool.dtype).element_size()
+        n = pool.num_layers * self.l3_span() * pool.num_heads * pool.head_dim * elem
+        return (n, n)
+
+    def pack_end(self, node: TreeNode) -> tuple[bytes, bytes] | None:
+        """The host SWA KV of the last ``min(span, node.depth)`` tokens before ``node``'s
+        end (``node`` and the ancestors the span reaches), or ``None`` when one of them has
+        no host SWA copy (a tombstone, or not backed up yet)."""
+        span = self.l3_span()
+        need = min(span, node.depth)
+        held: list[torch.Tensor] = []
+        got = 0
+        n: TreeNode | None = node
+        while got < need:
+            assert n is not None
+            hv = n.host_swa_value
+            if hv is None:
+                return None
+            held.append(hv)
+            got += len(hv)
+            n = n.parent
+        pool = self._host_pool()
+        if pool is None:
+            return (b"", b"")
+        idx = torch.cat(held[::-1])[got - need:].to(pool.device)
+        out = []
+        for every in (pool.k_all, pool.v_all):
+            buf = torch.zeros((every.shape[0], span, *every.shape[2:]), dtype=every.dtype)
+            buf[:, span - need:] = every[:, idx]
+            out.append(buf.view(torch.uint8).numpy().tobytes())
+        return out[0], out[1]
+
+    def unpack_end(self, nodes: Sequence[TreeNode], host: torch.Tensor,
+                   sections: Sequence[bytes | memoryview]) -> None:
+        """The chain's last ``len(host)`` tokens (whole nodes: the storage tier cut the
+        chain there) take the record's last ``len(host)`` tokens of SWA KV in ``host``
+        (fresh host SWA slots) and are live on host; the nodes above are tombstones.
+
+        Raises:
+            ValueError: ``host`` does not cover whole nodes at the chain's end.
+        """
+        cover = len(host)
+        live: list[tuple[TreeNode, torch.Tensor]] = []
+        o = cover
+        for n in reversed(nodes):
+            if o <= 0:
+                break
+            k = len(n.key)
+            if k > o:
+                raise ValueError(f"{cover} host SWA slots do not cover whole nodes at the "
+                                 "end of the chain read from L3")
+            live.append((n, host[o - k:o]))
+            o -= k
+        pool = self._host_pool()
+        if pool is not None and cover:
+            span = self.l3_span()
+            idx = host.to(pool.device)
+            for every, section in ((pool.k_all, sections[0]), (pool.v_all, sections[1])):
+                shape = (every.shape[0], span, *every.shape[2:])
+                t = torch.frombuffer(bytearray(section), dtype=torch.uint8).view(
+                    every.dtype).reshape(shape)
+                every[:, idx] = t[:, span - cover:]
+        for n in nodes:
+            n.swa_tombstone = True
+        for n, hv in live:
+            n.host_swa_value = hv
+            n.swa_tombstone = False
 
     # ---------------------------------------------------------------- counters
     def evictable_size(self) -> int:

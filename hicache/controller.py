@@ -488,6 +488,11 @@ class HiCacheController:
     def num_inflight(self) -> int:
         return len(self._pending)
 
+    def writes_landing(self) -> bool:
+        """Whether a device -> host copy issued so far has not landed yet (its data is not
+        in the host pools; its callback may have run already when it ends later ones)."""
+        return any(not t.done() for t, _ in self._pending)
+
 
 def _runs(h: np.ndarray) -> list[tuple[int, int, int]]:
     """``(first host slot, offset in h, length)`` of each run of consecutive host slots."""

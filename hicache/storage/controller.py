@@ -3,8 +3,8 @@
 A cache stores two kinds of record (:mod:`hicache.storage.page`): one per page, the primary
 component's (KV: sections ``(K, V)``, keyed :func:`~hicache.storage.keys.page_key`), and one at
 a page's end (:func:`~hicache.storage.keys.end_key`) holding the *end sections* of every other
-component that declares some (the recurrent state valid there: ``(conv, ssm)``; a plug-in's
-per-node value). The components pack and unpack their own bytes (``components.base``: the L3
+component that declares some (the recurrent state valid there: ``(conv, ssm)``; the SWA KV
+of the sliding window before it: ``(K, V)``; a plug-in's per-node value). The components pack and unpack their own bytes (``components.base``: the L3
 hooks); this controller knows only section sizes. An end record's two sections are the first
 end section and the rest concatenated, in component order, so a KV + state record is
 ``(conv, ssm)`` as it always was.

@@ -10,17 +10,24 @@ The tier names no component: the host tier's primary component (KV) stores its h
 record per page, every other component with host copies its sections in one record at a
 node's end (the state valid there, a plug-in's value); each packs and unpacks its own bytes
 (``components.base``: ``l3_layout``, ``l3_sections``, ``pack_pages`` / ``unpack_pages``,
-``pack_end`` / ``unpack_end``), and the layout tag joins their ``l3_layout`` parts.
+``pack_end`` / ``unpack_end``), and the layout tag joins their ``l3_layout`` parts. An end
+component may cover the last ``l3_span()`` tokens before the end (the SWA component: the SWA
+KV of its window, whole pages): a chain read back is attached as two host-only nodes, the
+part above the span without that component's value (SWA tombstones), the span with it.
 
 * Backup (:meth:`StorageTier.backup`): when a node's host copy has landed (and when another
   component's copy joins a backed-up node), the node's pages (and, once every end component
   has a host copy there, the record at its end) are packed from the host pools and queued for
-  the writer thread; the writer stores only missing records.
+  the writer thread; the writer stores only missing records. An end record is packed only
+  when no device -> host copy is in flight (an end section may read a copy issued after the
+  node's own: another component's, an ancestor's SWA KV within the span); else it waits for
+  the next landing, match or flush.
 * Prefetch (:meth:`StorageTier.before_match`, at the start of ``match_prefix``): the key's
   whole pages past the tree's match are hashed and looked up in L3; the leading run found
   (with end components: up to the deepest page whose end record is stored) is read, verified,
-  copied into fresh host slots and attached as one host-only node below the match, so the match
-  reports it as a host hit (``last_host_node``) and ``load_back`` brings it to device.
+  copied into fresh host slots and attached as one host-only node below the match (two when
+  an end component's span cuts it), so the match reports it as a host hit
+  (``last_host_node``) and ``load_back`` brings it to device.
   The lookup runs on the prefetch thread. ``best_effort``: its pages join at a later
   ``match_prefix`` / :meth:`StorageTier.poll`; ``wait_complete``: the match waits for it,
   ``hicache_storage_timeout_s`` at most in all; ``timeout``: ``hicache_prefetch_timeout_s`` at
@@ -65,6 +72,8 @@ log = logging.getLogger("hicache.storage")
 
 #: Prefetch jobs in flight at once (a new miss beyond this is not looked up).
 MAX_JOBS = 64
+#: Nodes whose end record waits for host copies in flight (beyond this: not written).
+MAX_DEFERRED = 4096
 
 
 class StorageTier:
@@ -86,6 +95,9 @@ class StorageTier:
             weakref.WeakKeyDictionary()
         )
         self._jobs: dict[str, PrefetchJob] = {}
+        #: Nodes whose end record waits until no host copy is in flight (see
+        #: :meth:`_backup_node`), oldest first.
+        self._deferred: weakref.WeakKeyDictionary[TreeNode, None] = weakref.WeakKeyDictionary()
         hc = host.controller
         cfg = hc.config
         self.page_size = core.page_size
@@ -100,6 +112,13 @@ class StorageTier:
                             [p for p in parts if p is not None])
         backend = make_backend(cfg, tag)
         assert backend is not None
+        #: Each end component's span (``Component.l3_span``: tokens before a record's end
+        #: its sections cover; 0: the value at the end).
+        self._spans = tuple(c.l3_span() for c in self.ends)
+        for c, span in zip(self.ends, self._spans, strict=True):
+            if span < 0 or span % self.page_size:
+                raise ValueError(f"component {c.name!r}: l3_span() must be a multiple of "
+                                 f"page_size={self.page_size} >= 0, got {span}")
         page = tuple(self.primary.l3_sections())
         if len(page) != 2:
             raise ValueError(f"component {self.primary.name!r}: l3_sections() of the primary "
@@ -118,6 +137,7 @@ class StorageTier:
         would attach to a tree that no longer holds their prefix)."""
         self._hashes = weakref.WeakKeyDictionary()
         self._jobs = {}
+        self._deferred = weakref.WeakKeyDictionary()
 
     def _fault(self, op: str, exc: BaseException) -> None:
         self.controller.count("faults")
@@ -170,8 +190,18 @@ class StorageTier:
         is complete; its pages (and the record at its end) go to L3. Never raises."""
         try:
             self._backup_node(node)
+            self._retry_deferred()
         except Exception as exc:
             self._fault("backup", exc)
+
+    def _retry_deferred(self) -> None:
+        """Pack the deferred end records once no host copy is in flight."""
+        if not self._deferred or self.host.controller.writes_landing():
+            return
+        nodes = list(self._deferred.keys())
+        self._deferred = weakref.WeakKeyDictionary()
+        for n in nodes:
+            self._backup_node(n)
 
     def _backup_node(self, node: TreeNode) -> None:
         st = self.controller
@@ -195,8 +225,18 @@ class StorageTier:
             ek = end_key(hashes[-1])
             if st.is_known(ek):
                 st.count("backup_known_skipped")
+            elif self.host.controller.writes_landing():
+                # an end section may read host copies still in flight (another component's
+                # copy issued after this node's, an ancestor's SWA KV within the span): packed
+                # at a later landing, match or flush, once every copy has landed
+                if len(self._deferred) < MAX_DEFERRED:
+                    self._deferred[node] = None
+                else:
+                    st.count("backup_dropped")
             else:
-                items.append((ek, *st.end_record([s for c in ends for s in c.pack_end(node)])))
+                packed = [c.pack_end(node) for c in ends]
+                if all(p is not None for p in packed):
+                    items.append((ek, *st.end_record([s for p in packed if p for s in p])))
         st.submit_writes(items)
 
     # -------------------------------------------------------------- prefetch
@@ -204,6 +244,7 @@ class StorageTier:
         """Hook at the start of ``match_prefix``: attach finished prefetches, then look the
         key's continuation past the tree up in L3 (per the prefetch policy). Never raises."""
         try:
+            self._retry_deferred()
             self._harvest()
             self._prefetch(key, extra_key)
         except Exception as exc:
@@ -256,8 +297,9 @@ class StorageTier:
         return got
 
     def _attach(self, job: PrefetchJob, pages: list[Page], end: Page | None) -> int:
-        """Attach ``pages`` (from ``job.start``) as one host-only node below what the tree
-        already holds of ``job.tokens``; returns the tokens attached (0: dropped)."""
+        """Attach ``pages`` (from ``job.start``) as a chain of host-only nodes below what the
+        tree already holds of ``job.tokens`` (one node, cut where an end component's span
+        begins); returns the tokens attached (0: dropped)."""
         st = self.controller
         if not pages or (job.want_end and end is None):
             return 0
@@ -282,8 +324,10 @@ class StorageTier:
             st.count("prefetch_dropped", len(pages) - first)  # backed-up nodes form a prefix
             return 0
         tokens = upto - m
-        ends = self.ends if end is not None else ()
-        asks = [(primary.host_allocator, tokens), *((c.host_allocator, 1) for c in ends)]
+        ends, spans = (self.ends, self._spans) if end is not None else ((), ())
+        asks = [(primary.host_allocator, tokens),
+                *((c.host_allocator, min(s, tokens) if s else 1)
+                  for c, s in zip(ends, spans, strict=True))]
         got = self._alloc_host(anchor, tokens, asks)
         if got is None:
             st.count("prefetch_dropped", len(pages) - first)
@@ -296,30 +340,41 @@ class StorageTier:
             for (alloc, _), idx in zip(asks, got, strict=True):
                 alloc.free(idx)
             raise
-        leaf = self.core.tree.add_leaf(anchor, job.tokens[m:upto], job.extra_key, now)
-        primary.adopt_host(leaf, host_slots)
+        # the chain [m, upto), cut where a span before its end begins (SWA: the window)
+        bounds = sorted({m, upto, *(upto - s for s in spans if 0 < s < tokens)})
+        tree, nodes = self.core.tree, []
+        parent = anchor
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            parent = tree.add_leaf(parent, job.tokens[lo:hi], job.extra_key, now)
+            primary.adopt_host(parent, host_slots[lo - m:hi - m])
+            nodes.append(parent)
         done = 0
         try:
             o = 0
             for c, k, host in zip(ends, self._end_counts, got[1:], strict=True):
-                c.unpack_end(leaf, host, sections[o:o + k])
+                c.unpack_end(nodes, host, sections[o:o + k])
                 o += k
                 done += 1
-        except BaseException:  # an end component failed: the leaf leaves, units given back
-            for c in (primary, *ends[:done]):
-                c.drop_host(leaf)
+        except BaseException:  # an end component failed: the chain leaves, units given back
+            for n in nodes:
+                for c in (primary, *ends[:done]):
+                    c.drop_host(n)
             for (alloc, _), idx in zip(asks[1 + done:], got[1 + done:], strict=True):
                 alloc.free(idx)
-            self.core.tree.remove_leaf(leaf)
-            self.core.detached(leaf)
+            for n in reversed(nodes):
+                tree.remove_leaf(n)
+                self.core.detached(n)
             if anchor is not self.core.root:
                 self.core.refresh(anchor)
             raise
         self.host.host_tokens += tokens
         hashes = job.hashes[first:len(pages)]
-        self._hashes[leaf] = hashes
+        for n in nodes:
+            lo = (n.depth - len(n.key) - m) // ps
+            self._hashes[n] = hashes[lo:lo + len(n.key) // ps]
         st.mark_known([page_key(h) for h in hashes] + ([end_key(hashes[-1])] if end else []))
-        self.core.refresh(leaf)
+        for n in nodes:
+            self.core.refresh(n)
         if anchor is not self.core.root:
             self.core.refresh(anchor)
         st.count_prefetched(len(pages) - first, tokens, end is not None)
@@ -346,6 +401,7 @@ class StorageTier:
         """Attach the pages finished prefetches brought (host-only nodes); return the tokens
         attached. Never raises (a fault is counted and is a miss)."""
         try:
+            self._retry_deferred()
             return self._harvest()
         except Exception as exc:
             self._fault("prefetch", exc)
@@ -355,6 +411,10 @@ class StorageTier:
         """Wait for queued L3 writes and running prefetches (at most ``timeout_s``), then
         attach what the prefetches brought. Returns whether everything finished."""
         self.host.poll()
+        try:
+            self._retry_deferred()
+        except Exception as exc:
+            self._fault("backup", exc)
         done = self.controller.flush(timeout_s)
         self.poll()
         return done

@@ -156,7 +156,8 @@ class Summary(Component):
     def pack_end(self, node: Any) -> list[bytes]:
         return [self.host_table[self._ext(node)["host"]].numpy().tobytes()]
 
-    def unpack_end(self, node: Any, host: torch.Tensor, sections: Any) -> None:
+    def unpack_end(self, nodes: Any, host: torch.Tensor, sections: Any) -> None:
+        node = nodes[-1]  # its value is valid at the chain's end
         slot = int(host[0])
         self.host_table[slot] = torch.frombuffer(bytearray(sections[0]), dtype=torch.float32)
         self._ext(node)["host"] = slot

@@ -346,11 +346,17 @@ def test_two_components_claiming_one_evict_field_are_refused_naming_both() -> No
         RadixCache(kv_allocator=TokenAllocator(8), components=[ClaimsTokens()])
 
 
-def test_l3_storage_with_a_sliding_window_is_refused_saying_why(tmp_path: Any) -> None:
+def test_l3_storage_with_a_sliding_window_stores_the_windows_swa_kv_at_page_ends(
+        tmp_path: Any) -> None:
+    """No longer refused: the SWA component is an L3 end component whose sections cover the
+    window (``tests/hicache/test_hicache_swa_l3.py`` takes it through L3)."""
     kv = SWAAllocator(16, 8, 1)
     cfg = HiCacheConfig(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
-    with pytest.raises(ValueError, match=r"component 'swa' keeps host copies that L3 records cannot carry"):
-        RadixCache(CacheConfig(sliding_window_size=4), kv_allocator=kv, hicache=cfg)
+    cache = RadixCache(CacheConfig(sliding_window_size=4), kv_allocator=kv, hicache=cfg)
+    st = cache.storage
+    assert st is not None and st.tag.endswith(";swa=none,last=4")  # index-only: no bytes
+    assert st.end_record_bytes == (0, 0)
+    cache.close_storage()
 
 
 def test_the_sglang_front_end_takes_swa_with_hicache() -> None:
