@@ -1,7 +1,8 @@
 """``python -m bench evict-scaling`` on a small tree: the tree it builds has exactly the
 nodes the module describes, each ``evict(64)`` frees exactly 8 leaves of 8 tokens, and a
 measurement that would evict more leaves than the tree has is refused; SGLang's side (when the
-anchor venv is built) frees the same leaves, and without the venv only ours runs."""
+anchor venv is built and the SGLang-side bench script given) frees the same leaves, and without
+the venv only ours runs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,18 @@ import json
 import pytest
 
 from bench.dev.compare import evict_scaling
-from tests.sglang.test_sglang_differential import anchor_missing
+from tests.helpers.sglang_anchor import anchor_missing
+
+
+def sglang_side_missing() -> str | None:
+    """Why SGLang's side cannot run here, or ``None``: the anchor venv, and the SGLang-side
+    bench script (not part of this repository: ``HPC_SGLANG_ANCHOR_SCRIPT``)."""
+    if (why := anchor_missing()) is not None:
+        return why
+    if not evict_scaling.DEFAULT_ANCHOR_SCRIPT:
+        return ("no SGLang-side bench script (it is not part of this repository; set "
+                "HPC_SGLANG_ANCHOR_SCRIPT to run this test)")
+    return None
 
 
 def test_small_run_frees_whole_leaves(capsys: pytest.CaptureFixture[str]) -> None:
@@ -51,7 +63,7 @@ def test_without_the_anchor_only_ours_runs(capsys: pytest.CaptureFixture[str]) -
     assert "SGLang anchor venv not found: /nonexistent/python" in out.err
 
 
-@pytest.mark.skipif(anchor_missing() is not None, reason=str(anchor_missing()))
+@pytest.mark.skipif(sglang_side_missing() is not None, reason=str(sglang_side_missing()))
 def test_sglang_side_frees_the_same_leaves(capsys: pytest.CaptureFixture[str]) -> None:
     """SGLang's caches on the same small tree free 8 whole leaves per ``evict(64)``, as ours;
     a size above ``--sglang-max-nodes`` runs ours only."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import struct
 import subprocess
@@ -43,10 +42,9 @@ from hicache import HiCacheConfig
 from radix import CacheConfig, RadixCache
 from tests.helpers.engine_kv_schemas import DECODERS, decodes
 from tests.helpers.isolated import run_python
+from tests.helpers.sglang_anchor import ANCHOR_DIR, ANCHOR_PY, anchor_missing
 
 REPO = Path(__file__).resolve().parents[2]
-ANCHOR_PY = Path(os.environ.get("HPC_SGLANG_ANCHOR_PYTHON", "/tmp/sglang-anchor/bin/python"))
-ANCHOR_DIR = Path(os.environ.get("HPC_SGLANG_ANCHOR_DIR", REPO.parent / "shared" / "anchors"))
 
 
 def hybrid(host: bool = False, size: int = 64, states: int = 8) -> tuple[RadixCache, Any, Any]:
@@ -268,13 +266,6 @@ def test_a_router_counts_the_usable_hits_of_a_hybrid_model() -> None:
 
 
 # ------------------------------------------------------------- SGLang's own classes (anchor)
-def anchor_missing() -> str | None:
-    if not ANCHOR_PY.exists():
-        return (f"the SGLang anchor environment is not built ({ANCHOR_PY} missing: run "
-                "../shared/anchors/setup.sh)")
-    return None
-
-
 ANCHOR_DECODE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])

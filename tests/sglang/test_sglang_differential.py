@@ -10,10 +10,10 @@ that give it that release's rules: ``state_recency="path"``, ``stateless_leaf="p
 branching point, ``mamba_exist``, evicted counts), the sizes after it and the exact sets of KV slots and state slots the cache
 gave back during it must be equal, operation by operation.
 
-SGLang runs in the anchor environment (``../shared/anchors/setup.sh``; default
+SGLang runs in the anchor environment (built by ``.ci/sglang-anchor-up``; default
 ``/tmp/sglang-anchor``), as a subprocess (``tests/sglang/anchor/sglang_driver.py``): these tests skip,
 saying why, where it is not built. ``HPC_SGLANG_ANCHOR_PYTHON`` / ``HPC_SGLANG_ANCHOR_DIR``
-point elsewhere; ``HPC_SGLANG_DIFF_SEQUENCES`` / ``HPC_SGLANG_DIFF_OPS`` scale the run.
+point elsewhere (``tests/helpers/sglang_anchor.py``); ``HPC_SGLANG_DIFF_SEQUENCES`` / ``HPC_SGLANG_DIFF_OPS`` scale the run.
 
 The slot ids come from this library's allocators (real pools); SGLang's side gets the same
 ids in the script and only records what it frees.
@@ -43,10 +43,9 @@ from radix.sglang import (
     ReqToTokenPool,
     UnifiedRadixCache,
 )
+from tests.helpers.sglang_anchor import ANCHOR_DIR, ANCHOR_PY, anchor_missing, legacy_missing
 
 REPO = Path(__file__).resolve().parents[2]
-ANCHOR_PY = Path(os.environ.get("HPC_SGLANG_ANCHOR_PYTHON", "/tmp/sglang-anchor/bin/python"))
-ANCHOR_DIR = Path(os.environ.get("HPC_SGLANG_ANCHOR_DIR", REPO.parent / "shared" / "anchors"))
 DRIVER = REPO / "tests" / "sglang" / "anchor" / "sglang_driver.py"
 SEQUENCES = int(os.environ.get("HPC_SGLANG_DIFF_SEQUENCES", "8"))
 OPS = int(os.environ.get("HPC_SGLANG_DIFF_OPS", "300"))
@@ -62,26 +61,6 @@ CONFIGS = [("kv", "radix", 1), ("kv", "radix", 16), ("kv", "unified", 1),
 LEGACY = "mamba-0.5.12"
 LEGACY_RULES: dict[str, Any] = dict(state_recency="path", stateless_leaf="prune",
                                     match_recency="usable")
-
-
-def anchor_missing() -> str | None:
-    """Why SGLang cannot be run here, or ``None``."""
-    if not ANCHOR_PY.exists():
-        return f"the SGLang anchor environment is not built ({ANCHOR_PY} missing: run ../shared/anchors/setup.sh)"
-    if not (ANCHOR_DIR / "sglang_cpu_shim.py").exists():
-        return f"{ANCHOR_DIR}/sglang_cpu_shim.py missing"
-    return None
-
-
-def legacy_missing() -> str | None:
-    """Why SGLang 0.5.12 cannot be run here, or ``None`` (the anchor's setup.sh unpacks it
-    into ``older/x_0.5.12`` of the environment)."""
-    if (why := anchor_missing()) is not None:
-        return why
-    older = ANCHOR_PY.parents[1] / "older" / "x_0.5.12"
-    if not older.is_dir():
-        return f"SGLang 0.5.12 is not unpacked in the anchor environment ({older} missing)"
-    return None
 
 
 # ============================================================== our side

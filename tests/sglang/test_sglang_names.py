@@ -6,10 +6,8 @@ of ``evict_policy`` (each ordering nodes as the cache's own eviction does), the 
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
-from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -26,6 +24,7 @@ from radix.sglang.evict_policy import (
     SLRUStrategy,
     TLRUStrategy,
 )
+from tests.helpers.sglang_anchor import ANCHOR_DIR, ANCHOR_PY, anchor_missing
 
 #: SGLang's formulas (evict_policy.py), written from its documentation, on a node's fields.
 SGLANG_FORMULA = {
@@ -126,9 +125,6 @@ def test_lora_get_eviction_policy() -> None:
 
 
 # ------------------------------------------------------------- SGLang's own classes (anchor)
-ANCHOR_PY = Path(os.environ.get("HPC_SGLANG_ANCHOR_PYTHON", "/tmp/sglang-anchor/bin/python"))
-ANCHOR_DIR = Path(os.environ.get("HPC_SGLANG_ANCHOR_DIR",
-                                 Path(__file__).resolve().parents[3] / "shared" / "anchors"))
 ANCHOR_PRIORITIES = """
 import json, sys
 from types import SimpleNamespace
@@ -147,13 +143,6 @@ for name, knobs in job["policies"].items():
         _tlru_cached_prefix_len=n["start"] + n["len"], **n["fields"])) for n in job["nodes"]]
 print(json.dumps(out))
 """
-
-
-def anchor_missing() -> str | None:
-    if not ANCHOR_PY.exists():
-        return (f"the SGLang anchor environment is not built ({ANCHOR_PY} missing: run "
-                "../shared/anchors/setup.sh)")
-    return None
 
 
 @pytest.mark.skipif(anchor_missing() is not None, reason=str(anchor_missing()))

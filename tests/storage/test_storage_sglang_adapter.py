@@ -18,6 +18,7 @@ import torch
 
 from hicache.storage import FileStore, register_backend, unregister_backend
 from hicache.storage.sglang_adapter import SGLangStorageAdapter, page_key_of, sglang_tag
+from tests.helpers.sglang_anchor import ANCHOR_DIR, ANCHOR_PY, anchor_missing
 from tests.helpers.sglang_host_pool import HostPool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -153,8 +154,6 @@ def test_registered_backends_and_bad_settings(tmp_path: Any, adapters: list[Any]
 
 
 # ---------------------------------------------------------------- SGLang's own loader (anchor)
-ANCHOR_PY = Path(os.environ.get("HPC_SGLANG_ANCHOR_PYTHON", "/tmp/sglang-anchor/bin/python"))
-ANCHOR_DIR = Path(os.environ.get("HPC_SGLANG_ANCHOR_DIR", REPO.parent / "shared" / "anchors"))
 ANCHOR_SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -182,15 +181,6 @@ print(json.dumps({"base": isinstance(backend, HiCacheStorage), "type": type(back
                   "equal": bool(torch.equal(pool2.buf[8:16], pool.buf[0:8])),
                   "pages": pool.buf[0:8].flatten().tolist()}))
 """
-
-
-def anchor_missing() -> str | None:
-    if not ANCHOR_PY.exists():
-        return (f"the SGLang anchor environment is not built ({ANCHOR_PY} missing: run "
-                "../shared/anchors/setup.sh)")
-    if not (ANCHOR_DIR / "sglang_cpu_shim.py").exists():
-        return f"the anchor's CPU shim is missing ({ANCHOR_DIR}; set HPC_SGLANG_ANCHOR_DIR)"
-    return None
 
 
 @pytest.mark.skipif(anchor_missing() is not None, reason=str(anchor_missing()))

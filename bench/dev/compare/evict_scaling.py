@@ -20,8 +20,9 @@ block), ``us_per_call``, ``nodes_per_call``, ``blocks_us_per_node`` (every block
 ``--sglang radix unified-rust`` also times SGLang's KV caches (``radix``: the Python
 ``RadixCache``; ``unified-python`` / ``unified-rust``: ``UnifiedRadixCache`` with its Python or
 Rust tree core) on the same tree, the same tokens and the same timed blocks, each in its own
-process of the anchor venv (``../shared/anchors``, as ``python -m bench compare`` runs it; skipped
-with a message when the venv is missing). Their allocator is the anchor's counting stub (a free
+process of the anchor venv (``.ci/sglang-anchor-up``), through the SGLang-side bench script's
+``build`` (``--anchor-script``, as ``python -m bench compare`` runs it; skipped with a message
+when the venv or the script is missing). Their allocator is the anchor's counting stub (a free
 only counts), so their blocks time the tree alone while ours include the real frees. One more
 JSON line per impl and size, with ``ours_speedup`` (their ``us_per_node`` over ours). Sizes above
 ``--sglang-max-nodes`` (default 100,000) are not run on their side: SGLang's ``evict`` collects
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     args = evict_scaling_parser().parse_args(argv)
     torch.set_num_threads(1)
     args.anchor_python = args.anchor_python or DEFAULT_ANCHOR_PYTHON
-    args.anchor_script = args.anchor_script or str(DEFAULT_ANCHOR_SCRIPT)
+    args.anchor_script = args.anchor_script or DEFAULT_ANCHOR_SCRIPT
     impls: list[str] = args.sglang
     if impls:
         why = anchor_available(args)

@@ -82,8 +82,9 @@ def evict_scaling_parser() -> argparse.ArgumentParser:
                     help="largest tree SGLang's side runs on (its evict is O(leaves) per "
                          "call; default 100,000)")
     ap.add_argument("--anchor-python", default=None,
-                    help="the anchor venv's python (default /tmp/sglang-anchor/bin/python)")
+                    help="the anchor venv's python (default $HPC_SGLANG_ANCHOR_PYTHON, else "
+                         "/tmp/sglang-anchor/bin/python)")
     ap.add_argument("--anchor-script", default=None,
-                    help="the anchor's sglang_radix_bench.py (default "
-                         "../shared/anchors/sglang_radix_bench.py beside the repository)")
+                    help="the SGLang-side bench script whose build() the child calls (not "
+                         "in this repository; default $HPC_SGLANG_ANCHOR_SCRIPT)")
     return ap

@@ -3,7 +3,7 @@
     python -m bench radix-ops --workload sysprompt|multiturn [--states] [--page-size P]
         [--capacity N --mamba-capacity M --policy lru --allocator real|counter]
 
-Reproduces ``../shared/anchors/sglang_radix_bench.py`` exactly: the same seeded generator
+Reproduces the SGLang-side bench script of ``python -m bench compare`` exactly: the same seeded generator
 (same ``random.Random`` call sequence, sizes and defaults), the same per-request steps, the
 same capacities, and prints one JSON line with the same fields. Per request:
 

@@ -4,8 +4,10 @@
     python -m bench compare --reps 5 --impls radix unified-rust --workloads sysprompt
     python -m bench compare --anchor-python /path/to/venv/bin/python --json out.json
 
-Runs ``../shared/anchors/sglang_radix_bench.py`` (SGLang 0.5.23, in the anchor venv built by
-its ``setup.sh``; default ``/tmp/sglang-anchor``) and ``python -m bench radix-ops`` back to
+Runs an SGLang-side bench script (``--anchor-script`` or ``HPC_SGLANG_ANCHOR_SCRIPT``; it is not
+part of this repository: it takes ``--impl IMPL --workload W --page-size P --policy NAME`` and
+prints one JSON line) in the anchor venv (SGLang 0.5.23, built by ``.ci/sglang-anchor-up``;
+default ``/tmp/sglang-anchor``) and ``python -m bench radix-ops`` back to
 back, one process per run, interleaved: every repetition runs every configuration once, and
 odd repetitions run them in reverse order, so drifting machine load hits both sides alike.
 Each SGLang run is paired with our run of the same repetition and workload (KV-only impls
@@ -23,8 +25,8 @@ workload, divided by the tokens it holds then. Two measures, each in its own pro
 tensor storage, Rust) and ``tracemalloc`` (the Python heap only: tensor storage and the Rust
 core's memory are invisible to it).
 
-Without the anchor venv (or ``--anchor-python``) the SGLang side is skipped with a message and
-only our figures are printed.
+Without the anchor venv (or ``--anchor-python``) or the SGLang-side script, the SGLang side is
+skipped with a message and only our figures are printed.
 """
 
 from __future__ import annotations
@@ -44,8 +46,11 @@ from typing import Any
 from bench.cli import new_parser, output_path
 
 REPO = Path(__file__).resolve().parents[3]
-DEFAULT_ANCHOR_PYTHON = "/tmp/sglang-anchor/bin/python"
-DEFAULT_ANCHOR_SCRIPT = REPO.parent / "shared" / "anchors" / "sglang_radix_bench.py"
+DEFAULT_ANCHOR_PYTHON = os.environ.get("HPC_SGLANG_ANCHOR_PYTHON", "/tmp/sglang-anchor/bin/python")
+#: The SGLang-side bench script (not in this repository; "" when none is given).
+DEFAULT_ANCHOR_SCRIPT = os.environ.get("HPC_SGLANG_ANCHOR_SCRIPT", "")
+#: The import-time stand-ins for triton / torchvision the anchor venv imports first.
+ANCHOR_DIR = Path(os.environ.get("HPC_SGLANG_ANCHOR_DIR", REPO / "tests" / "sglang" / "anchor"))
 ALL_IMPLS = ["radix", "unified-python", "unified-rust", "unified-mamba-python", "unified-mamba-rust"]
 DEFAULT_IMPLS = ["radix", "unified-python", "unified-rust", "unified-mamba-rust"]
 SHORT = {
@@ -126,12 +131,14 @@ def anchor_available(args: argparse.Namespace) -> str | None:
     venv imports SGLang's radix caches (checked before a long run starts, in seconds)."""
     if not Path(args.anchor_python).exists():
         return (f"SGLang anchor venv not found: {args.anchor_python} does not exist "
-                f"(build it with {DEFAULT_ANCHOR_SCRIPT.parent / 'setup.sh'}, or pass "
-                "--anchor-python PATH); skipping the SGLang side")
-    script = Path(args.anchor_script)
-    if not script.exists():
+                "(build it with .ci/sglang-anchor-up, or pass --anchor-python PATH); "
+                "skipping the SGLang side")
+    if not args.anchor_script:
+        return ("no SGLang-side bench script (not part of this repository: pass --anchor-script "
+                "PATH or set HPC_SGLANG_ANCHOR_SCRIPT); skipping the SGLang side")
+    if not Path(args.anchor_script).exists():
         return f"anchor script not found: {args.anchor_script} (pass --anchor-script PATH)"
-    probe = (f"import sys; sys.path.insert(0, {str(script.parent)!r}); import sglang_cpu_shim; "
+    probe = (f"import sys; sys.path.insert(0, {str(ANCHOR_DIR)!r}); import sglang_cpu_shim; "
              "import sglang.srt.mem_cache.radix_cache, sglang.srt.mem_cache.unified_radix_cache")
     try:
         p = subprocess.run([args.anchor_python, "-c", probe], capture_output=True, text=True,
@@ -445,7 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--memory-impls", nargs="+", choices=ALL_IMPLS,
                     default=["radix", "unified-python", "unified-rust", "unified-mamba-rust"])
     ap.add_argument("--anchor-python", default=DEFAULT_ANCHOR_PYTHON)
-    ap.add_argument("--anchor-script", default=str(DEFAULT_ANCHOR_SCRIPT))
+    ap.add_argument("--anchor-script", default=DEFAULT_ANCHOR_SCRIPT,
+                    help="the SGLang-side bench script (default $HPC_SGLANG_ANCHOR_SCRIPT)")
     ap.add_argument("--page-size", type=int, default=1, help="tokens per KV page (default 1)")
     ap.add_argument("--policy", default="lru", help="eviction policy on both sides (default lru)")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",

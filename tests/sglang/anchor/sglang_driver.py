@@ -7,7 +7,7 @@ project: ``tests/sglang/test_sglang_differential.py`` starts it as a subprocess.
 ``ANCHOR_DIR`` holds ``sglang_cpu_shim`` (import-time stand-ins for triton / torchvision).
 The script is ``{"variant": "kv" | "mamba", "impl": "unified" | "radix" | "mamba-0.5.12",
 "page_size": P, "policy": NAME, "ops": [...]}`` (``mamba-0.5.12``: SGLang 0.5.12's
-``MambaRadixCache``, page size 1, from the copy the anchor's setup.sh unpacks; one process
+``MambaRadixCache``, page size 1, from the copy ``.ci/sglang-anchor-up`` unpacks; one process
 runs one release); each op is a list:
 
     ["insert", key, value, prev_prefix_len, state | null]
@@ -34,7 +34,7 @@ SG = types.SimpleNamespace()
 
 
 def load_legacy() -> None:
-    """Import SGLang 0.5.12's ``MambaRadixCache`` (unpacked by the anchor's setup.sh in the
+    """Import SGLang 0.5.12's ``MambaRadixCache`` (unpacked by ``.ci/sglang-anchor-up`` in the
     environment, ``older/x_0.5.12``) into ``SG``."""
     sys.path.insert(0, f"{sys.prefix}/older/x_0.5.12")
     import importlib
