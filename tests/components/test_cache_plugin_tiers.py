@@ -33,12 +33,13 @@ from hicache.host_pools import Lane
 from hicache.storage import layout_tag
 from radix import CacheConfig, RadixCache
 from tests.helpers.cache_helpers import bits, random_bits
+from tests.helpers.slot_tier_hooks import OneSlotTierHooks
 
 DIM = 4
 FIELD = "num_summaries"
 
 
-class Summary(Component):
+class Summary(OneSlotTierHooks, Component):
     """A summary vector per node, valid at the node's end (see the module docstring)."""
 
     name = "summary"
@@ -50,12 +51,6 @@ class Summary(Component):
         self.table = torch.zeros(size + 1, DIM)
         self.order: dict[Any, None] = {}  # nodes with a device vector, oldest first
         self.host_table = torch.zeros(0, DIM)
-
-    @staticmethod
-    def _ext(node: Any) -> dict[str, int]:
-        if node.ext is None:
-            node.ext = {}
-        return node.ext
 
     # ---------------------------------------------------------- device
     def check_value(self, n: int, value: Any) -> None:
@@ -115,36 +110,9 @@ class Summary(Component):
         lane = Lane("summary", (self.table,), self.table.unsqueeze(0), store, slot_first=True)
         return self.allocator, host, (lane,)
 
-    def has_device(self, node: Any) -> bool:
-        return "dev" in self._ext(node)
-
-    def host_copy(self, node: Any) -> torch.Tensor | None:
-        h = self._ext(node).get("host")
-        return None if h is None else torch.tensor([h])
-
-    def backup_size(self, node: Any) -> int:
-        ext = self._ext(node)
-        return int("dev" in ext and "host" not in ext)
-
-    def backup(self, node: Any, host: torch.Tensor) -> torch.Tensor:
-        ext = self._ext(node)
-        ext["host"] = int(host[0])
-        return torch.tensor([ext["dev"]])
-
-    def restore_size(self, node: Any, last: bool) -> int:
-        ext = self._ext(node)
-        return int("host" in ext and "dev" not in ext)
-
     def restore(self, node: Any, device: torch.Tensor, now: int) -> torch.Tensor:
-        ext = self._ext(node)
-        ext["dev"] = int(device[0])
         self.order[node] = None
-        return torch.tensor([ext["host"]])
-
-    def drop_host(self, node: Any) -> None:
-        h = self._ext(node).pop("host", None)
-        if h is not None:
-            self.host_allocator.free(torch.tensor([h]))
+        return super().restore(node, device, now)
 
     # -------------------------------------------------------------- L3
     def l3_layout(self) -> str:
