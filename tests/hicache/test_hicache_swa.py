@@ -25,11 +25,12 @@ from typing import Any
 import pytest
 import torch
 
-from allocators import KVPool, MambaStatePool, SWAAllocator, TokenAllocator
+from allocators import SWAAllocator, TokenAllocator
 from components.base import Component
 from hicache import HiCacheConfig
 from radix import CacheConfig, RadixCache
-from tests.helpers.cache_helpers import bits, node_slots, random_bits
+from tests.helpers.cache_helpers import bits, node_slots
+from tests.helpers.swa_hicache import SWAHostRig
 from tests.hicache.test_hicache_common import (
     FailAllocs,
     assert_same,
@@ -44,24 +45,12 @@ W = 4  # the sliding window [tokens]
 KEY = list(range(1, 17))
 
 
-class SWAH:
+class SWAH(SWAHostRig):
     """One SWA cache with a host tier and every pool around it."""
 
     def __init__(self, page_size: int = 1, states: int = 0, policy: str = "write_through") -> None:
-        self.full = KVPool(32, 2, 1, 2, torch.float32, "cpu", page_size=page_size)
-        self.swa = KVPool(16, 2, 1, 2, torch.float32, "cpu", page_size=page_size)
-        self.kv = SWAAllocator(32, 16, page_size, full_pool=self.full, swa_pool=self.swa)
-        self.sp = (MambaStatePool(states, num_layers=2, conv_state_shape=(2,),
-                                  ssm_state_shape=(2, 2)) if states else None)
-        self.cache = RadixCache(
-            CacheConfig(page_size=page_size, sliding_window_size=W), kv_allocator=self.kv,
-            state_allocator=self.sp,
-            hicache=HiCacheConfig(hicache_ratio=2.0, hicache_write_policy=policy,
-                                  load_back_threshold=1))
-        hc = self.cache.hicache
-        assert hc is not None
-        self.hc = hc
-        self.gen = torch.Generator().manual_seed(37)
+        super().__init__(32, 16, page_size, W, dim=2, states=states, state_dims=((2,), (2, 2)),
+                         policy=policy)
 
     def pools(self) -> dict[str, Any]:
         """Every allocator a load-back or a backup takes from, by name."""
@@ -71,36 +60,6 @@ class SWAH:
             out["device state"] = self.sp
             out["host state"] = self.hc.pools["state"].host
         return out
-
-    def insert(self, key: list[int], prefix: torch.Tensor | None = None,
-               tombstone: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-        """Insert ``key``: fresh slots (random full and SWA KV) after ``prefix``; the first
-        ``tombstone`` new tokens' SWA KV released before (as a request's out-of-window KV);
-        a fresh state (random) on a hybrid cache. Returns (fresh slots, full K bits, SWA K
-        bits, state bits) for the new tokens."""
-        prefix = prefix if prefix is not None else torch.empty(0, dtype=torch.int64)
-        fresh = self.kv.alloc(len(key) - len(prefix))
-        assert fresh is not None
-        shape = (2, len(fresh), 1, 2)
-        fk = random_bits(shape, torch.float32, self.gen)
-        sk = random_bits(shape, torch.float32, self.gen)
-        self.full.k_all[:, fresh] = fk
-        self.full.v_all[:, fresh] = -fk
-        self.swa.k_all[:, self.kv.translate(fresh)] = sk
-        self.swa.v_all[:, self.kv.translate(fresh)] = -sk
-        if tombstone:
-            self.kv.free_swa(fresh[:tombstone])
-        slot = st = None
-        if self.sp is not None:
-            got = self.sp.alloc(1)
-            assert got is not None
-            slot = int(got[0])
-            st = random_bits(tuple(self.sp.conv[:, slot].shape), torch.float32, self.gen)
-            self.sp.conv[:, slot] = st
-        res = self.cache.insert(key, torch.cat([prefix, fresh]), state_slot=slot)
-        assert len(res.duplicate_indices) == 0
-        self.cache.sanity_check()
-        return fresh, fk, sk, st
 
     def snapshot(self) -> dict[str, Any]:
         c = self.cache

@@ -34,12 +34,10 @@ from typing import Any
 import pytest
 import torch
 
-from allocators import KVPool, MambaStatePool, SWAAllocator
 from components.swa import SWAComponent
-from hicache import HiCacheConfig
 from hicache.storage import end_key, page_hashes
-from radix import CacheConfig, RadixCache
-from tests.helpers.cache_helpers import bits, free_leftovers, random_bits
+from tests.helpers.cache_helpers import bits, free_leftovers
+from tests.helpers.swa_hicache import SWAHostRig
 from tests.hicache.test_hicache_common import node_at
 
 W = 6  # the sliding window [tokens]
@@ -69,57 +67,18 @@ def fresh_model(name: str) -> str:
     return f"{name}-{os.getpid()}-{torch.randint(1 << 30, ()).item()}"
 
 
-class SWAL3:
+class SWAL3(SWAHostRig):
     """One SWA cache with a host tier and L3, and every pool around it."""
 
     def __init__(self, where: dict[str, Any], model: str, states: int = 0,
                  page_size: int = PS, window: int = W, layout: str = "page_first",
                  policy: str = "write_through") -> None:
-        self.full = KVPool(64, 2, 1, 2, torch.float32, "cpu", page_size=page_size)
-        self.swa = KVPool(32, 2, 1, 2, torch.float32, "cpu", page_size=page_size)
-        self.kv = SWAAllocator(64, 32, page_size, full_pool=self.full, swa_pool=self.swa)
-        self.sp = (MambaStatePool(states, num_layers=2, conv_state_shape=(2,),
-                                  ssm_state_shape=(2, 2)) if states else None)
-        self.cache = RadixCache(
-            CacheConfig(page_size=page_size, sliding_window_size=window), kv_allocator=self.kv,
-            state_allocator=self.sp,
-            hicache=HiCacheConfig(hicache_ratio=2.0, hicache_write_policy=policy,
-                                  load_back_threshold=1, hicache_mem_layout=layout,
-                                  hicache_storage_prefetch_policy="wait_complete",
-                                  hicache_storage_model=model, **where))
-        hc = self.cache.hicache
-        assert hc is not None and self.cache.storage is not None
-        self.hc = hc
-
-    def insert(self, key: list[int], prefix: torch.Tensor | None = None, tombstone: int = 0
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Insert ``key``: fresh slots (random full and SWA KV; V is -K) after ``prefix``; the
-        first ``tombstone`` new tokens' SWA KV released before (out of a request's window);
-        a fresh random state on a hybrid cache. Returns (full K, SWA K, state conv) bits of
-        the new tokens."""
-        prefix = prefix if prefix is not None else torch.empty(0, dtype=torch.int64)
-        fresh = self.kv.alloc(len(key) - len(prefix))
-        assert fresh is not None
-        shape = (2, len(fresh), 1, 2)
-        fk = random_bits(shape, torch.float32, GEN)
-        sk = random_bits(shape, torch.float32, GEN)
-        self.full.k_all[:, fresh] = fk
-        self.full.v_all[:, fresh] = -fk
-        self.swa.k_all[:, self.kv.translate(fresh)] = sk
-        self.swa.v_all[:, self.kv.translate(fresh)] = -sk
-        if tombstone:
-            self.kv.free_swa(fresh[:tombstone])
-        slot = st = None
-        if self.sp is not None:
-            got = self.sp.alloc(1)
-            assert got is not None
-            slot = int(got[0])
-            st = random_bits(tuple(self.sp.conv[:, slot].shape), torch.float32, GEN)
-            self.sp.conv[:, slot] = st
-        res = self.cache.insert(key, torch.cat([prefix, fresh]), state_slot=slot)
-        assert len(res.duplicate_indices) == 0
-        self.cache.sanity_check()
-        return fk, sk, st
+        super().__init__(64, 32, page_size, window, dim=2, states=states,
+                         state_dims=((2,), (2, 2)), policy=policy, gen=GEN,
+                         hicache_mem_layout=layout,
+                         hicache_storage_prefetch_policy="wait_complete",
+                         hicache_storage_model=model, **where)
+        assert self.cache.storage is not None
 
     def empty(self) -> None:
         """Evict every device node (each demoted: write-through) and every host copy."""
@@ -199,7 +158,7 @@ def test_an_swa_prefix_read_back_from_l3_is_usable_and_bit_exact(
     a = SWAL3(store, model, states)
     b = SWAL3(store, model, states) if reader == "fresh cache" else a
     try:
-        fk, sk, conv = a.insert(KEY[:24])
+        _, fk, sk, conv = a.insert(KEY[:24])
         assert a.cache.flush_storage(10)
         assert a.cache.stats()["l3_backup_written"] == 6 + 1  # six pages, one end record
         if b is a:
@@ -231,9 +190,9 @@ def test_the_span_gathers_the_swa_kv_of_several_nodes(store: dict[str, Any], lay
     model = fresh_model("swa-l3-gather")
     a, b = SWAL3(store, model, layout=layout), SWAL3(store, model, layout=layout)
     try:
-        fk1, sk1, _ = a.insert(KEY[:8])
+        _, fk1, sk1, _ = a.insert(KEY[:8])
         pa = a.cache.match_prefix(KEY[:8]).device_indices
-        fk2, sk2, _ = a.insert(KEY[:12], prefix=pa)
+        _, fk2, sk2, _ = a.insert(KEY[:12], prefix=pa)
         assert a.cache.flush_storage(10)
         assert a.cache.stats()["l3_backup_written"] == 3 + 2
         m = b.cache.match_prefix(KEY[:12])
@@ -252,7 +211,7 @@ def test_the_usable_length_is_where_an_end_record_lies(tmp_path: Any) -> None:
     of [0, 24): all 24, [0, 16) a tombstone."""
     where = file_store(tmp_path)
     a = SWAL3(where, "m")
-    fk, sk, _ = a.insert(KEY[:24], tombstone=8)
+    _, fk, sk, _ = a.insert(KEY[:24], tombstone=8)
     t, live = node_at(a.cache, KEY[:8]), node_at(a.cache, KEY[:24])
     assert (t.swa_tombstone, live.swa_tombstone) == (True, False)
     assert a.cache.flush_storage(10)
@@ -274,9 +233,9 @@ def test_a_chain_shorter_than_the_span_takes_the_records_last_tokens(tmp_path: A
     the last 4 of the record's 8, below a live path: usable."""
     where = file_store(tmp_path)
     a, b = SWAL3(where, "m"), SWAL3(where, "m")
-    fk, sk, _ = a.insert(KEY[:24])
+    _, fk, sk, _ = a.insert(KEY[:24])
     assert a.cache.flush_storage(10)
-    fk_b, sk_b, _ = b.insert(KEY[:20])
+    _, fk_b, sk_b, _ = b.insert(KEY[:20])
     m = b.cache.match_prefix(KEY[:24])
     assert (m.prefix_len, m.host_hit_length) == (20, 4)  # the host part past the device
     tail = m.last_host_node
@@ -290,7 +249,7 @@ def test_a_chain_shorter_than_the_span_takes_the_records_last_tokens(tmp_path: A
 def test_a_key_shallower_than_the_span_is_read_back_whole(tmp_path: Any) -> None:
     where = file_store(tmp_path)
     a, b = SWAL3(where, "m"), SWAL3(where, "m")
-    fk, sk, _ = a.insert(KEY[:4])  # the record's first 4 tokens are unused (zero)
+    _, fk, sk, _ = a.insert(KEY[:4])  # the record's first 4 tokens are unused (zero)
     assert a.cache.flush_storage(10)
     m = b.cache.match_prefix(KEY[:4])
     assert (m.prefix_len, m.host_hit_length) == (0, 4)
@@ -345,7 +304,7 @@ def test_an_swa_unpack_that_fails_is_a_miss_that_changes_nothing(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     where = file_store(tmp_path)
     a, b = SWAL3(where, "m", 4), SWAL3(where, "m", 4)
-    fk, sk, _ = a.insert(KEY[:24])
+    _, fk, sk, _ = a.insert(KEY[:24])
     assert a.cache.flush_storage(10)
     before = b.snapshot()
 
@@ -514,7 +473,7 @@ def test_an_end_record_waits_while_a_host_copy_is_in_flight(tmp_path: Any) -> No
     a = SWAL3(where, "m")
     hc = a.hc
     hc.hold_completions = True  # copies are issued (on the CPU: run) but not complete
-    fk, sk, _ = a.insert(KEY[:8])
+    _, fk, sk, _ = a.insert(KEY[:8])
     a.insert([100 + t for t in range(8)])
     assert hc.num_inflight == 2
     hc._pending[0][0].released = True  # X's copy (issued first) lands, Y's does not
