@@ -260,17 +260,6 @@ def test_the_plug_in_is_backed_up_demoted_and_loaded_back_bit_exactly() -> None:
 
 
 # =========================================================================== L3
-@pytest.fixture(params=["file", "redis"])
-def store(request: pytest.FixtureRequest, tmp_path: Any) -> dict[str, Any]:
-    """Where L3 lives: the file store, or Redis at ``HPC_REDIS_URL`` (skipped without it)."""
-    if request.param == "file":
-        return {"hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path)}
-    url = os.environ.get("HPC_REDIS_URL")
-    if not url:
-        pytest.skip('HPC_REDIS_URL is not set: eval "$(bash .ci/redis-up)"')
-    return {"hicache_storage_backend": "redis", "hicache_storage_url": url}
-
-
 def l3_config(where: dict[str, Any], model: str) -> HiCacheConfig:
     return HiCacheConfig(hicache_ratio=2.0, load_back_threshold=1,
                          hicache_write_policy="write_through",
@@ -278,11 +267,11 @@ def l3_config(where: dict[str, Any], model: str) -> HiCacheConfig:
                          hicache_storage_model=model, **where)
 
 
-def test_the_plug_in_is_served_from_l3_bit_exactly(store: dict[str, Any]) -> None:
+def test_the_plug_in_is_served_from_l3_bit_exactly(l3_store: dict[str, Any]) -> None:
     model = f"plugin-{os.getpid()}-{torch.randint(1 << 30, ()).item()}"
     sa, sb = Summary(4), Summary(4)
-    a, kv_a = kv_cache(sa, page_size=2, hicache=l3_config(store, model))
-    b, kv_b = kv_cache(sb, page_size=2, hicache=l3_config(store, model))
+    a, kv_a = kv_cache(sa, page_size=2, hicache=l3_config(l3_store, model))
+    b, kv_b = kv_cache(sb, page_size=2, hicache=l3_config(l3_store, model))
     try:
         assert a.storage is not None and a.storage.tag.endswith(f";summary={DIM}:float32")
         assert a.storage.end_record_bytes == (DIM * 4, 0)
@@ -363,13 +352,13 @@ def test_kv_state_records_and_tag_keep_their_format(tmp_path: Any) -> None:
 
 
 def test_state_and_plug_in_end_sections_share_one_record_bit_exactly(
-        store: dict[str, Any]) -> None:
+        l3_store: dict[str, Any]) -> None:
     """A hybrid cache with the plug-in: the record at a page end holds the state's conv and
     ssm and the plug-in's vector; a second cache reads all three back."""
     model = f"plugin-state-{os.getpid()}-{torch.randint(1 << 30, ()).item()}"
     sa, sb = Summary(4), Summary(4)
-    a, kv_a = kv_cache(sa, page_size=2, states=4, hicache=l3_config(store, model))
-    b, kv_b = kv_cache(sb, page_size=2, states=4, hicache=l3_config(store, model))
+    a, kv_a = kv_cache(sa, page_size=2, states=4, hicache=l3_config(l3_store, model))
+    b, kv_b = kv_cache(sb, page_size=2, states=4, hicache=l3_config(l3_store, model))
     try:
         ha, hb = a.hicache, b.hicache
         assert ha is not None and hb is not None

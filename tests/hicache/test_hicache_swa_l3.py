@@ -47,17 +47,6 @@ KEY = list(range(1, 33))
 GEN = torch.Generator().manual_seed(37)
 
 
-@pytest.fixture(params=["file", "redis"])
-def store(request: pytest.FixtureRequest, tmp_path: Any) -> dict[str, Any]:
-    """Where L3 lives: the file store, or Redis at ``HPC_REDIS_URL`` (skipped without it)."""
-    if request.param == "file":
-        return {"hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path)}
-    url = os.environ.get("HPC_REDIS_URL")
-    if not url:
-        pytest.skip('HPC_REDIS_URL is not set: eval "$(bash .ci/redis-up)"')
-    return {"hicache_storage_backend": "redis", "hicache_storage_url": url}
-
-
 def file_store(tmp_path: Any) -> dict[str, Any]:
     return {"hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path)}
 
@@ -151,12 +140,12 @@ def test_a_span_that_is_not_whole_pages_is_refused(tmp_path: Any,
 @pytest.mark.parametrize("states", [0, 4])
 @pytest.mark.parametrize("reader", ["fresh cache", "evicted host"])
 def test_an_swa_prefix_read_back_from_l3_is_usable_and_bit_exact(
-        store: dict[str, Any], states: int, reader: str) -> None:
+        l3_store: dict[str, Any], states: int, reader: str) -> None:
     """[0, 24) live in one node: one end record, at 24, holding the SWA KV of [16, 24). Read
     back: [0, 16) a tombstone, [16, 24) live; the host hit is all 24 tokens."""
     model = fresh_model("swa-l3")
-    a = SWAL3(store, model, states)
-    b = SWAL3(store, model, states) if reader == "fresh cache" else a
+    a = SWAL3(l3_store, model, states)
+    b = SWAL3(l3_store, model, states) if reader == "fresh cache" else a
     try:
         _, fk, sk, conv = a.insert(KEY[:24])
         assert a.cache.flush_storage(10)
@@ -184,11 +173,11 @@ def test_an_swa_prefix_read_back_from_l3_is_usable_and_bit_exact(
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
-def test_the_span_gathers_the_swa_kv_of_several_nodes(store: dict[str, Any], layout: str) -> None:
+def test_the_span_gathers_the_swa_kv_of_several_nodes(l3_store: dict[str, Any], layout: str) -> None:
     """[0, 8) then [8, 12) below it: the record at 12 holds [4, 12), from both nodes' host
     copies; the record at 8 holds [0, 8)."""
     model = fresh_model("swa-l3-gather")
-    a, b = SWAL3(store, model, layout=layout), SWAL3(store, model, layout=layout)
+    a, b = SWAL3(l3_store, model, layout=layout), SWAL3(l3_store, model, layout=layout)
     try:
         _, fk1, sk1, _ = a.insert(KEY[:8])
         pa = a.cache.match_prefix(KEY[:8]).device_indices
