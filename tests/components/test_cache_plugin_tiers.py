@@ -178,6 +178,16 @@ def part(m: Any) -> torch.Tensor:
     return m.parts["summary"]
 
 
+def check_served(cache: RadixCache, kv: Any, m: Any, value: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+    """``m`` serves the summary ``value`` and the K / V ``k`` / ``v`` (bit-exactly), and the
+    cache's invariants hold."""
+    assert torch.equal(bits(part(m)), bits(value))
+    assert torch.equal(bits(kv.pool.k_all[:, m.device_indices]), bits(k))
+    assert torch.equal(bits(kv.pool.v_all[:, m.device_indices]), bits(v))
+    cache.sanity_check()
+
+
 # ======================================================================= device
 def test_a_per_insert_value_lands_at_the_key_end_and_is_the_match_part() -> None:
     s = Summary(4)
@@ -252,11 +262,7 @@ def test_the_plug_in_is_backed_up_demoted_and_loaded_back_bit_exactly() -> None:
     assert cache.load_back(node) == 8
     m = cache.match_prefix(K[:8])
     assert m.prefix_len == 8 and node.ext["dev"] != int(taken[0])
-    assert torch.equal(bits(part(m)), bits(v8))
-    pool = kv.pool
-    assert torch.equal(bits(pool.k_all[:, m.device_indices]), bits(k))
-    assert torch.equal(bits(pool.v_all[:, m.device_indices]), bits(v))
-    cache.sanity_check()
+    check_served(cache, kv, m, v8, k, v)
 
 
 # =========================================================================== L3
@@ -289,10 +295,7 @@ def test_the_plug_in_is_served_from_l3_bit_exactly(l3_store: dict[str, Any]) -> 
         assert b.load_back(node) == 8
         m = b.match_prefix(K[:8])
         assert m.prefix_len == 8
-        assert torch.equal(bits(part(m)), bits(v8))
-        assert torch.equal(bits(kv_b.pool.k_all[:, m.device_indices]), bits(k))
-        assert torch.equal(bits(kv_b.pool.v_all[:, m.device_indices]), bits(v))
-        b.sanity_check()
+        check_served(b, kv_b, m, v8, k, v)
     finally:
         a.close_storage()
         b.close_storage()
@@ -386,10 +389,7 @@ def test_state_and_plug_in_end_sections_share_one_record_bit_exactly(
         assert m.prefix_len == 8 and m.state_slot is not None
         assert torch.equal(bits(spb.conv[:, m.state_slot]), bits(conv))
         assert torch.equal(bits(spb.ssm[:, m.state_slot]), bits(ssm))
-        assert torch.equal(bits(part(m)), bits(v8))
-        assert torch.equal(bits(kv_b.pool.k_all[:, m.device_indices]), bits(k))
-        assert torch.equal(bits(kv_b.pool.v_all[:, m.device_indices]), bits(v))
-        b.sanity_check()
+        check_served(b, kv_b, m, v8, k, v)
     finally:
         a.close_storage()
         b.close_storage()
