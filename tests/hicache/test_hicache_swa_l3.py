@@ -36,7 +36,7 @@ import torch
 
 from components.swa import SWAComponent
 from hicache.storage import end_key, page_hashes
-from tests.helpers.cache_helpers import bits, free_leftovers
+from tests.helpers.cache_helpers import alloc_request, bits, free_leftovers
 from tests.helpers.swa_hicache import SWAHostRig
 from tests.hicache.test_hicache_common import node_at
 
@@ -377,23 +377,11 @@ def serve(h: SWAL3, key: list[int], window: int, rng: random.Random) -> None:
         return
     lock = c.inc_lock_ref(m.last_device_node)
     need = end - n
-    fresh = kv.alloc(need)
-    if fresh is None:
-        c.evict(need)
-        c.evict_swa(need)
-        fresh = kv.alloc(need)
-    slot = None
-    if h.sp is not None:
-        got = h.sp.alloc(1)
-        if got is None:
-            c.evict_states(1)
-            got = h.sp.alloc(1)
-        slot = None if got is None else int(got[0])
-    if fresh is None or (h.sp is not None and slot is None):
-        if fresh is not None:
-            kv.free(fresh)
+    got = alloc_request(c, kv, h.sp, need, swa=True)
+    if got is None:
         c.dec_lock_ref(lock)
         return
+    fresh, slot = got
     h.full.k_all[:, fresh] = sigs(key, n, end, 1)
     h.full.v_all[:, fresh] = sigs(key, n, end, 2)
     h.swa.k_all[:, kv.translate(fresh)] = sigs(key, n, end, 4)
