@@ -20,6 +20,7 @@ tensors), window 4, and optionally a state pool. The host tier mirrors the three
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -60,6 +61,14 @@ class SWAH(SWAHostRig):
             out["device state"] = self.sp
             out["host state"] = self.hc.pools["state"].host
         return out
+
+    def insert_chain(self) -> tuple[Any, Any]:
+        """Insert P = ``KEY[:8]`` and below it Q = ``KEY`` (fresh KV, states when the rig has
+        a state pool); returns (P, Q)."""
+        self.insert(KEY[:8])
+        p = node_at(self.cache, KEY[:8])
+        self.insert(KEY, prefix=self.cache.match_prefix(KEY[:8]).device_indices)
+        return p, node_at(self.cache, KEY)
 
     def snapshot(self) -> dict[str, Any]:
         c = self.cache
@@ -157,14 +166,36 @@ def chain_with_everything(page_size: int) -> tuple[SWAH, Any]:
     ``load_back(Q)``: device full slots, SWA slots and a state slot."""
     h = SWAH(page_size, states=4)
     c = h.cache
-    h.insert(KEY[:8])
-    p = node_at(c, KEY[:8])
-    h.insert(KEY, prefix=c.match_prefix(KEY[:8]).device_indices)
-    q = node_at(c, KEY)
+    p, q = h.insert_chain()
     c.inc_lock_ref(p)
     assert c.evict(8).num_tokens == 8
     c.dec_lock_ref(c.inc_lock_ref(p))
     return h, (p, q)
+
+
+def load_back_allocs(build: Callable[[], tuple[SWAH, Any]]) -> list[str]:
+    """The pools (``SWAH.pools`` names) a load-back of ``build()``'s node allocates from, in
+    order; that load-back brings all 8 tokens and leaves the cache consistent."""
+    h, q = build()
+    with FailAllocs(h.pools()) as f:
+        assert h.cache.load_back(q) == 8
+    h.cache.sanity_check()
+    return f.names
+
+
+def failed_load_backs(build: Callable[[], tuple[SWAH, Any]],
+                      n: int) -> Iterator[tuple[SWAH, Any, dict[str, Any]]]:
+    """For k = 1..``n``: a fresh ``build()`` whose node's load-back fails from its k-th
+    allocation on (``FailAllocs`` mode ``"from"``), so loads nothing and leaves the cache
+    consistent; yields (the rig, the node, the rig's snapshot before the load-back)."""
+    for k in range(1, n + 1):
+        h, q = build()
+        before = h.snapshot()
+        with FailAllocs(h.pools(), k, "from") as f:
+            assert h.cache.load_back(q) == 0
+        assert f.calls[k - 1][2]
+        h.cache.sanity_check()
+        yield h, q, before
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -172,10 +203,7 @@ def test_load_back_failing_at_any_pool_leaves_every_pool_as_before(page_size: in
     def build() -> tuple[SWAH, Any]:
         h = SWAH(page_size, states=4)
         c = h.cache
-        h.insert(KEY[:8])
-        p = node_at(c, KEY[:8])
-        h.insert(KEY, prefix=c.match_prefix(KEY[:8]).device_indices)
-        q = node_at(c, KEY)
+        p, q = h.insert_chain()
         lock = c.inc_lock_ref(p)
         assert c.evict(8).num_tokens == 8
         c.dec_lock_ref(lock)
@@ -185,19 +213,9 @@ def test_load_back_failing_at_any_pool_leaves_every_pool_as_before(page_size: in
         c.sanity_check()
         return h, q
 
-    h, q = build()
-    with FailAllocs(h.pools()) as f:
-        assert h.cache.load_back(q) == 8
-    names = f.names
+    names = load_back_allocs(build)
     assert set(names) == {"device full", "device swa", "device state"}
-    h.cache.sanity_check()
-    for k in range(1, len(names) + 1):
-        h, q = build()
-        before = h.snapshot()
-        with FailAllocs(h.pools(), k, "from") as f:
-            assert h.cache.load_back(q) == 0
-        assert f.calls[k - 1][2]
-        h.cache.sanity_check()
+    for h, q, before in failed_load_backs(build, len(names)):
         after = h.snapshot()
         # what the eviction freed to make room stays freed; nothing else moved
         for key in ("host kv", "host swa", "host state", "controller"):
@@ -219,18 +237,9 @@ def test_load_back_that_cannot_get_some_pool_changes_nothing(page_size: int) -> 
         q = node_at(c, KEY[:8])
         return h, q
 
-    h, q = build()
-    with FailAllocs(h.pools()) as f:
-        assert h.cache.load_back(q) == 8
-    names = f.names
+    names = load_back_allocs(build)
     assert names == ["device full", "device state", "device swa"]  # component order
-    for k in range(1, len(names) + 1):
-        h, q = build()
-        before = h.snapshot()
-        with FailAllocs(h.pools(), k, "from") as f:
-            assert h.cache.load_back(q) == 0
-        assert f.calls[k - 1][2]
-        h.cache.sanity_check()
+    for h, _, before in failed_load_backs(build, len(names)):
         assert_same(before, h.snapshot())
 
 
