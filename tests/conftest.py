@@ -74,6 +74,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(getattr(pytest.mark, mark))
 
 
+@pytest.fixture(params=["file", "redis"])
+def l3_store(request: pytest.FixtureRequest, tmp_path: Any) -> dict[str, Any]:
+    """Where L3 lives (``HiCacheConfig`` storage keys): the file store, or Redis at ``HPC_REDIS_URL`` (skipped without it)."""
+    if request.param == "file":
+        return {"hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path)}
+    url = os.environ.get("HPC_REDIS_URL")
+    if not url:
+        pytest.skip('HPC_REDIS_URL is not set: eval "$(bash .ci/redis-up)"')
+    return {"hicache_storage_backend": "redis", "hicache_storage_url": url}
+
+
 @pytest.fixture
 def caches() -> Iterator[list[Any]]:
     """A list the test appends the caches it builds to; each is ``close()``d at teardown

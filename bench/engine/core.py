@@ -407,21 +407,26 @@ class ReplayEngine:
             kv = alloc.alloc(n)
             if kv is not None:
                 return kv
-            res: EvictResult | None
-            if isinstance(alloc, SWAAllocator):
-                res = self.cache.evict(max(n - alloc.full_available_size(), 0))
-                self._count(res)
-                short = n - alloc.swa_available_size()
-                res = self.cache.evict_swa(short) if short > 0 else None
-            else:
-                res = self.cache.evict(n - alloc.available_size())
-            if res is not None:
-                self._count(res)
+            self._make_kv_room(n)
             kv = alloc.alloc(n)
             if kv is not None:
                 return kv
             if not self._finish_oldest():
                 return None
+
+    def _make_kv_room(self, n: int) -> None:
+        """Evict cached KV so that ``n`` KV slots may fit (the shortfall of ``_alloc_kv``)."""
+        alloc = self.kv_allocator
+        res: EvictResult | None
+        if isinstance(alloc, SWAAllocator):
+            res = self.cache.evict(max(n - alloc.full_available_size(), 0))
+            self._count(res)
+            short = n - alloc.swa_available_size()
+            res = self.cache.evict_swa(short) if short > 0 else None
+        else:
+            res = self.cache.evict(n - alloc.available_size())
+        if res is not None:
+            self._count(res)
 
     def _alloc_state(self, *, finish_running: bool) -> int | torch.Tensor | None:
         """One state slot, evicting a state if needed; then (if allowed) finishing requests.
@@ -434,9 +439,14 @@ class ReplayEngine:
             t = take()
             if t is not None:
                 return t
-            self._count(self.cache.evict_states(1))
+            self._make_state_room()
             t = take()
             if t is not None:
                 return t
             if not finish_running or not self._finish_oldest():
                 return None
+
+    def _make_state_room(self) -> None:
+        """Evict a cached state so that one state slot may fit (the shortfall of
+        ``_alloc_state``)."""
+        self._count(self.cache.evict_states(1))

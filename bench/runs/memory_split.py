@@ -133,35 +133,13 @@ def _engine_class() -> Any:
             n = self.arena.num_state_chunks
             self.state_chunks = [min(self.state_chunks[0], n), max(self.state_chunks[1], n)]
 
-        def _alloc_kv(self, n: int) -> Any:
-            if n == 0:
-                return self._empty
-            alloc = self.kv_allocator
-            while True:
-                kv = alloc.alloc(n)
-                if kv is not None:
-                    return kv
-                if make_room(self.cache, self.arena, kv_tokens=n):
-                    self._note()
-                    kv = alloc.alloc(n)
-                    if kv is not None:
-                        return kv
-                if not self._finish_oldest():
-                    return None
+        def _make_kv_room(self, n: int) -> None:
+            if make_room(self.cache, self.arena, kv_tokens=n):
+                self._note()
 
-        def _alloc_state(self, *, finish_running: bool) -> Any:
-            pool = self.arena.state_pool
-            while True:
-                t = pool.alloc_slot()
-                if t is not None:
-                    return t
-                if make_room(self.cache, self.arena, states=1):
-                    self._note()
-                    t = pool.alloc_slot()
-                    if t is not None:
-                        return t
-                if not finish_running or not self._finish_oldest():
-                    return None
+        def _make_state_room(self) -> None:
+            if make_room(self.cache, self.arena, states=1):
+                self._note()
 
     return _Arena
 

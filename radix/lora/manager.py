@@ -24,7 +24,7 @@ a request resolved to a uid keeps meaning exactly the weights it was resolved ag
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import cast
 
@@ -151,12 +151,7 @@ class LoraManager:
                 f"adapter {name!r} is already loaded ({self._name_to_uid[name]}); unload it "
                 "first or use reload_adapter"
             )
-        adapter = self._read(name, path)
-        self._check_targets(name, adapter)
-        uid = self.pool.add_adapter(name, adapter, pinned=pinned)
-        self._name_to_uid[name] = uid
-        self._name_to_path[name] = os.fspath(path)
-        return uid
+        return self._install(name, path, lambda a: self.pool.add_adapter(name, a, pinned=pinned))
 
     def unload_adapter(self, name: str) -> LoraUid:
         """Unload ``name`` (SGLang's ``unload_lora_adapter``); returns the uid it had.
@@ -188,12 +183,7 @@ class LoraManager:
         """
         old = self.uid_of(name)
         path = self._name_to_path[name] if path is None else path
-        adapter = self._read(name, path)
-        self._check_targets(name, adapter)
-        uid = self.pool.replace_adapter(old, adapter, pinned=pinned)
-        self._name_to_uid[name] = uid
-        self._name_to_path[name] = os.fspath(path)
-        return uid
+        return self._install(name, path, lambda a: self.pool.replace_adapter(old, a, pinned=pinned))
 
     def pin_adapter(self, name: str) -> None:
         """Pin ``name`` (loads it into a slot now); see ``LoraMemoryPool.pin``."""
@@ -204,6 +194,17 @@ class LoraManager:
         self.pool.unpin(self.uid_of(name))
 
     # ------------------------------------------------------------------ internals
+    def _install(self, name: str, path: str | os.PathLike[str],
+                 put: Callable[[LoraAdapter], LoraUid]) -> LoraUid:
+        """Read and check the adapter at ``path``, hand it to ``put`` (the pool's add or
+        replace) and record ``name``'s new uid and path; raises as ``load_adapter``."""
+        adapter = self._read(name, path)
+        self._check_targets(name, adapter)
+        uid = put(adapter)
+        self._name_to_uid[name] = uid
+        self._name_to_path[name] = os.fspath(path)
+        return uid
+
     def _read(self, name: str, path: object) -> LoraAdapter:
         if not isinstance(path, str | os.PathLike):
             raise TypeError(f"path must be a str or path, got {type(path).__name__}")

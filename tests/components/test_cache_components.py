@@ -24,6 +24,7 @@ from allocators import KVPool, MambaStatePool, TokenAllocator
 from components.base import Component, InsertPlan
 from radix import RadixCache
 from tests.helpers.cache_helpers import node_slots, tiny_state_pool
+from tests.helpers.slot_tier_hooks import OneSlotTierHooks
 
 
 class Recorder(Component):
@@ -215,11 +216,12 @@ def test_components_import_without_radix_and_radix_without_lazy_exports() -> Non
     assert "__getattr__" not in vars(radix)
 
 
-class Summary(Component):
+class Summary(OneSlotTierHooks, Component):
     """A plug-in with a host copy: one slot of its own pool per node (say, a cross-attention
     summary valid at the node's end), kept in the node's extension slot (``node.ext``). It
     implements the tier hooks (``components.base.TIER_HOOKS``): the host tier backs it up
-    with the node, drops the device slot on demotion and restores it on load-back."""
+    with the node, drops the device slot on demotion and restores it on load-back (the hooks
+    come from ``OneSlotTierHooks``)."""
 
     name = "summary"
 
@@ -227,12 +229,6 @@ class Summary(Component):
         self.pool = KVPool(size, 1, 1, 2, torch.float32, "cpu")
         self.allocator = TokenAllocator(size, pool=self.pool)
         self.restore_allocator = self.allocator
-
-    @staticmethod
-    def _ext(node: Any) -> dict[str, int]:
-        if node.ext is None:
-            node.ext = {}
-        return node.ext
 
     def on_new_node(self, node: Any, plan: InsertPlan, lo: int, hi: int) -> None:
         got = self.allocator.alloc(1)
@@ -252,36 +248,6 @@ class Summary(Component):
         size = 2 * self.allocator.size
         host = TokenAllocator(size, pool=KVPool(size, 1, 1, 2, torch.float32, "cpu"))
         return self.allocator, host, kv_lanes(self.allocator, host)
-
-    def has_device(self, node: Any) -> bool:
-        return "dev" in self._ext(node)
-
-    def host_copy(self, node: Any) -> torch.Tensor | None:
-        h = self._ext(node).get("host")
-        return None if h is None else torch.tensor([h])
-
-    def backup_size(self, node: Any) -> int:
-        ext = self._ext(node)
-        return int("dev" in ext and "host" not in ext)
-
-    def backup(self, node: Any, host: torch.Tensor) -> torch.Tensor:
-        ext = self._ext(node)
-        ext["host"] = int(host[0])
-        return torch.tensor([ext["dev"]])
-
-    def restore_size(self, node: Any, last: bool) -> int:
-        ext = self._ext(node)
-        return int("host" in ext and "dev" not in ext)
-
-    def restore(self, node: Any, device: torch.Tensor, now: int) -> torch.Tensor:
-        ext = self._ext(node)
-        ext["dev"] = int(device[0])
-        return torch.tensor([ext["host"]])
-
-    def drop_host(self, node: Any) -> None:
-        h = self._ext(node).pop("host", None)
-        if h is not None:
-            self.host_allocator.free(torch.tensor([h]))
 
 
 def test_a_plug_in_with_a_host_copy_is_backed_up_evicted_and_loaded_back_bit_exactly() -> None:

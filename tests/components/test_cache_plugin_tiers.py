@@ -33,12 +33,13 @@ from hicache.host_pools import Lane
 from hicache.storage import layout_tag
 from radix import CacheConfig, RadixCache
 from tests.helpers.cache_helpers import bits, random_bits
+from tests.helpers.slot_tier_hooks import OneSlotTierHooks
 
 DIM = 4
 FIELD = "num_summaries"
 
 
-class Summary(Component):
+class Summary(OneSlotTierHooks, Component):
     """A summary vector per node, valid at the node's end (see the module docstring)."""
 
     name = "summary"
@@ -50,12 +51,6 @@ class Summary(Component):
         self.table = torch.zeros(size + 1, DIM)
         self.order: dict[Any, None] = {}  # nodes with a device vector, oldest first
         self.host_table = torch.zeros(0, DIM)
-
-    @staticmethod
-    def _ext(node: Any) -> dict[str, int]:
-        if node.ext is None:
-            node.ext = {}
-        return node.ext
 
     # ---------------------------------------------------------- device
     def check_value(self, n: int, value: Any) -> None:
@@ -115,36 +110,9 @@ class Summary(Component):
         lane = Lane("summary", (self.table,), self.table.unsqueeze(0), store, slot_first=True)
         return self.allocator, host, (lane,)
 
-    def has_device(self, node: Any) -> bool:
-        return "dev" in self._ext(node)
-
-    def host_copy(self, node: Any) -> torch.Tensor | None:
-        h = self._ext(node).get("host")
-        return None if h is None else torch.tensor([h])
-
-    def backup_size(self, node: Any) -> int:
-        ext = self._ext(node)
-        return int("dev" in ext and "host" not in ext)
-
-    def backup(self, node: Any, host: torch.Tensor) -> torch.Tensor:
-        ext = self._ext(node)
-        ext["host"] = int(host[0])
-        return torch.tensor([ext["dev"]])
-
-    def restore_size(self, node: Any, last: bool) -> int:
-        ext = self._ext(node)
-        return int("host" in ext and "dev" not in ext)
-
     def restore(self, node: Any, device: torch.Tensor, now: int) -> torch.Tensor:
-        ext = self._ext(node)
-        ext["dev"] = int(device[0])
         self.order[node] = None
-        return torch.tensor([ext["host"]])
-
-    def drop_host(self, node: Any) -> None:
-        h = self._ext(node).pop("host", None)
-        if h is not None:
-            self.host_allocator.free(torch.tensor([h]))
+        return super().restore(node, device, now)
 
     # -------------------------------------------------------------- L3
     def l3_layout(self) -> str:
@@ -208,6 +176,16 @@ def part(m: Any) -> torch.Tensor:
     """The summary part of a match (it must have one)."""
     assert m.parts is not None and m.parts["summary"] is not None
     return m.parts["summary"]
+
+
+def check_served(cache: RadixCache, kv: Any, m: Any, value: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+    """``m`` serves the summary ``value`` and the K / V ``k`` / ``v`` (bit-exactly), and the
+    cache's invariants hold."""
+    assert torch.equal(bits(part(m)), bits(value))
+    assert torch.equal(bits(kv.pool.k_all[:, m.device_indices]), bits(k))
+    assert torch.equal(bits(kv.pool.v_all[:, m.device_indices]), bits(v))
+    cache.sanity_check()
 
 
 # ======================================================================= device
@@ -284,25 +262,10 @@ def test_the_plug_in_is_backed_up_demoted_and_loaded_back_bit_exactly() -> None:
     assert cache.load_back(node) == 8
     m = cache.match_prefix(K[:8])
     assert m.prefix_len == 8 and node.ext["dev"] != int(taken[0])
-    assert torch.equal(bits(part(m)), bits(v8))
-    pool = kv.pool
-    assert torch.equal(bits(pool.k_all[:, m.device_indices]), bits(k))
-    assert torch.equal(bits(pool.v_all[:, m.device_indices]), bits(v))
-    cache.sanity_check()
+    check_served(cache, kv, m, v8, k, v)
 
 
 # =========================================================================== L3
-@pytest.fixture(params=["file", "redis"])
-def store(request: pytest.FixtureRequest, tmp_path: Any) -> dict[str, Any]:
-    """Where L3 lives: the file store, or Redis at ``HPC_REDIS_URL`` (skipped without it)."""
-    if request.param == "file":
-        return {"hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path)}
-    url = os.environ.get("HPC_REDIS_URL")
-    if not url:
-        pytest.skip('HPC_REDIS_URL is not set: eval "$(bash .ci/redis-up)"')
-    return {"hicache_storage_backend": "redis", "hicache_storage_url": url}
-
-
 def l3_config(where: dict[str, Any], model: str) -> HiCacheConfig:
     return HiCacheConfig(hicache_ratio=2.0, load_back_threshold=1,
                          hicache_write_policy="write_through",
@@ -310,11 +273,11 @@ def l3_config(where: dict[str, Any], model: str) -> HiCacheConfig:
                          hicache_storage_model=model, **where)
 
 
-def test_the_plug_in_is_served_from_l3_bit_exactly(store: dict[str, Any]) -> None:
+def test_the_plug_in_is_served_from_l3_bit_exactly(l3_store: dict[str, Any]) -> None:
     model = f"plugin-{os.getpid()}-{torch.randint(1 << 30, ()).item()}"
     sa, sb = Summary(4), Summary(4)
-    a, kv_a = kv_cache(sa, page_size=2, hicache=l3_config(store, model))
-    b, kv_b = kv_cache(sb, page_size=2, hicache=l3_config(store, model))
+    a, kv_a = kv_cache(sa, page_size=2, hicache=l3_config(l3_store, model))
+    b, kv_b = kv_cache(sb, page_size=2, hicache=l3_config(l3_store, model))
     try:
         assert a.storage is not None and a.storage.tag.endswith(f";summary={DIM}:float32")
         assert a.storage.end_record_bytes == (DIM * 4, 0)
@@ -332,10 +295,7 @@ def test_the_plug_in_is_served_from_l3_bit_exactly(store: dict[str, Any]) -> Non
         assert b.load_back(node) == 8
         m = b.match_prefix(K[:8])
         assert m.prefix_len == 8
-        assert torch.equal(bits(part(m)), bits(v8))
-        assert torch.equal(bits(kv_b.pool.k_all[:, m.device_indices]), bits(k))
-        assert torch.equal(bits(kv_b.pool.v_all[:, m.device_indices]), bits(v))
-        b.sanity_check()
+        check_served(b, kv_b, m, v8, k, v)
     finally:
         a.close_storage()
         b.close_storage()
@@ -395,13 +355,13 @@ def test_kv_state_records_and_tag_keep_their_format(tmp_path: Any) -> None:
 
 
 def test_state_and_plug_in_end_sections_share_one_record_bit_exactly(
-        store: dict[str, Any]) -> None:
+        l3_store: dict[str, Any]) -> None:
     """A hybrid cache with the plug-in: the record at a page end holds the state's conv and
     ssm and the plug-in's vector; a second cache reads all three back."""
     model = f"plugin-state-{os.getpid()}-{torch.randint(1 << 30, ()).item()}"
     sa, sb = Summary(4), Summary(4)
-    a, kv_a = kv_cache(sa, page_size=2, states=4, hicache=l3_config(store, model))
-    b, kv_b = kv_cache(sb, page_size=2, states=4, hicache=l3_config(store, model))
+    a, kv_a = kv_cache(sa, page_size=2, states=4, hicache=l3_config(l3_store, model))
+    b, kv_b = kv_cache(sb, page_size=2, states=4, hicache=l3_config(l3_store, model))
     try:
         ha, hb = a.hicache, b.hicache
         assert ha is not None and hb is not None
@@ -429,10 +389,7 @@ def test_state_and_plug_in_end_sections_share_one_record_bit_exactly(
         assert m.prefix_len == 8 and m.state_slot is not None
         assert torch.equal(bits(spb.conv[:, m.state_slot]), bits(conv))
         assert torch.equal(bits(spb.ssm[:, m.state_slot]), bits(ssm))
-        assert torch.equal(bits(part(m)), bits(v8))
-        assert torch.equal(bits(kv_b.pool.k_all[:, m.device_indices]), bits(k))
-        assert torch.equal(bits(kv_b.pool.v_all[:, m.device_indices]), bits(v))
-        b.sanity_check()
+        check_served(b, kv_b, m, v8, k, v)
     finally:
         a.close_storage()
         b.close_storage()

@@ -65,6 +65,32 @@ def free_leftovers(alloc: Any, res: Any, fresh: torch.Tensor, need: int) -> None
         alloc.free(tail)
 
 
+def alloc_request(cache: Any, kv: Any, states: Any, need: int, *,
+                  swa: bool = False) -> tuple[torch.Tensor, int | None] | None:
+    """An engine's allocation for a request's ``need`` new tokens: the KV slots (evicting
+    ``need`` tokens, and with ``swa`` ``need`` SWA tokens, on a shortfall) and, with a state
+    pool ``states``, one state slot (evicting a state on a shortfall). ``(fresh, slot)``, or
+    ``None`` with nothing held when either cannot be had."""
+    fresh = kv.alloc(need)
+    if fresh is None:
+        cache.evict(need)
+        if swa:
+            cache.evict_swa(need)
+        fresh = kv.alloc(need)
+    slot = None
+    if states is not None:
+        got = states.alloc(1)
+        if got is None:
+            cache.evict_states(1)
+            got = states.alloc(1)
+        slot = None if got is None else int(got[0])
+    if fresh is None or (states is not None and slot is None):
+        if fresh is not None:
+            kv.free(fresh)
+        return None
+    return fresh, slot
+
+
 def free_slots(alloc: Any) -> list[int]:
     """An allocator's free list as slot ids (pages expanded), front first."""
     ps = alloc.page_size

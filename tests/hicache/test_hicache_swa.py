@@ -20,16 +20,18 @@ tensors), window 4, and optionally a state pool. The host tier mirrors the three
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from allocators import KVPool, MambaStatePool, SWAAllocator, TokenAllocator
+from allocators import SWAAllocator, TokenAllocator
 from components.base import Component
 from hicache import HiCacheConfig
 from radix import CacheConfig, RadixCache
-from tests.helpers.cache_helpers import bits, node_slots, random_bits
+from tests.helpers.cache_helpers import bits, node_slots
+from tests.helpers.swa_hicache import SWAHostRig
 from tests.hicache.test_hicache_common import (
     FailAllocs,
     assert_same,
@@ -44,24 +46,12 @@ W = 4  # the sliding window [tokens]
 KEY = list(range(1, 17))
 
 
-class SWAH:
+class SWAH(SWAHostRig):
     """One SWA cache with a host tier and every pool around it."""
 
     def __init__(self, page_size: int = 1, states: int = 0, policy: str = "write_through") -> None:
-        self.full = KVPool(32, 2, 1, 2, torch.float32, "cpu", page_size=page_size)
-        self.swa = KVPool(16, 2, 1, 2, torch.float32, "cpu", page_size=page_size)
-        self.kv = SWAAllocator(32, 16, page_size, full_pool=self.full, swa_pool=self.swa)
-        self.sp = (MambaStatePool(states, num_layers=2, conv_state_shape=(2,),
-                                  ssm_state_shape=(2, 2)) if states else None)
-        self.cache = RadixCache(
-            CacheConfig(page_size=page_size, sliding_window_size=W), kv_allocator=self.kv,
-            state_allocator=self.sp,
-            hicache=HiCacheConfig(hicache_ratio=2.0, hicache_write_policy=policy,
-                                  load_back_threshold=1))
-        hc = self.cache.hicache
-        assert hc is not None
-        self.hc = hc
-        self.gen = torch.Generator().manual_seed(37)
+        super().__init__(32, 16, page_size, W, dim=2, states=states, state_dims=((2,), (2, 2)),
+                         policy=policy)
 
     def pools(self) -> dict[str, Any]:
         """Every allocator a load-back or a backup takes from, by name."""
@@ -72,35 +62,13 @@ class SWAH:
             out["host state"] = self.hc.pools["state"].host
         return out
 
-    def insert(self, key: list[int], prefix: torch.Tensor | None = None,
-               tombstone: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-        """Insert ``key``: fresh slots (random full and SWA KV) after ``prefix``; the first
-        ``tombstone`` new tokens' SWA KV released before (as a request's out-of-window KV);
-        a fresh state (random) on a hybrid cache. Returns (fresh slots, full K bits, SWA K
-        bits, state bits) for the new tokens."""
-        prefix = prefix if prefix is not None else torch.empty(0, dtype=torch.int64)
-        fresh = self.kv.alloc(len(key) - len(prefix))
-        assert fresh is not None
-        shape = (2, len(fresh), 1, 2)
-        fk = random_bits(shape, torch.float32, self.gen)
-        sk = random_bits(shape, torch.float32, self.gen)
-        self.full.k_all[:, fresh] = fk
-        self.full.v_all[:, fresh] = -fk
-        self.swa.k_all[:, self.kv.translate(fresh)] = sk
-        self.swa.v_all[:, self.kv.translate(fresh)] = -sk
-        if tombstone:
-            self.kv.free_swa(fresh[:tombstone])
-        slot = st = None
-        if self.sp is not None:
-            got = self.sp.alloc(1)
-            assert got is not None
-            slot = int(got[0])
-            st = random_bits(tuple(self.sp.conv[:, slot].shape), torch.float32, self.gen)
-            self.sp.conv[:, slot] = st
-        res = self.cache.insert(key, torch.cat([prefix, fresh]), state_slot=slot)
-        assert len(res.duplicate_indices) == 0
-        self.cache.sanity_check()
-        return fresh, fk, sk, st
+    def insert_chain(self) -> tuple[Any, Any]:
+        """Insert P = ``KEY[:8]`` and below it Q = ``KEY`` (fresh KV, states when the rig has
+        a state pool); returns (P, Q)."""
+        self.insert(KEY[:8])
+        p = node_at(self.cache, KEY[:8])
+        self.insert(KEY, prefix=self.cache.match_prefix(KEY[:8]).device_indices)
+        return p, node_at(self.cache, KEY)
 
     def snapshot(self) -> dict[str, Any]:
         c = self.cache
@@ -198,14 +166,36 @@ def chain_with_everything(page_size: int) -> tuple[SWAH, Any]:
     ``load_back(Q)``: device full slots, SWA slots and a state slot."""
     h = SWAH(page_size, states=4)
     c = h.cache
-    h.insert(KEY[:8])
-    p = node_at(c, KEY[:8])
-    h.insert(KEY, prefix=c.match_prefix(KEY[:8]).device_indices)
-    q = node_at(c, KEY)
+    p, q = h.insert_chain()
     c.inc_lock_ref(p)
     assert c.evict(8).num_tokens == 8
     c.dec_lock_ref(c.inc_lock_ref(p))
     return h, (p, q)
+
+
+def load_back_allocs(build: Callable[[], tuple[SWAH, Any]]) -> list[str]:
+    """The pools (``SWAH.pools`` names) a load-back of ``build()``'s node allocates from, in
+    order; that load-back brings all 8 tokens and leaves the cache consistent."""
+    h, q = build()
+    with FailAllocs(h.pools()) as f:
+        assert h.cache.load_back(q) == 8
+    h.cache.sanity_check()
+    return f.names
+
+
+def failed_load_backs(build: Callable[[], tuple[SWAH, Any]],
+                      n: int) -> Iterator[tuple[SWAH, Any, dict[str, Any]]]:
+    """For k = 1..``n``: a fresh ``build()`` whose node's load-back fails from its k-th
+    allocation on (``FailAllocs`` mode ``"from"``), so loads nothing and leaves the cache
+    consistent; yields (the rig, the node, the rig's snapshot before the load-back)."""
+    for k in range(1, n + 1):
+        h, q = build()
+        before = h.snapshot()
+        with FailAllocs(h.pools(), k, "from") as f:
+            assert h.cache.load_back(q) == 0
+        assert f.calls[k - 1][2]
+        h.cache.sanity_check()
+        yield h, q, before
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -213,10 +203,7 @@ def test_load_back_failing_at_any_pool_leaves_every_pool_as_before(page_size: in
     def build() -> tuple[SWAH, Any]:
         h = SWAH(page_size, states=4)
         c = h.cache
-        h.insert(KEY[:8])
-        p = node_at(c, KEY[:8])
-        h.insert(KEY, prefix=c.match_prefix(KEY[:8]).device_indices)
-        q = node_at(c, KEY)
+        p, q = h.insert_chain()
         lock = c.inc_lock_ref(p)
         assert c.evict(8).num_tokens == 8
         c.dec_lock_ref(lock)
@@ -226,19 +213,9 @@ def test_load_back_failing_at_any_pool_leaves_every_pool_as_before(page_size: in
         c.sanity_check()
         return h, q
 
-    h, q = build()
-    with FailAllocs(h.pools()) as f:
-        assert h.cache.load_back(q) == 8
-    names = f.names
+    names = load_back_allocs(build)
     assert set(names) == {"device full", "device swa", "device state"}
-    h.cache.sanity_check()
-    for k in range(1, len(names) + 1):
-        h, q = build()
-        before = h.snapshot()
-        with FailAllocs(h.pools(), k, "from") as f:
-            assert h.cache.load_back(q) == 0
-        assert f.calls[k - 1][2]
-        h.cache.sanity_check()
+    for h, q, before in failed_load_backs(build, len(names)):
         after = h.snapshot()
         # what the eviction freed to make room stays freed; nothing else moved
         for key in ("host kv", "host swa", "host state", "controller"):
@@ -260,18 +237,9 @@ def test_load_back_that_cannot_get_some_pool_changes_nothing(page_size: int) -> 
         q = node_at(c, KEY[:8])
         return h, q
 
-    h, q = build()
-    with FailAllocs(h.pools()) as f:
-        assert h.cache.load_back(q) == 8
-    names = f.names
+    names = load_back_allocs(build)
     assert names == ["device full", "device state", "device swa"]  # component order
-    for k in range(1, len(names) + 1):
-        h, q = build()
-        before = h.snapshot()
-        with FailAllocs(h.pools(), k, "from") as f:
-            assert h.cache.load_back(q) == 0
-        assert f.calls[k - 1][2]
-        h.cache.sanity_check()
+    for h, _, before in failed_load_backs(build, len(names)):
         assert_same(before, h.snapshot())
 
 

@@ -34,12 +34,10 @@ from typing import Any
 import pytest
 import torch
 
-from allocators import KVPool, MambaStatePool, SWAAllocator
 from components.swa import SWAComponent
-from hicache import HiCacheConfig
 from hicache.storage import end_key, page_hashes
-from radix import CacheConfig, RadixCache
-from tests.helpers.cache_helpers import bits, free_leftovers, random_bits
+from tests.helpers.cache_helpers import alloc_request, bits, free_leftovers
+from tests.helpers.swa_hicache import SWAHostRig
 from tests.hicache.test_hicache_common import node_at
 
 W = 6  # the sliding window [tokens]
@@ -47,17 +45,6 @@ PS = 4  # page size [tokens]
 SPAN = 8  # ceil(W / PS) pages [tokens]: the SWA KV an end record holds
 KEY = list(range(1, 33))
 GEN = torch.Generator().manual_seed(37)
-
-
-@pytest.fixture(params=["file", "redis"])
-def store(request: pytest.FixtureRequest, tmp_path: Any) -> dict[str, Any]:
-    """Where L3 lives: the file store, or Redis at ``HPC_REDIS_URL`` (skipped without it)."""
-    if request.param == "file":
-        return {"hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path)}
-    url = os.environ.get("HPC_REDIS_URL")
-    if not url:
-        pytest.skip('HPC_REDIS_URL is not set: eval "$(bash .ci/redis-up)"')
-    return {"hicache_storage_backend": "redis", "hicache_storage_url": url}
 
 
 def file_store(tmp_path: Any) -> dict[str, Any]:
@@ -69,57 +56,18 @@ def fresh_model(name: str) -> str:
     return f"{name}-{os.getpid()}-{torch.randint(1 << 30, ()).item()}"
 
 
-class SWAL3:
+class SWAL3(SWAHostRig):
     """One SWA cache with a host tier and L3, and every pool around it."""
 
     def __init__(self, where: dict[str, Any], model: str, states: int = 0,
                  page_size: int = PS, window: int = W, layout: str = "page_first",
                  policy: str = "write_through") -> None:
-        self.full = KVPool(64, 2, 1, 2, torch.float32, "cpu", page_size=page_size)
-        self.swa = KVPool(32, 2, 1, 2, torch.float32, "cpu", page_size=page_size)
-        self.kv = SWAAllocator(64, 32, page_size, full_pool=self.full, swa_pool=self.swa)
-        self.sp = (MambaStatePool(states, num_layers=2, conv_state_shape=(2,),
-                                  ssm_state_shape=(2, 2)) if states else None)
-        self.cache = RadixCache(
-            CacheConfig(page_size=page_size, sliding_window_size=window), kv_allocator=self.kv,
-            state_allocator=self.sp,
-            hicache=HiCacheConfig(hicache_ratio=2.0, hicache_write_policy=policy,
-                                  load_back_threshold=1, hicache_mem_layout=layout,
-                                  hicache_storage_prefetch_policy="wait_complete",
-                                  hicache_storage_model=model, **where))
-        hc = self.cache.hicache
-        assert hc is not None and self.cache.storage is not None
-        self.hc = hc
-
-    def insert(self, key: list[int], prefix: torch.Tensor | None = None, tombstone: int = 0
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Insert ``key``: fresh slots (random full and SWA KV; V is -K) after ``prefix``; the
-        first ``tombstone`` new tokens' SWA KV released before (out of a request's window);
-        a fresh random state on a hybrid cache. Returns (full K, SWA K, state conv) bits of
-        the new tokens."""
-        prefix = prefix if prefix is not None else torch.empty(0, dtype=torch.int64)
-        fresh = self.kv.alloc(len(key) - len(prefix))
-        assert fresh is not None
-        shape = (2, len(fresh), 1, 2)
-        fk = random_bits(shape, torch.float32, GEN)
-        sk = random_bits(shape, torch.float32, GEN)
-        self.full.k_all[:, fresh] = fk
-        self.full.v_all[:, fresh] = -fk
-        self.swa.k_all[:, self.kv.translate(fresh)] = sk
-        self.swa.v_all[:, self.kv.translate(fresh)] = -sk
-        if tombstone:
-            self.kv.free_swa(fresh[:tombstone])
-        slot = st = None
-        if self.sp is not None:
-            got = self.sp.alloc(1)
-            assert got is not None
-            slot = int(got[0])
-            st = random_bits(tuple(self.sp.conv[:, slot].shape), torch.float32, GEN)
-            self.sp.conv[:, slot] = st
-        res = self.cache.insert(key, torch.cat([prefix, fresh]), state_slot=slot)
-        assert len(res.duplicate_indices) == 0
-        self.cache.sanity_check()
-        return fk, sk, st
+        super().__init__(64, 32, page_size, window, dim=2, states=states,
+                         state_dims=((2,), (2, 2)), policy=policy, gen=GEN,
+                         hicache_mem_layout=layout,
+                         hicache_storage_prefetch_policy="wait_complete",
+                         hicache_storage_model=model, **where)
+        assert self.cache.storage is not None
 
     def empty(self) -> None:
         """Evict every device node (each demoted: write-through) and every host copy."""
@@ -192,14 +140,14 @@ def test_a_span_that_is_not_whole_pages_is_refused(tmp_path: Any,
 @pytest.mark.parametrize("states", [0, 4])
 @pytest.mark.parametrize("reader", ["fresh cache", "evicted host"])
 def test_an_swa_prefix_read_back_from_l3_is_usable_and_bit_exact(
-        store: dict[str, Any], states: int, reader: str) -> None:
+        l3_store: dict[str, Any], states: int, reader: str) -> None:
     """[0, 24) live in one node: one end record, at 24, holding the SWA KV of [16, 24). Read
     back: [0, 16) a tombstone, [16, 24) live; the host hit is all 24 tokens."""
     model = fresh_model("swa-l3")
-    a = SWAL3(store, model, states)
-    b = SWAL3(store, model, states) if reader == "fresh cache" else a
+    a = SWAL3(l3_store, model, states)
+    b = SWAL3(l3_store, model, states) if reader == "fresh cache" else a
     try:
-        fk, sk, conv = a.insert(KEY[:24])
+        _, fk, sk, conv = a.insert(KEY[:24])
         assert a.cache.flush_storage(10)
         assert a.cache.stats()["l3_backup_written"] == 6 + 1  # six pages, one end record
         if b is a:
@@ -225,15 +173,15 @@ def test_an_swa_prefix_read_back_from_l3_is_usable_and_bit_exact(
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
-def test_the_span_gathers_the_swa_kv_of_several_nodes(store: dict[str, Any], layout: str) -> None:
+def test_the_span_gathers_the_swa_kv_of_several_nodes(l3_store: dict[str, Any], layout: str) -> None:
     """[0, 8) then [8, 12) below it: the record at 12 holds [4, 12), from both nodes' host
     copies; the record at 8 holds [0, 8)."""
     model = fresh_model("swa-l3-gather")
-    a, b = SWAL3(store, model, layout=layout), SWAL3(store, model, layout=layout)
+    a, b = SWAL3(l3_store, model, layout=layout), SWAL3(l3_store, model, layout=layout)
     try:
-        fk1, sk1, _ = a.insert(KEY[:8])
+        _, fk1, sk1, _ = a.insert(KEY[:8])
         pa = a.cache.match_prefix(KEY[:8]).device_indices
-        fk2, sk2, _ = a.insert(KEY[:12], prefix=pa)
+        _, fk2, sk2, _ = a.insert(KEY[:12], prefix=pa)
         assert a.cache.flush_storage(10)
         assert a.cache.stats()["l3_backup_written"] == 3 + 2
         m = b.cache.match_prefix(KEY[:12])
@@ -252,7 +200,7 @@ def test_the_usable_length_is_where_an_end_record_lies(tmp_path: Any) -> None:
     of [0, 24): all 24, [0, 16) a tombstone."""
     where = file_store(tmp_path)
     a = SWAL3(where, "m")
-    fk, sk, _ = a.insert(KEY[:24], tombstone=8)
+    _, fk, sk, _ = a.insert(KEY[:24], tombstone=8)
     t, live = node_at(a.cache, KEY[:8]), node_at(a.cache, KEY[:24])
     assert (t.swa_tombstone, live.swa_tombstone) == (True, False)
     assert a.cache.flush_storage(10)
@@ -274,9 +222,9 @@ def test_a_chain_shorter_than_the_span_takes_the_records_last_tokens(tmp_path: A
     the last 4 of the record's 8, below a live path: usable."""
     where = file_store(tmp_path)
     a, b = SWAL3(where, "m"), SWAL3(where, "m")
-    fk, sk, _ = a.insert(KEY[:24])
+    _, fk, sk, _ = a.insert(KEY[:24])
     assert a.cache.flush_storage(10)
-    fk_b, sk_b, _ = b.insert(KEY[:20])
+    _, fk_b, sk_b, _ = b.insert(KEY[:20])
     m = b.cache.match_prefix(KEY[:24])
     assert (m.prefix_len, m.host_hit_length) == (20, 4)  # the host part past the device
     tail = m.last_host_node
@@ -290,7 +238,7 @@ def test_a_chain_shorter_than_the_span_takes_the_records_last_tokens(tmp_path: A
 def test_a_key_shallower_than_the_span_is_read_back_whole(tmp_path: Any) -> None:
     where = file_store(tmp_path)
     a, b = SWAL3(where, "m"), SWAL3(where, "m")
-    fk, sk, _ = a.insert(KEY[:4])  # the record's first 4 tokens are unused (zero)
+    _, fk, sk, _ = a.insert(KEY[:4])  # the record's first 4 tokens are unused (zero)
     assert a.cache.flush_storage(10)
     m = b.cache.match_prefix(KEY[:4])
     assert (m.prefix_len, m.host_hit_length) == (0, 4)
@@ -345,7 +293,7 @@ def test_an_swa_unpack_that_fails_is_a_miss_that_changes_nothing(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     where = file_store(tmp_path)
     a, b = SWAL3(where, "m", 4), SWAL3(where, "m", 4)
-    fk, sk, _ = a.insert(KEY[:24])
+    _, fk, sk, _ = a.insert(KEY[:24])
     assert a.cache.flush_storage(10)
     before = b.snapshot()
 
@@ -429,23 +377,11 @@ def serve(h: SWAL3, key: list[int], window: int, rng: random.Random) -> None:
         return
     lock = c.inc_lock_ref(m.last_device_node)
     need = end - n
-    fresh = kv.alloc(need)
-    if fresh is None:
-        c.evict(need)
-        c.evict_swa(need)
-        fresh = kv.alloc(need)
-    slot = None
-    if h.sp is not None:
-        got = h.sp.alloc(1)
-        if got is None:
-            c.evict_states(1)
-            got = h.sp.alloc(1)
-        slot = None if got is None else int(got[0])
-    if fresh is None or (h.sp is not None and slot is None):
-        if fresh is not None:
-            kv.free(fresh)
+    got = alloc_request(c, kv, h.sp, need, swa=True)
+    if got is None:
         c.dec_lock_ref(lock)
         return
+    fresh, slot = got
     h.full.k_all[:, fresh] = sigs(key, n, end, 1)
     h.full.v_all[:, fresh] = sigs(key, n, end, 2)
     h.swa.k_all[:, kv.translate(fresh)] = sigs(key, n, end, 4)
@@ -514,7 +450,7 @@ def test_an_end_record_waits_while_a_host_copy_is_in_flight(tmp_path: Any) -> No
     a = SWAL3(where, "m")
     hc = a.hc
     hc.hold_completions = True  # copies are issued (on the CPU: run) but not complete
-    fk, sk, _ = a.insert(KEY[:8])
+    _, fk, sk, _ = a.insert(KEY[:8])
     a.insert([100 + t for t in range(8)])
     assert hc.num_inflight == 2
     hc._pending[0][0].released = True  # X's copy (issued first) lands, Y's does not

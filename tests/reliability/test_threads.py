@@ -24,6 +24,15 @@ from radix.locked import LockedCache
 from tests.storage.test_storage_common import L3, WAIT_S, fresh_model, make, wrap_flaky
 
 
+def join_all(threads: list[threading.Thread], timeout_s: float) -> None:
+    """Start ``threads`` and wait for each, at most ``timeout_s`` [s]: every one must finish."""
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+        assert not t.is_alive()
+
+
 def label(ns: Any, tokens: list[int]) -> float:
     """The KV value of the last token of ``tokens`` (its whole prefix decides it): exact in
     float32."""
@@ -156,12 +165,7 @@ def test_locked_cache_serialises_calls_from_several_threads() -> None:
         except BaseException as exc:  # reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10 * WAIT_S)
-        assert not t.is_alive()
+    join_all([threading.Thread(target=worker, args=(i,)) for i in range(3)], 10 * WAIT_S)
     assert not errors, errors
     lc.sanity_check()
     assert lc.evictable_size() + kv.available_size() == 256  # nothing leaked, nothing locked
@@ -247,12 +251,7 @@ def test_a_request_step_under_locked_guards_the_cache_and_its_allocators() -> No
         except BaseException as exc:  # reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10 * WAIT_S)
-        assert not t.is_alive()
+    join_all([threading.Thread(target=worker, args=(i,)) for i in range(2)], 10 * WAIT_S)
     assert not errors, errors[:3]
     assert min(served) > 0  # both threads were served states (checked above)
     lc.sanity_check()
@@ -314,12 +313,7 @@ def test_a_node_matched_inside_locked_cannot_be_evicted_before_it_is_locked() ->
         finally:
             evicted.set()
 
-    threads = [threading.Thread(target=a), threading.Thread(target=b)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(2 * WAIT_S)
-        assert not t.is_alive()
+    join_all([threading.Thread(target=a), threading.Thread(target=b)], 2 * WAIT_S)
     assert not errors, errors
     assert freed == [0]  # the locked node was spared
     assert lc.match_prefix([1, 2, 3, 4]).prefix_len == 4

@@ -125,6 +125,18 @@ class Written:
     ssm: torch.Tensor | None = None
 
 
+def make_pair(caches: list[L3], backend: str = "file", *, where: str,
+              reader: dict[str, Any] | None = None, **kw: Any) -> tuple[L3, L3]:
+    """A writer ``a`` and a reader ``b`` sharing the L3 ``backend`` at ``where`` under a fresh
+    model name: ``make(backend, where=where, **kw)`` each, ``reader`` on top of ``kw`` for
+    ``b``; both appended to ``caches`` (closed at teardown)."""
+    model = fresh_model()
+    a = make(backend, where=where, model=model, **kw)
+    b = make(backend, where=where, model=model, **{**kw, **(reader or {})})
+    caches += [a, b]
+    return a, b
+
+
 def put_random(h: L3, key: list[int], gen: torch.Generator, extra_key: Any = None) -> Written:
     """Insert ``key`` (no prefix cached) with random KV bits (and a random state)."""
     c, pool = h.cache, h.pool

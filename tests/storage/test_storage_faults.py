@@ -24,6 +24,7 @@ from tests.storage.test_storage_common import (
     assert_same_state,
     fresh_model,
     make,
+    make_pair,
     need_env,
     put_random,
     redis_server,  # noqa: F401 - fixture
@@ -104,11 +105,8 @@ def test_a_dead_backend_leaves_a_working_cache(tmp_path: Any, caches: list[L3]) 
 
 def test_errors_outside_the_backend_are_contained(tmp_path: Any, caches: list[L3],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    model = fresh_model()
     gen = torch.Generator().manual_seed(3)
-    a = make("file", where=str(tmp_path), page_size=2, model=model)
-    b = make("file", where=str(tmp_path), page_size=2, model=model)
-    caches += [a, b]
+    a, b = make_pair(caches, "file", where=str(tmp_path), page_size=2)
     key = key_of(8)
     put_random(a, key, gen)
     assert a.cache.flush_storage(WAIT_S)
@@ -165,11 +163,8 @@ def test_a_corrupt_page_ends_the_prefetched_run(where: str, tmp_path: Any, cache
         name, loc = ("mooncake" if where == MOONCAKE_ENV else where), need_mooncake()[0]
     else:
         name, loc = "redis", need_env(where)
-    model = fresh_model()
     gen = torch.Generator().manual_seed(4)
-    a = make(name, where=loc, page_size=4, model=model)
-    b = make(name, where=loc, page_size=4, model=model)
-    caches += [a, b]
+    a, b = make_pair(caches, name, where=loc, page_size=4)
     key = key_of(16)
     w = put_random(a, key, gen)
     assert a.cache.flush_storage(WAIT_S)

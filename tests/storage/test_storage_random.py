@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.cache_helpers import alloc_request
 from tests.storage.test_storage_common import L3, WAIT_S, Flaky, fresh_model, make, t64
 
 VOCAB = (1, 2, 3)
@@ -51,22 +52,11 @@ def serve(h: L3, key: list[int], extra_key: Any, rng: random.Random) -> None:
     if end <= n:
         return
     swa_start = c.inc_lock_ref(m.last_device_node)
-    fresh = h.kv.alloc(end - n)
-    if fresh is None:
-        c.evict(end - n)
-        fresh = h.kv.alloc(end - n)
-    slot = None
-    if h.sp is not None:
-        got = h.sp.alloc(1)
-        if got is None:
-            c.evict_states(1)
-            got = h.sp.alloc(1)
-        slot = None if got is None else int(got[0])
-    if fresh is None or (h.sp is not None and slot is None):
-        if fresh is not None:
-            h.kv.free(fresh)
+    got = alloc_request(c, h.kv, h.sp, end - n)
+    if got is None:
         c.dec_lock_ref(swa_start)
         return
+    fresh, slot = got
     pool.k_all[:, fresh] = expected_kv(key, end, pool, extra_key, 1)[:, n:]
     pool.v_all[:, fresh] = expected_kv(key, end, pool, extra_key, 2)[:, n:]
     if slot is not None:

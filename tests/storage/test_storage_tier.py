@@ -26,6 +26,7 @@ from tests.storage.test_storage_common import (
     drop_everything,
     fresh_model,
     make,
+    make_pair,
     need_env,
     put_random,
     wrap_flaky,
@@ -188,11 +189,8 @@ def test_prefetch_continues_below_a_partial_match(tmp_path: Any, caches: list[L3
     """B holds the first pages itself: only the continuation comes from L3, attached below
     B's node (split where the key leaves it)."""
     where = str(tmp_path)
-    model = fresh_model()
     gen = torch.Generator().manual_seed(4)
-    a = make("file", where=where, page_size=2, model=model)
-    b = make("file", where=where, page_size=2, model=model)
-    caches += [a, b]
+    a, b = make_pair(caches, "file", where=where, page_size=2)
     key = key_of(12)
     w = put_random(a, key, gen)
     assert a.cache.flush_storage(WAIT_S)
@@ -210,11 +208,9 @@ def test_prefetch_continues_below_a_partial_match(tmp_path: Any, caches: list[L3
 
 
 def test_best_effort_attaches_at_a_later_match(tmp_path: Any, caches: list[L3]) -> None:
-    where, model = str(tmp_path), fresh_model()
     gen = torch.Generator().manual_seed(5)
-    a = make("file", where=where, page_size=2, model=model)
-    b = make("file", where=where, page_size=2, model=model, prefetch="best_effort")
-    caches += [a, b]
+    a, b = make_pair(caches, "file", where=str(tmp_path), page_size=2,
+                     reader={"prefetch": "best_effort"})
     key = key_of(8)
     put_random(a, key, gen)
     assert a.cache.flush_storage(WAIT_S)
@@ -255,11 +251,8 @@ def test_timeout_policy_gives_up_waiting_then_attaches_later(tmp_path: Any, cach
 
 
 def test_hybrid_prefetch_stops_at_the_deepest_stored_state(tmp_path: Any, caches: list[L3]) -> None:
-    where, model = str(tmp_path), fresh_model()
     gen = torch.Generator().manual_seed(8)
-    a = make("file", where=where, page_size=2, states=4, model=model)
-    b = make("file", where=where, page_size=2, states=4, model=model)
-    caches += [a, b]
+    a, b = make_pair(caches, "file", where=str(tmp_path), page_size=2, states=4)
     key = key_of(8)
     w = put_random(a, key[:6], gen)  # a state at 6
     slots, got = a.kv.alloc(2), a.sp.alloc(1)  # type: ignore[union-attr]
@@ -308,11 +301,9 @@ def test_file_store_cap_under_a_working_cache(tmp_path: Any, caches: list[L3]) -
 def test_prefetch_below_a_device_only_node_backs_it_up_first(tmp_path: Any, caches: list[L3]) -> None:
     """write_back: B's own prefix is on device only; backed-up nodes must form a prefix from
     the root, so B backs its prefix up before attaching the L3 pages below it."""
-    where, model = str(tmp_path), fresh_model()
     gen = torch.Generator().manual_seed(10)
-    a = make("file", where=where, page_size=2, model=model)
-    b = make("file", where=where, page_size=2, model=model, policy="write_back")
-    caches += [a, b]
+    a, b = make_pair(caches, "file", where=str(tmp_path), page_size=2,
+                     reader={"policy": "write_back"})
     key = key_of(12)
     w = put_random(a, key, gen)
     assert a.cache.flush_storage(WAIT_S)
