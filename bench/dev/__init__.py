@@ -32,6 +32,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                   "evict / locks", "bench.dev.compare.options:radix_ops_parser"),
     "evict-scaling": ("bench.dev.compare.evict_scaling", "per-node evict cost against tree "
                       "size (10k to 1M nodes)", "bench.dev.compare.options:evict_scaling_parser"),
+    "opcodes": ("bench.dev.compare.opcodes", "Python opcodes per match / insert / evict call "
+                "(a speed measure load cannot blur)", "build_parser"),
     "state-budget": ("bench.dev.policies.budget", "slot-time budget model: what the "
                      "prompt-end states can save, offline and by an online rule", "build_parser"),
     "hit-breakdown": ("bench.dev.policies.hit_breakdown", "where a state policy's hits come "
