@@ -366,9 +366,9 @@ class CacheCore:
         victim with children loses only that component's value when it evicts internal
         nodes, else it leaves whole (``free_leaf``: every component's units on it are freed
         and counted). The bytes freed are the units freed times their bytes."""
-        freed = [0, 0, 0, 0]
+        freed = self.new_freed()
         plans = {kind: (self._evict_plans[c.name], size) for kind, (c, size) in kinds.items()}
-        sizes = [0, 0, 0, 0]
+        sizes = [0] * len(freed)
         for (idx, _, _), size in plans.values():
             sizes[idx] = size
         free_leaf = self.free_leaf
@@ -384,7 +384,7 @@ class CacheCore:
             else:
                 free_leaf(node, freed)
             done = sum(f * s for f, s in zip(freed, sizes, strict=True))
-        return new_tuple(EvictResult, (freed[0], freed[1], freed[2]))
+        return self.result(freed)
 
     def evict(self, comp: Component, target: int) -> EvictResult:
         """Free at least ``target`` of ``comp``'s units (``comp.evict_field``) in its order:

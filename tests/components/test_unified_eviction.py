@@ -62,6 +62,7 @@ def test_victims_in_cost_per_byte_order_by_hand() -> None:
     # 700 B: R's leaf (4 tokens + its state = 640 B), then P's state (internal: 384 B).
     res = cache.evict_bytes(700)
     assert (res.num_tokens, res.num_states) == (4, 2)
+    assert res.other == () and res.units("num_tokens") == 4  # a whole EvictResult
     assert tree(cache) == [(4, False), (40, True)]
     assert cache.watermark == pytest.approx(4 / 384 * MIB)  # L rose to P's priority
     # Q's leaf now rebuilds from 0: 40 / 2688; it goes with P, left a stateless leaf.
