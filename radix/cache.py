@@ -61,8 +61,6 @@ from radix.tiers.storage import StorageTier
 from radix.tree import RadixKey, new_tuple, resolve_key
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     from allocators import MambaStatePool, SlotAllocator
     from allocators.swa import SWAAllocator
     from components.kv import KVValue
