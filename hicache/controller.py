@@ -204,22 +204,10 @@ class HiCacheController:
         return cast("MambaStatePool", pair.device), cast("MambaStatePool", pair.host)
 
     # ------------------------------------------------------------------ alloc
-    def alloc_host(self, num_tokens: int, num_states: int) -> tuple[torch.Tensor, int | None] | None:
-        """Host KV slots and (0 or 1) host state slot, all or nothing; ``None`` when short."""
-        asks: list[tuple[SlotAllocator, int]] = [(self.host_kv, num_tokens)]
-        if num_states:
-            assert self.host_state is not None
-            asks.append((self.host_state, num_states))
-        got = alloc_all(asks)
-        if got is None:
-            return None
-        return got[0], (int(got[1][0]) if num_states else None)
-
     def alloc_parts(self, asks: list[tuple[SlotAllocator, int]]) -> list[torch.Tensor] | None:
         """``alloc`` from several pools (``(allocator, n)``), all or nothing (``None``: every
         pool exactly as before)."""
         return alloc_all(asks)
-
 
     # ------------------------------------------------------------------ copies
     def register_pair(self, name: str, device: SlotAllocator, host: SlotAllocator,
