@@ -1,7 +1,7 @@
 """Statistics of a request trace: ``python -m bench trace-stats TRACE [--json FILE|-]``.
 
 Prints requests, time span and rate, prompt / output lengths, block reuse and the
-infinite-cache bounds, computed as follows (the conventions of ``bench/traces/README.md``):
+infinite-cache bounds, computed as follows:
 
 * *repeated ids*: share of block ids already seen in an earlier request (set-based; it
   overstates reuse when ids are not prefix-chained, as in the GMI trace);
