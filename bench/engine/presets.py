@@ -39,6 +39,28 @@ Sources of the shapes (public configs and papers; numbers as read from them):
     4 -> 12 gated-attention + 36 GDN layers; 2 KV heads of 256; GDN with 16 key heads and 32
     value heads of 128, d_conv 4. Temporal state FP32 (``mamba_ssm_dtype`` of the Qwen3.5
     configs), conv state and KV BF16.
+``glm-5.3-flash-like``
+    A plausible hybrid shape named "GLM-5.3-Flash-like", chosen so that the counts of the GDS
+    seed's deployment (SGLang, GLM-5.3-Flash NVFP4 on 2x B200: **419 state slots against
+    2,969,600 KV tokens**, ``/work/shared/SPEC.md`` section 2, issue 38) come out of a stated
+    budget and split; the released model's config is not public here, so the shape is not it.
+    64 layers, every 4th attention: 16 attention layers with GQA of 8 KV heads x 128 (GLM-4.5's
+    KV heads) and an FP8 KV cache (an NVFP4 deployment's usual KV dtype), and 48 Gated DeltaNet
+    layers with 32 key heads and 64 value heads of 128, d_conv 4, temporal state FP32, conv
+    BF16. Arithmetic::
+
+        KV    = 16 layers * 2 * 8 heads * 128 * 1 B               =      32,768 B / token
+        state = 48 * (64 * 128 * 128 * 4 + 3 * (2*32*128 + 64*128) * 2)
+              = 48 * (4,194,304 + 98,304)                          = 206,045,184 B / slot
+                                                                     (= 6,288 KV tokens)
+        budget 183.7 GB (91.85 GB per B200 for the cache), state fraction 0.47028, page 64:
+        slots  = floor(0.47028 * 183.7e9 / 206,045,184)  = floor(419.28)   = 419
+        tokens = floor(0.52972 * 183.7e9 / 32,768)       = floor(2,969,652.2)
+                 -> whole pages of 64                                       = 2,969,600
+
+    The fraction is what the counts imply: 419 slots are 86.33 GB and 2,969,600 tokens
+    97.31 GB, a state : KV ratio of 0.887, near SGLang's default ``--mamba-full-memory-ratio``
+    0.9. With page 1 the tokens are 2,969,652 (52 more, the page rounding).
 """
 
 from __future__ import annotations
@@ -83,14 +105,42 @@ class ModelPreset:
         return self.state_bytes_per_slot / self.kv_bytes_per_token
 
 
+def _check_sizes(**sizes: int) -> None:
+    """Every size an int >= 1 (``bool`` refused), else ``ValueError`` naming it."""
+    for name, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
+
+def _check_divides(whole: str, n: int, part: str, d: int) -> None:
+    """``n`` (argument ``whole``) a multiple of ``d`` (argument ``part``), else ``ValueError``."""
+    if n % d:
+        raise ValueError(f"{whole}={n} is not a multiple of {part}={d} (shapes that do not divide)")
+
+
 def attention_kv_bytes(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """KV bytes per token of ``layers`` attention layers (K and V)."""
+    """KV bytes per token of ``layers`` attention layers (K and V).
+
+    Raises:
+        ValueError: a size that is not an int >= 1 (named).
+    """
+    _check_sizes(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes)
     return layers * 2 * kv_heads * head_dim * dtype_bytes
 
 
 def mamba2_state_bytes(layers: int, heads: int, head_dim: int, d_state: int, n_groups: int,
                        d_conv: int, ssm_bytes: int, conv_bytes: int) -> int:
-    """State bytes of one checkpoint over ``layers`` Mamba-2 layers."""
+    """State bytes of one checkpoint over ``layers`` Mamba-2 layers.
+
+    Raises:
+        ValueError: a size that is not an int >= 1, ``d_conv < 2`` (no conv state), or
+            ``heads`` not a multiple of ``n_groups`` (each group serves whole heads).
+    """
+    _check_sizes(layers=layers, heads=heads, head_dim=head_dim, d_state=d_state,
+                 n_groups=n_groups, d_conv=d_conv, ssm_bytes=ssm_bytes, conv_bytes=conv_bytes)
+    if d_conv < 2:
+        raise ValueError(f"d_conv must be >= 2 (the state keeps d_conv - 1 inputs), got {d_conv}")
+    _check_divides("heads", heads, "n_groups", n_groups)
     temporal = heads * head_dim * d_state * ssm_bytes
     conv = (d_conv - 1) * (heads * head_dim + 2 * n_groups * d_state) * conv_bytes
     return layers * (temporal + conv)
@@ -98,7 +148,17 @@ def mamba2_state_bytes(layers: int, heads: int, head_dim: int, d_state: int, n_g
 
 def gdn_state_bytes(layers: int, k_heads: int, v_heads: int, k_head_dim: int, v_head_dim: int,
                     d_conv: int, ssm_bytes: int, conv_bytes: int) -> int:
-    """State bytes of one checkpoint over ``layers`` Gated DeltaNet layers."""
+    """State bytes of one checkpoint over ``layers`` Gated DeltaNet layers.
+
+    Raises:
+        ValueError: a size that is not an int >= 1, ``d_conv < 2`` (no conv state), or
+            ``v_heads`` not a multiple of ``k_heads`` (GQA-style sharing of key heads).
+    """
+    _check_sizes(layers=layers, k_heads=k_heads, v_heads=v_heads, k_head_dim=k_head_dim,
+                 v_head_dim=v_head_dim, d_conv=d_conv, ssm_bytes=ssm_bytes, conv_bytes=conv_bytes)
+    if d_conv < 2:
+        raise ValueError(f"d_conv must be >= 2 (the state keeps d_conv - 1 inputs), got {d_conv}")
+    _check_divides("v_heads", v_heads, "k_heads", k_heads)
     temporal = v_heads * k_head_dim * v_head_dim * ssm_bytes
     conv = (d_conv - 1) * (2 * k_heads * k_head_dim + v_heads * v_head_dim) * conv_bytes
     return layers * (temporal + conv)
@@ -124,6 +184,13 @@ PRESETS: dict[str, ModelPreset] = {
             attention_kv_bytes(12, 2, 256, 2),
             gdn_state_bytes(36, 16, 32, 128, 128, 4, 4, 2),
             "Qwen3NextConfig defaults (Qwen3-Next-80B-A3B), GDN state FP32, KV/conv BF16",
+        ),
+        ModelPreset(
+            "glm-5.3-flash-like", 16, 48,
+            attention_kv_bytes(16, 8, 128, 1),
+            gdn_state_bytes(48, 32, 64, 128, 128, 4, 4, 2),
+            "GLM-5.3-Flash-like hybrid fitted to the seed's 2x B200 counts (419 states, "
+            "2,969,600 KV tokens at 183.7 GB, state fraction 0.47028, page 64), KV FP8",
         ),
     )
 }
@@ -155,14 +222,19 @@ def split_memory(preset: ModelPreset, memory_gb: float, state_fraction: float,
     ``floor(8e9 / 77,266,944) = 103`` slots and ``floor(32e9 / 24,576) = 1,302,083`` tokens.
 
     Raises:
-        ValueError: ``memory_gb <= 0``, ``state_fraction`` outside ``[0, 1)``, or a budget
-            whose KV share does not hold one page.
+        ValueError: ``memory_gb <= 0``, ``state_fraction`` outside ``[0, 1)``, a budget
+            below one state plus one page, or a budget whose KV share does not hold one page.
     """
     if not memory_gb > 0:
         raise ValueError(f"memory_gb must be > 0, got {memory_gb!r}")
     if not 0.0 <= state_fraction < 1.0:
         raise ValueError(f"state_fraction must be in [0, 1), got {state_fraction!r}")
     total = memory_gb * GB
+    least = preset.state_bytes_per_slot + page_size * preset.kv_bytes_per_token
+    if total < least:
+        raise ValueError(
+            f"memory_gb={memory_gb} is below one state plus one page of {preset.name} "
+            f"({least:,} bytes)")
     state_budget = state_fraction * total
     slots = int(state_budget // preset.state_bytes_per_slot)
     kv_tokens = int((total - state_budget) // preset.kv_bytes_per_token) // page_size * page_size
