@@ -56,8 +56,10 @@ from allocators import (
     TokenAllocator,
     cat_slots,
 )
+from allocators.arena import ArenaKVAllocator
 from allocators.memory import MemoryBudgetError, available_host_memory
 from bench.engine.metrics import RequestLog
+from bench.engine.presets import ArenaLayout
 from bench.traces.loader import TraceRequest
 from components.state import StateWalkFactory
 from hicache import HiCacheConfig
@@ -103,6 +105,13 @@ class EngineConfig:
         kv_events: ``"off"``; ``"on"`` the cache records KV events (``components.events``)
             and the replay takes them after every request, as an engine publishes them;
             ``"check"`` also rebuilds the page set from them (``bench.engine.kv_events``).
+        arena: ``None`` (two pools of fixed sizes), or the unified arena's counts
+            (``bench.engine.presets.arena_layout``): one budget for KV pages and states whose
+            boundary moves at run time (``bench.engine.arena.ArenaReplayEngine``, built by
+            ``bench.engine.arena.make_engine``); then ``policy`` is ``"unified"``,
+            ``kv_tokens`` / ``state_slots`` are the arena's split at the start
+            (``arena.kv_tokens`` / ``arena.state_chunks``), and there is no sliding window or
+            host tier.
     """
 
     policy: str = "lru"
@@ -121,8 +130,11 @@ class EngineConfig:
     hicache_mem_layout: str = "page_first"
     device: str = "cpu"
     kv_events: str = "off"
+    arena: ArenaLayout | None = None
 
     def __post_init__(self) -> None:
+        if self.arena is not None:
+            self._check_arena(self.arena)
         for name in ("kv_tokens", "page_size", "chunk_size", "concurrency"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -154,6 +166,29 @@ class EngineConfig:
                 + f"): the pools' free lists alone need {_gib(self.min_bytes())} "
                 f"({FREE_LIST_BYTES} bytes per page), more than the {_gib(avail)} this machine "
                 "has available")
+
+    @classmethod
+    def of_arena(cls, arena: ArenaLayout, **knobs: Any) -> EngineConfig:
+        """The config of a unified arena: ``policy``, ``kv_tokens`` and ``state_slots`` from
+        ``arena`` (the split at the start), the other fields from ``knobs``."""
+        return cls(policy="unified", kv_tokens=arena.kv_tokens, state_slots=arena.state_chunks,
+                   arena=arena, **knobs)
+
+    def _check_arena(self, arena: ArenaLayout) -> None:
+        """The fields an arena fixes agree with it (``ValueError`` naming the field)."""
+        if not isinstance(arena, ArenaLayout):
+            raise TypeError(f"arena must be an ArenaLayout or None, got {type(arena).__name__}")
+        wrong = [(name, got, want) for name, got, want in (
+            ("policy", self.policy, "unified"), ("kv_tokens", self.kv_tokens, arena.kv_tokens),
+            ("state_slots", self.state_slots, arena.state_chunks),
+            ("sliding_window", self.sliding_window, 0), ("hicache_ratio", self.hicache_ratio, 0))
+            if got != want]
+        if wrong:
+            name, got, want = wrong[0]
+            raise ValueError(f"{name}={got!r} with a unified arena: expected {want!r}")
+        if arena.tokens_per_chunk % self.page_size:
+            raise ValueError(f"arena.tokens_per_chunk={arena.tokens_per_chunk} is not a multiple "
+                             f"of page_size={self.page_size}")
 
     def min_bytes(self) -> int:
         """The least the pools of this configuration allocate [bytes]: :data:`FREE_LIST_BYTES`
@@ -228,7 +263,7 @@ class ReplayEngine:
             pool = KVPool(num_slots, 1, 1, 1, torch.float16, dev, page_size=ps)
             if cfg.sliding_window:
                 swa_pool = KVPool(swa_slots, 1, 1, 1, torch.float16, dev, page_size=ps)
-        self.kv_allocator: TokenAllocator | PagedAllocator | SWAAllocator
+        self.kv_allocator: TokenAllocator | PagedAllocator | SWAAllocator | ArenaKVAllocator
         if cfg.sliding_window:
             self.kv_allocator = SWAAllocator(num_slots, swa_slots, ps, full_pool=pool,
                                              swa_pool=swa_pool, device=dev)

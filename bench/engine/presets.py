@@ -67,7 +67,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GB", "PRESETS", "MemorySplit", "ModelPreset", "get_preset", "split_memory"]
+__all__ = ["GB", "PRESETS", "ArenaLayout", "MemorySplit", "ModelPreset", "arena_layout", "get_preset",
+           "split_memory"]
 
 GB = 10**9
 """Bytes per ``--memory-gb`` unit (decimal gigabyte)."""
@@ -245,3 +246,71 @@ def split_memory(preset: ModelPreset, memory_gb: float, state_fraction: float,
         )
     return MemorySplit(kv_tokens, slots, kv_tokens * preset.kv_bytes_per_token,
                        slots * preset.state_bytes_per_slot)
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaLayout:
+    """The counts of a unified memory arena (``allocators.arena.MemoryArena``) of a budget:
+    ``num_chunks`` chunks of ``tokens_per_chunk`` KV tokens or one state each, chunk 0 the
+    padding, ``state_chunks`` of the others owned by states at the start (the boundary moves
+    at run time).
+
+    Raises:
+        ValueError: a count that is not an int, ``tokens_per_chunk < 1``, ``num_chunks < 3``
+            (padding, one state, one KV chunk), ``state_chunks`` outside ``[1, num_chunks - 2]``.
+    """
+
+    tokens_per_chunk: int
+    num_chunks: int
+    state_chunks: int
+
+    def __post_init__(self) -> None:
+        for f, least in (("tokens_per_chunk", 1), ("num_chunks", 3), ("state_chunks", 1)):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"{f} must be an int >= {least}, got {v!r}")
+        if self.state_chunks > self.num_chunks - 2:
+            raise ValueError(f"state_chunks={self.state_chunks} leaves no KV chunk of "
+                             f"{self.num_chunks} (one is the padding)")
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV tokens of the chunks KV owns at the start."""
+        return (self.num_chunks - 1 - self.state_chunks) * self.tokens_per_chunk
+
+
+def arena_layout(preset: ModelPreset, memory_gb: float, state_fraction: float,
+                 page_size: int = 1) -> ArenaLayout:
+    """The unified arena of ``preset`` at ``memory_gb`` (decimal GB), states owning
+    ``state_fraction`` of the usable chunks at the start (at least one, and one KV chunk)::
+
+        tokens_per_chunk = ceil(state_bytes / (page_size * kv_bytes_per_token)) * page_size
+        num_chunks       = floor(memory_gb * 1e9 / (tokens_per_chunk * kv_bytes_per_token))
+        state_chunks     = clamp(round(state_fraction * (num_chunks - 1)), 1, num_chunks - 2)
+
+    (``allocators.arena``'s chunking: a chunk is one state rounded up to whole KV pages.)
+    Example: ``qwen3-next-80b`` at 10 GB: 3,144 tokens per chunk (77,266,944 B, exactly one
+    state), 129 chunks.
+
+    Raises:
+        ValueError: ``memory_gb <= 0``, ``state_fraction`` outside ``[0, 1)``,
+            ``page_size < 1``, or a budget below three chunks (the padding chunk, one state,
+            one chunk of KV pages), naming ``memory_gb``.
+    """
+    if not memory_gb > 0:
+        raise ValueError(f"memory_gb must be > 0, got {memory_gb!r}")
+    if not 0.0 <= state_fraction < 1.0:
+        raise ValueError(f"state_fraction must be in [0, 1), got {state_fraction!r}")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    kv_page = page_size * preset.kv_bytes_per_token
+    tokens_per_chunk = -(-preset.state_bytes_per_slot // kv_page) * page_size
+    chunk_bytes = tokens_per_chunk * preset.kv_bytes_per_token
+    chunks = int(memory_gb * GB // chunk_bytes)
+    if chunks < 3:
+        raise ValueError(
+            f"memory_gb={memory_gb} holds {chunks} arena chunks of {chunk_bytes:,} bytes "
+            f"({preset.name}: one state in whole pages of {page_size}); the unified arena needs "
+            f"3 (padding, one state, one KV chunk): {3 * chunk_bytes / GB:.4g} GB or more")
+    state_chunks = min(max(1, round(state_fraction * (chunks - 1))), chunks - 2)
+    return ArenaLayout(tokens_per_chunk, chunks, state_chunks)

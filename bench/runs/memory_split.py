@@ -16,11 +16,13 @@ The default split an operator gets: SGLang's ``--mamba-full-memory-ratio`` (defa
 gives states ``total * r / (1 + r)`` of the cache memory, a state fraction of
 ``0.9 / 1.9 = 0.4737`` (:data:`SGLANG_DEFAULT_FRACTION`).
 
-The arena of a replay is built with the preset's *counts*, not its bytes: one chunk holds
+The arena of a replay is built with the preset's *counts*, not its bytes
+(``bench.engine.presets.arena_layout``, ``bench.engine.arena``): one chunk holds
 ``tokens_per_chunk = ceil(state_bytes / (page * kv_bytes_per_token)) * page`` KV tokens or one
 state, and the budget holds ``memory_gb * 1e9 // (tokens_per_chunk * kv_bytes_per_token)``
 chunks, as a real arena of the preset's shapes would; its tensors use 4 bytes per KV token
-(the replay writes no KV data), so a 100 GB budget costs megabytes here.
+(the replay writes no KV data), so a 100 GB budget costs megabytes here. ``python -m bench
+replay`` and ``python -m bench simulate`` run the same arena with ``--state-fraction unified``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any
 
 from bench.cli import ArgumentParser, output_path, positive_float, prog
 
-__all__ = ["SGLANG_DEFAULT_FRACTION", "ArenaReplayEngine", "build_parser", "main", "run_arena",
+__all__ = ["SGLANG_DEFAULT_FRACTION", "arena_fields", "build_parser", "main", "run_arena",
            "run_fixed"]
 
 #: SGLang's default state share: ``mamba_full_memory_ratio = 0.9`` -> ``0.9 / (1 + 0.9)``.
@@ -70,20 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _arena_for(preset: Any, memory_gb: float, page_size: int, fraction: float) -> Any:
-    """The scaled arena of ``preset`` at ``memory_gb`` (module docstring), states owning
-    ``fraction`` of the usable chunks at first."""
-    import torch
+    """The scaled arena of ``preset`` at ``memory_gb`` (``bench.engine.arena.build_arena``),
+    states owning ``fraction`` of the usable chunks at first."""
+    from bench.engine.arena import build_arena
+    from bench.engine.presets import arena_layout
 
-    from allocators.arena import KVShape, MemoryArena, StateShape
-    from bench.engine.presets import GB
-
-    kv_page = page_size * preset.kv_bytes_per_token
-    tokens_per_chunk = -(-preset.state_bytes_per_slot // kv_page) * page_size
-    chunks = int(memory_gb * GB // (tokens_per_chunk * preset.kv_bytes_per_token))
-    kv = KVShape(1, 1, 1, torch.float16, page_size)  # 4 B per token
-    st = StateShape(1, (1,), (tokens_per_chunk - 1,), torch.float32)  # 4 * tokens_per_chunk B
-    return MemoryArena(chunks * tokens_per_chunk * 4, kv, st,
-                       state_slots=max(1, round(fraction * (chunks - 1))))
+    return build_arena(arena_layout(preset, memory_gb, fraction, page_size), page_size)
 
 
 def real_waste_fraction(preset: Any, memory_gb: float, arena: Any, state_chunks: int) -> float:
@@ -97,55 +91,6 @@ def real_waste_fraction(preset: Any, memory_gb: float, arena: Any, state_chunks:
     waste = (budget - arena.num_chunks * chunk) + chunk \
         + state_chunks * (chunk - preset.state_bytes_per_slot)
     return float(waste / budget)
-
-
-def _engine_class() -> Any:
-    from collections import deque
-    from dataclasses import dataclass
-
-    from bench.engine.core import ReplayEngine
-    from components.eviction.unified import make_room
-    from radix import CacheConfig, RadixCache
-
-    @dataclass
-    class _Arena(ReplayEngine):
-        """:class:`bench.engine.core.ReplayEngine` over a :class:`MemoryArena` (``arena``): the
-        arena's views as pools, ``radix_eviction_policy="unified"``, and on a shortfall
-        ``make_room`` (boundary, then eviction by value) before finishing running requests."""
-
-        arena: Any = None
-
-        def __post_init__(self) -> None:
-            arena = self.arena
-            self.kv_allocator = arena.kv_allocator
-            self.state_pool = arena.state_pool
-            self.cache = RadixCache(CacheConfig(page_size=self.config.page_size,
-                                                radix_eviction_policy="unified"),
-                                    kv_allocator=self.kv_allocator,
-                                    state_allocator=self.state_pool)
-            self._running = deque()
-            self._empty = self.cache.empty_slots
-            self._on_cpu = True
-            #: fewest and most chunks the states owned over the replay
-            self.state_chunks = [arena.num_state_chunks, arena.num_state_chunks]
-
-        def _note(self) -> None:
-            n = self.arena.num_state_chunks
-            self.state_chunks = [min(self.state_chunks[0], n), max(self.state_chunks[1], n)]
-
-        def _make_kv_room(self, n: int) -> None:
-            if make_room(self.cache, self.arena, kv_tokens=n):
-                self._note()
-
-        def _make_state_room(self) -> None:
-            if make_room(self.cache, self.arena, states=1):
-                self._note()
-
-    return _Arena
-
-
-#: ``ReplayEngine`` over a ``MemoryArena`` (built on first use: importing torch lazily).
-ArenaReplayEngine: Any = None
 
 
 def _replay(engine: Any, trace: Sequence[Any]) -> dict[str, Any]:
@@ -187,23 +132,30 @@ def run_fixed(trace: Sequence[Any], preset: Any, memory_gb: float, fraction: flo
 def run_arena(trace: Sequence[Any], preset: Any, memory_gb: float,
               args: argparse.Namespace) -> dict[str, Any]:
     """The unified arena, starting from SGLang's default split."""
+    from bench.engine.arena import ArenaReplayEngine
     from bench.engine.core import EngineConfig
+    from bench.engine.presets import arena_layout
 
-    global ArenaReplayEngine
-    if ArenaReplayEngine is None:
-        ArenaReplayEngine = _engine_class()
-    arena = _arena_for(preset, memory_gb, args.page_size, SGLANG_DEFAULT_FRACTION)
-    cfg = EngineConfig(policy="unified", kv_tokens=arena.kv_allocator.owned_size(),
-                       state_slots=arena.num_state_chunks, page_size=args.page_size,
-                       chunk_size=args.chunk_size, concurrency=args.concurrency)
-    engine = ArenaReplayEngine(cfg, arena=arena)
+    layout = arena_layout(preset, memory_gb, SGLANG_DEFAULT_FRACTION, args.page_size)
+    cfg = EngineConfig.of_arena(layout, page_size=args.page_size, chunk_size=args.chunk_size,
+                                concurrency=args.concurrency)
+    engine = ArenaReplayEngine(cfg)
     rec = _replay(engine, trace)
+    arena = engine.arena
     arena.check()
     return {"memory_gb": memory_gb, "split": "unified", "policy": "unified",
-            **rec, "chunks": arena.num_chunks,
-            "tokens_per_chunk": arena.tokens_per_chunk,
+            **rec, **arena_fields(preset, memory_gb, engine)}
+
+
+def arena_fields(preset: Any, memory_gb: float, engine: Any) -> dict[str, Any]:
+    """What a unified run reports besides its hit rate: ``chunks``, ``tokens_per_chunk``,
+    ``final_state_fraction`` (of the usable chunks), ``state_chunks_range`` (fewest, most
+    state chunks over the run) and ``waste_fraction_max`` (:func:`real_waste_fraction` at
+    the worse end of that range)."""
+    arena = engine.arena
+    return {"chunks": arena.num_chunks, "tokens_per_chunk": arena.tokens_per_chunk,
             "final_state_fraction": arena.num_state_chunks / max(arena.num_chunks - 1, 1),
-            "state_chunks_range": engine.state_chunks,
+            "state_chunks_range": list(engine.state_chunks),
             "waste_fraction_max": max(real_waste_fraction(preset, memory_gb, arena, n)
                                       for n in engine.state_chunks)}
 
