@@ -43,7 +43,9 @@ __all__ = [
     "positive_float",
     "prog",
     "refuse_ignored",
+    "refuse_unified_policies",
     "require_package",
+    "state_fraction",
     "write_json",
 ]
 
@@ -155,6 +157,36 @@ def positive_float(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0: {text!r}")
     return value
+
+
+def state_fraction(text: str) -> float | str:
+    """``--state-fraction``: the states' share of ``--memory-gb`` (a number in ``[0, 1)``),
+    or ``unified``: one arena for both kinds, its boundary moving at run time
+    (:mod:`bench.engine.arena`)."""
+    from bench.engine.presets import UNIFIED
+
+    if text == UNIFIED:
+        return UNIFIED
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number in [0, 1) or {UNIFIED!r}, got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1) (or {UNIFIED!r}): {text!r}")
+    return value
+
+
+def refuse_unified_policies(splits: Sequence[float | str], policies: Sequence[str] | None
+                            ) -> None:
+    """``ValueError`` naming ``--policy`` when policies other than ``unified`` are given and
+    every split is ``unified`` (the arena has one policy, no knob)."""
+    from bench.engine.presets import UNIFIED
+
+    other = [p for p in policies or () if p != UNIFIED]
+    if other and splits and all(f == UNIFIED for f in splits):
+        raise ValueError(f"--policy {' '.join(other)}: --state-fraction {UNIFIED} runs one "
+                         f"policy, {UNIFIED} (drop --policy)")
 
 
 def check_output_path(path: str) -> str | None:

@@ -108,7 +108,7 @@ class EngineConfig:
         arena: ``None`` (two pools of fixed sizes), or the unified arena's counts
             (``bench.engine.presets.arena_layout``): one budget for KV pages and states whose
             boundary moves at run time (``bench.engine.arena.ArenaReplayEngine``, built by
-            ``bench.engine.arena.make_engine``); then ``policy`` is ``"unified"``,
+            ``bench.engine.arena.make_engine``; ``bench.engine.presets.engine_sizes``); then ``policy`` is ``"unified"``,
             ``kv_tokens`` / ``state_slots`` are the arena's split at the start
             (``arena.kv_tokens`` / ``arena.state_chunks``), and there is no sliding window or
             host tier.
@@ -166,13 +166,6 @@ class EngineConfig:
                 + f"): the pools' free lists alone need {_gib(self.min_bytes())} "
                 f"({FREE_LIST_BYTES} bytes per page), more than the {_gib(avail)} this machine "
                 "has available")
-
-    @classmethod
-    def of_arena(cls, arena: ArenaLayout, **knobs: Any) -> EngineConfig:
-        """The config of a unified arena: ``policy``, ``kv_tokens`` and ``state_slots`` from
-        ``arena`` (the split at the start), the other fields from ``knobs``."""
-        return cls(policy="unified", kv_tokens=arena.kv_tokens, state_slots=arena.state_chunks,
-                   arena=arena, **knobs)
 
     def _check_arena(self, arena: ArenaLayout) -> None:
         """The fields an arena fixes agree with it (``ValueError`` naming the field)."""

@@ -66,12 +66,26 @@ Sources of the shapes (public configs and papers; numbers as read from them):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["GB", "PRESETS", "ArenaLayout", "MemorySplit", "ModelPreset", "arena_layout", "get_preset",
-           "split_memory"]
+__all__ = ["DEFAULT_STATE_FRACTION", "GB", "PRESETS", "SGLANG_DEFAULT_FRACTION", "UNIFIED", "ArenaLayout", "MemorySplit",
+           "ModelPreset", "arena_layout", "engine_sizes", "get_preset", "split_memory"]
 
 GB = 10**9
 """Bytes per ``--memory-gb`` unit (decimal gigabyte)."""
+
+SGLANG_DEFAULT_FRACTION = 0.9 / 1.9
+"""SGLang's default state share: ``--mamba-full-memory-ratio`` 0.9 (``server_args.py``, the
+ratio of Mamba-state to full-attention KV memory); the model runner gives states
+``total * r / (1 + r)`` of the cache memory, ``0.9 / 1.9 = 0.4737``. The unified arena starts
+there."""
+
+DEFAULT_STATE_FRACTION = 0.2
+"""The states' share of ``--memory-gb`` when no ``--state-fraction`` is given (``simulate``,
+``replay``)."""
+
+UNIFIED = "unified"
+"""The split of the unified arena (``--state-fraction unified``, a record's ``split``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,3 +328,24 @@ def arena_layout(preset: ModelPreset, memory_gb: float, state_fraction: float,
             f"3 (padding, one state, one KV chunk): {3 * chunk_bytes / GB:.4g} GB or more")
     state_chunks = min(max(1, round(state_fraction * (chunks - 1))), chunks - 2)
     return ArenaLayout(tokens_per_chunk, chunks, state_chunks)
+
+
+def engine_sizes(preset: ModelPreset, memory_gb: float, split: float | str,
+                 page_size: int = 1) -> dict[str, Any]:
+    """The pool fields of ``bench.engine.core.EngineConfig`` for ``memory_gb`` of ``preset``:
+    ``kv_tokens`` and ``state_slots`` of the fixed split ``split`` (:func:`split_memory`), or
+    for ``split == "unified"`` the arena (:func:`arena_layout`, starting at
+    :data:`SGLANG_DEFAULT_FRACTION`) with its split at the start and ``policy="unified"``.
+
+    Raises:
+        ValueError: as :func:`split_memory` / :func:`arena_layout`; a ``split`` that is
+            neither a number nor ``"unified"``.
+    """
+    if split == UNIFIED:
+        arena = arena_layout(preset, memory_gb, SGLANG_DEFAULT_FRACTION, page_size)
+        return {"policy": UNIFIED, "kv_tokens": arena.kv_tokens,
+                "state_slots": arena.state_chunks, "arena": arena}
+    if isinstance(split, str) or isinstance(split, bool):
+        raise ValueError(f"split must be a state fraction or {UNIFIED!r}, got {split!r}")
+    fixed = split_memory(preset, memory_gb, split, page_size)
+    return {"kv_tokens": fixed.kv_tokens, "state_slots": fixed.state_slots}

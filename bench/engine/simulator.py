@@ -34,7 +34,9 @@ fits. *Memory fits* is checked before the cache is touched, conservatively: the 
 plus evictable tokens hold the whole prompt plus output (pages), and a state slot is free or
 two unlocked states exist (the match may lock one). Otherwise the head waits (head-of-line
 blocking: memory is short, requests queue) until a running request finishes. A request that
-does not fit with nothing running is skipped. Admission calls ``ReplayEngine.admit`` (which
+does not fit with nothing running is skipped. Over a unified arena (``EngineConfig.arena``)
+the check sees the pages KV owns now and not the free state chunks the arena would move to
+KV on a shortfall: it errs the same way, towards waiting. Admission calls ``ReplayEngine.admit`` (which
 allocates prompt and output KV and places every checkpoint at once; prefill is FIFO, so no
 later request computes on KV before its producer); the first output token comes with the
 last prefill chunk, the other ``output_length - 1`` take one decode step each; then
@@ -63,7 +65,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from bench.engine.core import EngineConfig, EngineCounters, ReplayEngine
+from bench.engine.arena import make_engine
+from bench.engine.core import EngineConfig, EngineCounters
 from bench.engine.metrics import COST_D, COST_E, ReplayMetrics, prefill_cost, summarize
 from bench.engine.presets import get_preset
 from bench.policies import baselines
@@ -268,7 +271,7 @@ class Simulator:
         self.trace = trace
         self.cfg = config
         self._walks: list[StateStrategy] = []
-        self.engine = ReplayEngine(config.engine, state_walk=self._state_walk(next_use))
+        self.engine = make_engine(config.engine, state_walk=self._state_walk(next_use))
         self._order_kv_leaves()
         self._alpha_switch = alpha_switch
         n = len(trace)

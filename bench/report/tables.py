@@ -47,6 +47,10 @@ class RunResult:
     kv_events: dict[str, Any] | None = None
     peak_rss_of_run: bool = False
     """``peak_rss_mib`` is this run's own peak (``False``: the process's so far)."""
+    memory_gb: float | None = None
+    """The byte budget the pools were sized from (``--memory-gb``), or ``None``."""
+    split: float | str | None = None
+    """Its split: the states' fraction, or ``"unified"`` (one arena, ``config.arena``)."""
 
     @classmethod
     def of(cls, engine: ReplayEngine, wall_s: float, peak_rss_of_run: bool,
@@ -88,7 +92,15 @@ def _rows(runs: Sequence[RunResult]) -> list[tuple[str, list[str]]]:
     def col(f: Any) -> list[str]:
         return [f(r) for r in runs]
 
+    def memory(r: RunResult) -> str:
+        if r.memory_gb is None:
+            return "-"
+        return f"{r.memory_gb:g} / " + (r.split if isinstance(r.split, str) else f"{r.split:.4g}")
+
+    budget = ([("memory GB / split", col(memory))] if any(r.memory_gb is not None for r in runs)
+              else [])
     return [
+        *budget,
         (
             "KV tokens / state slots",
             col(lambda r: f"{r.config.kv_tokens:,} / {r.config.state_slots:,}"),
@@ -238,6 +250,8 @@ def to_json_dict(
             {
                 "policy": r.config.policy,
                 "policy_config": r.config.policy_config,
+                "memory_gb": r.memory_gb,
+                "split": r.split,
                 "kv_tokens": r.config.kv_tokens,
                 "state_slots": r.config.state_slots,
                 "hicache_ratio": r.config.hicache_ratio,

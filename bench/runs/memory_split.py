@@ -35,12 +35,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.cli import ArgumentParser, output_path, positive_float, prog
+from bench.engine.presets import SGLANG_DEFAULT_FRACTION
 
 __all__ = ["SGLANG_DEFAULT_FRACTION", "arena_fields", "build_parser", "main", "run_arena",
            "run_fixed"]
 
-#: SGLang's default state share: ``mamba_full_memory_ratio = 0.9`` -> ``0.9 / (1 + 0.9)``.
-SGLANG_DEFAULT_FRACTION = 0.9 / 1.9
 
 #: The fixed splits swept by default (state fraction of the budget).
 DEFAULT_FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.3, SGLANG_DEFAULT_FRACTION, 0.6, 0.8)
@@ -134,11 +133,11 @@ def run_arena(trace: Sequence[Any], preset: Any, memory_gb: float,
     """The unified arena, starting from SGLang's default split."""
     from bench.engine.arena import ArenaReplayEngine
     from bench.engine.core import EngineConfig
-    from bench.engine.presets import arena_layout
+    from bench.engine.presets import UNIFIED, engine_sizes
 
-    layout = arena_layout(preset, memory_gb, SGLANG_DEFAULT_FRACTION, args.page_size)
-    cfg = EngineConfig.of_arena(layout, page_size=args.page_size, chunk_size=args.chunk_size,
-                                concurrency=args.concurrency)
+    cfg = EngineConfig(**engine_sizes(preset, memory_gb, UNIFIED, args.page_size),
+                       page_size=args.page_size, chunk_size=args.chunk_size,
+                       concurrency=args.concurrency)
     engine = ArenaReplayEngine(cfg)
     rec = _replay(engine, trace)
     arena = engine.arena

@@ -15,11 +15,17 @@ Examples::
     python -m bench replay --kv-tokens 2M --state-slots 256 --hicache-ratio 0 4
         # without and with a host (L2) tier of 4x the device pools, side by side
     python -m bench replay --policy lru --page-size 16 --kv-events off on check
+    python -m bench replay --model qwen3-next-80b --memory-gb 10 20 --state-fraction 0.2 unified
+        # pools sized from bytes: a fixed split (lru, gds) beside one memory arena (unified)
         # KV events for routers: their cost (off vs on), and the page set a router rebuilds
         # from them checked against the tree's (0 disagreements expected)
 
 Memory sizes accept ``16000000``, ``16e6``, ``16M`` or ``512K``. Several ``--kv-tokens`` /
-``--state-slots`` values run every combination (a sweep). ``--state-slots 0`` replays a
+``--state-slots`` values run every combination (a sweep). ``--model PRESET --memory-gb G
+[G ...] --state-fraction F [F ...]`` sizes both pools from bytes instead (as ``python -m bench
+simulate``, ``bench.engine.presets``): every budget with every split; ``F = unified`` is one
+memory arena whose boundary moves at run time (:mod:`bench.engine.arena`, policy
+``unified``, once per budget: ``--policy`` names the fixed splits' policies). ``--state-slots 0`` replays a
 KV-only (pure attention) model. Progress goes to stderr (a bar on a terminal, a line every few
 seconds elsewhere; none with ``--no-progress``); the table to stdout (to stderr when ``--json -`` takes stdout).
 Peak RSS is each run's own high-water mark (the process's is reset when a run starts,
@@ -35,6 +41,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TextIO
 
 from bench.cli import (
@@ -43,11 +50,15 @@ from bench.cli import (
     new_parser,
     output_path,
     parse_count,
+    positive_float,
     refuse_ignored,
+    refuse_unified_policies,
     require_package,
+    state_fraction,
     write_json,
 )
 from bench.cli import positive as _positive
+from bench.engine.presets import DEFAULT_STATE_FRACTION, PRESETS, UNIFIED
 from bench.lora.options import add_lora_arguments
 from bench.traces.loader import (
     TraceFormatError,
@@ -98,12 +109,22 @@ def build_parser() -> argparse.ArgumentParser:
     a("--tracelab-block-size", type=_positive, default=1,
       help="block size recorded for TraceLab rounds [tokens] (default 1: token-exact)")
     a("--max-requests", type=_positive, default=None, help="replay only the first N requests")
-    a("--policy", nargs="+", default=["lru", "gds"],
-      help="radix eviction policies (default: lru gds)")
-    a("--kv-tokens", nargs="+", type=_positive, default=[16_000_000],
-      help="KV pool size(s) [tokens] (default 16M)")
-    a("--state-slots", nargs="+", type=parse_count, default=[512],
-      help="recurrent-state pool size(s) [slots]; 0 = KV-only model (default 512)")
+    a("--policy", nargs="+", default=None,
+      help="radix eviction policies (default: lru gds; unified when every --state-fraction "
+           "is unified)")
+    a("--kv-tokens", nargs="+", type=_positive, default=None,
+      help="KV pool size(s) [tokens] (default 16M; not with --memory-gb)")
+    a("--state-slots", nargs="+", type=parse_count, default=None,
+      help="recurrent-state pool size(s) [slots]; 0 = KV-only model (default 512; not with "
+           "--memory-gb)")
+    a("--model", choices=sorted(PRESETS), default=None,
+      help="model preset whose KV and state bytes size both pools from --memory-gb")
+    a("--memory-gb", nargs="+", type=positive_float, default=None,
+      help="cache memory budget(s) [GB = 1e9 bytes] (needs --model)")
+    a("--state-fraction", nargs="+", type=state_fraction, default=None,
+      help=f"share(s) of --memory-gb for states (default {DEFAULT_STATE_FRACTION}), or "
+           f"{UNIFIED}: one memory arena for KV pages and states whose boundary moves at run "
+           "time, evicting whichever costs the least recompute per byte")
     a("--page-size", type=_positive, default=1,
       help="tokens per KV page (default 1: exact token accounting; any divisor of the "
            "trace block keeps block boundaries page-aligned)")
@@ -194,13 +215,13 @@ def replay_one(
         AssertionError (from ``sanity_check``) if the cache broke an invariant, or a lock
         survived the replay.
     """
-    from bench.engine.core import ReplayEngine
+    from bench.engine.arena import make_engine
     from bench.engine.kv_events import EventConsumer, EventCounter, disagreements, prompt_hashes
     from bench.engine.metrics import reset_peak_rss
     from bench.report.tables import RunResult
 
     per_run = reset_peak_rss()
-    engine = ReplayEngine(config)
+    engine = make_engine(config)
     desc = f"{config.policy} kv={config.kv_tokens:,} slots={config.state_slots:,}"
     if config.hicache_ratio:
         desc += f" host={config.hicache_ratio:g}x"
@@ -254,31 +275,96 @@ def replay_one(
     return RunResult.of(engine, wall, per_run, cpu_s=cpu, kv_events=report)
 
 
-def _configs(args: argparse.Namespace,
-             knobs: dict[str, dict[str, Any]] | None = None) -> list[EngineConfig]:
-    """Every (kv size, state slots, policy, host ratio) combination, validated before any run
-    starts; ``knobs``: the parsed ``--policy-config`` (parsed here when not given)."""
+#: Pool sizes without ``--kv-tokens`` / ``--state-slots`` (and without ``--memory-gb``).
+DEFAULT_KV_TOKENS = 16_000_000
+DEFAULT_STATE_SLOTS = 512
+
+
+def _splits(args: argparse.Namespace) -> list[float | str]:
+    return [DEFAULT_STATE_FRACTION] if args.state_fraction is None else list(args.state_fraction)
+
+
+def _policies(args: argparse.Namespace) -> list[str]:
+    """``--policy``, or its default: ``lru gds``, ``unified`` when every split is unified."""
+    if args.policy is not None:
+        return list(args.policy)
+    by_memory = args.memory_gb is not None
+    return [UNIFIED] if by_memory and all(f == UNIFIED for f in _splits(args)) else ["lru", "gds"]
+
+
+def check_memory_options(args: argparse.Namespace) -> None:
+    """The pool options that cannot go together (``ValueError`` naming the option):
+    ``--memory-gb`` without ``--model`` or with ``--kv-tokens`` / ``--state-slots``; a
+    ``unified`` split with a sliding window, a host tier or LoRA adapters; ``--policy`` other
+    than ``unified`` when every split is unified."""
+    if args.memory_gb is None:
+        return
+    if args.model is None:
+        raise ValueError("--memory-gb needs --model PRESET (whose bytes size the pools)")
+    given = [o for o, v in (("--kv-tokens", args.kv_tokens), ("--state-slots", args.state_slots))
+             if v is not None]
+    if given:
+        raise ValueError(f"--memory-gb sizes both pools from --model's bytes: {', '.join(given)} "
+                         "would be ignored (give one or the other)")
+    if UNIFIED in _splits(args):
+        for option, on in (("--sliding-window", bool(args.sliding_window)),
+                           ("--hicache-ratio", any(args.hicache_ratio)),
+                           ("--adapters", bool(getattr(args, "adapters", None)))):
+            if on:
+                raise ValueError(f"{option}: --state-fraction {UNIFIED} has no such pool (one "
+                                 "arena of KV pages and states); drop one of them")
+    refuse_unified_policies(_splits(args), args.policy)
+
+
+def _pool_sizes(args: argparse.Namespace
+                ) -> list[tuple[dict[str, Any], float | None, float | str | None]]:
+    """Each pool size to replay: the ``EngineConfig`` pool fields, the budget [GB] and split
+    they come from (``None`` without ``--memory-gb``)."""
+    if args.memory_gb is None:
+        kvs = [DEFAULT_KV_TOKENS] if args.kv_tokens is None else args.kv_tokens
+        slots = [DEFAULT_STATE_SLOTS] if args.state_slots is None else args.state_slots
+        return [({"kv_tokens": kv, "state_slots": s}, None, None)
+                for kv, s in itertools.product(kvs, slots)]
+    from bench.engine.presets import engine_sizes, get_preset
+
+    preset = get_preset(args.model)
+    return [(engine_sizes(preset, gb, f, args.page_size), gb, f)
+            for gb, f in itertools.product(args.memory_gb, _splits(args))]
+
+
+def _plan(args: argparse.Namespace, knobs: dict[str, dict[str, Any]] | None = None
+          ) -> list[tuple[EngineConfig, float | None, float | str | None]]:
+    """Every (config, budget [GB], split) to replay, validated before any run starts: every
+    pool size with every policy, host ratio and events mode (a unified arena with its one
+    policy); ``knobs``: the parsed ``--policy-config`` (parsed here when not given).
+
+    Raises:
+        ValueError / TypeError: as :func:`check_memory_options`, a bad policy name or knob, a
+            budget too small for a split.
+    """
     from bench.engine.core import EngineConfig
     from radix import CacheConfig
 
+    check_memory_options(args)
+    policies = _policies(args)
     if knobs is None:
-        knobs = _policy_configs(args.policy_config, args.policy)
+        knobs = _policy_configs(args.policy_config, policies)
     out = []
-    for kv, slots, policy, host_ratio, events in itertools.product(
-        args.kv_tokens, args.state_slots, args.policy, args.hicache_ratio, args.kv_events
+    for (sizes, gb, split), host_ratio, events in itertools.product(
+        _pool_sizes(args), args.hicache_ratio, args.kv_events
     ):
-        # fails on a bad name or knob before anything runs
-        CacheConfig(page_size=args.page_size, radix_eviction_policy=policy,
-                    radix_eviction_policy_config=knobs.get(policy))
-        swa_tokens = 0
-        if args.sliding_window:
-            swa_tokens = args.swa_tokens if args.swa_tokens is not None else kv // 4
-        out.append(
-            EngineConfig(
-                policy=policy,
+        for policy in [sizes["policy"]] if "policy" in sizes else policies:
+            # fails on a bad name or knob before anything runs
+            CacheConfig(page_size=args.page_size, radix_eviction_policy=policy,
+                        radix_eviction_policy_config=knobs.get(policy))
+            swa_tokens = 0
+            if args.sliding_window:
+                swa_tokens = (args.swa_tokens if args.swa_tokens is not None
+                              else sizes["kv_tokens"] // 4)
+            fields = {**sizes, "policy": policy}
+            out.append((EngineConfig(
+                **fields,
                 policy_config=knobs.get(policy),
-                kv_tokens=kv,
-                state_slots=slots,
                 page_size=args.page_size,
                 chunk_size=args.chunk_size,
                 concurrency=args.concurrency,
@@ -291,9 +377,14 @@ def _configs(args: argparse.Namespace,
                 hicache_ratio=host_ratio,
                 hicache_write_policy=args.hicache_write_policy or "write_through",
                 kv_events=events,
-            )
-        )
+            ), gb, split))
     return out
+
+
+def _configs(args: argparse.Namespace,
+             knobs: dict[str, dict[str, Any]] | None = None) -> list[EngineConfig]:
+    """The configs of :func:`_plan`."""
+    return [c for c, _, _ in _plan(args, knobs)]
 
 
 #: Floor runs by pool size: (KV tokens, state slots) -> the fastest run so far.
@@ -339,12 +430,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("--swa-release-extra-pages", args.swa_release_extra_pages, "--sliding-window",
          bool(args.sliding_window)),
         ("--hicache-write-policy", args.hicache_write_policy, "--hicache-ratio",
-         any(args.hicache_ratio))))
+         any(args.hicache_ratio)),
+        ("--model", args.model, "--memory-gb", args.memory_gb is not None),
+        ("--state-fraction", args.state_fraction, "--memory-gb", args.memory_gb is not None)))
     if args.plot is not None:
         require_package(parser, "matplotlib", "--plot", "plot")
     try:  # what can be checked without torch, first
         path = None if args.workload is not None else resolve_trace_path(args.trace)
-        knobs = _policy_configs(args.policy_config, args.policy)
+        knobs = _policy_configs(args.policy_config, _policies(args))
+        check_memory_options(args)
     except (FileNotFoundError, ValueError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     import torch
@@ -357,7 +451,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(args.torch_threads)
     try:
-        configs = _configs(args, knobs)
+        plan = _plan(args, knobs)
+        configs = [c for c, _, _ in plan]
         loras = lora_replay_configs(args)  # None unless --adapters N
         source: str
         if args.workload is not None:
@@ -408,9 +503,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         floors = floor_runs(trace, configs, args.chunk_size, args.concurrency)
         floors = floor_runs(trace, configs, args.chunk_size, args.concurrency, floors)
     runs = []
-    for config in configs:
+    for config, gb, split in plan:
         gc.collect()
-        runs.append(replay_one(trace, config, progress, args.kv_events_check_every))
+        runs.append(replace(replay_one(trace, config, progress, args.kv_events_check_every),
+                            memory_gb=gb, split=split))
     if floors:
         floors = floor_runs(trace, configs, args.chunk_size, args.concurrency, floors)
     for r in runs:
@@ -429,9 +525,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "token_hit_rate": f.token_hit_rate} for (kv, s), f in floors.items()]
         write_json(args.json, out)
     if args.plot is not None:
-        sizes = ", ".join(f"{a.replace('_', ' ')} {', '.join(f'{v:,}' for v in vals)}"
-                          for a, vals in (("kv_tokens", args.kv_tokens),
-                                          ("state_slots", args.state_slots)))
+        sizes = ", ".join(f"{a.replace('_', ' ')} "
+                          f"{', '.join(f'{v:,}' for v in dict.fromkeys(getattr(c, a) for c in configs))}"
+                          for a in ("kv_tokens", "state_slots"))
         write_plot(args.plot, runs, bounds,
                    f"{info.path}: {info.requests:,} requests; {sizes}; "
                    f"concurrency {args.concurrency}")

@@ -10,6 +10,8 @@ Examples::
 
     python -m bench simulate --max-requests 2000 --policy lru gds marconi belady
     python -m bench simulate --model qwen3-next-80b --memory-gb 40 --state-fraction 0.2
+    python -m bench simulate --model qwen3-next-80b --sweep memory-gb=10,20,40 \
+        --state-fraction unified
     python -m bench simulate --policy lru joint_lru gds marconi belady \\
         --sweep state-slots=64,128,256,512,1024,2048 --plot bench/results/slots.png
     python -m bench simulate --sweep concurrency=16,24,32,40,64 --arrivals closed --plot c.png
@@ -41,13 +43,21 @@ from bench.cli import (
     output_path,
     parse_count,
     refuse_ignored,
+    refuse_unified_policies,
     require_package,
+    state_fraction,
     write_json,
 )
 from bench.cli import positive as _positive
 from bench.cli import positive_float as _positive_float
 from bench.engine.bounds import Bounds, compute_bounds
-from bench.engine.presets import PRESETS, get_preset, split_memory
+from bench.engine.presets import (
+    DEFAULT_STATE_FRACTION,
+    PRESETS,
+    UNIFIED,
+    engine_sizes,
+    get_preset,
+)
 from bench.policies import baselines
 from bench.runs.sweep import (
     Sweep,
@@ -70,7 +80,7 @@ from bench.workloads import add_workload_arguments, workload_requests
 if TYPE_CHECKING:
     from bench.engine.simulator import SimConfig, SimResult
 
-__all__ = ["build_parser", "main", "plan_runs", "render_rows"]
+__all__ = ["build_parser", "check_unified", "main", "plan_runs", "render_rows", "run_splits"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,10 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--mooncake-block-size", type=_positive, default=512,
       help="tokens per hash id of a Mooncake-format file (default 512)")
     a("--max-requests", type=_positive, default=None, help="simulate only the first N requests")
-    a("--policy", nargs="+", default=["lru", "gds"],
+    a("--policy", nargs="+", default=None,
       help="radix policies (lru, gds, gdsf, gds_adaptive, ...) and/or the replay baseline "
            "belady_state; in a checkout (bench/dev) also marconi, seglen, belady and the "
-           "experimental walks idea:* (default: lru gds)")
+           "experimental walks idea:* (default: lru gds; with --state-fraction unified its "
+           "one policy, unified)")
     a("--kv-tokens", type=_positive, default=None,
       help="KV pool [tokens] (default 16M; not with --memory-gb)")
     a("--state-slots", type=parse_count, default=None,
@@ -96,8 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--model", choices=sorted(PRESETS), default=None,
       help="model preset: with --memory-gb, sizes both pools from bytes (Marconi's bytes too)")
     a("--memory-gb", type=_positive_float, default=None, help="cache memory [GB = 1e9 bytes]")
-    a("--state-fraction", type=float, default=None,
-      help=f"share of --memory-gb for states (default {DEFAULT_STATE_FRACTION})")
+    a("--state-fraction", type=state_fraction, default=None,
+      help=f"share of --memory-gb for states (default {DEFAULT_STATE_FRACTION}), or "
+           f"{UNIFIED}: one memory arena for KV pages and states whose boundary moves at run "
+           "time, evicting whichever costs the least recompute per byte (bench/engine/arena.py)")
     a("--page-size", type=_positive, default=1, help="tokens per KV page (default 1)")
     a("--chunk-size", type=_positive, default=8192,
       help="prefill chunk / checkpoint stride [tokens] (default 8192)")
@@ -129,9 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-#: The states' share of ``--memory-gb`` without ``--state-fraction``; the arrival time scale
-#: without ``--time-scale``.
-DEFAULT_STATE_FRACTION = 0.2
+#: The arrival time scale without ``--time-scale``.
 DEFAULT_TIME_SCALE = 1.0
 
 #: Pool sizes without ``--kv-tokens`` / ``--state-slots`` (and without ``--memory-gb``).
@@ -147,8 +158,15 @@ def _state_slots(args: argparse.Namespace) -> int:
     return DEFAULT_STATE_SLOTS if args.state_slots is None else int(args.state_slots)
 
 
-def _state_fraction(args: argparse.Namespace) -> float:
-    return DEFAULT_STATE_FRACTION if args.state_fraction is None else float(args.state_fraction)
+def _state_fraction(args: argparse.Namespace) -> float | str:
+    return DEFAULT_STATE_FRACTION if args.state_fraction is None else args.state_fraction
+
+
+def _policies(args: argparse.Namespace) -> list[str]:
+    """``--policy``, or its default: ``lru gds``; ``unified`` with ``--state-fraction unified``."""
+    if args.policy is not None:
+        return list(args.policy)
+    return [UNIFIED] if args.state_fraction == UNIFIED else ["lru", "gds"]
 
 
 def _time_scale(args: argparse.Namespace) -> float:
@@ -169,11 +187,23 @@ def _base_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _apply_memory(kw: dict[str, Any], args: argparse.Namespace, memory_gb: float | None,
-                  fraction: float) -> None:
+                  fraction: float | str) -> None:
     if memory_gb is None:
         return
-    split = split_memory(get_preset(args.model), memory_gb, fraction, args.page_size)
-    kw["kv_tokens"], kw["state_slots"] = split.kv_tokens, split.state_slots
+    sizes = engine_sizes(get_preset(args.model), memory_gb, fraction, args.page_size)
+    sizes.pop("policy", None)  # the unified arena's: --policy is unified (checked)
+    kw.update(sizes)
+
+
+def check_unified(args: argparse.Namespace, policies: Sequence[str]) -> None:
+    """The options ``--state-fraction unified`` cannot go with (``ValueError`` naming the
+    option): a policy other than ``unified``, a ``state-fraction`` sweep."""
+    if args.state_fraction != UNIFIED:
+        return
+    refuse_unified_policies([UNIFIED], policies)
+    if args.sweep is not None and args.sweep.axis == "state-fraction":
+        raise ValueError(f"--sweep state-fraction: --state-fraction {UNIFIED} has no fraction "
+                         "to sweep (sweep memory-gb, or give fractions)")
 
 
 def plan_runs(args: argparse.Namespace) -> list[tuple[SimConfig, float | None]]:
@@ -198,7 +228,9 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[SimConfig, float | None]]:
                              "would be ignored (give one or the other)")
     if sweep is not None and sweep.axis == "state-fraction" and args.memory_gb is None:
         raise ValueError("--sweep state-fraction needs --memory-gb")
-    for policy in args.policy:
+    policies = _policies(args)
+    check_unified(args, policies)
+    for policy in policies:
         baselines.check(policy, args.page_size)
     values: Sequence[float | None] = sweep.values if sweep else (None,)
     out = []
@@ -213,7 +245,7 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[SimConfig, float | None]]:
             else:
                 kw[sweep.field] = value
         _apply_memory(kw, args, memory, fraction)
-        for policy in args.policy:
+        for policy in policies:
             out.append((SimConfig.of(policy, **kw), value))
     return out
 
@@ -241,13 +273,20 @@ def _row(r: SimResult, value: float | None) -> list[str]:
 
 
 def render_rows(results: Sequence[SimResult], values: Sequence[float | None],
-                markdown: bool = False, wide: bool = False) -> str:
+                markdown: bool = False, wide: bool = False,
+                splits: Sequence[float | str] | None = None) -> str:
     """One row per run: cache metrics, TTFT [s], queueing [s], throughput. Plain text fits
     :data:`bench.cli.TABLE_WIDTH` columns (the metrics in blocks, each with the
-    columns naming the run) unless ``wide``; Markdown is one table."""
+    columns naming the run) unless ``wide``; Markdown is one table. ``splits``: each run's
+    memory split (:func:`run_splits`), a ``split`` column after the policy."""
     header = list(_COLUMNS)
     rows = [_row(r, v) for r, v in zip(results, values, strict=True)]
     key = _KEY_COLUMNS
+    if splits is not None:
+        header.insert(2, "split")
+        for row, split in zip(rows, splits, strict=True):
+            row.insert(2, fmt_split(split))
+        key += 1
     if values and values[0] is None:  # no sweep: drop the value column
         header, rows, key = header[1:], [row[1:] for row in rows], key - 1
     if markdown:
@@ -301,11 +340,28 @@ def _header(args: argparse.Namespace, path: Path | str, n: int, bounds: Bounds) 
     ])
 
 
+def fmt_split(split: float | str) -> str:
+    """A state fraction as ``0.2``, ``"unified"`` as it is."""
+    return split if isinstance(split, str) else f"{split:.4g}"
+
+
+def run_splits(args: argparse.Namespace, values: Sequence[float | None]
+               ) -> list[float | str] | None:
+    """Each run's memory split: its state fraction, or ``"unified"``; ``None`` when the
+    pools are not sized from ``--memory-gb``."""
+    if args.model is None or (args.memory_gb is None and not (args.sweep and args.sweep.needs_model)):
+        return None
+    swept = args.sweep is not None and args.sweep.axis == "state-fraction"
+    return [v if swept and v is not None else _state_fraction(args) for v in values]
+
+
 def _json(results: Sequence[SimResult], values: Sequence[float | None], bounds: Bounds,
-          sweep: Sweep | None) -> dict[str, Any]:
+          sweep: Sweep | None, splits: Sequence[float | str] | None = None) -> dict[str, Any]:
     runs = []
-    for r, v in zip(results, values, strict=True):
-        runs.append({**csv_row(r, sweep, v), "metrics": r.metrics.as_dict(),
+    for i, (r, v) in enumerate(zip(results, values, strict=True)):
+        runs.append({**csv_row(r, sweep, v),
+                     **({} if splits is None else {"split": splits[i]}),
+                     "metrics": r.metrics.as_dict(),
                      "timing": asdict(r.timing), "counters": asdict(r.counters),
                      "tuning": None if r.tuning is None else asdict(r.tuning)})
     return {"bounds": bounds.as_dict(), "sweep": None if sweep is None else sweep.axis,
@@ -318,7 +374,7 @@ def sizes_caption(args: argparse.Namespace) -> str:
     fixed: dict[str, str]
     if args.model is not None:  # both pools sized from bytes
         fixed = {"model": f"model {args.model}", "memory-gb": f"{args.memory_gb} GB",
-                 "state-fraction": f"state fraction {_state_fraction(args):g}",
+                 "state-fraction": f"state fraction {fmt_split(_state_fraction(args))}",
                  "concurrency": f"concurrency {args.concurrency}"}
     else:
         fixed = {"kv-tokens": f"KV {_kv_tokens(args):,} tokens",
@@ -339,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("--time-scale", args.time_scale, "--arrivals trace", args.arrivals == "trace"),
         ("--state-fraction", args.state_fraction, "--memory-gb",
          args.memory_gb is not None or (args.sweep is not None and args.sweep.axis == "memory-gb")),
-        ("--marconi-alpha", args.marconi_alpha, "--policy marconi", "marconi" in args.policy)))
+        ("--marconi-alpha", args.marconi_alpha, "--policy marconi", "marconi" in _policies(args))))
     if args.plot is not None:
         require_package(parser, "matplotlib", "--plot", "plot")
     if args.torch_threads < 1:
@@ -371,7 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = run_all(trace, configs, args.jobs, False if args.no_progress else None)
     out = sys.stderr if args.json == "-" else sys.stdout
     print(_header(args, path, len(trace), bounds), file=out)
-    print(render_rows(results, values, args.markdown, args.wide), file=out)
+    splits = run_splits(args, values)
+    print(render_rows(results, values, args.markdown, args.wide, splits), file=out)
     beaten = beats_reference(results, values)
     if any(r.label == "belady" for r in results):
         print("better than the offline reference (belady): " + ("nowhere" if not beaten else ""),
@@ -388,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         swept = [v for v in values if v is not None]  # --plot needs --sweep: every run has one
         write_sweep_plot(args.plot, results, args.sweep, swept, bounds, title)
     if args.json is not None:
-        write_json(args.json, _json(results, values, bounds, args.sweep))
+        write_json(args.json, _json(results, values, bounds, args.sweep, splits))
     return 0
 
 
