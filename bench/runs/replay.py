@@ -350,10 +350,11 @@ def _plan(args: argparse.Namespace, knobs: dict[str, dict[str, Any]] | None = No
     if knobs is None:
         knobs = _policy_configs(args.policy_config, policies)
     out = []
-    for (sizes, gb, split), host_ratio, events in itertools.product(
-        _pool_sizes(args), args.hicache_ratio, args.kv_events
-    ):
-        for policy in [sizes["policy"]] if "policy" in sizes else policies:
+    for sizes, gb, split in _pool_sizes(args):
+        for policy, host_ratio, events in itertools.product(
+            [sizes["policy"]] if "policy" in sizes else policies, args.hicache_ratio,
+            args.kv_events
+        ):
             # fails on a bad name or knob before anything runs
             CacheConfig(page_size=args.page_size, radix_eviction_policy=policy,
                         radix_eviction_policy_config=knobs.get(policy))
