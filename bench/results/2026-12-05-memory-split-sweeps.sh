@@ -28,7 +28,7 @@ if [[ "${1:-runs}" != tables ]]; then
       name=${t%%|*}; opts=${t#*|}
       # shellcheck disable=SC2086
       $NICE "$PY" -m bench memory-split $opts --model "$model" --memory-gb ${BUDGETS[$model]} \
-        --state-fractions $FRACTIONS --json "$OUT/$model-$name.json" > "$OUT/$model-$name.log"
+        --state-fractions $FRACTIONS --json "$OUT/$model-$name.json" > /dev/null
       echo "$model $name done"
     done
   done
