@@ -42,10 +42,11 @@ Sources of the shapes (public configs and papers; numbers as read from them):
 ``glm-5.3-flash-like``
     A plausible hybrid shape named "GLM-5.3-Flash-like", chosen so that the counts of the GDS
     seed's deployment (SGLang, GLM-5.3-Flash NVFP4 on 2x B200: **419 state slots against
-    2,969,600 KV tokens**, ``/work/shared/SPEC.md`` section 2, issue 38) come out of a stated
-    budget and split; the released model's config is not public here, so the shape is not it.
+    2,969,600 KV tokens**, the seed's reference outcome quoted in issue 38) come out of a stated
+    budget and split; the released model's config is not available here, so this shape is a
+    stand-in, not the released one.
     64 layers, every 4th attention: 16 attention layers with GQA of 8 KV heads x 128 (GLM-4.5's
-    KV heads) and an FP8 KV cache (an NVFP4 deployment's usual KV dtype), and 48 Gated DeltaNet
+    KV heads) and an FP8 KV cache (assumed for an NVFP4 deployment), and 48 Gated DeltaNet
     layers with 32 key heads and 64 value heads of 128, d_conv 4, temporal state FP32, conv
     BF16. Arithmetic::
 
