@@ -1,0 +1,120 @@
+"""Compaction of a memory arena's KV band: empty whole chunks so the states can take them.
+
+In a :class:`~allocators.arena.MemoryArena` a chunk changes hands only when wholly free, and
+KV pages freed by eviction lie wherever their leaves lay. Without compaction, free KV pages
+scattered over partly used chunks cannot become a state slot, so the boundary moves towards
+KV and stays there (a ratchet). :func:`compact_kv` moves the live pages of the chunks that
+are cheapest to empty into free pages of other KV chunks and rewrites the slot ids the radix
+tree's nodes hold::
+
+    before   chunk 3: [a . b .]   chunk 5: [. . c .]   chunk 6: [. . . .]  (a, b, c: node pages)
+    n = 1    chunk 5 holds the fewest used pages -> c moves to the lowest free page (chunk 3)
+    after    chunk 3: [a c b .]   chunk 5: [. . . .]   (wholly free: kv_to_state can take it)
+
+Which chunks: KV chunks each of whose used pages is held by an *unlocked* tree node (a page
+of a locked node, or one a request holds outside the tree, is never moved), fewest used pages
+first (least copying; ties: the highest chunk, next to the state band). Where to: the lowest
+free KV pages of the other partly used chunks. All or nothing: the plan is made and checked before
+anything changes (``MemoryArena.relocate_kv_pages`` validates, copies the bytes, updates the
+free list; ``KVComponent.relocate`` gives the nodes new arrays and moves their held marks).
+
+Cost: one walk of the tree's nodes (O(nodes + cached tokens), numpy per node), the copy of
+the moved pages' bytes, and the moved nodes' new arrays.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from allocators.arena import KV, MemoryArena
+
+if TYPE_CHECKING:
+    from radix.cache import RadixCache
+    from radix.node import TreeNode
+
+__all__ = ["compact_kv"]
+
+
+def _tree_pages(cache: RadixCache, num_chunks: int, ppc: int
+                ) -> tuple[list[TreeNode], list[np.ndarray], np.ndarray]:
+    """The unlocked device nodes with their page ids, and per chunk whether a locked node
+    holds one of its pages."""
+    kv = cache.kv
+    ps = kv.page_size
+    nodes: list[TreeNode] = []
+    pages: list[np.ndarray] = []
+    pinned = np.zeros(num_chunks, dtype=np.bool_)
+    for node in cache.tree.iter_nodes():
+        value = node.kv_value
+        if value is None:
+            continue
+        slots = kv.host_slots(value)
+        ids = slots if ps == 1 else slots[::ps] // ps
+        if node.kv_lock:
+            pinned[ids // ppc] = True
+        else:
+            nodes.append(node)
+            pages.append(ids)
+    return nodes, pages, pinned
+
+
+def compact_kv(cache: RadixCache, arena: MemoryArena, num_chunks: int) -> bool:
+    """Make ``num_chunks`` more KV chunks of ``arena`` wholly free by moving the pages of
+    unlocked tree nodes (module docstring: which chunks, where to), so that
+    ``arena.kv_to_state`` can hand them to the states.
+
+    Args:
+        cache: the radix cache whose KV allocator is ``arena.kv_allocator``.
+        arena: the memory arena.
+        num_chunks: chunks to empty (``>= 0``), beyond those wholly free already.
+
+    Returns:
+        ``True`` when moved (or nothing to do); ``False``, nothing changed, when too few
+        chunks can be emptied (pinned pages) or the other chunks lack the free pages.
+
+    Raises:
+        ValueError: ``cache`` does not allocate its KV from ``arena``; a bad ``num_chunks``.
+    """
+    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 0:
+        raise ValueError(f"num_chunks must be an int >= 0, got {num_chunks!r}")
+    if cache.kv.allocator is not arena.kv_allocator:
+        raise ValueError("cache: its KV allocator is not this arena's kv_allocator")
+    if num_chunks == 0:
+        return True
+    ppc = arena.pages_per_chunk
+    free = arena.kv_free_per_chunk
+    if int(free.sum()) - arena.movable_kv_chunks() * ppc < num_chunks * ppc:
+        return False  # the other chunks could not take the pages
+    if cache.kv.evictable_size() == 0:
+        return False  # every cached page is locked: nothing may move (no walk needed)
+    nodes, pages, pinned = _tree_pages(cache, arena.num_chunks, ppc)
+    held = np.concatenate(pages) if pages else np.empty(0, dtype=np.int64)
+    movable = np.bincount(held // ppc, minlength=arena.num_chunks)
+    used = ppc - free
+    cand = np.flatnonzero((arena.owner == KV) & ~pinned & (used > 0) & (movable == used))
+    if cand.size < num_chunks:
+        return False
+    order = np.lexsort((-cand, used[cand]))  # fewest used pages, then the highest chunk
+    chosen = np.sort(cand[order[:num_chunks]])
+    in_chosen = np.zeros(arena.num_chunks, dtype=np.bool_)
+    in_chosen[chosen] = True
+    src = np.sort(held[in_chosen[held // ppc]])
+    # (not into a wholly free chunk either: it is one the states can take already)
+    dst = arena.lowest_free_kv_pages(int(src.size), np.flatnonzero(in_chosen | (free == ppc)))
+    if dst is None:
+        return False
+    moves = []
+    ps = cache.kv.page_size
+    for node, ids in zip(nodes, pages, strict=True):
+        hit = in_chosen[ids // ppc]
+        if not hit.any():
+            continue
+        new = ids.copy()
+        new[hit] = dst[np.searchsorted(src, ids[hit])]
+        slots = new if ps == 1 else (np.repeat(new * ps, ps) + np.tile(np.arange(ps), new.size))
+        moves.append((node, slots.astype(np.int64, copy=False)))
+    arena.relocate_kv_pages(src, dst)  # validates first: raises with nothing changed
+    cache.kv.relocate(moves, src, dst)
+    return True
