@@ -85,8 +85,7 @@ def _counts_for(arena: MemoryArena, page_size: int) -> _ChunkCounts:
     return got
 
 
-def compact_kv(cache: RadixCache, arena: MemoryArena, num_chunks: int, *,
-               most: int | None = None) -> bool:
+def compact_kv(cache: RadixCache, arena: MemoryArena, num_chunks: int) -> bool:
     """Make ``num_chunks`` more KV chunks of ``arena`` wholly free by moving the pages of
     unlocked tree nodes (module docstring: which chunks, where to), so that
     ``arena.kv_to_state`` can hand them to the states.
@@ -95,8 +94,6 @@ def compact_kv(cache: RadixCache, arena: MemoryArena, num_chunks: int, *,
         cache: the radix cache whose KV allocator is ``arena.kv_allocator``.
         arena: the memory arena.
         num_chunks: chunks to empty (``>= 0``), beyond those wholly free already.
-        most: empty up to this many when more can be (``>= num_chunks``; default
-            ``num_chunks``): one walk of the tree then serves later shortfalls too.
 
     Returns:
         ``True`` when moved (or nothing to do); ``False``, nothing changed, when too few
@@ -107,10 +104,6 @@ def compact_kv(cache: RadixCache, arena: MemoryArena, num_chunks: int, *,
     """
     if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 0:
         raise ValueError(f"num_chunks must be an int >= 0, got {num_chunks!r}")
-    if most is None:
-        most = num_chunks
-    if isinstance(most, bool) or not isinstance(most, int) or most < num_chunks:
-        raise ValueError(f"most must be an int >= num_chunks ({num_chunks}), got {most!r}")
     if cache.kv.allocator is not arena.kv_allocator:
         raise ValueError("cache: its KV allocator is not this arena's kv_allocator")
     if num_chunks == 0:
@@ -156,7 +149,7 @@ def compact_kv(cache: RadixCache, arena: MemoryArena, num_chunks: int, *,
     if cand.size < num_chunks:
         return False
     order = np.lexsort((-cand, used[cand]))  # fewest used pages, then the highest chunk
-    chosen = np.sort(cand[order[:min(most, room // ppc)]])
+    chosen = np.sort(cand[order[:num_chunks]])
     in_chosen = np.zeros(n, dtype=np.bool_)
     in_chosen[chosen] = True
     owner = np.repeat(np.arange(len(touched)), [len(c) for c in touched])

@@ -295,8 +295,7 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
             need = -spare_states
             if kv.available_size() - need * tpc >= kv_tokens:
                 whole = arena.movable_kv_chunks()
-                if whole >= need or compact_kv(cache, arena, need - whole,
-                                               most=arena.num_chunks):
+                if whole >= need or compact_kv(cache, arena, need - whole):
                     return arena.kv_to_state(need)
             short = need * walk.state_bytes + kv_short * walk.kv_bytes_per_token
         res = cache.evict_bytes(max(short, 1))
