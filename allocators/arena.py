@@ -14,7 +14,10 @@ size, each holding either ``pages_per_chunk`` KV pages or one recurrent-state sl
 Chunk 0 is the padding of both kinds (KV page 0, state slot 0). Chunks are owned by one kind
 at a time: KV takes the low end, states the high end (SGLang's ``--enable-unified-memory``
 bands), and a chunk moves from one kind to the other only while it is wholly free
-(:meth:`MemoryArena.kv_to_state`, :meth:`MemoryArena.state_to_kv`; all or nothing).
+(:meth:`MemoryArena.kv_to_state`, :meth:`MemoryArena.state_to_kv`; all or nothing). Free KV
+pages scattered over partly used chunks are gathered into whole chunks by moving used pages
+(:meth:`MemoryArena.relocate_kv_pages`: the bytes and the free-list state; the holders of the
+page ids are rewritten by the caller, ``components.compaction``).
 
 The two kinds are served by *views*, the same interfaces the cache uses today, over one
 ``torch.uint8`` buffer (nothing copied, no second allocation):
