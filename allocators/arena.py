@@ -184,6 +184,20 @@ class _LowestFirst(FreeList):
         """``group_free`` of the groups of ``ids`` += ``sign`` per id."""
         np.add.at(self.group_free, ids // self._group, sign)
 
+    def lowest_free(self, k: int, skip: np.ndarray) -> np.ndarray:
+        """The ``k`` lowest free ids outside the groups where ``skip`` (bool per group) is
+        True, ascending, taking nothing; the caller checked that enough are free there.
+        Scans the mask in blocks from ``_low``."""
+        free, group, block = self._is_free, self._group, self._BLOCK
+        parts, need, pos = [], k, self._low
+        while need > 0 and pos <= self._capacity:
+            ids = np.flatnonzero(free[pos:pos + block]) + pos
+            ids = ids[~skip[ids // group]][:need]
+            parts.append(ids)
+            need -= ids.size
+            pos += block
+        return (np.concatenate(parts) if parts else np.empty(0, np.int64)).astype(np.int64)
+
     def take(self, k: int) -> torch.Tensor | None:
         if k > self._num_free:
             return None
@@ -600,19 +614,11 @@ class MemoryArena:
         blocks from the lowest free page: O(k + the ids it passes)."""
         k = check_int(k, "k", minimum=0)
         pages = self.kv_allocator.lowest
-        free, ppc = pages._is_free, self.pages_per_chunk
         skip = np.zeros(self.num_chunks, dtype=np.bool_)
         skip[np.asarray(exclude, dtype=np.int64)] = True
         if int(pages.group_free[~skip].sum()) < k:
             return None
-        parts, need, pos, block = [], k, pages._low, _LowestFirst._BLOCK
-        while need > 0:
-            ids = np.flatnonzero(free[pos:pos + block]) + pos
-            ids = ids[~skip[ids // ppc]][:need]
-            parts.append(ids)
-            need -= ids.size
-            pos += block
-        return (np.concatenate(parts) if parts else np.empty(0, np.int64)).astype(np.int64)
+        return pages.lowest_free(k, skip)
 
     def relocate_kv_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Move used KV pages ``src[i]`` to free KV pages ``dst[i]``: their bytes are copied
@@ -643,10 +649,11 @@ class MemoryArena:
             self.check_owned(a // self.pages_per_chunk, KV, name)
             if not (np.diff(a) > 0).all() and np.unique(a).size != a.size:
                 raise ValueError(f"{name}: a KV page id is repeated")
-        if pages._is_free[src].any():
-            raise ValueError(f"src: KV page {int(src[pages._is_free[src]][0])} is free")
-        if not pages._is_free[dst].all():
-            raise ValueError(f"dst: KV page {int(dst[~pages._is_free[dst]][0])} is used")
+        free = pages.free_mask()
+        if free[src].any():
+            raise ValueError(f"src: KV page {int(src[free[src]][0])} is free")
+        if not free[dst].all():
+            raise ValueError(f"dst: KV page {int(dst[~free[dst]][0])} is used")
         rows = self.buffer.view(-1, self.kv_shape.page_bytes)
         to = torch.from_numpy(dst).to(self.device, non_blocking=True)
         rows.index_copy_(0, to, rows.index_select(
