@@ -14,7 +14,10 @@ size, each holding either ``pages_per_chunk`` KV pages or one recurrent-state sl
 Chunk 0 is the padding of both kinds (KV page 0, state slot 0). Chunks are owned by one kind
 at a time: KV takes the low end, states the high end (SGLang's ``--enable-unified-memory``
 bands), and a chunk moves from one kind to the other only while it is wholly free
-(:meth:`MemoryArena.kv_to_state`, :meth:`MemoryArena.state_to_kv`; all or nothing).
+(:meth:`MemoryArena.kv_to_state`, :meth:`MemoryArena.state_to_kv`; all or nothing). Free KV
+pages scattered over partly used chunks are gathered into whole chunks by moving used pages
+(:meth:`MemoryArena.relocate_kv_pages`: the bytes and the free-list state; the holders of the
+page ids are rewritten by the caller, ``components.compaction``).
 
 The two kinds are served by *views*, the same interfaces the cache uses today, over one
 ``torch.uint8`` buffer (nothing copied, no second allocation):
@@ -156,17 +159,44 @@ class _LowestFirst(FreeList):
     is the whole state (the ring is unused; :meth:`free_order` is the free ids ascending), so
     a release is a mask write and ``withdraw`` needs no ring rebuild. ``take(k)`` scans the
     mask in blocks from ``_low`` (every id below it is used): O(k + the used ids it passes),
-    not O(capacity). The C release paths are declined (they write the ring)."""
+    not O(capacity). The C release paths are declined (they write the ring).
+
+    Per group of ``group`` consecutive ids (an arena chunk: ids ``c * group .. c * group +
+    group - 1``), ``group_free[c]`` counts the free ids, kept by every mutation (O(ids
+    changed)), so that whole free chunks are found in O(chunks), not O(ids)."""
 
     _BLOCK = 1 << 16
 
-    def __init__(self, capacity: int, unit: str) -> None:
+    def __init__(self, capacity: int, unit: str, group: int) -> None:
         self._low = 1
+        self._group = group
+        #: free ids per group of ``group`` ids (group 0 holds id 0, never free)
+        self.group_free = np.zeros(capacity // group + 1, dtype=np.int64)
         super().__init__(capacity, unit)
 
     def reset(self) -> None:
         super().reset()
         self._low = 1
+        self.group_free[:] = np.bincount(np.arange(1, self._capacity + 1) // self._group,
+                                         minlength=self.group_free.size)
+
+    def _count(self, ids: np.ndarray, sign: int) -> None:
+        """``group_free`` of the groups of ``ids`` += ``sign`` per id."""
+        np.add.at(self.group_free, ids // self._group, sign)
+
+    def lowest_free(self, k: int, skip: np.ndarray) -> np.ndarray:
+        """The ``k`` lowest free ids outside the groups where ``skip`` (bool per group) is
+        True, ascending, taking nothing; the caller checked that enough are free there.
+        Scans the mask in blocks from ``_low``."""
+        free, group, block = self._is_free, self._group, self._BLOCK
+        parts, need, pos = [], k, self._low
+        while need > 0 and pos <= self._capacity:
+            ids = np.flatnonzero(free[pos:pos + block]) + pos
+            ids = ids[~skip[ids // group]][:need]
+            parts.append(ids)
+            need -= ids.size
+            pos += block
+        return (np.concatenate(parts) if parts else np.empty(0, np.int64)).astype(np.int64)
 
     def take(self, k: int) -> torch.Tensor | None:
         if k > self._num_free:
@@ -182,6 +212,7 @@ class _LowestFirst(FreeList):
         out = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
         out = out.astype(np.int64, copy=False)
         free[out] = False
+        self._count(out, -1)
         if k:
             self._low = int(out[-1]) + 1
         self._num_free -= k
@@ -194,6 +225,7 @@ class _LowestFirst(FreeList):
 
     def _mark_free(self, arr: np.ndarray) -> None:
         super()._mark_free(arr)
+        self._count(arr, 1)
         if arr.size:
             self._low = min(self._low, int(arr.min()))
 
@@ -231,6 +263,7 @@ class _LowestFirst(FreeList):
         if (self._stamp[ids] != pos).any():
             raise ValueError(f"withdraw: a {self._unit} id is repeated")
         self._is_free[ids] = False
+        self._count(ids, -1)
         self._num_free -= ids.size
         self._num_used += ids.size
 
@@ -259,7 +292,9 @@ class ArenaKVAllocator(_FreeListAllocator):
 
     def __init__(self, arena: MemoryArena, num_pages: int, pool: KVBuffers) -> None:
         super().__init__(1, arena.kv_shape.page_size, arena.device, "page")
-        self._pages = _LowestFirst(num_pages, "page")
+        #: the free list, typed as what it is (``_pages`` is the base class's name for it)
+        self.lowest = _LowestFirst(num_pages, "page", arena.pages_per_chunk)
+        self._pages = self.lowest
         self._free_mask = self._pages.free_mask()
         self.arena = arena
         self.pool = pool
@@ -477,24 +512,31 @@ class MemoryArena:
         """:meth:`waste_bytes` over ``budget_bytes`` (a fraction in ``[0, 1)``)."""
         return self.waste_bytes() / self.budget_bytes
 
+    @property
+    def kv_free_per_chunk(self) -> np.ndarray:
+        """Free KV pages per chunk (numpy ``int64``, ``num_chunks`` entries, read only, kept
+        by every allocation and free: O(1) to read). A chunk KV does not own has 0; chunk 0
+        at most ``pages_per_chunk - 1`` (page 0 is padding)."""
+        view = self.kv_allocator.lowest.group_free.view()
+        view.flags.writeable = False
+        return view
+
     def _kv_chunk_free(self) -> np.ndarray:
-        """Per chunk: every one of its KV pages is free (chunk 0: False)."""
-        ppc = self.pages_per_chunk
-        mask = self.kv_allocator.free_mask  # page ids 0..num_chunks*ppc - 1
-        return np.asarray(mask.reshape(self.num_chunks, ppc).all(axis=1))
+        """Per chunk: every one of its KV pages is free (so KV owns it; chunk 0: False).
+        O(chunks)."""
+        return self.kv_allocator.lowest.group_free == self.pages_per_chunk
 
     def stranded_bytes(self) -> int:
         """Bytes of free KV pages in KV chunks that also hold used pages: usable by KV, not by
-        a state until the chunk empties."""
-        ppc = self.pages_per_chunk
-        mask = self.kv_allocator.free_mask.reshape(self.num_chunks, ppc)
-        kv = self._owner == KV
-        partial = kv & ~mask.all(axis=1)
-        return int(mask[partial].sum()) * self.kv_shape.page_bytes
+        a state until the chunk empties or is compacted (:meth:`relocate_kv_pages`).
+        O(chunks)."""
+        free = self.kv_allocator.lowest.group_free
+        partial = (self._owner == KV) & (free < self.pages_per_chunk)
+        return int(free[partial].sum()) * self.kv_shape.page_bytes
 
     def movable_kv_chunks(self) -> int:
-        """KV chunks wholly free now (what :meth:`kv_to_state` can move)."""
-        return int((self._kv_chunk_free() & (self._owner == KV)).sum())
+        """KV chunks wholly free now (what :meth:`kv_to_state` can move). O(chunks)."""
+        return int(self._kv_chunk_free().sum())
 
     def movable_state_chunks(self) -> int:
         """State chunks free now (what :meth:`state_to_kv` can move)."""
@@ -514,7 +556,7 @@ class MemoryArena:
             TypeError / ValueError: ``n`` not an int ``>= 0``.
         """
         n = check_int(n, "n", minimum=0)
-        cand = np.flatnonzero(self._kv_chunk_free() & (self._owner == KV))
+        cand = np.flatnonzero(self._kv_chunk_free())
         if cand.size < n:
             return False
         if n == 0:
@@ -565,6 +607,60 @@ class MemoryArena:
         short = num_slots - self.state_pool.available_size()
         return True if short <= 0 else self.kv_to_state(short)
 
+    # ------------------------------------------------------------------ compaction
+    def lowest_free_kv_pages(self, k: int, exclude: np.ndarray) -> np.ndarray | None:
+        """The ``k`` lowest free KV pages outside chunks ``exclude`` (ascending, a new int64
+        array), or ``None`` when fewer are free there. Reads only; scans the free mask in
+        blocks from the lowest free page: O(k + the ids it passes)."""
+        k = check_int(k, "k", minimum=0)
+        pages = self.kv_allocator.lowest
+        skip = np.zeros(self.num_chunks, dtype=np.bool_)
+        skip[np.asarray(exclude, dtype=np.int64)] = True
+        if int(pages.group_free[~skip].sum()) < k:
+            return None
+        return pages.lowest_free(k, skip)
+
+    def relocate_kv_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Move used KV pages ``src[i]`` to free KV pages ``dst[i]``: their bytes are copied
+        (every layer's K and V: a page is ``kv_shape.page_bytes`` contiguous bytes of
+        ``buffer``), ``dst`` become used and ``src`` free. The caller rewrites whatever holds
+        the old page ids (the radix tree: ``components.compaction``). All or nothing.
+
+        Args:
+            src, dst: 1-D ``int64`` numpy arrays of page ids, equal lengths.
+
+        Raises:
+            TypeError / ValueError: not 1-D int64 arrays of one length; a ``src`` page that is
+                free, a ``dst`` page that is used, a page of a chunk KV does not own, or a
+                page repeated (nothing changes).
+        """
+        for name, a in (("src", src), ("dst", dst)):
+            if not isinstance(a, np.ndarray) or a.dtype != np.int64 or a.ndim != 1:
+                raise TypeError(f"{name} must be a 1-D int64 numpy array of KV page ids")
+        if src.size != dst.size:
+            raise ValueError(f"src and dst differ in length: {src.size} != {dst.size}")
+        if src.size == 0:
+            return
+        pages = self.kv_allocator.lowest
+        cap = pages.capacity
+        for name, a in (("src", src), ("dst", dst)):
+            if ((a < 1) | (a > cap)).any():
+                raise ValueError(f"{name}: a KV page id is outside 1..{cap}")
+            self.check_owned(a // self.pages_per_chunk, KV, name)
+            if not (np.diff(a) > 0).all() and np.unique(a).size != a.size:
+                raise ValueError(f"{name}: a KV page id is repeated")
+        free = pages.free_mask()
+        if free[src].any():
+            raise ValueError(f"src: KV page {int(src[free[src]][0])} is free")
+        if not free[dst].all():
+            raise ValueError(f"dst: KV page {int(dst[~free[dst]][0])} is used")
+        rows = self.buffer.view(-1, self.kv_shape.page_bytes)
+        to = torch.from_numpy(dst).to(self.device, non_blocking=True)
+        rows.index_copy_(0, to, rows.index_select(
+            0, torch.from_numpy(src).to(self.device, non_blocking=True)))
+        pages.withdraw(dst)  # now used (held by whoever held src)
+        pages.release_owned(src)
+
     # ------------------------------------------------------------------ checking
     def check(self) -> None:
         """Every invariant from scratch: each view's free list, each chunk's ids withdrawn from
@@ -582,6 +678,10 @@ class MemoryArena:
                 problems.append(f"chunk {c} (owner {o}) is a free state slot")
         if self._owner[0] != PAD or (self._owner[1:] == PAD).any():
             problems.append("only chunk 0 is padding")
+        counted = kv_free.sum(axis=1)
+        if (counted != self.kv_allocator.lowest.group_free).any():
+            problems.append(f"free KV pages per chunk {self.kv_allocator.lowest.group_free.tolist()}"
+                            f" != the mask's {counted.tolist()}")
         if problems:
             raise AssertionError("MemoryArena invariant broken: " + "; ".join(problems))
 

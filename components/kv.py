@@ -482,6 +482,25 @@ class KVComponent(Component):
         self._release_value(old)
         node.kv_value = to_value(value)
 
+    def relocate(self, moves: Sequence[tuple[TreeNode, np.ndarray]], src: np.ndarray,
+                 dst: np.ndarray) -> None:
+        """Nodes whose data moved to other slots (an arena's compaction,
+        ``components.compaction``): each ``(node, slots)`` pair gives an unlocked node new
+        slots (int64, one per token of its key: the old ones with every id ``src[i]``
+        replaced by ``dst[i]``), kept as a new array of its own (a node's array is never
+        written); the held marks of ids ``src`` (pages when paged) move to ``dst``. Nothing is
+        freed or allocated here (the allocator's side is the caller's). O(ids moved + the
+        nodes' slots)."""
+        for node, slots in moves:
+            assert node.kv_lock == 0 and node.kv_value is not None, node
+            assert len(slots) == len(node.kv_value), node
+        held = self._held
+        if held is not None and src.size:
+            np.bitwise_and.at(held, src >> 3, ~np.left_shift(1, src & 7).astype(np.uint8))
+            np.bitwise_or.at(held, dst >> 3, np.left_shift(1, dst & 7).astype(np.uint8))
+        for node, slots in moves:
+            node.kv_value = _array_of(slots)
+
     def _release_value(self, value: KVValue) -> None:
         """Clear the held marks of a node's slots ``value`` and free them (they leave the
         tree): one C pass (``owned_release``, given the array's address and length) for a

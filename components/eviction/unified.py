@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from allocators.arena import MemoryArena
+from components.compaction import compact_kv
 from components.eviction.gds import GDSStrategy, GreedyDualHeap, gds_cost
 
 if TYPE_CHECKING:
@@ -261,7 +262,9 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
               states: int = 0) -> bool:
     """Make ``arena`` able to hand out ``kv_tokens`` KV tokens and ``states`` state slots at
     once: move free chunks across the boundary (``MemoryArena.state_to_kv`` /
-    ``kv_to_state``), and while that is not enough evict by value
+    ``kv_to_state``; free KV pages scattered over partly used chunks are first gathered into
+    whole chunks by ``components.compaction.compact_kv``), and while that is not enough evict
+    by value
     (``cache.evict_bytes`` of the bytes still short, ``radix_eviction_policy="unified"``).
 
     Returns:
@@ -290,9 +293,10 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
             short = (kv_short - spare_states * tpc) * walk.kv_bytes_per_token
         else:
             need = -spare_states
-            if (arena.movable_kv_chunks() >= need
-                    and kv.available_size() - need * tpc >= kv_tokens):
-                return arena.kv_to_state(need)
+            if kv.available_size() - need * tpc >= kv_tokens:
+                whole = arena.movable_kv_chunks()
+                if whole >= need or compact_kv(cache, arena, need - whole):
+                    return arena.kv_to_state(need)
             short = need * walk.state_bytes + kv_short * walk.kv_bytes_per_token
         res = cache.evict_bytes(max(short, 1))
         if res.num_tokens == 0 and res.num_states == 0:
