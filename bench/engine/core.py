@@ -103,6 +103,9 @@ class EngineConfig:
         kv_events: ``"off"``; ``"on"`` the cache records KV events (``components.events``)
             and the replay takes them after every request, as an engine publishes them;
             ``"check"`` also rebuilds the page set from them (``bench.engine.kv_events``).
+        session_hint: pass each request's ``TraceRequest.session`` to the cache as the hint
+            ``extra={"session_id": ...}`` (:mod:`radix.hints`), as an engine that carries a
+            conversation / agent id would; requests without a session carry none.
     """
 
     policy: str = "lru"
@@ -121,8 +124,11 @@ class EngineConfig:
     hicache_mem_layout: str = "page_first"
     device: str = "cpu"
     kv_events: str = "off"
+    session_hint: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.session_hint, bool):
+            raise TypeError(f"session_hint must be a bool, got {type(self.session_hint).__name__}")
         for name in ("kv_tokens", "page_size", "chunk_size", "concurrency"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -287,14 +293,15 @@ class ReplayEngine:
         tokens = RadixKey(tr.token_array, extra_key)  # validated once, reused by every cache call
         prompt_len = len(tokens)
         cache = self.cache
-        m = cache.match_prefix(tokens[:-1])
+        hint = {"session_id": tr.session} if cfg.session_hint and tr.session is not None else None
+        m = cache.match_prefix(tokens[:-1], extra=hint)
         if m.host_hit_length > 0:
             host = m.last_host_node
             assert host is not None  # set whenever host_hit_length > 0
             # Re-match when KV, or only the node's state, came back (a skipped or failed load
             # changes nothing, and a second match would count the same host hit twice).
             if cache.load_back(host) > 0 or host.state_slot is not None:
-                m = cache.match_prefix(tokens[:-1])
+                m = cache.match_prefix(tokens[:-1], extra=hint)
         node = m.last_device_node
         lock = cache.inc_lock_ref(node)
         usable = m.prefix_len
@@ -330,6 +337,7 @@ class ReplayEngine:
             last_node=node,
             rid=rid,
             lock=lock,
+            extra=hint,
         )
         self.log.record(prompt_len, usable, m.kv_hit_length, m.swa_miss_tokens)
         self._prefill_checkpoints(req, slot, usable, prompt_len, m.branching_seqlen)

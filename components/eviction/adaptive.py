@@ -78,11 +78,12 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from components.eviction.duel import Ghosts, KVOrderDuel
 from components.eviction.gds import GreedyDualHeap, gds_cost
+from components.eviction.sessions import SessionEvidence
 
 if TYPE_CHECKING:
     from radix.node import TreeNode
@@ -157,6 +158,8 @@ class AdaptiveGDSStrategy:
         self.rate_hits = [0.0] * len(KINDS)
         self.chain_weight = 1.0
         self.spine_weight = 1.0
+        #: The session hint's evidence (:mod:`components.eviction.sessions`).
+        self.sessions = SessionEvidence(self._decay)
         # the orders, the leader and the charges
         self.orders = (
             GreedyDualHeap("signals", self.weight_of, self.cost),
@@ -231,6 +234,9 @@ class AdaptiveGDSStrategy:
 
     def weight_of(self, nid: int) -> float:
         """The ``signals`` order's weight of the state on node ``nid``."""
+        return self._kind_weight(nid) * self.sessions.weight(nid)
+
+    def _kind_weight(self, nid: int) -> float:
         k = self.kind[nid]
         if k == LEAF:
             return self.bucket_weight(self.bucket[nid]) * (1.0 + self.hits[nid])
@@ -277,6 +283,12 @@ class AdaptiveGDSStrategy:
             self.exposure[k] = self.exposure[k] * f + self.count[k]
             self.rate_hits[k] *= f
         self._rules()
+        changed = self.sessions.tick(RATE_PRIOR * max(len(self._live), 1))
+        if changed:
+            tag, order = self.sessions.tag, self.orders[0]
+            for nid, node in self._live.items():
+                if tag(nid) in changed:
+                    order.reweigh(node)
         horizon = HORIZON * max(len(self._live), 1)
         pending = self._pending
         keep = self._keep
@@ -318,10 +330,17 @@ class AdaptiveGDSStrategy:
                 o.clear_exclusions(self._live)
 
     # ------------------------------------------------------------ state events
+    def on_hint(self, extra: Mapping[str, Any] | None) -> None:
+        """The hints of the request served next (:mod:`radix.hints`): its session."""
+        self.sessions.on_hint(extra)
+
     def on_set(self, node: TreeNode) -> None:
         self._tick()
         nid = node.id
         self._live[nid] = node
+        stale = self.sessions.on_set(nid)
+        if stale is not None:  # its session moved on: a lower weight, a fresh entry
+            self.orders[0].reweigh(self._live[stale])
         self.ghosts.forget(node)
         direct = self._direct_below(node)
         above = self.nearest_shallower(node)
@@ -355,6 +374,7 @@ class AdaptiveGDSStrategy:
     def on_hit(self, node: TreeNode) -> None:
         nid = node.id
         self.rate_hits[self.kind[nid]] += 1.0
+        self.sessions.on_hit(nid)
         self.consumed[nid] = True
         self.hits[nid] += 1
         if self.below[nid]:
@@ -433,12 +453,15 @@ class AdaptiveGDSStrategy:
         direct = self._direct_below(node)
         above = self.nearest_shallower(node)
         del self._live[nid]
+        promoted = self.sessions.on_remove(nid)
         self.count[self.kind.pop(nid)] -= 1
         for m in (self.below, self.superseded, self.consumed, self.born_below, self.hits,
                   self.hits_below, self.bucket):
             del m[nid]
         for o in self.orders:
             o.remove(nid)
+        if promoted is not None:  # its session's latest state now: a higher weight
+            self.orders[0].reweigh(self._live[promoted])
         if above is not None:
             self.below[above.id] += len(direct) - 1
             self._set_kind(above)
@@ -471,5 +494,6 @@ class AdaptiveGDSStrategy:
             assert self.kind[n.id] == self.kind_of(n.id), f"kind wrong for {n}"
         kinds = list(self.kind.values())
         assert self.count == [kinds.count(k) for k in KINDS], "kind counts wrong"
+        self.sessions.check(live)
         for o in self.orders:
             o.check(state_nodes)
