@@ -62,6 +62,14 @@ shallower live state is ``s``):
 * ``hub0`` (born with states below: a fork checkpoint; not consumed since): ``w = 1``.
 * ``hub`` (consumed ``k >= 1`` times while it had states below: a shared prefix): ``w = 1 + k``.
 
+With the session hint (an engine passes ``extra={"session_id": ...}`` per request,
+:mod:`radix.hints`), the ``signals`` weight is also multiplied by the learned weight of the
+state's *session tag* (:mod:`components.eviction.sessions`): ``latest`` (the most recent live
+state its session stored: where a conversation or agent loop resumes) or ``stale`` (its
+session stored a later one since), each its learned hit rate over that of all tagged states.
+Without hints every state's tag is ``none`` (weight exactly 1): the walk is the one without
+the hint, decision for decision.
+
 Hit rates per kind are hits per state per store (exposure and hits decayed, half-life
 :data:`RATE_HALF_LIFE` stores; prior: :data:`RATE_PRIOR` stores of the whole live pool's
 exposure at the leaves' rate, so a kind is believed as hot as leaves until it has been
@@ -161,7 +169,7 @@ class AdaptiveGDSStrategy:
         #: The session hint's evidence (:mod:`components.eviction.sessions`).
         self.sessions = SessionEvidence(self._decay)
         # the orders, the leader and the charges
-        self.orders = (
+        self.orders: tuple[GreedyDualHeap, ...] = (
             GreedyDualHeap("signals", self.weight_of, self.cost),
             GreedyDualHeap("gds", lambda nid: 1.0, self.cost),
             GreedyDualHeap("gdsf", lambda nid: 1.0 + self.hits[nid], self.cost),
@@ -176,6 +184,10 @@ class AdaptiveGDSStrategy:
         self.matched_tokens = 0
         self.ghosts = Ghosts(self._ghost_dropped)
         self._victim: TreeNode | None = None
+        #: The orders whose weight reads the kinds (``signals``, and ``sessions`` once joined).
+        self._signal_orders: tuple[GreedyDualHeap, ...] = self.orders[:1]
+        #: The ``sessions`` order, from the first request that carried a session hint.
+        self._session_order: GreedyDualHeap | None = None
         #: The KV-leaf order the cache adopts (``RadixCache`` without a host tier).
         self.kv_leaves = KVOrderDuel(self.d, self.e, self.resume_depth_without)
 
@@ -234,9 +246,6 @@ class AdaptiveGDSStrategy:
 
     def weight_of(self, nid: int) -> float:
         """The ``signals`` order's weight of the state on node ``nid``."""
-        return self._kind_weight(nid) * self.sessions.weight(nid)
-
-    def _kind_weight(self, nid: int) -> float:
         k = self.kind[nid]
         if k == LEAF:
             return self.bucket_weight(self.bucket[nid]) * (1.0 + self.hits[nid])
@@ -247,6 +256,25 @@ class AdaptiveGDSStrategy:
         if k == HUB:
             return 1.0 + self.hits_below[nid]
         return 1.0
+
+    def session_weight_of(self, nid: int) -> float:
+        """The ``sessions`` order's weight: ``signals``' times the session tag's."""
+        return self.weight_of(nid) * self.sessions.weight(nid)
+
+    def _join_sessions(self) -> None:
+        """The first session hint: the ``sessions`` order joins the duel, a copy of the
+        leader's pool (its stamps and watermark), charged as much as the leader so far (it
+        leads only once its own mistakes are fewer)."""
+        lead = self.orders[self.leader]
+        o = GreedyDualHeap("sessions", self.session_weight_of, self.cost)
+        o.watermark = lead.watermark
+        for nid, node in self._live.items():
+            if nid in lead.stamp:
+                o.add(node, stamp=lead.stamp[nid])
+        self.orders = (*self.orders, o)
+        self.regret.append(self.regret[self.leader])
+        self._signal_orders = (*self._signal_orders, o)
+        self._session_order = o
 
     def _set_kind(self, node: TreeNode) -> None:
         nid = node.id
@@ -259,7 +287,8 @@ class AdaptiveGDSStrategy:
         self.count[new] += 1
         self.kind[nid] = new
         if old is not None:
-            self.orders[0].reweigh(node)
+            for o in self._signal_orders:
+                o.reweigh(node)
 
     def _rules(self) -> None:
         """The chain rule (0 while chains are hit less often than leaves, else 1) and the
@@ -270,10 +299,10 @@ class AdaptiveGDSStrategy:
             w = min(1.0, rel) if k == SPINE else 0.0 if rel < 1.0 else 1.0
             if w != getattr(self, attr):
                 setattr(self, attr, w)
-                order = self.orders[0]
                 for nid, kind in self.kind.items():
                     if kind == k:
-                        order.reweigh(self._live[nid])
+                        for o in self._signal_orders:
+                            o.reweigh(self._live[nid])
 
     def _tick(self) -> None:
         """One store: age rates and charges, resolve due bucket outcomes, maybe switch."""
@@ -283,12 +312,14 @@ class AdaptiveGDSStrategy:
             self.exposure[k] = self.exposure[k] * f + self.count[k]
             self.rate_hits[k] *= f
         self._rules()
-        changed = self.sessions.tick(RATE_PRIOR * max(len(self._live), 1))
-        if changed:
-            tag, order = self.sessions.tag, self.orders[0]
-            for nid, node in self._live.items():
-                if tag(nid) in changed:
-                    order.reweigh(node)
+        order = self._session_order
+        if order is not None:
+            changed = self.sessions.tick(RATE_PRIOR * max(len(self._live), 1))
+            if changed:
+                tag = self.sessions.tag
+                for nid, node in self._live.items():
+                    if tag(nid) in changed:
+                        order.reweigh(node)
         horizon = HORIZON * max(len(self._live), 1)
         pending = self._pending
         keep = self._keep
@@ -336,11 +367,13 @@ class AdaptiveGDSStrategy:
 
     def on_set(self, node: TreeNode) -> None:
         self._tick()
+        if self.sessions.current is not None and self._session_order is None:
+            self._join_sessions()
         nid = node.id
         self._live[nid] = node
         stale = self.sessions.on_set(nid)
-        if stale is not None:  # its session moved on: a lower weight, a fresh entry
-            self.orders[0].reweigh(self._live[stale])
+        if stale is not None and self._session_order is not None:  # its session moved on
+            self._session_order.reweigh(self._live[stale])
         self.ghosts.forget(node)
         direct = self._direct_below(node)
         above = self.nearest_shallower(node)
@@ -460,8 +493,8 @@ class AdaptiveGDSStrategy:
             del m[nid]
         for o in self.orders:
             o.remove(nid)
-        if promoted is not None:  # its session's latest state now: a higher weight
-            self.orders[0].reweigh(self._live[promoted])
+        if promoted is not None and self._session_order is not None:  # its session's latest
+            self._session_order.reweigh(self._live[promoted])
         if above is not None:
             self.below[above.id] += len(direct) - 1
             self._set_kind(above)

@@ -6,6 +6,7 @@ changes the victim the way the learned weights predict."""
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
 import pytest
@@ -186,10 +187,12 @@ def test_session_weights_learn_from_hits_by_hand() -> None:
 
 def _scenario(hint: bool) -> tuple[str, AdaptiveGDSStrategy]:
     """Four sessions each store L (500 tokens) then M (600, another branch: L turns stale)
-    and come back to M (a hit on their latest state). Then session x stores Q1 (300) and Q2
-    (200, another branch). One state is evicted."""
+    and come back to M (a hit on their latest state). With hints the ``sessions`` order has
+    joined the duel; it is made the leader (its charges set below the others', as a run of
+    mistakes by the others would). Then session x stores Q1 (300) and Q2 (200, another
+    branch). One state is evicted."""
     cache, kv, pool = make(policy="gds_adaptive", size=20_000, states=16)
-    walk = cache.state.gds
+    walk = cache.state.gds if cache.state is not None else None
     assert isinstance(walk, AdaptiveGDSStrategy)
 
     def h(s: object) -> dict[str, object] | None:
@@ -202,15 +205,20 @@ def _scenario(hint: bool) -> tuple[str, AdaptiveGDSStrategy]:
         put(cache, kv, pool, lk, extra=h(i))
         put(cache, kv, pool, mk, extra=h(i))
         assert cache.match_prefix(mk + [1], extra=h(i)).prefix_len == 600
-    q1, sq1 = put(cache, kv, pool, list(range(1, 301)), extra=h("x"))
+    names = [o.name for o in walk.orders]
+    assert names == ["signals", "gds", "gdsf"] + (["sessions"] if hint else [])
+    walk.regret = [1e9] * (len(names) - 1) + [0.0 if hint else 1e9]
+    q1, sq1 = put(cache, kv, pool, list(range(1, 301)), extra=h("x"))  # a store: the switch
     q2, sq2 = put(cache, kv, pool, list(range(501, 701)), extra=h("x"))
-    w = walk.orders[0].w
+    assert walk.leader == (3 if hint else 0)
+    signals = walk.orders[0]
+    assert signals.w[q1.id] == signals.w[q2.id]  # the kinds alone cannot tell them apart
     if hint:  # learned: latest states are hit, stale ones never
-        assert walk.sessions.weights[STALE] < 2 / 3 < walk.sessions.weights[LATEST]
-        assert w[q1.id] == pytest.approx(w[q2.id] * walk.sessions.weights[STALE]
-                                         / walk.sessions.weights[LATEST])
-    else:
-        assert w[q1.id] == w[q2.id] and walk.sessions.weights == [1.0, 1.0, 1.0]
+        ws = walk.sessions.weights
+        assert ws[STALE] < 2 / 3 < ws[LATEST]
+        w = walk.orders[3].w
+        assert w[q1.id] == pytest.approx(signals.w[q1.id] * ws[STALE])
+        assert w[q2.id] == pytest.approx(signals.w[q2.id] * ws[LATEST])
     before = set(pool.snapshot().free_ids())
     assert cache.evict_states(1).num_states == 1
     (freed,) = set(pool.snapshot().free_ids()) - before
@@ -220,8 +228,72 @@ def _scenario(hint: bool) -> tuple[str, AdaptiveGDSStrategy]:
 
 def test_session_hint_changes_the_victim_as_predicted() -> None:
     """Both leaves have the same kind weight and no history, watermark 0: priority = weight
-    x rebuild cost. Without the hint Q2 (200) goes before Q1 (300). With it Q1 is stale:
-    300 x w_stale < 200 x w_latest once w_stale / w_latest < 2/3, which the learning phase
-    gives (asserted in the scenario), so Q1 goes."""
+    x rebuild cost. Without the hint (the ``signals`` order) Q2 (200) goes before Q1 (300).
+    With it, the ``sessions`` order sees Q1 stale: 300 x w_stale < 200 x w_latest once
+    w_stale / w_latest < 2/3, which the learning phase gives (asserted), so Q1 goes."""
     assert _scenario(hint=False)[0] == "Q2"
     assert _scenario(hint=True)[0] == "Q1"
+
+
+def test_no_hint_no_sessions_order() -> None:
+    """Hints with no session (``{}``) or none at all never add the ``sessions`` order."""
+    cache, kv, pool = make(policy="gds_adaptive")
+    walk = cache.state.gds if cache.state is not None else None
+    assert isinstance(walk, AdaptiveGDSStrategy)
+    put(cache, kv, pool, list(range(1, 11)), extra={})
+    put(cache, kv, pool, list(range(21, 31)))
+    assert len(walk.orders) == 3 and walk.sessions.count == [2, 0, 0]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_session_evidence_stays_exact_under_random_ops(seed: int) -> None:
+    """Random matches, inserts (shared prefixes), state and KV evictions under random
+    session hints (three sessions or none), the lead moved at random among the four orders:
+    ``sanity_check`` (every order's heap and the session tags and counts recomputed) after
+    every step; the session lists hold exactly the live states stored with a session."""
+    rng = random.Random(seed)
+    cache, kv, pool = make(1.0, 0.5, size=150, states=6, policy="gds_adaptive")
+    walk = cache.state.gds if cache.state is not None else None
+    assert isinstance(walk, AdaptiveGDSStrategy)
+    keys: list[list[int]] = []
+    stored_with: dict[int, object] = {}
+    for step in range(400):
+        sid = rng.choice([None, "a", "b", 7])
+        extra = None if sid is None else {"session_id": sid}
+        r = rng.random()
+        if r < 0.5:
+            if keys and rng.random() < 0.7:
+                base = rng.choice(keys)
+                key = base[: rng.randint(1, len(base))] + [rng.randint(1, 3) for _ in range(rng.randint(1, 8))]
+            else:
+                key = [rng.randint(1, 3) for _ in range(rng.randint(2, 12))]
+            keys.append(key)
+            if pool.available_size() == 0:
+                cache.evict_states(1)
+            if kv.available_size() < len(key):
+                cache.evict(len(key))
+            m = cache.match_prefix(key, extra=extra)
+            fresh = kv.alloc(len(key) - m.prefix_len)
+            if fresh is None or pool.available_size() == 0:
+                continue
+            slot = int(pool.alloc(1)[0])
+            res = cache.insert(key, torch.cat([m.device_indices, fresh]), state_slot=slot,
+                               extra=extra)
+            if len(res.duplicate_indices):
+                kv.free(res.duplicate_indices)
+            if res.state_adopted:
+                stored_with[res.last_node.id] = sid
+            else:
+                pool.free_slot(slot)
+        elif r < 0.75 and keys:
+            cache.match_prefix(rng.choice(keys), extra=extra)
+        elif r < 0.9:
+            cache.evict_states(1)
+        else:
+            cache.evict(rng.randint(1, 6))
+        if step % 50 == 25:
+            walk.regret = [rng.random() * 1e6 for _ in walk.regret]
+        cache.sanity_check()
+        live = {n.id for n in cache.state.slot_to_node.values()} if cache.state else set()
+        assert set(walk.sessions.session_of) == {n for n in live if stored_with.get(n) is not None}
+    assert len(walk.orders) == 4 and walk.switches > 0
