@@ -63,12 +63,18 @@ shallower live state is ``s``):
 * ``hub`` (consumed ``k >= 1`` times while it had states below: a shared prefix): ``w = 1 + k``.
 
 With the session hint (an engine passes ``extra={"session_id": ...}`` per request,
-:mod:`radix.hints`), the ``signals`` weight is also multiplied by the learned weight of the
-state's *session tag* (:mod:`components.eviction.sessions`): ``latest`` (the most recent live
-state its session stored: where a conversation or agent loop resumes) or ``stale`` (its
-session stored a later one since), each its learned hit rate over that of all tagged states.
-Without hints every state's tag is ``none`` (weight exactly 1): the walk is the one without
-the hint, decision for decision.
+:mod:`radix.hints`), a fourth order joins the duel at the first request carrying a session:
+``sessions``, the ``signals`` weight times the learned weight of the state's *session tag*
+(:mod:`components.eviction.sessions`): ``latest`` (the most recent live state its session
+stored: where a conversation or agent loop resumes) or ``stale`` (its session stored a later
+one since). It starts as a copy of the leader's pool, charged as much as the leader, so it
+evicts only once its own mistakes are fewer: the hint can change a victim only on evidence.
+(Multiplying the tag weight into ``signals`` directly lost 7.8 points on document QA, whose
+session is the document and whose "stale" states are the chunk checkpoints new questions
+resume from: ``bench/results/2026-12-05-eviction-round3.md``, which also shows that the
+order never took the lead on the generated workloads: the tree's ``chain`` kind already
+says what the session says there.) Without hints the walk is the three-order one, decision
+for decision.
 
 Hit rates per kind are hits per state per store (exposure and hits decayed, half-life
 :data:`RATE_HALF_LIFE` stores; prior: :data:`RATE_PRIOR` stores of the whole live pool's
