@@ -57,7 +57,7 @@ its copy says where a node lives (device, host, both) and its units are the host
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -205,6 +205,11 @@ class Component:
 
     def on_hit(self, node: TreeNode, now: int) -> None:
         """A match's usable prefix ends at ``node`` (not the root)."""
+
+    def on_hint(self, extra: Mapping[str, Any] | None) -> None:
+        """The hints (:mod:`radix.hints`) of the request the next match or insert serves,
+        already checked; ``None`` when it carries none. Called at the start of every
+        ``match_prefix`` and ``insert``, before anything else."""
 
     def match_part(self, node: TreeNode) -> Any:
         """This component's part of a match whose usable prefix ends at ``node`` (the root

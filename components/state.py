@@ -14,7 +14,7 @@ stays without a state).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -48,6 +48,10 @@ class StateWalk(Protocol):
     node whose state the match consumes (``None`` when none) and the matched key
     (``key[:end]``, token ids): where requests wanted a state, whether or not one was left
     there. ``key`` must not be kept or modified.
+
+    Optional: ``on_hint(extra)``, called at the start of every match and insert with the
+    request's checked hints (:mod:`radix.hints`; ``None`` when it carries none): every
+    ``on_set`` / ``on_hit`` / ``on_match`` until the next ``on_hint`` serves that request.
     """
 
     @property
@@ -192,12 +196,15 @@ class StateComponent(Component):
         self.slot_to_node: dict[int, TreeNode] = {}
         self._evictable = self._protected = self.evicted = self.inserted = 0
         self._on_match: Callable[..., None] | None = None
+        self._on_hint: Callable[..., None] | None = None
         #: Observer of every state cached on (``True``) or freed from (``False``) a node,
         #: called after the node's ``state_slot`` changed (the KV event recorder).
         self.on_state_change: Callable[[TreeNode, bool], None] | None = None
         self.reset()
         if self._on_match is None:
             self.skip_hooks = self.skip_hooks | {"on_match"}
+        if self._on_hint is None:
+            self.skip_hooks = self.skip_hooks | {"on_hint"}
 
     def reset(self) -> None:
         """Every state is gone: counters at 0, a fresh walk (a custom walk's factory is
@@ -217,6 +224,7 @@ class StateComponent(Component):
         elif gds is not None:
             self.gds = make_gds_walk(walk, gds[0], gds[1], self.is_candidate)
         self._on_match = getattr(self.gds, "on_match", None)
+        self._on_hint = getattr(self.gds, "on_hint", None)
         self.lru = (
             OrderedNodeSet(_joint_key if walk == "joint" else _state_lru_key)
             if self.gds is None
@@ -329,6 +337,13 @@ class StateComponent(Component):
 
     def on_hit(self, node: TreeNode, now: int) -> None:
         self.use(node, now)
+
+    def on_hint(self, extra: Mapping[str, Any] | None) -> None:
+        """Passes the request's hints to the walk's optional ``on_hint`` (see
+        :class:`StateWalk`)."""
+        hook = self._on_hint
+        if hook is not None:
+            hook(extra)
 
     # ------------------------------------------------------------------ insert
     def check_insert(self, n: int, value: Any, state_slot: Any) -> None:

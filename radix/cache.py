@@ -53,6 +53,7 @@ from radix.checks import check_count, check_lock, check_node
 from radix.config import CacheConfig
 from radix.core import NO_PARTS, CacheCore
 from radix.durations import Durations
+from radix.hints import check_extra
 from radix.insert import InsertContext, RidDepths, insert_key
 from radix.node import TreeNode
 from radix.results import CacheRequest, EvictResult, InsertResult, LockRef, MatchResult
@@ -329,13 +330,16 @@ class RadixCache:
         return swa.release(slots, start, seq_len)
 
     # =============================================================== matching
-    def match_prefix(self, key: Any, extra_key: Any = None) -> MatchResult:
+    def match_prefix(self, key: Any, extra_key: Any = None, *,
+                     extra: Mapping[str, Any] | None = None) -> MatchResult:
         """Longest usable cached prefix of ``key``.
 
         Args:
             key: a :class:`RadixKey` (validated once) or token ids (list of int >= 0, or a 1-D
                 integer tensor/array, validated on each call). Only whole pages are matched.
             extra_key: namespace; keys with different ``extra_key`` never share nodes.
+            extra: the request's hints (:mod:`radix.hints`: ``{"session_id": ...}``), evidence
+                for the eviction walk only: never part of the key, no effect on the result.
 
         Returns:
             :class:`MatchResult`. Splits a node when the KV match ends inside it (at a page
@@ -343,7 +347,8 @@ class RadixCache:
             to the usable prefix) and only the consumed state.
 
         Raises:
-            TypeError / ValueError: bad token ids. Complexity: O(matched nodes + key length).
+            TypeError / ValueError: bad token ids; ``extra`` not a valid hint mapping
+                (:func:`radix.hints.check_extra`). Complexity: O(matched nodes + key length).
         """
         trusted = type(key) is RadixKey
         if trusted and extra_key is None:  # (resolve_key's answer, without the call; a
@@ -352,10 +357,12 @@ class RadixCache:
         else:
             key, extra_key = resolve_key(key, extra_key)
             key_len = len(key)
+        core = self.core
+        if core.hint_hooks or extra is not None:
+            self._hint(extra)
         host = self._host
         if host is not None:
             host.before_match(key if key_len == len(key) else key[:key_len], extra_key)
-        core = self.core
         ps = self.page_size
         end = key_len - key_len % ps
         tree = core.tree
@@ -452,6 +459,7 @@ class RadixCache:
         priority: int = 0,
         rid: object = None,
         component_values: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> InsertResult:
         """Cache ``key`` with KV slots ``value`` (and a state checkpoint at its end).
 
@@ -475,6 +483,7 @@ class RadixCache:
                 key's end, say; the state component's is ``state_slot``). Each is checked
                 before anything changes; the component reads it while inserting
                 (``InsertPlan.value_of``) and says in its own docs who owns it afterwards.
+            extra: the request's hints (:mod:`radix.hints`), as in :meth:`match_prefix`.
 
         Returns:
             :class:`InsertResult`: ``duplicate_indices`` are the caller's to free,
@@ -488,8 +497,8 @@ class RadixCache:
                 ``state_slot`` that is free in the pool or held by the tree, or given with a
                 key that ends inside a page (``ValueError`` naming ``state_slot``); an unhashable
                 ``rid``; a missing state; ``component_values`` not a mapping, naming a
-                component that takes no value, or a value its ``check_value`` refuses.
-                Nothing changed then.
+                component that takes no value, or a value its ``check_value`` refuses;
+                ``extra`` not a valid hint mapping. Nothing changed then.
 
         Complexity: O(key length) in C (the walk, ``radix/_match.c``; the adopted slots'
         checks, marks and copy in one pass, ``components/_claim.c``) plus O(matched nodes) in
@@ -520,8 +529,16 @@ class RadixCache:
         values = None
         if component_values is not None:
             values = self._check_values(component_values, n)
+        if self.core.hint_hooks or extra is not None:
+            self._hint(extra)
         return insert_key(self._insert_ctx, key, n, value, extra_key, state_slot, priority, rid,
                           trusted, values)
+
+    def _hint(self, extra: Any) -> None:
+        """Check ``extra`` and hand it to the components that read hints."""
+        checked = check_extra(extra)
+        for hint in self.core.hint_hooks:
+            hint(checked)
 
     def _check_values(self, values: Mapping[str, Any], n: int) -> dict[str, Any] | None:
         """``insert``'s ``component_values``, checked by each named component."""

@@ -136,6 +136,7 @@ class CacheCore:
         self.touch_hooks = hooks(comps, "on_touch")
         self.hit_hooks = hooks(comps, "on_hit")
         self.match_hooks = hooks(comps, "on_match")
+        self.hint_hooks = hooks(comps, "on_hint")
         #: ``(name, match_part)`` of the components with a part in ``MatchResult.parts``.
         self.part_hooks = tuple((c.name, c.match_part) for c in comps
                                 if type(c).match_part is not Component.match_part)

@@ -202,7 +202,8 @@ def _insert_req(cache: RadixCache, ctx: RequestContext, req: CacheRequest, state
     """
     key = req.key if upto == len(req.key) else req.key[:upto]  # (a RadixKey's: O(1))
     res = cache.insert(key, req.kv_indices[:upto], req.extra_key,
-                       state_slot=state_slot, priority=req.priority, rid=req.rid)
+                       state_slot=state_slot, priority=req.priority, rid=req.rid,
+                       extra=req.extra)
     _free_state(ctx, state_slot, res.state_adopted)
     p = res.prefix_len
     kv = ctx.kv

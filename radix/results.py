@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -180,6 +181,8 @@ class CacheRequest:
             component) refuses. The helpers keep it up to date as they move the lock.
         swa_evicted_seqlen: leading tokens whose SWA KV this request already released
             (they slid out of its window) [tokens].
+        extra: the request's hints (:mod:`radix.hints`, e.g. ``{"session_id": sid}``), passed
+            to every insert of the helpers; never part of the key.
     """
 
     key: list[int] | RadixKey | torch.Tensor | np.ndarray
@@ -191,6 +194,7 @@ class CacheRequest:
     rid: object = None
     lock: TreeNode | LockRef | None = None
     swa_evicted_seqlen: int = 0
+    extra: Mapping[str, Any] | None = None
 
 
 class LockRef:

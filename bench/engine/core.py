@@ -112,6 +112,9 @@ class EngineConfig:
             ``kv_tokens`` / ``state_slots`` are the arena's split at the start
             (``arena.kv_tokens`` / ``arena.state_chunks``), and there is no sliding window or
             host tier.
+        session_hint: pass each request's ``TraceRequest.session`` to the cache as the hint
+            ``extra={"session_id": ...}`` (:mod:`radix.hints`), as an engine that carries a
+            conversation / agent id would; requests without a session carry none.
     """
 
     policy: str = "lru"
@@ -131,8 +134,11 @@ class EngineConfig:
     device: str = "cpu"
     kv_events: str = "off"
     arena: ArenaLayout | None = None
+    session_hint: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.session_hint, bool):
+            raise TypeError(f"session_hint must be a bool, got {type(self.session_hint).__name__}")
         if self.arena is not None:
             self._check_arena(self.arena)
         for name in ("kv_tokens", "page_size", "chunk_size", "concurrency"):
@@ -315,14 +321,15 @@ class ReplayEngine:
         tokens = RadixKey(tr.token_array, extra_key)  # validated once, reused by every cache call
         prompt_len = len(tokens)
         cache = self.cache
-        m = cache.match_prefix(tokens[:-1])
+        hint = {"session_id": tr.session} if cfg.session_hint and tr.session is not None else None
+        m = cache.match_prefix(tokens[:-1], extra=hint)
         if m.host_hit_length > 0:
             host = m.last_host_node
             assert host is not None  # set whenever host_hit_length > 0
             # Re-match when KV, or only the node's state, came back (a skipped or failed load
             # changes nothing, and a second match would count the same host hit twice).
             if cache.load_back(host) > 0 or host.state_slot is not None:
-                m = cache.match_prefix(tokens[:-1])
+                m = cache.match_prefix(tokens[:-1], extra=hint)
         node = m.last_device_node
         lock = cache.inc_lock_ref(node)
         usable = m.prefix_len
@@ -358,6 +365,7 @@ class ReplayEngine:
             last_node=node,
             rid=rid,
             lock=lock,
+            extra=hint,
         )
         self.log.record(prompt_len, usable, m.kv_hit_length, m.swa_miss_tokens)
         self._prefill_checkpoints(req, slot, usable, prompt_len, m.branching_seqlen)

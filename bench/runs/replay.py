@@ -160,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kv-events-check-every", type=parse_count, default=1000,
       help="with --kv-events check: compare the rebuilt page set with the tree's every N "
            "requests, and at the end (default 1000; 0 = at the end only)")
+    a("--session-hint", action="store_true",
+      help="pass each request's session (trace / workload session id) to the cache as the "
+           "hint extra={'session_id': ...}, as an engine carrying a conversation id would")
     a("--floor", action="store_true",
       help="also replay each pool size through the minimal block-level engine "
            "(bench/engine/floor.py), twice before the runs and once after (the fastest counts), "
@@ -378,6 +381,7 @@ def _plan(args: argparse.Namespace, knobs: dict[str, dict[str, Any]] | None = No
                 hicache_ratio=host_ratio,
                 hicache_write_policy=args.hicache_write_policy or "write_through",
                 kv_events=events,
+                session_hint=args.session_hint,
             ), gb, split))
     return out
 

@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--time-scale", type=_positive_float, default=None,
       help="arrival time = timestamp x this (2 halves the request rate) (default 1; needs "
            "--arrivals trace)")
+    a("--session-hint", action="store_true",
+      help="pass each request's session (trace / workload session id) to the cache as the "
+           "hint extra={'session_id': ...}, as an engine carrying a conversation id would")
     a("--decode-ms", type=float, default=20.0, help="one decode step [ms] (default 20)")
     a("--marconi-alpha", type=float, default=None,
       help="fix Marconi's alpha (default: tuned; needs --policy marconi)")
@@ -179,7 +182,7 @@ def _base_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         chunk_size=args.chunk_size, concurrency=args.concurrency,
         end_checkpoint=args.end_checkpoint, time_scale=_time_scale(args), decode_ms=args.decode_ms,
         max_prefill_tokens=args.max_prefill_tokens, arrivals=args.arrivals,
-        marconi_alpha=args.marconi_alpha,
+        marconi_alpha=args.marconi_alpha, session_hint=args.session_hint,
     )
     if args.model is not None:
         kw["model"] = args.model

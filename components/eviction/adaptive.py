@@ -62,6 +62,20 @@ shallower live state is ``s``):
 * ``hub0`` (born with states below: a fork checkpoint; not consumed since): ``w = 1``.
 * ``hub`` (consumed ``k >= 1`` times while it had states below: a shared prefix): ``w = 1 + k``.
 
+With the session hint (an engine passes ``extra={"session_id": ...}`` per request,
+:mod:`radix.hints`), a fourth order joins the duel at the first request carrying a session:
+``sessions``, the ``signals`` weight times the learned weight of the state's *session tag*
+(:mod:`components.eviction.sessions`): ``latest`` (the most recent live state its session
+stored: where a conversation or agent loop resumes) or ``stale`` (its session stored a later
+one since). It starts as a copy of the leader's pool, charged as much as the leader, so it
+evicts only once its own mistakes are fewer: the hint can change a victim only on evidence.
+(Multiplying the tag weight into ``signals`` directly lost 7.8 points on document QA, whose
+session is the document and whose "stale" states are the chunk checkpoints new questions
+resume from: ``bench/results/2026-12-05-eviction-round3.md``, which also shows that the
+order never took the lead on the generated workloads: the tree's ``chain`` kind already
+says what the session says there.) Without hints the walk is the three-order one, decision
+for decision.
+
 Hit rates per kind are hits per state per store (exposure and hits decayed, half-life
 :data:`RATE_HALF_LIFE` stores; prior: :data:`RATE_PRIOR` stores of the whole live pool's
 exposure at the leaves' rate, so a kind is believed as hot as leaves until it has been
@@ -78,11 +92,12 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from components.eviction.duel import Ghosts, KVOrderDuel
 from components.eviction.gds import GreedyDualHeap, gds_cost
+from components.eviction.sessions import SessionEvidence
 
 if TYPE_CHECKING:
     from radix.node import TreeNode
@@ -157,8 +172,10 @@ class AdaptiveGDSStrategy:
         self.rate_hits = [0.0] * len(KINDS)
         self.chain_weight = 1.0
         self.spine_weight = 1.0
+        #: The session hint's evidence (:mod:`components.eviction.sessions`).
+        self.sessions = SessionEvidence(self._decay)
         # the orders, the leader and the charges
-        self.orders = (
+        self.orders: tuple[GreedyDualHeap, ...] = (
             GreedyDualHeap("signals", self.weight_of, self.cost),
             GreedyDualHeap("gds", lambda nid: 1.0, self.cost),
             GreedyDualHeap("gdsf", lambda nid: 1.0 + self.hits[nid], self.cost),
@@ -173,6 +190,10 @@ class AdaptiveGDSStrategy:
         self.matched_tokens = 0
         self.ghosts = Ghosts(self._ghost_dropped)
         self._victim: TreeNode | None = None
+        #: The orders whose weight reads the kinds (``signals``, and ``sessions`` once joined).
+        self._signal_orders: tuple[GreedyDualHeap, ...] = self.orders[:1]
+        #: The ``sessions`` order, from the first request that carried a session hint.
+        self._session_order: GreedyDualHeap | None = None
         #: The KV-leaf order the cache adopts (``RadixCache`` without a host tier).
         self.kv_leaves = KVOrderDuel(self.d, self.e, self.resume_depth_without)
 
@@ -242,6 +263,25 @@ class AdaptiveGDSStrategy:
             return 1.0 + self.hits_below[nid]
         return 1.0
 
+    def session_weight_of(self, nid: int) -> float:
+        """The ``sessions`` order's weight: ``signals``' times the session tag's."""
+        return self.weight_of(nid) * self.sessions.weight(nid)
+
+    def _join_sessions(self) -> None:
+        """The first session hint: the ``sessions`` order joins the duel, a copy of the
+        leader's pool (its stamps and watermark), charged as much as the leader so far (it
+        leads only once its own mistakes are fewer)."""
+        lead = self.orders[self.leader]
+        o = GreedyDualHeap("sessions", self.session_weight_of, self.cost)
+        o.watermark = lead.watermark
+        for nid, node in self._live.items():
+            if nid in lead.stamp:
+                o.add(node, stamp=lead.stamp[nid])
+        self.orders = (*self.orders, o)
+        self.regret.append(self.regret[self.leader])
+        self._signal_orders = (*self._signal_orders, o)
+        self._session_order = o
+
     def _set_kind(self, node: TreeNode) -> None:
         nid = node.id
         old = self.kind.get(nid)
@@ -253,7 +293,8 @@ class AdaptiveGDSStrategy:
         self.count[new] += 1
         self.kind[nid] = new
         if old is not None:
-            self.orders[0].reweigh(node)
+            for o in self._signal_orders:
+                o.reweigh(node)
 
     def _rules(self) -> None:
         """The chain rule (0 while chains are hit less often than leaves, else 1) and the
@@ -264,10 +305,10 @@ class AdaptiveGDSStrategy:
             w = min(1.0, rel) if k == SPINE else 0.0 if rel < 1.0 else 1.0
             if w != getattr(self, attr):
                 setattr(self, attr, w)
-                order = self.orders[0]
                 for nid, kind in self.kind.items():
                     if kind == k:
-                        order.reweigh(self._live[nid])
+                        for o in self._signal_orders:
+                            o.reweigh(self._live[nid])
 
     def _tick(self) -> None:
         """One store: age rates and charges, resolve due bucket outcomes, maybe switch."""
@@ -277,6 +318,14 @@ class AdaptiveGDSStrategy:
             self.exposure[k] = self.exposure[k] * f + self.count[k]
             self.rate_hits[k] *= f
         self._rules()
+        order = self._session_order
+        if order is not None:
+            changed = self.sessions.tick(RATE_PRIOR * max(len(self._live), 1))
+            if changed:
+                tag = self.sessions.tag
+                for nid, node in self._live.items():
+                    if tag(nid) in changed:
+                        order.reweigh(node)
         horizon = HORIZON * max(len(self._live), 1)
         pending = self._pending
         keep = self._keep
@@ -318,10 +367,19 @@ class AdaptiveGDSStrategy:
                 o.clear_exclusions(self._live)
 
     # ------------------------------------------------------------ state events
+    def on_hint(self, extra: Mapping[str, Any] | None) -> None:
+        """The hints of the request served next (:mod:`radix.hints`): its session."""
+        self.sessions.on_hint(extra)
+
     def on_set(self, node: TreeNode) -> None:
         self._tick()
+        if self.sessions.current is not None and self._session_order is None:
+            self._join_sessions()
         nid = node.id
         self._live[nid] = node
+        stale = self.sessions.on_set(nid)
+        if stale is not None and self._session_order is not None:  # its session moved on
+            self._session_order.reweigh(self._live[stale])
         self.ghosts.forget(node)
         direct = self._direct_below(node)
         above = self.nearest_shallower(node)
@@ -355,6 +413,7 @@ class AdaptiveGDSStrategy:
     def on_hit(self, node: TreeNode) -> None:
         nid = node.id
         self.rate_hits[self.kind[nid]] += 1.0
+        self.sessions.on_hit(nid)
         self.consumed[nid] = True
         self.hits[nid] += 1
         if self.below[nid]:
@@ -433,12 +492,15 @@ class AdaptiveGDSStrategy:
         direct = self._direct_below(node)
         above = self.nearest_shallower(node)
         del self._live[nid]
+        promoted = self.sessions.on_remove(nid)
         self.count[self.kind.pop(nid)] -= 1
         for m in (self.below, self.superseded, self.consumed, self.born_below, self.hits,
                   self.hits_below, self.bucket):
             del m[nid]
         for o in self.orders:
             o.remove(nid)
+        if promoted is not None and self._session_order is not None:  # its session's latest
+            self._session_order.reweigh(self._live[promoted])
         if above is not None:
             self.below[above.id] += len(direct) - 1
             self._set_kind(above)
@@ -471,5 +533,6 @@ class AdaptiveGDSStrategy:
             assert self.kind[n.id] == self.kind_of(n.id), f"kind wrong for {n}"
         kinds = list(self.kind.values())
         assert self.count == [kinds.count(k) for k in KINDS], "kind counts wrong"
+        self.sessions.check(live)
         for o in self.orders:
             o.check(state_nodes)

@@ -46,11 +46,12 @@ def state_nodes(cache: RadixCache) -> list[TreeNode]:
 
 
 def put(cache: RadixCache, kv: TokenAllocator, pool: MambaStatePool,
-        key: list[int]) -> tuple[TreeNode, int]:
+        key: list[int], extra: dict | None = None) -> tuple[TreeNode, int]:
     """Insert ``key`` with fresh KV slots (the cached part comes back as duplicates, freed)
-    and a fresh state slot at its end. No match, so no state is stamped on the way."""
+    and a fresh state slot at its end, with the request hints ``extra``. No match, so no
+    state is stamped on the way."""
     slot = int(pool.alloc(1)[0])
-    res = cache.insert(key, kv.alloc(len(key)), state_slot=slot)
+    res = cache.insert(key, kv.alloc(len(key)), state_slot=slot, extra=extra)
     assert res.state_adopted
     if len(res.duplicate_indices):
         kv.free(res.duplicate_indices)
