@@ -77,11 +77,11 @@ class ArenaReplayEngine(ReplayEngine):
         self.state_chunks = [min(self.state_chunks[0], n), max(self.state_chunks[1], n)]
 
     def _make_kv_room(self, n: int) -> None:
-        if make_room(self.cache, self.arena, kv_tokens=n):
+        if make_room(self.cache, self.arena, kv_tokens=n, on_evict=self._count):
             self._note()
 
     def _make_state_room(self) -> None:
-        if make_room(self.cache, self.arena, states=1):
+        if make_room(self.cache, self.arena, states=1, on_evict=self._count):
             self._note()
 
 

@@ -41,6 +41,7 @@ from components.eviction.gds import GDSStrategy, GreedyDualHeap, gds_cost
 if TYPE_CHECKING:
     from radix.cache import RadixCache
     from radix.node import TreeNode
+    from radix.results import EvictResult
 
 __all__ = ["MIB", "UnifiedKVLeaves", "UnifiedStrategy", "make_room", "unified_bytes"]
 
@@ -259,13 +260,15 @@ def unified_bytes(kv_allocator: object, state_allocator: object) -> tuple[int, i
 
 
 def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
-              states: int = 0) -> bool:
+              states: int = 0, on_evict: Callable[[EvictResult], None] | None = None) -> bool:
     """Make ``arena`` able to hand out ``kv_tokens`` KV tokens and ``states`` state slots at
     once: move free chunks across the boundary (``MemoryArena.state_to_kv`` /
     ``kv_to_state``; free KV pages scattered over partly used chunks are first gathered into
     whole chunks by ``components.compaction.compact_kv``), and while that is not enough evict
     by value
-    (``cache.evict_bytes`` of the bytes still short, ``radix_eviction_policy="unified"``).
+    (``cache.evict_bytes`` of the bytes still short, ``radix_eviction_policy="unified"``);
+    ``on_evict``, when given, receives each of those evictions' ``EvictResult`` (an engine
+    counts its evicted tokens and states with it).
 
     Returns:
         ``True`` when the room is there (nothing allocated: the caller allocates next);
@@ -299,5 +302,7 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
                     return arena.kv_to_state(need)
             short = need * walk.state_bytes + kv_short * walk.kv_bytes_per_token
         res = cache.evict_bytes(max(short, 1))
+        if on_evict is not None:
+            on_evict(res)
         if res.num_tokens == 0 and res.num_states == 0:
             return False

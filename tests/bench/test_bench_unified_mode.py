@@ -171,3 +171,21 @@ def test_bad_combinations_exit_2_naming_the_option(
     assert exc.value.code == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(err) == 1 and message in err[0], err
+
+
+def test_unified_run_counts_its_evictions() -> None:
+    # the arena engine's eviction counters are the sum of make_room's EvictResults; the cache
+    # counts the same evictions on its own (its stats), so the two must agree, and at 1 GB
+    # this workload must evict (else the check is vacuous)
+    from bench.engine.arena import ArenaReplayEngine
+    from bench.workloads import generate
+
+    p = get_preset("qwen3-next-80b")
+    engine = ArenaReplayEngine(EngineConfig(**engine_sizes(p, 1.0, "unified")))
+    for i, req in enumerate(generate(WORKLOAD, seed=0)):
+        engine.admit(req, rid=i)
+    engine.drain()
+    st = engine.cache.stats()
+    c = engine.counters
+    assert c.evicted_kv_tokens > 0 and c.evicted_states > 0
+    assert (c.evicted_kv_tokens, c.evicted_states) == (st["evicted_tokens"], st["evicted_states"])
