@@ -23,7 +23,7 @@ def shared_blocks(a: TraceRequest, b: TraceRequest) -> int:
 
 
 def test_generators_are_deterministic_per_seed() -> None:
-    for spec in ("docqa:docs=3", "agentic:sessions=4", "multiturn:sessions=5",
+    for spec in ("docqa:docs=3", "agentic:sessions=4", "multiturn:sessions=5", "toolcall:sessions=4",
                  "sysprompt:requests=20", "mix:docqa=0.05,agentic=0.05,multiturn=0.05,sysprompt=0.05"):
         a, b = generate(spec, seed=3), generate(spec, seed=3)
         assert a == b and a, spec
@@ -120,3 +120,93 @@ def test_the_reduced_grid_is_the_committed_tables_grid() -> None:
     full = plan(build_parser().parse_args(["--sources", "mix", "--slots", "64", "256",
                                            "--kv-tokens", "4000000", "--concurrency", "16"]))
     assert full == [("mix", [(64, 4_000_000, 16), (256, 4_000_000, 16)])]
+
+
+def by_session(reqs: list[TraceRequest]) -> dict[str | None, list[TraceRequest]]:
+    out: dict[str | None, list[TraceRequest]] = {}
+    for r in reqs:
+        out.setdefault(r.session, []).append(r)
+    return out
+
+
+def test_every_generator_names_the_session_of_each_request() -> None:
+    """The session hint reads ``TraceRequest.session``: every generated request carries one,
+    and in the single-chain shapes (multiturn, toolcall) a session's requests extend each
+    other."""
+    for name in ("docqa", "agentic", "multiturn", "sysprompt", "toolcall", "mix"):
+        reqs = generate(name, seed=2)
+        assert reqs and all(isinstance(r.session, str) and r.session for r in reqs), name
+    assert len(by_session(generate("sysprompt:requests=30"))) == 30  # one-off requests
+
+
+def test_toolcall_steps_extend_the_previous_prompt_by_its_output_and_a_tool_result() -> None:
+    """Step k + 1's prompt is step k's prompt (every block id, the partial last one too: the
+    session's stream owns it), then step k's output, then a tool result of at least
+    ``result_min`` tokens; the time between them is step k's decode (20 ms a token) plus a
+    pause of 0.1 s - ``tool_max_s``."""
+    reqs = generate("toolcall:sessions=30,result_min=200", seed=5)
+    steps = 0
+    for sess, rs in by_session(reqs).items():
+        assert sess is not None and sess.startswith("tool")
+        for a, b in zip(rs, rs[1:], strict=False):
+            assert b.block_ids[:len(a.block_ids)] == a.block_ids
+            result = b.input_length - a.input_length - a.output_length
+            assert 200 <= result <= 24_000
+            pause = b.timestamp_s - a.timestamp_s - a.output_length * 0.020
+            assert 0.1 - 1e-9 <= pause <= 1_800.0 + 1e-9
+            steps += 1
+    assert steps > 100
+
+
+def test_toolcall_heavy_tails_follow_their_laws() -> None:
+    """400 sessions (about 3,600 steps): the share of pauses above a minute is the
+    log-normal tail ``1 - Phi(ln(60 / 4) / 1.6)`` = 0.0452 and their median is 4 s; the share
+    of tool results above 1,500 tokens is the Pareto tail ``(150 / 1500) ** 1.2`` = 0.0631.
+    Tolerances: 4 binomial standard deviations."""
+    import math
+
+    reqs = generate("toolcall:sessions=400,max_context=1000000", seed=0)
+    pauses: list[float] = []
+    results: list[int] = []
+    for rs in by_session(reqs).values():
+        for a, b in zip(rs, rs[1:], strict=False):
+            pauses.append(b.timestamp_s - a.timestamp_s - a.output_length * 0.020)
+            results.append(b.input_length - a.input_length - a.output_length)
+    n = len(pauses)
+    assert n > 2_500
+    p_pause = 1.0 - 0.5 * (1.0 + math.erf(math.log(60.0 / 4.0) / 1.6 / math.sqrt(2.0)))
+    assert p_pause == pytest.approx(0.0452, abs=1e-4)
+    got = sum(x > 60.0 for x in pauses) / n
+    assert abs(got - p_pause) < 4 * math.sqrt(p_pause * (1 - p_pause) / n)
+    assert sorted(pauses)[n // 2] == pytest.approx(4.0, rel=0.1)
+    p_res = (150 / 1500) ** 1.2
+    got_res = sum(x > 1_500 for x in results) / n
+    assert abs(got_res - p_res) < 4 * math.sqrt(p_res * (1 - p_res) / n)
+
+
+def test_toolcall_sessions_share_zipf_popular_heads_and_interleave() -> None:
+    """Four heads of whole blocks (512 - 16,000 tokens); a session's first prompt is its head
+    plus a task, so two sessions share exactly their head's blocks or nothing; with Zipf 1.0
+    over four heads the most popular one takes 1 / (1 + 1/2 + 1/3 + 1/4) = 0.48 of the
+    sessions (4 standard deviations over 300 sessions: +-0.115). Sessions overlap in time."""
+    import math
+
+    reqs = generate("toolcall:sessions=300", seed=1)
+    firsts = [rs[0] for rs in by_session(reqs).values()]
+    heads: dict[int, list[TraceRequest]] = {}
+    for r in firsts:
+        heads.setdefault(r.block_ids[0], []).append(r)
+    assert 2 <= len(heads) <= 4
+    for group in heads.values():
+        shared = {shared_blocks(a, b) for a in group for b in group if a is not b}
+        assert len(shared) <= 1  # everyone below one head shares exactly the head
+        for a in group:
+            for other in heads.values():
+                if other is not group:
+                    assert shared_blocks(a, other[0]) == 0
+    top = max(len(g) for g in heads.values()) / len(firsts)
+    p = 1 / (1 + 1 / 2 + 1 / 3 + 1 / 4)
+    assert abs(top - p) < 4 * math.sqrt(p * (1 - p) / len(firsts))
+    spans = [(rs[0].timestamp_s, rs[-1].timestamp_s) for rs in by_session(reqs).values()]
+    overlapping = sum(1 for a in spans for b in spans if a < b and b[0] < a[1])
+    assert overlapping > len(spans)
