@@ -335,7 +335,7 @@ def toolcall(p: ToolCallParams, seed: int, space: BlockSpace) -> list[TraceReque
         ctx = heads[draw.zipf_index(p.systems, p.skew)].fork()
         ctx.append(draw.lognormal(p.task_median, 0.8, 16, 6_000))
         t = draw.uniform(0.0, p.span_s)
-        for k in range(draw.geometric(p.steps, 200)):
+        for _ in range(draw.geometric(p.steps, 200)):
             if ctx.length >= p.max_context:
                 break
             call = draw.lognormal(p.call_median, 0.7, 8, 2_000)
