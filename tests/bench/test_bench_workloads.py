@@ -83,27 +83,89 @@ def test_holdout_sources_are_apart_and_a_trace_slice_is_retimed() -> None:
         assert got.timestamp_s == pytest.approx(want.timestamp_s - t0)
 
 
-def test_verdict_by_hand() -> None:
-    """Point 1: adaptive 0.30, best baseline gdsf 0.31 (margin -0.01, a failure), belady
-    0.40 (share 0.75, a failure). Point 2: adaptive 0.50 over gds 0.49 (+0.01), belady 0.52
-    (share 0.9615)."""
-    def rows(slots: int, hits: dict[str, float]) -> list[dict[str, object]]:
-        return [{"source": "s", "state_slots": slots, "kv_tokens": 16_000_000,
-                 "concurrency": 16, "policy": p, "token_hit_rate": h} for p, h in hits.items()]
+def grid_rows(slots: int, hits: dict[str, float]) -> list[dict[str, object]]:
+    return [{"source": "s", "state_slots": slots, "kv_tokens": 16_000_000,
+             "concurrency": 16, "policy": p, "token_hit_rate": h} for p, h in hits.items()]
 
-    v = verdict(rows(64, {"lru": 0.2, "gds": 0.25, "gdsf": 0.31, "gds_adaptive": 0.30,
-                          "belady": 0.40})
-                + rows(256, {"lru": 0.45, "gds": 0.49, "gdsf": 0.48, "gds_adaptive": 0.50,
-                             "belady": 0.52}))
-    assert v["points"] == 2
-    assert v["worst_margin"][0] == pytest.approx(-0.01) and v["worst_margin"][1][1] == 64
-    assert [m[1][1] for m in v["margin_failures"]] == [64]
-    assert v["worst_share"][0] == pytest.approx(0.75)
-    assert [s[1][1] for s in v["share_failures"]] == [64]
+
+def test_verdict_by_hand() -> None:
+    """Point 64: adaptive 0.30, best baseline seglen 0.31 (margin -0.01 < -0.005: a failure),
+    belady 0.40 (headroom 0.09 >= 0.02; captured (0.30 - 0.31) / 0.09 = -0.111: a failure).
+    Point 256: adaptive 0.50, best marconi 0.49 (+0.01), belady 0.52 (headroom 0.03,
+    captured 0.01 / 0.03 = 0.333: a failure, margin fine). Point 1,024: adaptive 0.600, best
+    gdsf 0.604 (margin -0.004: passes), belady 0.612 (headroom 0.008 < 0.02: not counted).
+    Point 4,096: adaptive 0.70, best lru 0.60, belady 0.70 (captured 1.0: passes). No
+    online policy beats belady anywhere."""
+    v = verdict(
+        grid_rows(64, {"lru": 0.2, "gds": 0.25, "gdsf": 0.29, "seglen": 0.31, "marconi": 0.1,
+                       "gds_adaptive": 0.30, "belady": 0.40})
+        + grid_rows(256, {"lru": 0.45, "gds": 0.48, "gdsf": 0.47, "seglen": 0.3,
+                          "marconi": 0.49, "gds_adaptive": 0.50, "belady": 0.52})
+        + grid_rows(1024, {"lru": 0.5, "gds": 0.6, "gdsf": 0.604, "gds_adaptive": 0.600,
+                           "belady": 0.612})
+        + grid_rows(4096, {"lru": 0.60, "gds_adaptive": 0.70, "belady": 0.70}))
+    assert v["points"] == 4 and v["headroom_points"] == 3
+    assert v["worst_margin"].key[1] == 64 and v["worst_margin"].best_name == "seglen"
+    assert v["worst_margin"].margin == pytest.approx(-0.01)
+    assert [f.key[1] for f in v["margin_failures"]] == [64]
+    assert [f.key[1] for f in v["captured_failures"]] == [64, 256]  # worst first
+    assert v["captured_failures"][0].captured == pytest.approx(-0.01 / 0.09)
+    assert v["captured_failures"][1].captured == pytest.approx(0.01 / 0.03)
+    assert v["worst_captured"].key[1] == 64
+    assert v["reference_bugs"] == []
+
+
+def test_verdict_reports_a_reference_bug_loudly() -> None:
+    """At 64 slots marconi (0.41) and gds_adaptive (0.405) beat belady (0.40): a reference bug
+    naming both, best first; at 256 slots lru ties belady (0.52 = 0.52, within the CSV's
+    rounding) and is no bug. A point with only baselines and the reference (no
+    gds_adaptive) is still checked. The rendered table marks the point and the verdict
+    starts with the bug."""
+    from bench.runs.robustness import render
+
+    rows = (grid_rows(64, {"lru": 0.2, "marconi": 0.41, "gds_adaptive": 0.405,
+                           "belady": 0.40})
+            + grid_rows(256, {"lru": 0.52, "gds": 0.5, "belady": 0.52}))
+    v = verdict(rows)
+    assert [b.key[1] for b in v["reference_bugs"]] == [64]
+    assert v["reference_bugs"][0].beaten_by == (("marconi", 0.41), ("gds_adaptive", 0.405))
+    assert v["points"] == 1 and v["margin_failures"] == []
+    text = render(rows, ["lru", "gds", "marconi", "gds_adaptive", "belady"])
+    verdict_part = text.split("\n\n")[-1]
+    assert verdict_part.startswith("**REFERENCE BUG** at s 64 slots, 16M KV, conc 16: "
+                                   "belady 0.4000 below marconi 0.4100, gds_adaptive 0.4050")
+    assert text.count("marconi 0.4100 **REF BUG**") == 1  # the table's mark
+    assert text.count("REFERENCE BUG") == 1  # the verdict's line
+    only_base = verdict(grid_rows(64, {"lru": 0.5, "belady": 0.4}))
+    assert only_base["points"] == 0 and len(only_base["reference_bugs"]) == 1
+
+
+def test_from_csv_merges_several_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                       ) -> None:
+    """A baselines CSV and a policy CSV render as one table; a later file's row replaces an
+    earlier one's for the same point and policy."""
+    from bench.runs.robustness import FIELDS, main
+
+    def write(name: str, hits: dict[str, float]) -> str:
+        path = tmp_path / name
+        lines = [",".join(FIELDS)]
+        for p, h in hits.items():
+            lines.append(f"s,64,16000000,16,{p},{h},{h},0,0,0,0")
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return str(path)
+
+    a = write("a.csv", {"lru": 0.2, "gds": 0.3, "belady": 0.5, "gds_adaptive": 0.1})
+    b = write("b.csv", {"gds_adaptive": 0.45})
+    assert main(["--from-csv", a, b, "--policies", "lru", "gds", "gds_adaptive", "belady"]) == 0
+    out = capsys.readouterr().out
+    # best gds 0.30, headroom 0.20, captured (0.45 - 0.30) / 0.20 = 0.75
+    assert "| 64 | 16M | 16 | 0.2000 | 0.3000 | 0.4500 | 0.5000 | gds 0.3000 | +0.1500 | " \
+           "+0.2000 | 0.75 |" in out
+    assert "0 of 1 points fail" in out
 
 
 def test_the_reduced_grid_is_the_committed_tables_grid() -> None:
-    """``--grid reduced`` plans exactly the points of ``bench/results/robustness_reduced.csv``
+    """``--grid reduced`` plans the points of ``bench/results/robustness_reduced.csv``
     (the table in bench/results/2026-12-02-robustness.md), so one command reproduces it."""
     import csv
     from pathlib import Path
@@ -116,7 +178,10 @@ def test_the_reduced_grid_is_the_committed_tables_grid() -> None:
                 for r in csv.DictReader(f)}
     planned = plan(build_parser().parse_args(["--grid", "reduced", "--slots", "7"]))
     got = {(name, *point) for name, points in planned for point in points}
-    assert got == want and len(want) == 34
+    base = [(s, 16_000_000, 16) for s in (64, 256, 1024)]
+    added = {(name, *p) for name in ("toolcall", "toolcall_s1", "mooncake_b") for p in base}
+    added.add(("toolcall", 1024, 4_000_000, 16))  # round 3 (issue 39): 10 points more
+    assert got == want | added and len(want) == 34 and len(got) == 44
     full = plan(build_parser().parse_args(["--sources", "mix", "--slots", "64", "256",
                                            "--kv-tokens", "4000000", "--concurrency", "16"]))
     assert full == [("mix", [(64, 4_000_000, 16), (256, 4_000_000, 16)])]
