@@ -310,7 +310,7 @@ class ToolCallParams:
     tail); 6.3 % of the results exceed 1,500 tokens (``(150 / 1500) ** 1.2``).
     """
 
-    sessions: int = 64
+    sessions: int = 160
     systems: int = 4
     skew: float = 1.0
     system_median: int = 4_000
@@ -324,7 +324,7 @@ class ToolCallParams:
     tool_sigma: float = 1.6
     tool_max_s: float = 1_800.0
     max_context: int = 100_000
-    span_s: float = 180.0
+    span_s: float = 300.0
 
 
 def toolcall(p: ToolCallParams, seed: int, space: BlockSpace) -> list[TraceRequest]:
