@@ -62,6 +62,8 @@ the project's own GreedyDual family and SGLang's ``seglen`` and ``marconi`` (iss
 RECOMMENDED = "gds_adaptive"
 REFERENCE = "belady"
 """The offline reference: it must score at least every online policy run at a point."""
+OFFLINE = ("belady", "belady_next", "belady_state")
+"""Policies that read the trace's future: never counted as online in the reference check."""
 SLOTS = (64, 256, 1024, 4096)
 KV = (4_000_000, 16_000_000)
 CONCURRENCY = (16, 64)
@@ -195,7 +197,7 @@ class PointVerdict:
     the offline reference's rate (``None`` when not run), ``margin`` = policy - best,
     ``headroom`` = reference - best, ``captured`` = margin / headroom where the headroom is
     at least :data:`HEADROOM` (else ``None``), ``beaten_by`` the online policies (every
-    policy of the point but the reference) scoring above the reference by more than
+    policy of the point not in :data:`OFFLINE`) scoring above the reference by more than
     :data:`REF_SLACK`, best first.
     """
 
@@ -234,7 +236,7 @@ def point_verdicts(rows: Sequence[Row], policy: str = RECOMMENDED) -> list[Point
         beaten: tuple[tuple[str, float], ...] = ()
         if ref is not None:
             beaten = tuple(sorted(((p, h) for p, h in hits.items()
-                                   if p != REFERENCE and h > ref + REF_SLACK),
+                                   if p not in OFFLINE and h > ref + REF_SLACK),
                                   key=lambda x: -x[1]))
         out.append(PointVerdict(key, hits.get(policy), best, best_name, ref, beaten))
     return out

@@ -119,12 +119,13 @@ def test_verdict_reports_a_reference_bug_loudly() -> None:
     """At 64 slots marconi (0.41) and gds_adaptive (0.405) beat belady (0.40): a reference bug
     naming both, best first; at 256 slots lru ties belady (0.52 = 0.52, within the CSV's
     rounding) and is no bug. A point with only baselines and the reference (no
-    gds_adaptive) is still checked. The rendered table marks the point and the verdict
+    gds_adaptive) is still checked. Another offline walk above the reference (belady_next
+    0.45) is no online policy and no bug. The rendered table marks the point and the verdict
     starts with the bug."""
     from bench.runs.robustness import render
 
     rows = (grid_rows(64, {"lru": 0.2, "marconi": 0.41, "gds_adaptive": 0.405,
-                           "belady": 0.40})
+                           "belady": 0.40, "belady_next": 0.45})
             + grid_rows(256, {"lru": 0.52, "gds": 0.5, "belady": 0.52}))
     v = verdict(rows)
     assert [b.key[1] for b in v["reference_bugs"]] == [64]
