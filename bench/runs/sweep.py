@@ -153,7 +153,7 @@ def run_all(trace: Sequence[TraceRequest], configs: Sequence[SimConfig], jobs: i
     from bench.policies.strategies import NextUseIndex
 
     importlib.import_module("bench.engine.simulator")  # loaded once, before the workers fork
-    if any(c.policy in ("belady", "belady_state") for c in configs):
+    if any(c.policy in ("belady", "belady_next", "belady_state") for c in configs):
         _SHARED["next_use"] = NextUseIndex(trace, configs[0].engine.page_size)
     else:
         _SHARED.pop("next_use", None)

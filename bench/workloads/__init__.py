@@ -12,6 +12,7 @@ replay (``python -m bench replay --workload docqa``), the simulator
 | ``agentic`` | agent tool loops: a session returns after a tool call of seconds to minutes | long growing chains; the deepest state is what the next step needs |
 | ``multiturn`` | multi-turn chats below a few system prompts | chains plus shared heads |
 | ``sysprompt`` | one-off questions below a few long, Zipf-popular system prompts | only the shared heads; every end state is dead weight |
+| ``toolcall`` | tool-call sessions below a few Zipf-popular system prompt + tool sets; heavy-tailed tool results and pauses | growing chains over shared heads; a session's latest state is what its next step needs, after seconds or minutes |
 | ``mix`` | the four above, interleaved in one block space | all of it at once |
 
 Parameters and their defaults are the fields of the ``*Params`` classes in
@@ -32,10 +33,12 @@ from bench.workloads.shapes import (
     DocQAParams,
     MultiturnParams,
     SysPromptParams,
+    ToolCallParams,
     agentic,
     docqa,
     multiturn,
     sysprompt,
+    toolcall,
 )
 from bench.workloads.streams import BlockSpace, Stream
 
@@ -100,6 +103,8 @@ WORKLOADS: dict[str, Workload] = {
         Workload("agentic", AgenticParams, agentic, "agent tool loops with tool latency"),
         Workload("multiturn", MultiturnParams, multiturn, "multi-turn chats"),
         Workload("sysprompt", SysPromptParams, sysprompt, "one-off requests, shared system prompts"),
+        Workload("toolcall", ToolCallParams, toolcall,
+                 "tool-call sessions, heavy-tailed results and pauses"),
         Workload("mix", MixParams, _mix, "the four shapes interleaved"),
     )
 }

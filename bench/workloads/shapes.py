@@ -13,6 +13,7 @@ Shapes (a request's prompt, ``|`` = where later requests fork off)::
     docqa      [system | document | question (| answer | follow-up)...]
     agentic    [tools + system | task | call | tool result | call | tool result ...]
     multiturn  [system | user | answer | user | answer ...]
+    toolcall   [system + tools | task | call | tool result | call | tool result ...]
     sysprompt  [system prompt (of a few, Zipf-popular) | one-off user message]
 
 Time: every generator starts its sessions within ``span_s`` seconds (two to four minutes by
@@ -38,10 +39,12 @@ __all__ = [
     "DocQAParams",
     "MultiturnParams",
     "SysPromptParams",
+    "ToolCallParams",
     "agentic",
     "docqa",
     "multiturn",
     "sysprompt",
+    "toolcall",
 ]
 
 DECODE_S = 0.020
@@ -75,6 +78,12 @@ class _Draw:
 
     def chance(self, p: float) -> bool:
         return bool(self.rng.random() < p)
+
+    def pareto(self, lo: float, alpha: float, hi: float) -> int:
+        """A Pareto (type I) draw: ``P(X > x) = (lo / x) ** alpha`` for ``x >= lo``, clamped
+        to ``hi`` and rounded."""
+        v = lo * (1.0 - float(self.rng.random())) ** (-1.0 / alpha)
+        return int(round(min(v, hi)))
 
     def zipf_index(self, n: int, s: float) -> int:
         w = 1.0 / np.arange(1, n + 1) ** s
@@ -278,6 +287,61 @@ def sysprompt(p: SysPromptParams, seed: int, space: BlockSpace) -> list[TraceReq
         req = variants[draw.zipf_index(len(variants), 1.0)].fork()
         req.append(draw.lognormal(p.user_median, 1.0, 4, 8_000))
         out.append(req.request(t, draw.lognormal(p.answer_median, 0.7, 8, 2_000), f"req{i}"))
+    return out
+
+
+# -------------------------------------------------------------------------- toolcall
+@dataclass(frozen=True)
+class ToolCallParams:
+    """Agentic tool-call sessions (function-calling agents): every step is one model call
+    whose output is a tool call; the tool runs, and the next step's prompt is the previous
+    prompt, that output and the tool's result.
+
+    ``sessions`` start uniformly over ``span_s`` (so they interleave), each below one of
+    ``systems`` shared system prompt + tool set heads (Zipf ``skew`` popularity, median
+    ``system_median`` tokens, whole blocks) with a task message (median ``task_median``).
+    Steps per session: geometric, mean ``steps``, until the context passes
+    ``max_context``. Output (the call): log-normal, median ``call_median``. Tool result
+    sizes are heavy-tailed: Pareto with minimum ``result_min`` tokens and index
+    ``result_alpha``, clamped to ``result_max``. The pause between a step's end of decode
+    and the next step's arrival (the tool's latency) is log-normal, median ``tool_s``, log
+    sigma ``tool_sigma``, clamped to ``[0.1 s, tool_max_s]``: with the defaults most are
+    seconds and 4.5 % exceed a minute (``1 - Phi(ln(60 / 4) / 1.6)``, the log-normal
+    tail); 6.3 % of the results exceed 1,500 tokens (``(150 / 1500) ** 1.2``).
+    """
+
+    sessions: int = 160
+    systems: int = 4
+    skew: float = 1.0
+    system_median: int = 4_000
+    task_median: int = 500
+    steps: float = 10.0
+    call_median: int = 120
+    result_min: int = 150
+    result_alpha: float = 1.2
+    result_max: int = 24_000
+    tool_s: float = 4.0
+    tool_sigma: float = 1.6
+    tool_max_s: float = 1_800.0
+    max_context: int = 100_000
+    span_s: float = 300.0
+
+
+def toolcall(p: ToolCallParams, seed: int, space: BlockSpace) -> list[TraceRequest]:
+    draw = _Draw(seed)
+    heads = [_blocks_of(space, draw, p.system_median, 0.5, 512, 16_000) for _ in range(p.systems)]
+    out: list[TraceRequest] = []
+    for s in range(p.sessions):
+        ctx = heads[draw.zipf_index(p.systems, p.skew)].fork()
+        ctx.append(draw.lognormal(p.task_median, 0.8, 16, 6_000))
+        t = draw.uniform(0.0, p.span_s)
+        for _ in range(draw.geometric(p.steps, 200)):
+            if ctx.length >= p.max_context:
+                break
+            call = draw.lognormal(p.call_median, 0.7, 8, 2_000)
+            out.append(ctx.request(t, call, f"tool{s}"))
+            ctx.append(call + draw.pareto(p.result_min, p.result_alpha, p.result_max))
+            t += call * DECODE_S + draw.seconds(p.tool_s, p.tool_sigma, 0.1, p.tool_max_s)
     return out
 
 
