@@ -68,9 +68,10 @@ class CacheCore:
         #: demotes it; adds the units freed to its accumulator (``freed_counts``).
         self.free_leaf: Callable[[TreeNode, list[int]], None] = self.remove_leaf
         self._remove_leaf = self.free_leaf  # (what :meth:`evict` compares ``free_leaf`` with)
-        #: Called with an internal victim before an eviction drops one component's value
-        #: from it (a write-back host tier backs the value up first), or ``None``.
-        self.before_internal: Callable[[TreeNode], None] | None = None
+        #: Called with an internal victim and the eviction's accumulator before the eviction
+        #: drops one component's value from it (a write-back host tier backs the value up
+        #: first, and adds to the accumulator the device units its host room cost), or ``None``.
+        self.before_internal: Callable[[TreeNode, list[int]], None] | None = None
         self._build_hooks()
         #: Units whose freeing is in flight (write-back copies), per field (``EVICT_FIELDS``,
         #: then ``other_fields``: an accumulator's indices, without the sink).
@@ -372,7 +373,7 @@ class CacheCore:
         sizes = [0] * len(freed)
         for (idx, _, _), size in plans.values():
             sizes[idx] = size
-        free_leaf = self.free_leaf
+        free_leaf, before = self.free_leaf, self.before_internal
         done = 0
         while done < target:
             picked = pop()
@@ -381,6 +382,8 @@ class CacheCore:
             kind, node = picked
             (idx, internal, _), _ = plans[kind]
             if internal is not None and node.children:
+                if before is not None:
+                    before(node, freed)
                 freed[idx] += internal(node)
             else:
                 free_leaf(node, freed)
@@ -409,7 +412,7 @@ class CacheCore:
                 break
             if internal is not None and node.children:
                 if before is not None:
-                    before(node)
+                    before(node, freed)
                 freed[idx] += internal(node)
                 continue
             free_leaf(node, freed)

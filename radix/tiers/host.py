@@ -351,15 +351,29 @@ class HostTier(Component, Tier):
             raise
         self.poll()  # (on the CPU the copy has landed: nothing stays in flight)
 
-    def save_before_drop(self, node: TreeNode) -> None:
+    def save_before_drop(self, node: TreeNode, freed: list[int]) -> None:
         """``write_back``: an eviction is about to drop one component's value from internal
         ``node`` (a state, its SWA KV): back the node up first (its KV and ancestors too when
-        not on host yet), so the value stays on host."""
+        not on host yet), so the value stays on host. Adds to ``freed`` the device units this
+        freed: making host room can remove a device parent of the host-only leaves it evicts
+        (a dead leaf then), and copies landing meanwhile demote nodes."""
+        self._counted(freed, self._save, node)
+
+    def _save(self, node: TreeNode) -> None:
         if self._host_copy(node) is None:
             self.backup_chain(node)
         else:
             self.backup_rest(node)
         self.poll()  # copies that landed (every one, on the CPU) finish now
+
+    def _counted(self, freed: list[int], step: Callable[[TreeNode], None],
+                 node: TreeNode) -> None:
+        """Run ``step(node)``; add to ``freed`` the device units the tier freed meanwhile."""
+        acc = self._freed
+        before = list(acc)
+        step(node)
+        for i, (a, b) in enumerate(zip(acc, before, strict=True)):
+            freed[i] += a - b
 
     def _on_write_done(self, node: TreeNode, flight: _Flight) -> None:
         """The copy of ``node``'s span (``flight``) landed. Splits while it was in flight cut
@@ -397,11 +411,7 @@ class HostTier(Component, Tier):
         step: a write-back backup may itself evict on host, and that cascade can remove a
         device parent of the host-only leaves it frees; copies landing meanwhile demote
         nodes too. (A write-back copy still in flight frees its slots when it lands.)"""
-        acc = self._freed
-        before = list(acc)
-        self._free_device_leaf(node)
-        for i, (a, b) in enumerate(zip(acc, before, strict=True)):
-            freed[i] += a - b
+        self._counted(freed, self._free_device_leaf, node)
 
     def _free_device_leaf(self, node: TreeNode) -> None:
         has_copy = self._host_copy(node) is not None

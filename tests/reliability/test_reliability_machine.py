@@ -241,3 +241,19 @@ def test_whole_cache_with_swa_and_states_against_the_model() -> None:
 
 def test_whole_cache_with_states_and_hicache_against_the_model() -> None:
     _run(HostMachine)
+
+
+def test_write_back_state_eviction_counts_the_device_nodes_its_host_room_removed() -> None:
+    """Regression (a CI run's derandomized example): under ``write_back`` an internal state
+    victim is backed up first; making host room evicts host-only leaves, whose device parent
+    is then a stateless dead leaf and leaves the device with its ancestors. ``evict_states``
+    must count those device tokens (it reported 0 of the 4 freed)."""
+    m = HostMachine()
+    m.build(ps=1, write_policy="write_back", threshold=0, policy="lfu")
+    for spec in [0] * 14 + [3, 2024, 0, 3435, 0, 168, 0, 5, 160, 463, 144, 407, 343, 0,
+                            65535, 0]:
+        m.agrees_with_the_model()
+        m.insert(spec=spec)
+    m.agrees_with_the_model()
+    assert EVENTS["state alloc short"] > 0  # the path under test ran
+    m.teardown()
