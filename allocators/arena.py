@@ -67,11 +67,24 @@ from .memory import check_memory
 from .state_pool import _NUMPY_DTYPES, MambaStatePool
 from .token_allocator import _FreeListAllocator
 
-__all__ = ["ArenaKVAllocator", "ArenaStatePool", "KVShape", "MemoryArena", "StateShape"]
+__all__ = ["ArenaKVAllocator", "ArenaStatePool", "KVShape", "MemoryArena", "StateShape",
+           "group_counts"]
 
 #: Chunk owners (``MemoryArena.owner``).
 PAD, KV, STATE = 0, 1, 2
 _KINDS = ("the padding", "KV", "the states")
+
+
+def group_counts(groups: np.ndarray, num_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(distinct groups ascending, ids per group)`` of ``groups`` (int64 group ids in
+    ``[0, num_groups)``, one per id, any order): ``np.unique(groups, return_counts=True)``,
+    computed by ``np.bincount`` (O(ids + num_groups), no sort) when there are at least a
+    quarter as many ids as groups."""
+    if groups.size * 4 >= num_groups:
+        per = np.bincount(groups, minlength=num_groups)
+        nz = np.flatnonzero(per)
+        return nz, per[nz]
+    return np.unique(groups, return_counts=True)
 
 
 def _elem(dtype: torch.dtype) -> int:
@@ -157,17 +170,20 @@ class _LowestFirst(FreeList):
     ids (ascending) instead of the front of a FIFO ring: the arena's KV pages pack towards
     chunk 1, so that chunks at the high end empty and can become states. The ``is_free`` mask
     is the whole state (the ring is unused; :meth:`free_order` is the free ids ascending), so
-    a release is a mask write and ``withdraw`` needs no ring rebuild. ``take(k)`` scans the
-    mask in blocks from ``_low`` (every id below it is used): O(k + the used ids it passes),
-    not O(capacity). The C release paths are declined (they write the ring).
+    a release is a mask write and ``withdraw`` needs no ring rebuild. The C release paths
+    are declined (they write the ring).
 
     Per group of ``group`` consecutive ids (an arena chunk: ids ``c * group .. c * group +
-    group - 1``), ``group_free[c]`` counts the free ids, kept by every mutation (O(ids
-    changed)), so that whole free chunks are found in O(chunks), not O(ids)."""
-
-    _BLOCK = 1 << 16
+    group - 1``; ``capacity + 1`` is a whole number of groups), ``group_free[c]`` counts the
+    free ids, kept by every mutation (O(ids changed + groups)), so that whole free chunks are
+    found in O(chunks), not O(ids), and ``take(k)`` reads the mask of only the groups that
+    hold the ``k`` lowest free ids, from ``_low``'s (every id below ``_low`` is used):
+    O(groups + group * groups read), not O(the used ids it passes)."""
 
     def __init__(self, capacity: int, unit: str, group: int) -> None:
+        if (capacity + 1) % group:
+            raise ValueError(f"capacity + 1 = {capacity + 1} is not a whole number of groups "
+                             f"of {group} ids")
         self._low = 1
         self._group = group
         #: free ids per group of ``group`` ids (group 0 holds id 0, never free)
@@ -182,36 +198,28 @@ class _LowestFirst(FreeList):
 
     def _count(self, ids: np.ndarray, sign: int) -> None:
         """``group_free`` of the groups of ``ids`` += ``sign`` per id."""
-        np.add.at(self.group_free, ids // self._group, sign)
+        groups, k = group_counts(ids // self._group, self.group_free.size)
+        self.group_free[groups] += sign * k
 
-    def lowest_free(self, k: int, skip: np.ndarray) -> np.ndarray:
+    def lowest_free(self, k: int, skip: np.ndarray | None = None) -> np.ndarray:
         """The ``k`` lowest free ids outside the groups where ``skip`` (bool per group) is
-        True, ascending, taking nothing; the caller checked that enough are free there.
-        Scans the mask in blocks from ``_low``."""
-        free, group, block = self._is_free, self._group, self._BLOCK
-        parts, need, pos = [], k, self._low
-        while need > 0 and pos <= self._capacity:
-            ids = np.flatnonzero(free[pos:pos + block]) + pos
-            ids = ids[~skip[ids // group]][:need]
-            parts.append(ids)
-            need -= ids.size
-            pos += block
-        return (np.concatenate(parts) if parts else np.empty(0, np.int64)).astype(np.int64)
+        True, ascending (int64), taking nothing; the caller checked that enough are free
+        there. Reads ``group_free`` from ``_low``'s group on, and the mask of the groups
+        holding the ids only."""
+        g0 = self._low // self._group
+        per = self.group_free[g0:]
+        if skip is not None:
+            per = np.where(skip[g0:], 0, per)
+        last = int(np.searchsorted(np.cumsum(per), k))  # groups g0 .. g0 + last suffice
+        groups = np.flatnonzero(per[:last + 1]) + g0
+        rows, cols = np.nonzero(self._is_free.reshape(-1, self._group)[groups])
+        return (groups[rows] * self._group + cols)[:k]
 
     def take(self, k: int) -> torch.Tensor | None:
         if k > self._num_free:
             return None
-        free, cap, block = self._is_free, self._capacity, self._BLOCK
-        parts = []
-        need, pos = k, self._low
-        while need and pos <= cap:
-            ids = np.flatnonzero(free[pos:pos + block])[:need] + pos
-            parts.append(ids)
-            need -= ids.size
-            pos += block
-        out = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-        out = out.astype(np.int64, copy=False)
-        free[out] = False
+        out = self.lowest_free(k)
+        self._is_free[out] = False
         self._count(out, -1)
         if k:
             self._low = int(out[-1]) + 1

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from allocators.arena import group_counts
+
 if TYPE_CHECKING:
     from components.kv import KVValue
     from radix.node import TreeNode
@@ -96,13 +98,7 @@ class ChunkHolders:
         got = self._counts.get(node.id)
         if got is not None and got[0] is value:
             return got[1], got[2]
-        of = self.ids(value) // self.group
-        if of.size * 4 >= self.held.size:  # O(ids + groups), no sort
-            per = np.bincount(of, minlength=self.held.size)
-            groups = np.flatnonzero(per)
-            k = per[groups]
-        else:  # a short value against many groups: O(ids log ids)
-            groups, k = np.unique(of, return_counts=True)
+        groups, k = group_counts(self.ids(value) // self.group, self.held.size)
         self._counts[node.id] = (value, groups, k)
         return groups, k
 

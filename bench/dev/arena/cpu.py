@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--mooncake-requests", type=int, default=2000)
     p.add_argument("--model", default="qwen3-next-80b")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: on a shared machine the idle "
+                        "spinning of more threads is counted as CPU time and swamps the replay)")
     p.add_argument("--profile", choices=("fixed", "arena"), default=None,
                    help="cProfile one replay of each point instead (top 25 by own time)")
     return p
@@ -55,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     from bench.engine.presets import get_preset
 
+    import torch
+
     args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
     preset = get_preset(args.model)
     run_args = _args()
     print("| point | fixed s | unified s | ratio | hit fixed | hit unified |")
