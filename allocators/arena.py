@@ -88,7 +88,9 @@ def group_counts(groups: np.ndarray, num_groups: int) -> tuple[np.ndarray, np.nd
 
 
 def _elem(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    """Bytes per element of ``dtype`` (``dtype.itemsize``: no tensor made; a shape's
+    ``page_bytes`` is read on every compaction)."""
+    return dtype.itemsize
 
 
 @dataclass(frozen=True)

@@ -56,9 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from bench.engine.presets import get_preset
-
     import torch
+
+    from bench.engine.presets import get_preset
 
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
