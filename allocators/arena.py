@@ -317,6 +317,37 @@ class _LowestFirst(FreeList):
         self._num_free -= ids.size
         self._num_used += ids.size
 
+    def withdraw_groups(self, groups: np.ndarray) -> None:
+        """:meth:`withdraw` of every id of ``groups`` (distinct int64 group ids ``>= 1``, each
+        wholly free: ``group_free[g] == group``), by whole rows of the mask: O(len(groups) *
+        group) byte writes, no per-id checks. Raises ``ValueError``, nothing changed, when a
+        group is not wholly free or is group 0."""
+        if groups.size == 0:
+            return
+        if (groups < 1).any() or (self.group_free[groups] != self._group).any():
+            raise ValueError(f"withdraw_groups: a group of {groups.tolist()} is not wholly free")
+        self._is_free.reshape(-1, self._group)[groups] = False
+        self.group_free[groups] = 0
+        n = groups.size * self._group
+        self._num_free -= n
+        self._num_used += n
+
+    def release_groups(self, groups: np.ndarray) -> None:
+        """:meth:`release` of every id of ``groups`` (distinct int64 group ids ``>= 1``, each
+        wholly used: ``group_free[g] == 0``, as after :meth:`withdraw_groups`), by whole rows
+        of the mask. Raises ``ValueError``, nothing changed, when a group holds a free id or
+        is group 0."""
+        if groups.size == 0:
+            return
+        if (groups < 1).any() or self.group_free[groups].any():
+            raise ValueError(f"release_groups: a group of {groups.tolist()} holds free ids")
+        self._is_free.reshape(-1, self._group)[groups] = True
+        self.group_free[groups] = self._group
+        self._low = min(self._low, int(groups.min()) * self._group)
+        n = groups.size * self._group
+        self._num_free += n
+        self._num_used -= n
+
     def free_order(self) -> np.ndarray:
         return np.flatnonzero(self._is_free).astype(np.int64)
 
@@ -612,7 +643,7 @@ class MemoryArena:
         if n == 0:
             return True
         chunks = cand[::-1][:n].astype(np.int64)
-        self.kv_allocator._pages.withdraw(self._pages_of(chunks))
+        self.kv_allocator.lowest.withdraw_groups(chunks)
         self._owner[chunks] = STATE
         self.state_pool._pages.release(torch.from_numpy(chunks.copy()))
         return True
@@ -637,7 +668,7 @@ class MemoryArena:
         chunks = cand[:n].astype(np.int64)
         self.state_pool._pages.withdraw(chunks)
         self._owner[chunks] = KV
-        self.kv_allocator._pages.release(torch.from_numpy(self._pages_of(chunks)))
+        self.kv_allocator.lowest.release_groups(chunks)
         return True
 
     def ensure_kv(self, num_tokens: int) -> bool:

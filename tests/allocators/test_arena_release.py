@@ -82,3 +82,26 @@ def test_take_is_the_lowest_free_ids_and_counts_follow() -> None:
     assert f.take(12) is None  # 11 free
     with pytest.raises(ValueError, match="whole number"):
         _LowestFirst(10, "page", GROUP)
+
+
+def test_whole_groups_move_by_rows() -> None:
+    f = _LowestFirst(CAP, "page", GROUP)
+    got = f.take(5)  # 1, 2, 3 (group 0), 4, 5 (group 1)
+    assert got is not None
+    f.withdraw_groups(np.array([5, 3], dtype=np.int64))
+    assert f.group_free.tolist() == [0, 2, 4, 0, 4, 0] == recount(f)
+    assert (f.num_free, f.num_used) == (10, 13)
+    s0 = state(f)
+    for bad in ([1], [0], [3]):  # group 1 is partly used, group 0 the padding's, 3 withdrawn
+        with pytest.raises(ValueError, match="withdraw_groups"):
+            f.withdraw_groups(np.array(bad, dtype=np.int64))
+        assert state(f) == s0
+    for bad in ([1], [2], [0]):  # free ids in groups 1, 2; group 0
+        with pytest.raises(ValueError, match="release_groups"):
+            f.release_groups(np.array(bad, dtype=np.int64))
+        assert state(f) == s0
+    f.release_groups(np.array([3], dtype=np.int64))
+    assert f.group_free.tolist() == [0, 2, 4, 4, 4, 0] == recount(f)
+    assert (f.num_free, f.num_used) == (14, 9)
+    got = f.take(7)  # the lowest: 6, 7 (group 1), 8..11 (group 2), 12 (group 3)
+    assert got is not None and got.tolist() == [6, 7, 8, 9, 10, 11, 12]
