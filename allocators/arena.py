@@ -321,11 +321,13 @@ class _LowestFirst(FreeList):
         """:meth:`withdraw` of every id of ``groups`` (distinct int64 group ids ``>= 1``, each
         wholly free: ``group_free[g] == group``), by whole rows of the mask: O(len(groups) *
         group) byte writes, no per-id checks. Raises ``ValueError``, nothing changed, when a
-        group is not wholly free or is group 0."""
+        group is not wholly free, is group 0 or is repeated."""
         if groups.size == 0:
             return
-        if (groups < 1).any() or (self.group_free[groups] != self._group).any():
-            raise ValueError(f"withdraw_groups: a group of {groups.tolist()} is not wholly free")
+        if (groups < 1).any() or (self.group_free[groups] != self._group).any() \
+                or np.unique(groups).size != groups.size:
+            raise ValueError(f"withdraw_groups: a group of {groups.tolist()} is not wholly "
+                             "free, or repeated")
         self._is_free.reshape(-1, self._group)[groups] = False
         self.group_free[groups] = 0
         n = groups.size * self._group
@@ -335,12 +337,14 @@ class _LowestFirst(FreeList):
     def release_groups(self, groups: np.ndarray) -> None:
         """:meth:`release` of every id of ``groups`` (distinct int64 group ids ``>= 1``, each
         wholly used: ``group_free[g] == 0``, as after :meth:`withdraw_groups`), by whole rows
-        of the mask. Raises ``ValueError``, nothing changed, when a group holds a free id or
-        is group 0."""
+        of the mask. Raises ``ValueError``, nothing changed, when a group holds a free id, is
+        group 0 or is repeated."""
         if groups.size == 0:
             return
-        if (groups < 1).any() or self.group_free[groups].any():
-            raise ValueError(f"release_groups: a group of {groups.tolist()} holds free ids")
+        if (groups < 1).any() or self.group_free[groups].any() \
+                or np.unique(groups).size != groups.size:
+            raise ValueError(f"release_groups: a group of {groups.tolist()} holds free ids, "
+                             "or is repeated")
         self._is_free.reshape(-1, self._group)[groups] = True
         self.group_free[groups] = self._group
         self._low = min(self._low, int(groups.min()) * self._group)

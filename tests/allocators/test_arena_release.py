@@ -92,11 +92,11 @@ def test_whole_groups_move_by_rows() -> None:
     assert f.group_free.tolist() == [0, 2, 4, 0, 4, 0] == recount(f)
     assert (f.num_free, f.num_used) == (10, 13)
     s0 = state(f)
-    for bad in ([1], [0], [3]):  # group 1 is partly used, group 0 the padding's, 3 withdrawn
+    for bad in ([1], [0], [3], [4, 4]):  # 1 partly used, 0 the padding's, 3 withdrawn, repeat
         with pytest.raises(ValueError, match="withdraw_groups"):
             f.withdraw_groups(np.array(bad, dtype=np.int64))
         assert state(f) == s0
-    for bad in ([1], [2], [0]):  # free ids in groups 1, 2; group 0
+    for bad in ([1], [2], [0], [3, 3]):  # free ids in groups 1, 2; group 0; a repeat
         with pytest.raises(ValueError, match="release_groups"):
             f.release_groups(np.array(bad, dtype=np.int64))
         assert state(f) == s0
