@@ -60,22 +60,37 @@ from ._checks import (
     check_positive_int,
     check_shape,
 )
-from .free_list import FreeList
+from .free_list import FreeList, _release_c, _release_held_c
 from .host_mirror import mirrored
 from .kv_pool import KVBuffers
 from .memory import check_memory
 from .state_pool import _NUMPY_DTYPES, MambaStatePool
 from .token_allocator import _FreeListAllocator
 
-__all__ = ["ArenaKVAllocator", "ArenaStatePool", "KVShape", "MemoryArena", "StateShape"]
+__all__ = ["ArenaKVAllocator", "ArenaStatePool", "KVShape", "MemoryArena", "StateShape",
+           "group_counts"]
 
 #: Chunk owners (``MemoryArena.owner``).
 PAD, KV, STATE = 0, 1, 2
 _KINDS = ("the padding", "KV", "the states")
 
 
+def group_counts(groups: np.ndarray, num_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(distinct groups ascending, ids per group)`` of ``groups`` (int64 group ids in
+    ``[0, num_groups)``, one per id, any order): ``np.unique(groups, return_counts=True)``,
+    computed by ``np.bincount`` (O(ids + num_groups), no sort) when there are at least a
+    quarter as many ids as groups."""
+    if groups.size * 4 >= num_groups:
+        per = np.bincount(groups, minlength=num_groups)
+        nz = np.flatnonzero(per)
+        return nz, per[nz]
+    return np.unique(groups, return_counts=True)
+
+
 def _elem(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    """Bytes per element of ``dtype`` (``dtype.itemsize``: no tensor made; a shape's
+    ``page_bytes`` is read on every compaction)."""
+    return dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -157,17 +172,22 @@ class _LowestFirst(FreeList):
     ids (ascending) instead of the front of a FIFO ring: the arena's KV pages pack towards
     chunk 1, so that chunks at the high end empty and can become states. The ``is_free`` mask
     is the whole state (the ring is unused; :meth:`free_order` is the free ids ascending), so
-    a release is a mask write and ``withdraw`` needs no ring rebuild. ``take(k)`` scans the
-    mask in blocks from ``_low`` (every id below it is used): O(k + the used ids it passes),
-    not O(capacity). The C release paths are declined (they write the ring).
+    a release is a mask write and ``withdraw`` needs no ring rebuild. The C release paths
+    (``allocators/_release.c``: checks, mask and held-mark writes in one pass) are taken
+    with the ring as their scratch: they write the ids they free from ring position 0, and
+    ``group_free`` and ``_low`` are updated from there (:meth:`_counted_release`).
 
     Per group of ``group`` consecutive ids (an arena chunk: ids ``c * group .. c * group +
-    group - 1``), ``group_free[c]`` counts the free ids, kept by every mutation (O(ids
-    changed)), so that whole free chunks are found in O(chunks), not O(ids)."""
-
-    _BLOCK = 1 << 16
+    group - 1``; ``capacity + 1`` is a whole number of groups), ``group_free[c]`` counts the
+    free ids, kept by every mutation (O(ids changed + groups)), so that whole free chunks are
+    found in O(chunks), not O(ids), and ``take(k)`` reads the mask of only the groups that
+    hold the ``k`` lowest free ids, from ``_low``'s (every id below ``_low`` is used):
+    O(groups + group * groups read), not O(the used ids it passes)."""
 
     def __init__(self, capacity: int, unit: str, group: int) -> None:
+        if (capacity + 1) % group:
+            raise ValueError(f"capacity + 1 = {capacity + 1} is not a whole number of groups "
+                             f"of {group} ids")
         self._low = 1
         self._group = group
         #: free ids per group of ``group`` ids (group 0 holds id 0, never free)
@@ -182,38 +202,48 @@ class _LowestFirst(FreeList):
 
     def _count(self, ids: np.ndarray, sign: int) -> None:
         """``group_free`` of the groups of ``ids`` += ``sign`` per id."""
-        np.add.at(self.group_free, ids // self._group, sign)
+        groups, k = group_counts(ids // self._group, self.group_free.size)
+        self.group_free[groups] += sign * k
 
-    def lowest_free(self, k: int, skip: np.ndarray) -> np.ndarray:
+    def lowest_free(self, k: int, skip: np.ndarray | None = None) -> np.ndarray:
         """The ``k`` lowest free ids outside the groups where ``skip`` (bool per group) is
-        True, ascending, taking nothing; the caller checked that enough are free there.
-        Scans the mask in blocks from ``_low``."""
-        free, group, block = self._is_free, self._group, self._BLOCK
-        parts, need, pos = [], k, self._low
-        while need > 0 and pos <= self._capacity:
-            ids = np.flatnonzero(free[pos:pos + block]) + pos
-            ids = ids[~skip[ids // group]][:need]
-            parts.append(ids)
-            need -= ids.size
-            pos += block
-        return (np.concatenate(parts) if parts else np.empty(0, np.int64)).astype(np.int64)
+        True, ascending (int64), taking nothing; the caller checked that enough are free
+        there. Reads ``group_free`` from ``_low``'s group on, and the mask of the groups
+        holding the ids only."""
+        g0 = self._low // self._group
+        per = self.group_free[g0:]
+        if skip is not None:
+            per = np.where(skip[g0:], 0, per)
+        last = int(np.searchsorted(np.cumsum(per), k))  # groups g0 .. g0 + last suffice
+        groups = np.flatnonzero(per[:last + 1]) + g0
+        if k == 0 or groups.size == 0:
+            return np.empty(0, dtype=np.int64)
+        # the mask of each run of consecutive groups in one flat scan (a 2-D nonzero of the
+        # rows gathered costs about 10x more)
+        ends = np.flatnonzero(np.diff(groups) != 1).tolist() + [groups.size - 1]
+        group, free, parts, start = self._group, self._is_free, [], 0
+        for end in ends:
+            lo, hi = int(groups[start]) * group, (int(groups[end]) + 1) * group
+            parts.append(np.flatnonzero(free[lo:hi]) + lo)
+            start = end + 1
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return out[:k].astype(np.int64, copy=False)
 
     def take(self, k: int) -> torch.Tensor | None:
         if k > self._num_free:
             return None
-        free, cap, block = self._is_free, self._capacity, self._BLOCK
-        parts = []
-        need, pos = k, self._low
-        while need and pos <= cap:
-            ids = np.flatnonzero(free[pos:pos + block])[:need] + pos
-            parts.append(ids)
-            need -= ids.size
-            pos += block
-        out = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-        out = out.astype(np.int64, copy=False)
-        free[out] = False
-        self._count(out, -1)
+        out = self.lowest_free(k)
         if k:
+            # every group but the last gives all its free ids: whole rows of the mask
+            group = self._group
+            first, last = int(out[0]) // group, int(out[-1]) // group
+            gf = self.group_free
+            full = np.flatnonzero(gf[first:last]) + first
+            self._is_free.reshape(-1, group)[full] = False
+            gf[full] = 0
+            tail = out[np.searchsorted(out, last * group):]  # the last group's
+            self._is_free[tail] = False
+            gf[last] -= tail.size
             self._low = int(out[-1]) + 1
         self._num_free -= k
         self._num_used += k
@@ -242,11 +272,31 @@ class _LowestFirst(FreeList):
             self._mark_free(arr)
 
     def release_owned_at(self, src: int, n: int, page_size: int) -> bool:
-        return False
+        if _release_c is None:
+            return False
+        self._counted_release(_release_c(src, n, page_size, self._ring, 0, self._is_free))
+        return True
 
     def release_held_at(self, src: int, n: int, page_size: int, held: int,
                         held_bytes: int) -> bool:
-        return False
+        if _release_held_c is None:
+            return False
+        k = _release_held_c(src, n, page_size, held, held_bytes, self._ring_at,
+                            self._capacity, 0, self._free_at)
+        if k < 0:
+            return False
+        self._counted_release(k)
+        return True
+
+    def _counted_release(self, k: int) -> None:
+        """After a C release wrote ``k`` freed ids at ``_ring[:k]`` (and marked them free):
+        the counters, ``group_free`` and ``_low``."""
+        ids = self._ring[:k]
+        self._count(ids, 1)
+        if k:
+            self._low = min(self._low, int(ids.min()))
+        self._num_free += k
+        self._num_used -= k
 
     def release_one(self, i: int) -> None:
         self.release(torch.tensor([i], dtype=torch.int64))
@@ -266,6 +316,41 @@ class _LowestFirst(FreeList):
         self._count(ids, -1)
         self._num_free -= ids.size
         self._num_used += ids.size
+
+    def withdraw_groups(self, groups: np.ndarray) -> None:
+        """:meth:`withdraw` of every id of ``groups`` (distinct int64 group ids ``>= 1``, each
+        wholly free: ``group_free[g] == group``), by whole rows of the mask: O(len(groups) *
+        group) byte writes, no per-id checks. Raises ``ValueError``, nothing changed, when a
+        group is not wholly free, is group 0 or is repeated."""
+        if groups.size == 0:
+            return
+        if (groups < 1).any() or (self.group_free[groups] != self._group).any() \
+                or np.unique(groups).size != groups.size:
+            raise ValueError(f"withdraw_groups: a group of {groups.tolist()} is not wholly "
+                             "free, or repeated")
+        self._is_free.reshape(-1, self._group)[groups] = False
+        self.group_free[groups] = 0
+        n = groups.size * self._group
+        self._num_free -= n
+        self._num_used += n
+
+    def release_groups(self, groups: np.ndarray) -> None:
+        """:meth:`release` of every id of ``groups`` (distinct int64 group ids ``>= 1``, each
+        wholly used: ``group_free[g] == 0``, as after :meth:`withdraw_groups`), by whole rows
+        of the mask. Raises ``ValueError``, nothing changed, when a group holds a free id, is
+        group 0 or is repeated."""
+        if groups.size == 0:
+            return
+        if (groups < 1).any() or self.group_free[groups].any() \
+                or np.unique(groups).size != groups.size:
+            raise ValueError(f"release_groups: a group of {groups.tolist()} holds free ids, "
+                             "or is repeated")
+        self._is_free.reshape(-1, self._group)[groups] = True
+        self.group_free[groups] = self._group
+        self._low = min(self._low, int(groups.min()) * self._group)
+        n = groups.size * self._group
+        self._num_free += n
+        self._num_used -= n
 
     def free_order(self) -> np.ndarray:
         return np.flatnonzero(self._is_free).astype(np.int64)
@@ -562,7 +647,7 @@ class MemoryArena:
         if n == 0:
             return True
         chunks = cand[::-1][:n].astype(np.int64)
-        self.kv_allocator._pages.withdraw(self._pages_of(chunks))
+        self.kv_allocator.lowest.withdraw_groups(chunks)
         self._owner[chunks] = STATE
         self.state_pool._pages.release(torch.from_numpy(chunks.copy()))
         return True
@@ -587,7 +672,7 @@ class MemoryArena:
         chunks = cand[:n].astype(np.int64)
         self.state_pool._pages.withdraw(chunks)
         self._owner[chunks] = KV
-        self.kv_allocator._pages.release(torch.from_numpy(self._pages_of(chunks)))
+        self.kv_allocator.lowest.release_groups(chunks)
         return True
 
     def ensure_kv(self, num_tokens: int) -> bool:

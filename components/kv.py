@@ -60,6 +60,7 @@ except ImportError:  # pragma: no cover - no compiler at install time: the numpy
 
 if TYPE_CHECKING:
     from allocators import SlotAllocator
+    from components.kv_chunks import ChunkHolders
     from hicache.storage import Page
     from radix.node import TreeNode
     from radix.tree import RadixTree
@@ -185,6 +186,9 @@ class KVComponent(Component):
         #: a device's uploads of single node values: id(array) -> (array, tensor), oldest
         #: first (the entry keeps the array, so its id is not reused while it is there)
         self._uploads: dict[int, tuple[array[int], torch.Tensor]] = {}
+        #: Per group of ids, the ids held and held locked, and each id's holder, kept by the
+        #: hooks below once :meth:`track_chunks` installs it (``None``: not kept)
+        self.chunks: ChunkHolders | None = None
 
     # ------------------------------------------------------------------ access
     def slots(self, node: TreeNode) -> torch.Tensor:
@@ -471,16 +475,22 @@ class KVComponent(Component):
         """Give a node (``kv_lock == 0``) its slots, already :meth:`claim`-ed. The node keeps
         a value of its own: :meth:`claim`'s copy is kept as it is; a slot tensor's values are
         copied into a new ``array('q')`` (:func:`to_value`: a device tensor's host mirror)."""
-        node.kv_value = value if type(value) is array else to_value(value)
+        own = node.kv_value = value if type(value) is array else to_value(value)
         self._evictable += len(node.key)  # (one slot per token: cheaper than the value's size)
+        if self.chunks is not None:
+            self.chunks.add(node, own)
 
     def replace(self, node: TreeNode, value: KVValue) -> None:
         """``node`` (unlocked) takes claimed ``value`` instead of its slots, which are freed
         (kept as :meth:`attach` keeps a value)."""
         old = node.kv_value
         assert old is not None and node.kv_lock == 0 and len(old) == len(value), node
+        if self.chunks is not None:
+            self.chunks.remove(node)
         self._release_value(old)
-        node.kv_value = to_value(value)
+        own = node.kv_value = to_value(value)
+        if self.chunks is not None:
+            self.chunks.add(node, own)
 
     def relocate(self, moves: Sequence[tuple[TreeNode, np.ndarray]], src: np.ndarray,
                  dst: np.ndarray) -> None:
@@ -498,6 +508,8 @@ class KVComponent(Component):
         if held is not None and src.size:
             np.bitwise_and.at(held, src >> 3, ~np.left_shift(1, src & 7).astype(np.uint8))
             np.bitwise_or.at(held, dst >> 3, np.left_shift(1, dst & 7).astype(np.uint8))
+        if self.chunks is not None:
+            self.chunks.move(src, dst)
         for node, slots in moves:
             node.kv_value = _array_of(slots)
 
@@ -521,6 +533,8 @@ class KVComponent(Component):
         # An array's slices are copies (each half its own memory).
         upper.kv_value = value[:split_len]
         lower.kv_value = value[split_len:]
+        if self.chunks is not None:
+            self.chunks.split(upper)
         if lower in self.leaves:  # its key may depend on its start (tlru)
             self.leaves.update(lower)
 
@@ -535,6 +549,8 @@ class KVComponent(Component):
         n = len(value)
         self._evictable -= n
         self.evicted += n
+        if self.chunks is not None:
+            self.chunks.remove(node)
         self._release_value(value)
         node.kv_value = None
         return n
@@ -559,6 +575,7 @@ class KVComponent(Component):
         detach, root = tree.remove_leaf, tree.root
         marks, nmarks, ps = self._marks_at, self._marks_len, self.page_size
         rel = self._release
+        chunks = self.chunks
         freed = 0
         try:
             while freed < target:
@@ -569,6 +586,8 @@ class KVComponent(Component):
                 value: Any = node.kv_value
                 assert value is not None and node.kv_lock == 0, node
                 n = len(value)
+                if chunks is not None:
+                    chunks.remove(node)
                 if rel is None or not rel(value.buffer_info()[0], n, ps, marks, nmarks):
                     self._unmark(value)
                     free(slot_tensor(value))
@@ -607,12 +626,17 @@ class KVComponent(Component):
     def lock(self, node: TreeNode) -> None:
         """Lock ``node`` and its ancestors (root excluded)."""
         n = node
+        chunks = self.chunks
         while n.parent is not None:
             if n.kv_lock == 0:
                 size = len(n.key)
                 self._evictable -= size
                 self._protected += size
-            n.kv_lock += 1
+                n.kv_lock = 1
+                if chunks is not None:
+                    chunks.set_locked(n, 1)
+            else:
+                n.kv_lock += 1
             n = n.parent
         self.leaves.discard(node)
 
@@ -620,13 +644,41 @@ class KVComponent(Component):
         """Release one lock on ``node`` and its ancestors; the caller checked ``kv_lock > 0``
         and re-files ``node`` afterwards."""
         n = node
+        chunks = self.chunks
         while n.parent is not None:
             n.kv_lock -= 1
             if n.kv_lock == 0:
                 size = len(n.key)
                 self._evictable += size
                 self._protected -= size
+                if chunks is not None:
+                    chunks.set_locked(n, -1)
             n = n.parent
+
+    def track_chunks(self, tree: RadixTree, group: int) -> ChunkHolders:
+        """Keep, from now on, per group of ``group`` consecutive ids the ids held and held by
+        locked nodes, and each id's holder (``components.kv_chunks.ChunkHolders``, counted
+        from ``tree``'s nodes on the first call; ``self.chunks``). Returns
+        it; a later call with the same ``group`` returns the same object, O(1); another
+        ``group`` recounts.
+
+        Raises:
+            ValueError: ``group`` not an int ``>= 1``; an allocator without a free mask (its
+                ids are unknown).
+
+        Complexity: O(slots held) on the first call; then each hook O(ids it changes), a
+        lock change O(groups the node touches).
+        """
+        from components.kv_chunks import ChunkHolders
+
+        got = self.chunks
+        if got is not None and got.group == group:
+            return got
+        if self._free_mask is None:
+            raise ValueError("track_chunks: the KV allocator has no free mask (ids unknown)")
+        got = self.chunks = ChunkHolders.build(tree.iter_nodes(), self._num_ids, group,
+                                               self.page_size)
+        return got
 
     # ---------------------------------------------------------------- counters
     def evictable_size(self) -> int:
@@ -645,6 +697,7 @@ class KVComponent(Component):
         self._evictable = self._protected = self.evicted = self.inserted = 0
         self._view_of, self._view = None, _NO_SLOTS
         self._uploads.clear()
+        self.chunks = None  # (rebuilt from the tree by the next track_chunks)
 
     # ------------------------------------------------------------------- tiers
     # The primary component of a host tier (``components.base``): ``node.host_value`` holds
@@ -838,6 +891,8 @@ class KVComponent(Component):
             f"kv eviction set differs: extra {got - expected_leaves}, missing {expected_leaves - got}"
         )
         self.leaves.check()
+        if self.chunks is not None:
+            self.chunks.check(nodes)
 
 
 def _array_of(slots: np.ndarray) -> array[int]:

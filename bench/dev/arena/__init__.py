@@ -1,0 +1,2 @@
+"""Developer instruments for the memory arena (``allocators.arena``): the unified replay's CPU
+time against the fixed split's (``cpu.py``)."""

@@ -1,0 +1,99 @@
+"""The unified arena replay's CPU time against the fixed split's, point by point (issue 38).
+
+For each point (workload, budget) the trace is replayed with
+``bench.runs.memory_split.run_fixed`` at SGLang's default split and with ``run_arena``, in the
+same process, ``--repeat`` times each; reported: the least CPU seconds of each
+(``time.process_time`` around the replay only, ``run_*``'s ``cpu_s``), their ratio, and both
+token hit rates (so that a change of the compaction's cost is seen not to change its choices)::
+
+    PYTHONPATH=. python -m bench.dev.arena.cpu [--points agentic:10 multiturn:40 ...]
+        [--repeat 2] [--profile fixed|arena]
+
+A point is ``WORKLOAD:GB`` (a ``bench.workloads`` generator, seed 0) or ``mooncake:GB`` (the
+shipped Mooncake trace's first ``--mooncake-requests`` requests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+from collections.abc import Sequence
+from typing import Any
+
+from bench.runs.memory_split import SGLANG_DEFAULT_FRACTION, run_arena, run_fixed
+
+#: The points of issue 38.
+DEFAULT_POINTS = ("agentic:10", "agentic:20", "multiturn:40", "mooncake:40")
+
+
+def _trace(name: str, mooncake_requests: int) -> list[Any]:
+    if name == "mooncake":
+        from bench.traces.loader import load_trace
+
+        return list(load_trace(None, max_requests=mooncake_requests))
+    from bench.workloads import workload_requests
+
+    return workload_requests(name, 0, None)
+
+
+def _args() -> argparse.Namespace:
+    return argparse.Namespace(policy="gds", page_size=1, chunk_size=8192, concurrency=32)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--points", nargs="+", default=list(DEFAULT_POINTS), metavar="NAME:GB")
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--mooncake-requests", type=int, default=2000)
+    p.add_argument("--model", default="qwen3-next-80b")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: on a shared machine the idle "
+                        "spinning of more threads is counted as CPU time and swamps the replay)")
+    p.add_argument("--profile", choices=("fixed", "arena"), default=None,
+                   help="cProfile one replay of each point instead (top 25 by own time)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import torch
+
+    from bench.engine.presets import get_preset
+
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    preset = get_preset(args.model)
+    run_args = _args()
+    print("| point | fixed s | unified s | ratio | hit fixed | hit unified |")
+    print("|---|---|---|---|---|---|")
+    for point in args.points:
+        name, gb_text = point.rsplit(":", 1)
+        gb = float(gb_text)
+        trace = _trace(name, args.mooncake_requests)
+        if args.profile is not None:
+            prof = cProfile.Profile()
+            prof.enable()
+            if args.profile == "fixed":
+                run_fixed(trace, preset, gb, SGLANG_DEFAULT_FRACTION, run_args)
+            else:
+                run_arena(trace, preset, gb, run_args)
+            prof.disable()
+            print(f"## {point} ({args.profile})")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            continue
+        fixed: list[dict[str, Any]] = []
+        arena: list[dict[str, Any]] = []
+        for _ in range(args.repeat):
+            rec = run_fixed(trace, preset, gb, SGLANG_DEFAULT_FRACTION, run_args)
+            assert rec is not None
+            fixed.append(rec)
+            arena.append(run_arena(trace, preset, gb, run_args))
+        f = min(r["cpu_s"] for r in fixed)
+        a = min(r["cpu_s"] for r in arena)
+        print(f"| {point} | {f:.3f} | {a:.3f} | {a / f:.2f} | "
+              f"{fixed[0]['token_hit_rate']:.6f} | {arena[0]['token_hit_rate']:.6f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
