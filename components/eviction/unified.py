@@ -31,11 +31,12 @@ below it, and a leaf losing its state falls to cost 0: those get fresh entries.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from allocators.arena import MemoryArena
 from components.compaction import compact_kv
+from components.eviction.boundary import BoundaryTarget
 from components.eviction.gds import GDSStrategy, GreedyDualHeap, gds_cost
 
 if TYPE_CHECKING:
@@ -119,6 +120,7 @@ class UnifiedKVLeaves:
             return None
         self._owner.raise_watermark(self.heap.watermark)
         self.discard(victim)
+        self._owner.boundary.on_kv_evicted(victim)
         return victim
 
     def check(self) -> None:
@@ -150,6 +152,9 @@ class UnifiedStrategy(GDSStrategy):
         self.state_bytes = state_bytes
         super().__init__(d, e, is_candidate)
         self.kv_leaves = UnifiedKVLeaves(self)
+        #: Where an arena's boundary should be (``components.eviction.boundary``), learned
+        #: from this walk's evictions and the cache's matches; ``make_room`` binds and reads it.
+        self.boundary = BoundaryTarget(kv_bytes_per_token, state_bytes)
 
     # --------------------------------------------------------------- priority
     def weight(self, nid: int) -> float:
@@ -193,6 +198,17 @@ class UnifiedStrategy(GDSStrategy):
         cost 0: a fresh entry."""
         super().on_remove(node)
         self.kv_leaves.reseed(node)
+        self.boundary.on_state_removed(node)
+
+    def check(self, state_nodes: Sequence[TreeNode]) -> None:
+        super().check(state_nodes)
+        self.boundary.check()
+
+    def on_match(self, kv_end: TreeNode | None, consumed: TreeNode | None,
+                 key: Sequence[int], end: int) -> None:
+        """Every match (``components.state.StateWalk``): the boundary target's ghost
+        look-ups (``BoundaryTarget.on_match``)."""
+        self.boundary.on_match(kv_end, consumed, key, end)
 
     def pop_victim(self) -> TreeNode | None:
         victim = super().pop_victim()
@@ -223,6 +239,7 @@ class UnifiedStrategy(GDSStrategy):
             assert pk is not None
             self.raise_watermark(pk)
             leaves.discard(k)
+            self.boundary.on_kv_evicted(k)
             return KV_VICTIM, k
         assert s is not None and ps is not None
         if k is not None:
@@ -262,17 +279,28 @@ def unified_bytes(kv_allocator: object, state_allocator: object) -> tuple[int, i
 def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
               states: int = 0, on_evict: Callable[[EvictResult], None] | None = None) -> bool:
     """Make ``arena`` able to hand out ``kv_tokens`` KV tokens and ``states`` state slots at
-    once: move free chunks across the boundary (``MemoryArena.state_to_kv`` /
-    ``kv_to_state``; free KV pages scattered over partly used chunks are first gathered into
-    whole chunks by ``components.compaction.compact_kv``), and while that is not enough evict
-    by value
-    (``cache.evict_bytes`` of the bytes still short, ``radix_eviction_policy="unified"``);
-    ``on_evict``, when given, receives each of those evictions' ``EvictResult`` (an engine
-    counts its evicted tokens and states with it).
+    once, the boundary held to the walk's learned target (``UnifiedStrategy.boundary``,
+    ``components.eviction.boundary``; bound to ``arena`` at the first call, starting at its
+    state band)::
+
+        states short, band < target:   free KV chunks move to the states (``kv_to_state``;
+                                       free pages scattered over partly used chunks are first
+                                       gathered by ``components.compaction.compact_kv``),
+                                       else evict by value (``cache.evict_bytes``)
+        states short, band >= target:  evict states only (``cache.evict_states``)
+        KV short, band > target:       free state chunks move to KV (``state_to_kv``, down to
+                                       the target), else evict by value
+        KV short, band <= target:      evict KV only (``cache.evict``, the unified KV order)
+
+    (band: the chunks the states own; target: ``BoundaryTarget.target_chunks``). A side at
+    its share of the arena frees its own memory or fails, so an engine finishes a running
+    request (as it does with two pools of fixed sizes) instead of growing that side over the
+    other's cached value. ``on_evict``, when given, receives each eviction's ``EvictResult``
+    (an engine counts its evicted tokens and states with it).
 
     Returns:
         ``True`` when the room is there (nothing allocated: the caller allocates next);
-        ``False`` when evicting everything evictable still leaves it short (what was evicted
+        ``False`` when the rule leaves it short with nothing more to evict (what was evicted
         stays evicted; the boundary is where it was).
 
     Raises:
@@ -286,23 +314,40 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
     for name, v in (("kv_tokens", kv_tokens), ("states", states)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+    boundary = walk.boundary
+    chunk = arena.chunk_bytes
+    if not boundary.bound:
+        boundary.bind(arena.arena_bytes, arena.num_state_chunks * chunk,
+                      arena.kv_shape.page_size)
+    target = boundary.target_chunks(chunk)
+    band = arena.num_state_chunks
     while True:
         kv_short = max(0, kv_tokens - kv.available_size())
         spare_states = st.available_size() - states
         if spare_states >= 0:
             need = -(-kv_short // tpc)
-            if need <= spare_states:
+            room = band - target  # chunks KV may take from the states
+            if need == 0 or need <= min(spare_states, room):
                 return arena.state_to_kv(need)
-            short = (kv_short - spare_states * tpc) * walk.kv_bytes_per_token
+            if room > spare_states:  # states above the target, but in use: by value
+                res = cache.evict_bytes(max((kv_short - spare_states * tpc)
+                                            * walk.kv_bytes_per_token, 1))
+            else:  # KV at its share: it frees its own
+                res = cache.evict(max(kv_short - max(room, 0) * tpc, 1))
         else:
             need = -spare_states
-            if kv.available_size() - need * tpc >= kv_tokens:
-                whole = arena.movable_kv_chunks()
-                if whole >= need or compact_kv(cache, arena, need - whole):
-                    return arena.kv_to_state(need)
-            short = need * walk.state_bytes + kv_short * walk.kv_bytes_per_token
-        res = cache.evict_bytes(max(short, 1))
+            if band >= target:  # states at their share: they free their own
+                res = cache.evict_states(need)
+            elif kv.available_size() - need * tpc >= kv_tokens and (
+                    arena.movable_kv_chunks() >= need
+                    or compact_kv(cache, arena, need - arena.movable_kv_chunks())):
+                return arena.kv_to_state(need)
+            else:
+                res = cache.evict_bytes(need * walk.state_bytes
+                                        + kv_short * walk.kv_bytes_per_token)
         if on_evict is not None:
             on_evict(res)
         if res.num_tokens == 0 and res.num_states == 0:
+            if spare_states < 0:
+                boundary.on_state_refused(-spare_states)
             return False
