@@ -136,7 +136,7 @@ class BoundaryTarget:
     def on_kv_evicted(self, leaf: TreeNode) -> None:
         """An unlocked KV leaf is leaving (its key and parent still set): remember its tokens."""
         parent = leaf.parent
-        if self.capacity_bytes is None or parent is None:
+        if self.capacity_bytes is None or parent is None or leaf.state_slot is None:
             return
         if parent.parent is None:
             self._root_id = parent.id
@@ -200,8 +200,7 @@ class BoundaryTarget:
         n_cmp = min(len(toks), end - depth)
         rest = np.asarray(key[depth: depth + n_cmp], dtype=np.int64)
         diff = np.flatnonzero(rest != toks[:n_cmp])
-        g = int(diff[0]) if diff.size else n_cmp
-        g -= g % ps
+        g = len(toks) if diff.size == 0 and n_cmp == len(toks) else 0
         if g > 0:
             self.kv_ghost_hits += 1
             self.kv_ghost_tokens += g
