@@ -84,6 +84,7 @@ class BoundaryTarget:
         self.kv_ghost_hits = self.state_ghost_hits = 0
         self.kv_ghost_tokens = self.state_ghost_tokens = 0
         self.states_refused = 0
+        self.band_bytes = 0
 
     @property
     def bound(self) -> bool:
@@ -147,7 +148,7 @@ class BoundaryTarget:
             self._kv_ghost_tokens -= len(old)
         self._kv_ghost[gk] = toks
         self._kv_ghost_tokens += len(toks)
-        limit = self.capacity_bytes // self.kv_bytes_per_token
+        limit = self.band_bytes // self.kv_bytes_per_token
         ghost = self._kv_ghost
         while self._kv_ghost_tokens > limit and ghost:
             self._kv_ghost_tokens -= len(ghost.pop(next(iter(ghost))))
@@ -159,7 +160,7 @@ class BoundaryTarget:
         ghost = self._state_ghost
         ghost.pop(node.id, None)
         ghost[node.id] = node.depth
-        limit = self.capacity_bytes // self.state_bytes
+        limit = (self.capacity_bytes - self.band_bytes) // self.state_bytes
         while len(ghost) > limit:
             del ghost[next(iter(ghost))]
 

@@ -321,6 +321,7 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
                       arena.kv_shape.page_size)
     target = boundary.target_chunks(chunk)
     band = arena.num_state_chunks
+    boundary.band_bytes = band * chunk
     while True:
         kv_short = max(0, kv_tokens - kv.available_size())
         spare_states = st.available_size() - states
