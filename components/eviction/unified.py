@@ -328,6 +328,10 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
         if spare_states >= 0:
             need = -(-kv_short // tpc)
             room = band - target  # chunks KV may take from the states
+            if room < need:  # past its share too, while what it locks fits in its share
+                locked = kv.owned_size() - kv.available_size() - cache.evictable_size()
+                if locked + kv_tokens <= (arena.num_chunks - 1 - target) * tpc:
+                    room = band
             if need == 0 or need <= min(spare_states, room):
                 return arena.state_to_kv(need)
             if room > spare_states:  # states above the target, but in use: by value
