@@ -341,15 +341,18 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
                 res = cache.evict(max(kv_short - max(room, 0) * tpc, 1))
         else:
             need = -spare_states
-            if band >= target:  # states at their share: they free their own
-                res = cache.evict_states(need)
-            elif kv.available_size() - need * tpc >= kv_tokens and (
-                    arena.movable_kv_chunks() >= need
-                    or compact_kv(cache, arena, need - arena.movable_kv_chunks())):
-                return arena.kv_to_state(need)
-            else:
+            below = band < target
+            if below or band - st.available_size() - cache.state.evictable_size() + states \
+                    <= target:  # below its share, or past it while what it locks fits
+                if kv.available_size() - need * tpc >= kv_tokens and (
+                        arena.movable_kv_chunks() >= need
+                        or compact_kv(cache, arena, need - arena.movable_kv_chunks())):
+                    return arena.kv_to_state(need)
+            if below:  # KV past its share: by value
                 res = cache.evict_bytes(need * walk.state_bytes
                                         + kv_short * walk.kv_bytes_per_token)
+            else:  # states at their share: they free their own
+                res = cache.evict_states(need)
         if on_evict is not None:
             on_evict(res)
         if res.num_tokens == 0 and res.num_states == 0:
