@@ -281,22 +281,28 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
     """Make ``arena`` able to hand out ``kv_tokens`` KV tokens and ``states`` state slots at
     once, the boundary held to the walk's learned target (``UnifiedStrategy.boundary``,
     ``components.eviction.boundary``; bound to ``arena`` at the first call, starting at its
-    state band)::
+    state band). ``band``: the chunks the states own; ``target``: the target in chunks; each
+    side's *share* is its side of the target (states ``target`` chunks, KV the rest)::
 
-        states short, band < target:   free KV chunks move to the states (``kv_to_state``;
-                                       free pages scattered over partly used chunks are first
-                                       gathered by ``components.compaction.compact_kv``),
-                                       else evict by value (``cache.evict_bytes``)
-        states short, band >= target:  evict states only (``cache.evict_states``)
-        KV short, band > target:       free state chunks move to KV (``state_to_kv``, down to
-                                       the target), else evict by value
-        KV short, band <= target:      evict KV only (``cache.evict``, the unified KV order)
+        KV short      free state chunks move to KV (``MemoryArena.state_to_kv``) down to the
+                      target, or below it while KV's locked tokens plus ``kv_tokens`` fit
+                      in KV's share; if states hold such chunks but in use: evict by value
+                      (``cache.evict_bytes``); else KV frees its own (``cache.evict``, the
+                      unified KV order) or the call fails
+        states short  wholly free KV chunks move to the states (``kv_to_state``; free pages
+                      scattered over partly used chunks first gathered by
+                      ``components.compaction.compact_kv``) while ``band < target``, or past
+                      it while the states in use plus ``states`` fit in the target; else,
+                      below the target, evict by value; at or past it the states free their
+                      own (``cache.evict_states``) or the call fails (a refusal: evidence
+                      for the target, ``BoundaryTarget.on_state_refused``)
 
-    (band: the chunks the states own; target: ``BoundaryTarget.target_chunks``). A side at
-    its share of the arena frees its own memory or fails, so an engine finishes a running
-    request (as it does with two pools of fixed sizes) instead of growing that side over the
-    other's cached value. ``on_evict``, when given, receives each eviction's ``EvictResult``
-    (an engine counts its evicted tokens and states with it).
+    The invariant behind "fit in its share": what a side holds locked never exceeds its
+    share, so whatever it took past its share is evictable, and the other side can always
+    get back to its target. A side at its share frees its own memory or fails, and an engine
+    then finishes a running request (as it does with two pools of fixed sizes) rather than
+    grow that side over the other's cached value. ``on_evict``, when given, receives each
+    eviction's ``EvictResult`` (an engine counts its evicted tokens and states with it).
 
     Returns:
         ``True`` when the room is there (nothing allocated: the caller allocates next);
@@ -308,45 +314,42 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
     """
     kv, st = arena.kv_allocator, arena.state_pool
     tpc = arena.tokens_per_chunk
-    walk = cache.state.gds if cache.state is not None else None
-    if not isinstance(walk, UnifiedStrategy):
+    state = cache.state
+    walk = state.gds if state is not None else None
+    if state is None or not isinstance(walk, UnifiedStrategy):
         raise ValueError("make_room needs a cache with radix_eviction_policy='unified'")
     for name, v in (("kv_tokens", kv_tokens), ("states", states)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{name} must be an int >= 0, got {v!r}")
     boundary = walk.boundary
-    chunk = arena.chunk_bytes
-    if not boundary.bound:
-        boundary.bind(arena.arena_bytes, arena.num_state_chunks * chunk,
-                      arena.kv_shape.page_size)
-    target = boundary.target_chunks(chunk)
     band = arena.num_state_chunks
-    boundary.band_bytes = band * chunk
+    boundary.observe(arena.arena_bytes, band * arena.chunk_bytes, arena.kv_shape.page_size)
+    target = boundary.target_chunks(arena.chunk_bytes)
     while True:
         kv_short = max(0, kv_tokens - kv.available_size())
         spare_states = st.available_size() - states
         if spare_states >= 0:
             need = -(-kv_short // tpc)
-            room = band - target  # chunks KV may take from the states
-            if room < need:  # past its share too, while what it locks fits in its share
+            room = band - target  # state chunks KV may take
+            if room < need:
                 locked = kv.owned_size() - kv.available_size() - cache.evictable_size()
                 if locked + kv_tokens <= (arena.num_chunks - 1 - target) * tpc:
                     room = band
             if need == 0 or need <= min(spare_states, room):
                 return arena.state_to_kv(need)
-            if room > spare_states:  # states above the target, but in use: by value
-                res = cache.evict_bytes(max((kv_short - spare_states * tpc)
-                                            * walk.kv_bytes_per_token, 1))
+            if room > spare_states:  # chunks KV may take, held by states: by value
+                res = cache.evict_bytes((kv_short - spare_states * tpc)
+                                        * walk.kv_bytes_per_token)
             else:  # KV at its share: it frees its own
-                res = cache.evict(max(kv_short - max(room, 0) * tpc, 1))
+                res = cache.evict(kv_short - max(room, 0) * tpc)
         else:
             need = -spare_states
             below = band < target
-            if below or band - st.available_size() - cache.state.evictable_size() + states \
-                    <= target:  # below its share, or past it while what it locks fits
-                if kv.available_size() - need * tpc >= kv_tokens and (
-                        arena.movable_kv_chunks() >= need
-                        or compact_kv(cache, arena, need - arena.movable_kv_chunks())):
+            in_use = band - st.available_size() - state.evictable_size()
+            if (below or in_use + states <= target) \
+                    and kv.available_size() - need * tpc >= kv_tokens:
+                whole = arena.movable_kv_chunks()
+                if whole >= need or compact_kv(cache, arena, need - whole):
                     return arena.kv_to_state(need)
             if below:  # KV past its share: by value
                 res = cache.evict_bytes(need * walk.state_bytes
