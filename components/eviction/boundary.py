@@ -198,8 +198,8 @@ class BoundaryTarget:
             self._move(-g * self.kv_bytes_per_token)
 
     def _kv_ghost_hit(self, kv_end: TreeNode | None, key: Sequence[int], end: int) -> int:
-        """Tokens of the KV ghost entry below ``kv_end`` that ``key[:end]`` continues with
-        in full (the entry leaves the ghost), else 0."""
+        """Tokens of the KV ghost entry below ``kv_end`` when ``key[:end]`` continues with
+        all of them (the entry then leaves the ghost), else 0."""
         if not self._kv_ghost:
             return 0
         depth = kv_end.depth if kv_end is not None else 0
@@ -208,15 +208,16 @@ class BoundaryTarget:
         if parent_id is None or depth + ps > end:
             return 0
         gk = (parent_id, tuple(int(x) for x in key[depth: depth + ps]))
-        toks = self._kv_ghost.pop(gk, None)
+        toks = self._kv_ghost.get(gk)
         if toks is None:
             return 0
-        self._kv_ghost_tokens -= len(toks)
         g = len(toks)
-        if depth + g > end:
+        if depth + g > end or not np.array_equal(
+                np.asarray(key[depth: depth + g], dtype=np.int64), toks):
             return 0
-        rest = np.asarray(key[depth: depth + g], dtype=np.int64)
-        return g if bool(np.array_equal(rest, toks)) else 0
+        del self._kv_ghost[gk]
+        self._kv_ghost_tokens -= g
+        return g
 
     def check(self) -> None:
         """Assert the ghosts' counters and the target's range (bounds hold at each record;
