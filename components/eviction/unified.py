@@ -294,8 +294,9 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
                       ``components.compaction.compact_kv``) while ``band < target``, or past
                       it while the states in use plus ``states`` fit in the target; else,
                       below the target, evict by value; at or past it the states free their
-                      own (``cache.evict_states``) or the call fails (a refusal: evidence
-                      for the target, ``BoundaryTarget.on_state_refused``)
+                      own (``cache.evict_states``) or the call fails; a call that fails
+                      short of states is a refusal (evidence for the target:
+                      ``BoundaryTarget.on_state_refused``)
 
     The invariant behind "fit in its share": what a side holds locked never exceeds its
     share, so whatever it took past its share is evictable, and the other side can always

@@ -177,3 +177,58 @@ def test_make_room_states_short_at_their_share_evict_states_or_refuse() -> None:
         st.free_slot(s)
     cache.sanity_check()
     a.check()
+
+
+def test_seeded_stress_make_room_keeps_its_contract() -> None:
+    """Random requests (match, lock, make_room, alloc, insert, unlock) on a small arena:
+    ``make_room`` True -> the room is there; False -> the boundary did not move; every
+    structure checks after each step."""
+    import random
+
+    rng = random.Random(7)
+    a = MemoryArena(30 * S, KV, ST, state_slots=6)
+    cache = RadixCache(CFG, kv_allocator=a.kv_allocator, state_allocator=a.state_pool)
+    walk = cache.state.gds if cache.state is not None else None
+    assert isinstance(walk, UnifiedStrategy)
+    kv, st = a.kv_allocator, a.state_pool
+    running: list[tuple[Any, int]] = []
+    outcomes = {True: 0, False: 0}
+    # 24 keys over 4 shared prefixes (2..8 tokens), which are keys too (states on internal
+    # nodes): they repeat, so evicted KV and states are asked for again
+    pool = [[p] * (2 + 2 * p) + [p * 50 + j] * (2 * (j % 6) + 2) for p in range(4)
+            for j in range(6)] + [[p] * (2 + 2 * p) for p in range(4)]
+    for _ in range(400):
+        if running and (len(running) > 4 or rng.random() < 0.3):
+            lock, slot = running.pop(rng.randrange(len(running)))
+            cache.dec_lock_ref(lock)
+            st.free_slot(slot)
+        else:
+            key = pool[rng.randrange(len(pool))]
+            m = cache.match_prefix(key)
+            lock = cache.inc_lock_ref(m.last_device_node)
+            n = len(key) - m.prefix_len
+            band = a.num_state_chunks
+            ok = make_room(cache, a, kv_tokens=n, states=2)
+            outcomes[ok] += 1
+            if ok:
+                assert kv.available_size() >= n and st.available_size() >= 2
+                new = kv.alloc(n)
+                slot, snap = st.alloc_slot(), st.alloc_slot()
+                assert new is not None and slot is not None and snap is not None
+                res = cache.insert(key, torch.cat([m.device_indices, new]), state_slot=snap)
+                if not res.state_adopted:
+                    st.free_slot(snap)
+                if len(res.duplicate_indices):
+                    kv.free(res.duplicate_indices)
+                cache.dec_lock_ref(lock)
+                m2 = cache.match_prefix(key)
+                running.append((cache.inc_lock_ref(m2.last_device_node), slot))
+            else:
+                assert a.num_state_chunks == band
+                cache.dec_lock_ref(lock)
+        cache.sanity_check()
+        a.check()
+        walk.boundary.check()
+    assert outcomes[True] > 0 and outcomes[False] > 0, outcomes
+    b = walk.boundary
+    assert b.kv_ghost_hits > 0 and b.state_ghost_hits > 0 and b.target_bytes != 6 * S
