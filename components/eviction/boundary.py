@@ -35,8 +35,9 @@ forgotten first; a hit removes its entry (ARC moves a ghost hit out of its list)
   their count).
 * State: ``node id -> depth``, recorded when a state leaves a node; at most the KV band's
   bytes in states. (A leaf evicted with its state leaves an entry that never hits: the KV
-  ghost holds that loss; the entry ages out.) A match walks from its deepest KV node up to the consumed state's node:
-  the first node in the ghost gives ``T = its depth - the usable prefix``.
+  ghost holds that loss; the entry ages out.) A match walks from its deepest KV node up to
+  the consumed state's node: the first node in the ghost gives ``T = its depth - the usable
+  prefix``.
 
 The target starts at the arena's state band when :meth:`BoundaryTarget.observe` first sees
 the arena (``make_room``'s first call); nothing is recorded before.
