@@ -3,8 +3,8 @@
 A :class:`bench.engine.core.ReplayEngine` whose KV allocator and state pool are the two views
 of one :class:`allocators.arena.MemoryArena` (``radix_eviction_policy="unified"``): on a
 shortfall the engine calls :func:`components.eviction.unified.make_room` (free chunks cross
-the boundary, then the cache evicts KV or states, whichever costs the least recompute per
-byte) before it finishes a running request. :func:`make_engine` builds the engine a config
+the boundary as far as its learned target allows, ``components.eviction.boundary``; then the
+cache evicts, by value or within the side at its share) before it finishes a running request. :func:`make_engine` builds the engine a config
 asks for; the replay (``python -m bench replay``), the simulator (``python -m bench
 simulate``) and ``python -m bench memory-split`` all build theirs through it.
 

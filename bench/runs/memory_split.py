@@ -5,9 +5,9 @@ For each byte budget (``--memory-gb``) of a model preset (``--model``,
 (``bench.engine.core.ReplayEngine``) once per fixed split of ``--state-fractions`` (the state
 pool gets that share of the bytes: ``split_memory``; the per-kind policy ``--policy``) and once
 with the unified arena (``allocators.arena.MemoryArena`` with
-``radix_eviction_policy="unified"``: the boundary moves at run time, and when the arena is
-short the cache evicts KV tokens or states, whichever costs the least recompute per byte:
-``components.eviction.unified.make_room``). One JSON record per run: ``memory_gb``, ``split``
+``radix_eviction_policy="unified"``: the boundary moves at run time toward a target learned
+from what each side lost, and when the arena is short the cache evicts KV tokens or states:
+``components.eviction.unified.make_room``, ``components.eviction.boundary``). One JSON record per run: ``memory_gb``, ``split``
 (the state fraction, or ``"unified"``), ``token_hit_rate``, CPU time, and for the arena its
 layout waste (real bytes) and where the boundary ended.
 

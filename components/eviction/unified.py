@@ -31,11 +31,12 @@ below it, and a leaf losing its state falls to cost 0: those get fresh entries.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from allocators.arena import MemoryArena
 from components.compaction import compact_kv
+from components.eviction.boundary import BoundaryTarget
 from components.eviction.gds import GDSStrategy, GreedyDualHeap, gds_cost
 
 if TYPE_CHECKING:
@@ -119,6 +120,7 @@ class UnifiedKVLeaves:
             return None
         self._owner.raise_watermark(self.heap.watermark)
         self.discard(victim)
+        self._owner.boundary.on_kv_evicted(victim)
         return victim
 
     def check(self) -> None:
@@ -150,6 +152,9 @@ class UnifiedStrategy(GDSStrategy):
         self.state_bytes = state_bytes
         super().__init__(d, e, is_candidate)
         self.kv_leaves = UnifiedKVLeaves(self)
+        #: Where an arena's boundary should be (``components.eviction.boundary``), learned
+        #: from this walk's evictions and the cache's matches; ``make_room`` binds and reads it.
+        self.boundary = BoundaryTarget(kv_bytes_per_token, state_bytes)
 
     # --------------------------------------------------------------- priority
     def weight(self, nid: int) -> float:
@@ -193,6 +198,17 @@ class UnifiedStrategy(GDSStrategy):
         cost 0: a fresh entry."""
         super().on_remove(node)
         self.kv_leaves.reseed(node)
+        self.boundary.on_state_removed(node)
+
+    def check(self, state_nodes: Sequence[TreeNode]) -> None:
+        super().check(state_nodes)
+        self.boundary.check()
+
+    def on_match(self, kv_end: TreeNode | None, consumed: TreeNode | None,
+                 key: Sequence[int], end: int) -> None:
+        """Every match (``components.state.StateWalk``): the boundary target's ghost
+        look-ups (``BoundaryTarget.on_match``)."""
+        self.boundary.on_match(kv_end, consumed, key, end)
 
     def pop_victim(self) -> TreeNode | None:
         victim = super().pop_victim()
@@ -223,6 +239,7 @@ class UnifiedStrategy(GDSStrategy):
             assert pk is not None
             self.raise_watermark(pk)
             leaves.discard(k)
+            self.boundary.on_kv_evicted(k)
             return KV_VICTIM, k
         assert s is not None and ps is not None
         if k is not None:
@@ -262,17 +279,35 @@ def unified_bytes(kv_allocator: object, state_allocator: object) -> tuple[int, i
 def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
               states: int = 0, on_evict: Callable[[EvictResult], None] | None = None) -> bool:
     """Make ``arena`` able to hand out ``kv_tokens`` KV tokens and ``states`` state slots at
-    once: move free chunks across the boundary (``MemoryArena.state_to_kv`` /
-    ``kv_to_state``; free KV pages scattered over partly used chunks are first gathered into
-    whole chunks by ``components.compaction.compact_kv``), and while that is not enough evict
-    by value
-    (``cache.evict_bytes`` of the bytes still short, ``radix_eviction_policy="unified"``);
-    ``on_evict``, when given, receives each of those evictions' ``EvictResult`` (an engine
-    counts its evicted tokens and states with it).
+    once, the boundary held to the walk's learned target (``UnifiedStrategy.boundary``,
+    ``components.eviction.boundary``; bound to ``arena`` at the first call, starting at its
+    state band). ``band``: the chunks the states own; ``target``: the target in chunks; each
+    side's *share* is its side of the target (states ``target`` chunks, KV the rest)::
+
+        KV short      free state chunks move to KV (``MemoryArena.state_to_kv``) down to the
+                      target, or below it while KV's locked tokens plus ``kv_tokens`` fit
+                      in KV's share; if states hold such chunks but in use: evict by value
+                      (``cache.evict_bytes``); else KV frees its own (``cache.evict``, the
+                      unified KV order) or the call fails
+        states short  wholly free KV chunks move to the states (``kv_to_state``; free pages
+                      scattered over partly used chunks first gathered by
+                      ``components.compaction.compact_kv``) while ``band < target``, or past
+                      it while the states in use plus ``states`` fit in the target; else,
+                      below the target, evict by value; at or past it the states free their
+                      own (``cache.evict_states``) or the call fails; a call that fails
+                      short of states is a refusal (evidence for the target:
+                      ``BoundaryTarget.on_state_refused``)
+
+    The invariant behind "fit in its share": what a side holds locked never exceeds its
+    share, so whatever it took past its share is evictable, and the other side can always
+    get back to its target. A side at its share frees its own memory or fails, and an engine
+    then finishes a running request (as it does with two pools of fixed sizes) rather than
+    grow that side over the other's cached value. ``on_evict``, when given, receives each
+    eviction's ``EvictResult`` (an engine counts its evicted tokens and states with it).
 
     Returns:
         ``True`` when the room is there (nothing allocated: the caller allocates next);
-        ``False`` when evicting everything evictable still leaves it short (what was evicted
+        ``False`` when the rule leaves it short with nothing more to evict (what was evicted
         stays evicted; the boundary is where it was).
 
     Raises:
@@ -280,29 +315,51 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
     """
     kv, st = arena.kv_allocator, arena.state_pool
     tpc = arena.tokens_per_chunk
-    walk = cache.state.gds if cache.state is not None else None
-    if not isinstance(walk, UnifiedStrategy):
+    state = cache.state
+    walk = state.gds if state is not None else None
+    if state is None or not isinstance(walk, UnifiedStrategy):
         raise ValueError("make_room needs a cache with radix_eviction_policy='unified'")
     for name, v in (("kv_tokens", kv_tokens), ("states", states)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+    boundary = walk.boundary
+    band = arena.num_state_chunks
+    boundary.observe(arena.arena_bytes, band * arena.chunk_bytes, arena.kv_shape.page_size)
+    target = boundary.target_chunks(arena.chunk_bytes)
     while True:
         kv_short = max(0, kv_tokens - kv.available_size())
         spare_states = st.available_size() - states
         if spare_states >= 0:
             need = -(-kv_short // tpc)
-            if need <= spare_states:
+            room = band - target  # state chunks KV may take
+            if room < need:
+                locked = kv.owned_size() - kv.available_size() - cache.evictable_size()
+                if locked + kv_tokens <= (arena.num_chunks - 1 - target) * tpc:
+                    room = band
+            if need == 0 or need <= min(spare_states, room):
                 return arena.state_to_kv(need)
-            short = (kv_short - spare_states * tpc) * walk.kv_bytes_per_token
+            if room > spare_states:  # chunks KV may take, held by states: by value
+                res = cache.evict_bytes((kv_short - spare_states * tpc)
+                                        * walk.kv_bytes_per_token)
+            else:  # KV at its share: it frees its own
+                res = cache.evict(kv_short - max(room, 0) * tpc)
         else:
             need = -spare_states
-            if kv.available_size() - need * tpc >= kv_tokens:
+            below = band < target
+            in_use = band - st.available_size() - state.evictable_size()
+            if (below or in_use + states <= target) \
+                    and kv.available_size() - need * tpc >= kv_tokens:
                 whole = arena.movable_kv_chunks()
                 if whole >= need or compact_kv(cache, arena, need - whole):
                     return arena.kv_to_state(need)
-            short = need * walk.state_bytes + kv_short * walk.kv_bytes_per_token
-        res = cache.evict_bytes(max(short, 1))
+            if below:  # KV past its share: by value
+                res = cache.evict_bytes(need * walk.state_bytes
+                                        + kv_short * walk.kv_bytes_per_token)
+            else:  # states at their share: they free their own
+                res = cache.evict_states(need)
         if on_evict is not None:
             on_evict(res)
         if res.num_tokens == 0 and res.num_states == 0:
+            if spare_states < 0:
+                boundary.on_state_refused(-spare_states)
             return False
