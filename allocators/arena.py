@@ -201,9 +201,15 @@ class _LowestFirst(FreeList):
                                          minlength=self.group_free.size)
 
     def _count(self, ids: np.ndarray, sign: int) -> None:
-        """``group_free`` of the groups of ``ids`` += ``sign`` per id."""
-        groups, k = group_counts(ids // self._group, self.group_free.size)
-        self.group_free[groups] += sign * k
+        """``group_free`` of the groups of ``ids`` += ``sign`` per id: one ``np.bincount``
+        over every group added in place when there are at least a quarter as many ids as
+        groups, else ``np.add.at`` per id."""
+        gf = self.group_free
+        if ids.size * 4 >= gf.size:
+            per = np.bincount(ids // self._group, minlength=gf.size)
+            (np.add if sign > 0 else np.subtract)(gf, per, out=gf)
+        else:
+            np.add.at(gf, ids // self._group, sign)
 
     def lowest_free(self, k: int, skip: np.ndarray | None = None) -> np.ndarray:
         """The ``k`` lowest free ids outside the groups where ``skip`` (bool per group) is
@@ -312,6 +318,12 @@ class _LowestFirst(FreeList):
         self._stamp[ids] = pos
         if (self._stamp[ids] != pos).any():
             raise ValueError(f"withdraw: a {self._unit} id is repeated")
+        self.withdraw_owned(ids)
+
+    def withdraw_owned(self, ids: np.ndarray) -> None:
+        """:meth:`withdraw` without its checks, for ids the caller validated (distinct,
+        in range, free: ``MemoryArena.relocate_kv_pages``), as ``release_owned`` is
+        ``release`` without them. O(ids + groups)."""
         self._is_free[ids] = False
         self._count(ids, -1)
         self._num_free -= ids.size
@@ -521,6 +533,9 @@ class MemoryArena:
         self._owner = np.full(n, KV, dtype=np.int8)
         self._owner[0] = PAD
         self._owner[n - state_slots:] = STATE
+        #: chunks the states own (kept by ``kv_to_state`` / ``state_to_kv``; ``check``
+        #: recounts it from ``owner``)
+        self._num_state = state_slots
         self.owner = self._owner.view()
         self.owner.flags.writeable = False
         self.kv_allocator = ArenaKVAllocator(self, n * ppc - 1, self._kv_buffers())
@@ -568,13 +583,13 @@ class MemoryArena:
     # ------------------------------------------------------------------ facts
     @property
     def num_kv_chunks(self) -> int:
-        """Chunks KV owns now."""
-        return int((self._owner == KV).sum())
+        """Chunks KV owns now. O(1)."""
+        return self.num_chunks - 1 - self._num_state
 
     @property
     def num_state_chunks(self) -> int:
-        """Chunks (= slots) states own now."""
-        return int((self._owner == STATE).sum())
+        """Chunks (= slots) states own now. O(1)."""
+        return self._num_state
 
     @property
     def arena_bytes(self) -> int:
@@ -649,6 +664,7 @@ class MemoryArena:
         chunks = cand[::-1][:n].astype(np.int64)
         self.kv_allocator.lowest.withdraw_groups(chunks)
         self._owner[chunks] = STATE
+        self._num_state += n
         self.state_pool._pages.release(torch.from_numpy(chunks.copy()))
         return True
 
@@ -672,6 +688,7 @@ class MemoryArena:
         chunks = cand[:n].astype(np.int64)
         self.state_pool._pages.withdraw(chunks)
         self._owner[chunks] = KV
+        self._num_state -= n
         self.kv_allocator.lowest.release_groups(chunks)
         return True
 
@@ -743,7 +760,7 @@ class MemoryArena:
         to = torch.from_numpy(dst).to(self.device, non_blocking=True)
         rows.index_copy_(0, to, rows.index_select(
             0, torch.from_numpy(src).to(self.device, non_blocking=True)))
-        pages.withdraw(dst)  # now used (held by whoever held src)
+        pages.withdraw_owned(dst)  # now used (held by whoever held src); checked above
         pages.release_owned(src)
 
     # ------------------------------------------------------------------ checking
@@ -763,6 +780,9 @@ class MemoryArena:
                 problems.append(f"chunk {c} (owner {o}) is a free state slot")
         if self._owner[0] != PAD or (self._owner[1:] == PAD).any():
             problems.append("only chunk 0 is padding")
+        if self._num_state != int((self._owner == STATE).sum()):
+            problems.append(f"state chunks counted {self._num_state} != the owners' "
+                            f"{int((self._owner == STATE).sum())}")
         counted = kv_free.sum(axis=1)
         if (counted != self.kv_allocator.lowest.group_free).any():
             problems.append(f"free KV pages per chunk {self.kv_allocator.lowest.group_free.tolist()}"
