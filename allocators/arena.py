@@ -67,6 +67,11 @@ from .memory import check_memory
 from .state_pool import _NUMPY_DTYPES, MambaStatePool
 from .token_allocator import _FreeListAllocator
 
+try:  # the lowest free ids in one C pass (allocators/_release.c), built by ``pip install``
+    from allocators._release import lowest_free as _lowest_free_c
+except ImportError:  # pragma: no cover - no compiler at install time: the numpy path
+    _lowest_free_c = None
+
 __all__ = ["ArenaKVAllocator", "ArenaStatePool", "KVShape", "MemoryArena", "StateShape",
            "group_counts"]
 
@@ -192,6 +197,7 @@ class _LowestFirst(FreeList):
         self._group = group
         #: free ids per group of ``group`` ids (group 0 holds id 0, never free)
         self.group_free = np.zeros(capacity // group + 1, dtype=np.int64)
+        self._group_free_at: int = self.group_free.ctypes.data  # (only written in place)
         super().__init__(capacity, unit)
 
     def reset(self) -> None:
@@ -215,7 +221,24 @@ class _LowestFirst(FreeList):
         """The ``k`` lowest free ids outside the groups where ``skip`` (bool per group) is
         True, ascending (int64), taking nothing; the caller checked that enough are free
         there. Reads ``group_free`` from ``_low``'s group on, and the mask of the groups
-        holding the ids only."""
+        holding the ids only (none of a wholly free group's): one C pass
+        (``allocators/_release.c``: ``lowest_free``) when built, else
+        :meth:`lowest_free_numpy`, its reference."""
+        gf = self.group_free
+        if _lowest_free_c is None or (skip is not None and (
+                skip.dtype != np.bool_ or skip.shape != gf.shape
+                or not skip.flags.c_contiguous)):
+            return self.lowest_free_numpy(k, skip)
+        out = np.empty(k, dtype=np.int64)
+        n = _lowest_free_c(self._free_at, gf.size, self._group, self._group_free_at,
+                           self._low // self._group, k,
+                           0 if skip is None else skip.ctypes.data, out.ctypes.data)
+        return out if n == k else out[:n]
+
+    def lowest_free_numpy(self, k: int, skip: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`lowest_free` in numpy (the C pass's reference): ``group_free``'s running
+        sum finds the groups that suffice, one ``flatnonzero`` per run of consecutive groups
+        among them reads their mask."""
         g0 = self._low // self._group
         per = self.group_free[g0:]
         if skip is not None:
