@@ -180,20 +180,20 @@ class _LowestFirst(FreeList):
     a release is a mask write and ``withdraw`` needs no ring rebuild. The C release paths
     (``allocators/_release.c``: checks, mask and held-mark writes in one pass) are taken
     with the ring as their scratch: they write the ids they free from ring position 0, and
-    ``group_free`` and ``_low`` are updated from there (:meth:`_counted_release`).
+    ``group_free`` is updated from there (:meth:`_counted_release`).
 
     Per group of ``group`` consecutive ids (an arena chunk: ids ``c * group .. c * group +
     group - 1``; ``capacity + 1`` is a whole number of groups), ``group_free[c]`` counts the
     free ids, kept by every mutation (O(ids changed + groups)), so that whole free chunks are
     found in O(chunks), not O(ids), and ``take(k)`` reads the mask of only the groups that
-    hold the ``k`` lowest free ids, from ``_low``'s (every id below ``_low`` is used):
-    O(groups + group * groups read), not O(the used ids it passes)."""
+    hold the ``k`` lowest free ids (the groups with no free id passed over by their count,
+    a wholly free one not read): O(groups + group * partly free groups read), not O(the used
+    ids it passes)."""
 
     def __init__(self, capacity: int, unit: str, group: int) -> None:
         if (capacity + 1) % group:
             raise ValueError(f"capacity + 1 = {capacity + 1} is not a whole number of groups "
                              f"of {group} ids")
-        self._low = 1
         self._group = group
         #: free ids per group of ``group`` ids (group 0 holds id 0, never free)
         self.group_free = np.zeros(capacity // group + 1, dtype=np.int64)
@@ -202,7 +202,6 @@ class _LowestFirst(FreeList):
 
     def reset(self) -> None:
         super().reset()
-        self._low = 1
         self.group_free[:] = np.bincount(np.arange(1, self._capacity + 1) // self._group,
                                          minlength=self.group_free.size)
 
@@ -220,18 +219,16 @@ class _LowestFirst(FreeList):
     def lowest_free(self, k: int, skip: np.ndarray | None = None) -> np.ndarray:
         """The ``k`` lowest free ids outside the groups where ``skip`` (bool per group) is
         True, ascending (int64), taking nothing; the caller checked that enough are free
-        there. Reads ``group_free`` from ``_low``'s group on, and the mask of the groups
-        holding the ids only (none of a wholly free group's): one C pass
-        (``allocators/_release.c``: ``lowest_free``) when built, else
-        :meth:`lowest_free_numpy`, its reference."""
+        there. Reads ``group_free``, and the mask of the groups holding the ids only (none
+        of a wholly free group's): one C pass (``allocators/_release.c``: ``lowest_free``)
+        when built, else :meth:`lowest_free_numpy`, its reference."""
         gf = self.group_free
         if _lowest_free_c is None or (skip is not None and (
                 skip.dtype != np.bool_ or skip.shape != gf.shape
                 or not skip.flags.c_contiguous)):
             return self.lowest_free_numpy(k, skip)
         out = np.empty(k, dtype=np.int64)
-        n = _lowest_free_c(self._free_at, gf.size, self._group, self._group_free_at,
-                           self._low // self._group, k,
+        n = _lowest_free_c(self._free_at, gf.size, self._group, self._group_free_at, 0, k,
                            0 if skip is None else skip.ctypes.data, out.ctypes.data)
         return out if n == k else out[:n]
 
@@ -239,12 +236,11 @@ class _LowestFirst(FreeList):
         """:meth:`lowest_free` in numpy (the C pass's reference): ``group_free``'s running
         sum finds the groups that suffice, one ``flatnonzero`` per run of consecutive groups
         among them reads their mask."""
-        g0 = self._low // self._group
-        per = self.group_free[g0:]
+        per = self.group_free
         if skip is not None:
-            per = np.where(skip[g0:], 0, per)
-        last = int(np.searchsorted(np.cumsum(per), k))  # groups g0 .. g0 + last suffice
-        groups = np.flatnonzero(per[:last + 1]) + g0
+            per = np.where(skip, 0, per)
+        last = int(np.searchsorted(np.cumsum(per), k))  # groups 0 .. last suffice
+        groups = np.flatnonzero(per[:last + 1])
         if k == 0 or groups.size == 0:
             return np.empty(0, dtype=np.int64)
         # the mask of each run of consecutive groups in one flat scan (a 2-D nonzero of the
@@ -273,7 +269,6 @@ class _LowestFirst(FreeList):
             tail = out[np.searchsorted(out, last * group):]  # the last group's
             self._is_free[tail] = False
             gf[last] -= tail.size
-            self._low = int(out[-1]) + 1
         self._num_free -= k
         self._num_used += k
         return torch.from_numpy(out)
@@ -285,8 +280,6 @@ class _LowestFirst(FreeList):
     def _mark_free(self, arr: np.ndarray) -> None:
         super()._mark_free(arr)
         self._count(arr, 1)
-        if arr.size:
-            self._low = min(self._low, int(arr.min()))
 
     def release(self, ids: torch.Tensor) -> None:
         if ids.numel() == 0:
@@ -319,11 +312,9 @@ class _LowestFirst(FreeList):
 
     def _counted_release(self, k: int) -> None:
         """After a C release wrote ``k`` freed ids at ``_ring[:k]`` (and marked them free):
-        the counters, ``group_free`` and ``_low``."""
+        the counters and ``group_free``."""
         ids = self._ring[:k]
         self._count(ids, 1)
-        if k:
-            self._low = min(self._low, int(ids.min()))
         self._num_free += k
         self._num_used -= k
 
@@ -382,7 +373,6 @@ class _LowestFirst(FreeList):
                              "or is repeated")
         self._is_free.reshape(-1, self._group)[groups] = True
         self.group_free[groups] = self._group
-        self._low = min(self._low, int(groups.min()) * self._group)
         n = groups.size * self._group
         self._num_free += n
         self._num_used -= n
@@ -392,7 +382,7 @@ class _LowestFirst(FreeList):
 
     def dump(self, limit: int = 32) -> str:
         return (f"  capacity={self._capacity} unit={self._unit} num_free={self._num_free}"
-                f" num_used={self._num_used} low={self._low}\n"
+                f" num_used={self._num_used}\n"
                 f"  lowest free (first {limit})={self.free_order()[:limit].tolist()}")
 
 

@@ -112,14 +112,13 @@ def test_whole_groups_move_by_rows() -> None:
 @settings(max_examples=120, deadline=None)
 @given(st.lists(st.booleans(), min_size=CAP, max_size=CAP), st.integers(0, CAP + 2),
        st.lists(st.booleans(), min_size=CAP // GROUP + 1, max_size=CAP // GROUP + 1),
-       st.booleans(), st.integers(1, CAP))
+       st.booleans())
 def test_c_lowest_free_matches_numpy_and_the_mask(free: list[bool], k: int, skip: list[bool],
-                                                  use_skip: bool, low: int) -> None:
+                                                  use_skip: bool) -> None:
     f = _LowestFirst(CAP, "page", GROUP)
     f.take(CAP)
     ids = np.array([i + 1 for i, x in enumerate(free) if x], dtype=np.int64)
     f.release_owned(ids)  # every id free or not as drawn (whole groups included)
-    f._low = min(low, int(ids.min())) if ids.size else low  # every id below is used
     mask = np.array(skip, dtype=np.bool_) if use_skip else None
     # by hand: the free ids from the lowest on, outside the skipped groups, the first k
     want = [int(i) for i in ids if mask is None or not mask[i // GROUP]][:k]
