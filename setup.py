@@ -2,10 +2,11 @@
 
 ``components/_claim.c``: the insert's slot claim (checks, held marks and the node's copy in one
 pass). ``radix/_match.c``: the walk's loop (one memcmp and one child lookup per node).
-``allocators/_release.c``: frees of slots (checks, ring and free-mask writes in one pass). All
-are ``optional``: without a compiler the install still succeeds and the numpy / pure-Python
-code they are tested against (``tests/radix/test_compiled.py``, ``tests/allocators/test_allocators_release.py``)
-runs instead, with the same results, slower.
+``allocators/_release.c``: frees of slots (checks, ring and free-mask writes in one pass), and
+the memory arena's search for its lowest free KV pages. All are ``optional``: without a
+compiler the install still succeeds and the numpy / pure-Python code they are tested against
+(``tests/radix/test_compiled.py``, ``tests/allocators/test_allocators_release.py``,
+``tests/allocators/test_arena_release.py``) runs instead, with the same results, slower.
 """
 
 from setuptools import Extension, setup

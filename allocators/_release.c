@@ -53,6 +53,18 @@
  * takes its general path (unmark, free_owned), whose behaviour on such slots is the
  * reference. Else returns the number of ids written.
  *
+ * lowest_free(free, num_groups, group, group_free, g0, k, skip, out) -> int
+ *
+ * The arena KV free list's search for its k lowest free ids (allocators/arena.py,
+ * _LowestFirst.lowest_free, whose numpy path is the reference): the ids 0 .. num_groups *
+ * group - 1 fall in num_groups groups of group consecutive ids; group_free[g] (int64) counts
+ * the free ids of group g. From group g0 on, groups with no free id or skip[g] != 0 are
+ * passed over, a wholly free group (group_free[g] == group) gives its ids without reading
+ * the mask, any other is read byte by byte; the ids are written ascending to out until k are
+ * found or the groups end. Reads only; returns the number written (<= k). free (num_groups *
+ * group bytes), group_free (num_groups int64), skip (num_groups bytes, or 0: none) and out
+ * (k int64) are raw addresses, as below.
+ *
  * held, ring and free are raw addresses, like src, not buffers: the held marks (held_bytes
  * writable bytes, one bit per id, bit id & 7 of byte id >> 3), the free list's ring
  * (capacity int64 entries) and its free mask (capacity + 1 bytes). Three buffer requests
@@ -315,6 +327,48 @@ done:
     return result;
 }
 
+static PyObject *
+lowest_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "lowest_free() takes 8 arguments");
+        return NULL;
+    }
+    const uint8_t *mask = (const uint8_t *)PyLong_AsVoidPtr(args[0]);
+    Py_ssize_t num_groups = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t group = PyLong_AsSsize_t(args[2]);
+    const int64_t *gf = (const int64_t *)PyLong_AsVoidPtr(args[3]);
+    Py_ssize_t g0 = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t k = PyLong_AsSsize_t(args[5]);
+    const uint8_t *skip = (const uint8_t *)PyLong_AsVoidPtr(args[6]);
+    int64_t *out = (int64_t *)PyLong_AsVoidPtr(args[7]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (mask == NULL || gf == NULL || num_groups < 0 || group < 1 || g0 < 0 || k < 0
+            || (k > 0 && out == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "lowest_free(): bad buffers, sizes or start");
+        return NULL;
+    }
+    Py_ssize_t w = 0;
+    for (Py_ssize_t g = g0; g < num_groups && w < k; g++) {
+        int64_t f = gf[g];
+        if (f == 0 || (skip != NULL && skip[g]))
+            continue;
+        int64_t base = (int64_t)g * group;
+        if (f == group) { /* wholly free: no mask to read */
+            Py_ssize_t n = group < k - w ? group : k - w;
+            for (Py_ssize_t j = 0; j < n; j++)
+                out[w++] = base + j;
+            continue;
+        }
+        const uint8_t *m = mask + base;
+        for (Py_ssize_t j = 0; j < group && w < k; j++)
+            if (m[j])
+                out[w++] = base + j;
+    }
+    return PyLong_FromSsize_t(w);
+}
+
 static PyMethodDef methods[] = {
     {"checked", (PyCFunction)(void (*)(void))checked, METH_FASTCALL,
      "checked(src, n, ring, start, free) -> ids written, or -1 (nothing changed) when an id is "
@@ -327,6 +381,9 @@ static PyMethodDef methods[] = {
      "written, or -1 (nothing "
      "changed) when an id is outside, not held or already free: a node's slots leave the tree "
      "(held marks cleared, ids appended to the free ring and marked free) in one pass"},
+    {"lowest_free", (PyCFunction)(void (*)(void))lowest_free, METH_FASTCALL,
+     "lowest_free(free, num_groups, group, group_free, g0, k, skip, out) -> ids written: the "
+     "k lowest free ids from group g0 on, outside the skipped groups, ascending (reads only)"},
     {NULL, NULL, 0, NULL},
 };
 

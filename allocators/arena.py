@@ -67,6 +67,11 @@ from .memory import check_memory
 from .state_pool import _NUMPY_DTYPES, MambaStatePool
 from .token_allocator import _FreeListAllocator
 
+try:  # the lowest free ids in one C pass (allocators/_release.c), built by ``pip install``
+    from allocators._release import lowest_free as _lowest_free_c
+except ImportError:  # pragma: no cover - no compiler at install time: the numpy path
+    _lowest_free_c = None
+
 __all__ = ["ArenaKVAllocator", "ArenaStatePool", "KVShape", "MemoryArena", "StateShape",
            "group_counts"]
 
@@ -175,47 +180,67 @@ class _LowestFirst(FreeList):
     a release is a mask write and ``withdraw`` needs no ring rebuild. The C release paths
     (``allocators/_release.c``: checks, mask and held-mark writes in one pass) are taken
     with the ring as their scratch: they write the ids they free from ring position 0, and
-    ``group_free`` and ``_low`` are updated from there (:meth:`_counted_release`).
+    ``group_free`` is updated from there (:meth:`_counted_release`).
 
     Per group of ``group`` consecutive ids (an arena chunk: ids ``c * group .. c * group +
     group - 1``; ``capacity + 1`` is a whole number of groups), ``group_free[c]`` counts the
     free ids, kept by every mutation (O(ids changed + groups)), so that whole free chunks are
     found in O(chunks), not O(ids), and ``take(k)`` reads the mask of only the groups that
-    hold the ``k`` lowest free ids, from ``_low``'s (every id below ``_low`` is used):
-    O(groups + group * groups read), not O(the used ids it passes)."""
+    hold the ``k`` lowest free ids (the groups with no free id passed over by their count,
+    a wholly free one not read): O(groups + group * partly free groups read), not O(the used
+    ids it passes)."""
 
     def __init__(self, capacity: int, unit: str, group: int) -> None:
         if (capacity + 1) % group:
             raise ValueError(f"capacity + 1 = {capacity + 1} is not a whole number of groups "
                              f"of {group} ids")
-        self._low = 1
         self._group = group
         #: free ids per group of ``group`` ids (group 0 holds id 0, never free)
         self.group_free = np.zeros(capacity // group + 1, dtype=np.int64)
+        self._group_free_at: int = self.group_free.ctypes.data  # (only written in place)
         super().__init__(capacity, unit)
 
     def reset(self) -> None:
         super().reset()
-        self._low = 1
         self.group_free[:] = np.bincount(np.arange(1, self._capacity + 1) // self._group,
                                          minlength=self.group_free.size)
 
     def _count(self, ids: np.ndarray, sign: int) -> None:
-        """``group_free`` of the groups of ``ids`` += ``sign`` per id."""
-        groups, k = group_counts(ids // self._group, self.group_free.size)
-        self.group_free[groups] += sign * k
+        """``group_free`` of the groups of ``ids`` += ``sign`` per id: one ``np.bincount``
+        over every group added in place when there are at least a quarter as many ids as
+        groups, else ``np.add.at`` per id."""
+        gf = self.group_free
+        if ids.size * 4 >= gf.size:
+            per = np.bincount(ids // self._group, minlength=gf.size)
+            (np.add if sign > 0 else np.subtract)(gf, per, out=gf)
+        else:
+            np.add.at(gf, ids // self._group, sign)
 
     def lowest_free(self, k: int, skip: np.ndarray | None = None) -> np.ndarray:
         """The ``k`` lowest free ids outside the groups where ``skip`` (bool per group) is
         True, ascending (int64), taking nothing; the caller checked that enough are free
-        there. Reads ``group_free`` from ``_low``'s group on, and the mask of the groups
-        holding the ids only."""
-        g0 = self._low // self._group
-        per = self.group_free[g0:]
+        there. Reads ``group_free``, and the mask of the groups holding the ids only (none
+        of a wholly free group's): one C pass (``allocators/_release.c``: ``lowest_free``)
+        when built, else :meth:`lowest_free_numpy`, its reference."""
+        gf = self.group_free
+        if _lowest_free_c is None or (skip is not None and (
+                skip.dtype != np.bool_ or skip.shape != gf.shape
+                or not skip.flags.c_contiguous)):
+            return self.lowest_free_numpy(k, skip)
+        out = np.empty(k, dtype=np.int64)
+        n = _lowest_free_c(self._free_at, gf.size, self._group, self._group_free_at, 0, k,
+                           0 if skip is None else skip.ctypes.data, out.ctypes.data)
+        return out if n == k else out[:n]
+
+    def lowest_free_numpy(self, k: int, skip: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`lowest_free` in numpy (the C pass's reference): ``group_free``'s running
+        sum finds the groups that suffice, one ``flatnonzero`` per run of consecutive groups
+        among them reads their mask."""
+        per = self.group_free
         if skip is not None:
-            per = np.where(skip[g0:], 0, per)
-        last = int(np.searchsorted(np.cumsum(per), k))  # groups g0 .. g0 + last suffice
-        groups = np.flatnonzero(per[:last + 1]) + g0
+            per = np.where(skip, 0, per)
+        last = int(np.searchsorted(np.cumsum(per), k))  # groups 0 .. last suffice
+        groups = np.flatnonzero(per[:last + 1])
         if k == 0 or groups.size == 0:
             return np.empty(0, dtype=np.int64)
         # the mask of each run of consecutive groups in one flat scan (a 2-D nonzero of the
@@ -244,7 +269,6 @@ class _LowestFirst(FreeList):
             tail = out[np.searchsorted(out, last * group):]  # the last group's
             self._is_free[tail] = False
             gf[last] -= tail.size
-            self._low = int(out[-1]) + 1
         self._num_free -= k
         self._num_used += k
         return torch.from_numpy(out)
@@ -256,8 +280,6 @@ class _LowestFirst(FreeList):
     def _mark_free(self, arr: np.ndarray) -> None:
         super()._mark_free(arr)
         self._count(arr, 1)
-        if arr.size:
-            self._low = min(self._low, int(arr.min()))
 
     def release(self, ids: torch.Tensor) -> None:
         if ids.numel() == 0:
@@ -290,11 +312,9 @@ class _LowestFirst(FreeList):
 
     def _counted_release(self, k: int) -> None:
         """After a C release wrote ``k`` freed ids at ``_ring[:k]`` (and marked them free):
-        the counters, ``group_free`` and ``_low``."""
+        the counters and ``group_free``."""
         ids = self._ring[:k]
         self._count(ids, 1)
-        if k:
-            self._low = min(self._low, int(ids.min()))
         self._num_free += k
         self._num_used -= k
 
@@ -312,6 +332,12 @@ class _LowestFirst(FreeList):
         self._stamp[ids] = pos
         if (self._stamp[ids] != pos).any():
             raise ValueError(f"withdraw: a {self._unit} id is repeated")
+        self.withdraw_owned(ids)
+
+    def withdraw_owned(self, ids: np.ndarray) -> None:
+        """:meth:`withdraw` without its checks, for ids the caller validated (distinct,
+        in range, free: ``MemoryArena.relocate_kv_pages``), as ``release_owned`` is
+        ``release`` without them. O(ids + groups)."""
         self._is_free[ids] = False
         self._count(ids, -1)
         self._num_free -= ids.size
@@ -347,7 +373,6 @@ class _LowestFirst(FreeList):
                              "or is repeated")
         self._is_free.reshape(-1, self._group)[groups] = True
         self.group_free[groups] = self._group
-        self._low = min(self._low, int(groups.min()) * self._group)
         n = groups.size * self._group
         self._num_free += n
         self._num_used -= n
@@ -357,7 +382,7 @@ class _LowestFirst(FreeList):
 
     def dump(self, limit: int = 32) -> str:
         return (f"  capacity={self._capacity} unit={self._unit} num_free={self._num_free}"
-                f" num_used={self._num_used} low={self._low}\n"
+                f" num_used={self._num_used}\n"
                 f"  lowest free (first {limit})={self.free_order()[:limit].tolist()}")
 
 
@@ -521,6 +546,9 @@ class MemoryArena:
         self._owner = np.full(n, KV, dtype=np.int8)
         self._owner[0] = PAD
         self._owner[n - state_slots:] = STATE
+        #: chunks the states own (kept by ``kv_to_state`` / ``state_to_kv``; ``check``
+        #: recounts it from ``owner``)
+        self._num_state = state_slots
         self.owner = self._owner.view()
         self.owner.flags.writeable = False
         self.kv_allocator = ArenaKVAllocator(self, n * ppc - 1, self._kv_buffers())
@@ -568,13 +596,13 @@ class MemoryArena:
     # ------------------------------------------------------------------ facts
     @property
     def num_kv_chunks(self) -> int:
-        """Chunks KV owns now."""
-        return int((self._owner == KV).sum())
+        """Chunks KV owns now. O(1)."""
+        return self.num_chunks - 1 - self._num_state
 
     @property
     def num_state_chunks(self) -> int:
-        """Chunks (= slots) states own now."""
-        return int((self._owner == STATE).sum())
+        """Chunks (= slots) states own now. O(1)."""
+        return self._num_state
 
     @property
     def arena_bytes(self) -> int:
@@ -649,6 +677,7 @@ class MemoryArena:
         chunks = cand[::-1][:n].astype(np.int64)
         self.kv_allocator.lowest.withdraw_groups(chunks)
         self._owner[chunks] = STATE
+        self._num_state += n
         self.state_pool._pages.release(torch.from_numpy(chunks.copy()))
         return True
 
@@ -672,6 +701,7 @@ class MemoryArena:
         chunks = cand[:n].astype(np.int64)
         self.state_pool._pages.withdraw(chunks)
         self._owner[chunks] = KV
+        self._num_state -= n
         self.kv_allocator.lowest.release_groups(chunks)
         return True
 
@@ -743,7 +773,7 @@ class MemoryArena:
         to = torch.from_numpy(dst).to(self.device, non_blocking=True)
         rows.index_copy_(0, to, rows.index_select(
             0, torch.from_numpy(src).to(self.device, non_blocking=True)))
-        pages.withdraw(dst)  # now used (held by whoever held src)
+        pages.withdraw_owned(dst)  # now used (held by whoever held src); checked above
         pages.release_owned(src)
 
     # ------------------------------------------------------------------ checking
@@ -763,6 +793,9 @@ class MemoryArena:
                 problems.append(f"chunk {c} (owner {o}) is a free state slot")
         if self._owner[0] != PAD or (self._owner[1:] == PAD).any():
             problems.append("only chunk 0 is padding")
+        if self._num_state != int((self._owner == STATE).sum()):
+            problems.append(f"state chunks counted {self._num_state} != the owners' "
+                            f"{int((self._owner == STATE).sum())}")
         counted = kv_free.sum(axis=1)
         if (counted != self.kv_allocator.lowest.group_free).any():
             problems.append(f"free KV pages per chunk {self.kv_allocator.lowest.group_free.tolist()}"

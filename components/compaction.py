@@ -92,7 +92,10 @@ def compact_kv(cache: RadixCache, arena: MemoryArena, num_chunks: int) -> bool:
     ps = kv.page_size
     offsets = np.arange(ps, dtype=np.int64)
     moves = []
-    for node_id in np.unique(holders.holder[src]).tolist():
+    # the nodes holding src (ascending: runs of one holder collapse before the sort)
+    held_by = holders.holder[src]
+    runs = np.flatnonzero(held_by[1:] != held_by[:-1]) + 1
+    for node_id in np.unique(held_by[np.concatenate(([0], runs))]).tolist():
         node = holders.nodes[node_id]
         assert node.kv_value is not None and node.kv_lock == 0, node
         pages = holders.ids(node.kv_value)

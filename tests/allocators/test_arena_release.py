@@ -1,6 +1,6 @@
-"""The arena KV free list's C release paths (``_LowestFirst.release_owned_at`` /
-``release_held_at``, ``allocators/_release.c``) against its numpy path (``release_owned``),
-and ``take`` against the lowest free ids read off the mask."""
+"""The arena KV free list's C paths (``_LowestFirst.release_owned_at`` / ``release_held_at``
+and ``lowest_free``, ``allocators/_release.c``) against its numpy paths (``release_owned``,
+``lowest_free_numpy``), and ``take`` against the lowest free ids read off the mask."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allocators import free_list
+from allocators import arena, free_list
 from allocators.arena import _LowestFirst
 
 GROUP = 4
 CAP = 6 * GROUP - 1  # ids 1..23, groups 0..5 (group 0 holds the padding id 0)
 
-needs_c = pytest.mark.skipif(free_list._release_held_c is None, reason="C loops not built")
+needs_c = pytest.mark.skipif(free_list._release_held_c is None or arena._lowest_free_c is None,
+                             reason="C loops not built")
 
 
 def state(f: _LowestFirst) -> tuple[list[int], list[int], int, int]:
@@ -105,3 +106,22 @@ def test_whole_groups_move_by_rows() -> None:
     assert (f.num_free, f.num_used) == (14, 9)
     got = f.take(7)  # the lowest: 6, 7 (group 1), 8..11 (group 2), 12 (group 3)
     assert got is not None and got.tolist() == [6, 7, 8, 9, 10, 11, 12]
+
+
+@needs_c
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.booleans(), min_size=CAP, max_size=CAP), st.integers(0, CAP + 2),
+       st.lists(st.booleans(), min_size=CAP // GROUP + 1, max_size=CAP // GROUP + 1),
+       st.booleans())
+def test_c_lowest_free_matches_numpy_and_the_mask(free: list[bool], k: int, skip: list[bool],
+                                                  use_skip: bool) -> None:
+    f = _LowestFirst(CAP, "page", GROUP)
+    f.take(CAP)
+    ids = np.array([i + 1 for i, x in enumerate(free) if x], dtype=np.int64)
+    f.release_owned(ids)  # every id free or not as drawn (whole groups included)
+    mask = np.array(skip, dtype=np.bool_) if use_skip else None
+    # by hand: the free ids from the lowest on, outside the skipped groups, the first k
+    want = [int(i) for i in ids if mask is None or not mask[i // GROUP]][:k]
+    assert f.lowest_free(k, mask).tolist() == want
+    assert f.lowest_free_numpy(k, mask).tolist() == want
+    assert state(f)[1] == recount(f)  # reads only
