@@ -17,20 +17,13 @@ from typing import Any
 import pytest
 import torch
 
-from allocators.arena import KVShape, MemoryArena, StateShape
+from allocators.arena import MemoryArena
 from components.eviction.boundary import BoundaryTarget
 from components.eviction.unified import UnifiedStrategy, make_room
 from radix.cache import RadixCache
-from radix.config import CacheConfig
 from radix.node import TreeNode
+from tests.components.test_unified_eviction import CFG, KV, ST, P, Q, R
 
-KV = KVShape(num_layers=2, num_heads=2, head_dim=4, dtype=torch.float16, page_size=2)
-ST = StateShape(num_layers=2, conv_state_shape=(4, 3), ssm_state_shape=(2, 4, 4))
-CFG = CacheConfig(page_size=2, radix_eviction_policy="unified",
-                  radix_eviction_policy_config={"d": 1.0, "e": 0.0})
-P = [0, 1, 2, 3]
-Q = P + list(range(4, 40))
-R = P + [100, 101, 102, 103]
 K, S = 64, 384
 
 
