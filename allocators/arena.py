@@ -348,32 +348,29 @@ class _LowestFirst(FreeList):
         wholly free: ``group_free[g] == group``), by whole rows of the mask: O(len(groups) *
         group) byte writes, no per-id checks. Raises ``ValueError``, nothing changed, when a
         group is not wholly free, is group 0 or is repeated."""
-        if groups.size == 0:
-            return
-        if (groups < 1).any() or (self.group_free[groups] != self._group).any() \
-                or np.unique(groups).size != groups.size:
-            raise ValueError(f"withdraw_groups: a group of {groups.tolist()} is not wholly "
-                             "free, or repeated")
-        self._is_free.reshape(-1, self._group)[groups] = False
-        self.group_free[groups] = 0
-        n = groups.size * self._group
-        self._num_free -= n
-        self._num_used += n
+        self._set_groups(groups, False)
 
     def release_groups(self, groups: np.ndarray) -> None:
         """:meth:`release` of every id of ``groups`` (distinct int64 group ids ``>= 1``, each
         wholly used: ``group_free[g] == 0``, as after :meth:`withdraw_groups`), by whole rows
         of the mask. Raises ``ValueError``, nothing changed, when a group holds a free id, is
         group 0 or is repeated."""
+        self._set_groups(groups, True)
+
+    def _set_groups(self, groups: np.ndarray, free: bool) -> None:
+        """Every id of ``groups`` becomes free (``free``) or used, each group wholly the
+        other before (checked first: ``ValueError``, nothing changed)."""
         if groups.size == 0:
             return
-        if (groups < 1).any() or self.group_free[groups].any() \
+        before = 0 if free else self._group
+        if (groups < 1).any() or (self.group_free[groups] != before).any() \
                 or np.unique(groups).size != groups.size:
-            raise ValueError(f"release_groups: a group of {groups.tolist()} holds free ids, "
-                             "or is repeated")
-        self._is_free.reshape(-1, self._group)[groups] = True
-        self.group_free[groups] = self._group
-        n = groups.size * self._group
+            what = "holds free ids" if free else "is not wholly free"
+            name = "release_groups" if free else "withdraw_groups"
+            raise ValueError(f"{name}: a group of {groups.tolist()} {what}, or is repeated")
+        self._is_free.reshape(-1, self._group)[groups] = free
+        self.group_free[groups] = self._group - before
+        n = groups.size * self._group if free else -groups.size * self._group
         self._num_free += n
         self._num_used -= n
 

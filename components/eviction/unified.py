@@ -298,9 +298,12 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
                       short of states is a refusal (evidence for the target:
                       ``BoundaryTarget.on_state_refused``)
 
-    The invariant behind "fit in its share": what a side holds locked never exceeds its
-    share, so whatever it took past its share is evictable, and the other side can always
-    get back to its target. A side at its share frees its own memory or fails, and an engine
+    Why "fit in its share": what a side took past its share stays evictable, so the other
+    side can get back to its target. This call checks it only when it moves the boundary:
+    an allocation that succeeds from memory a side already owns does not come here, so a
+    side past its share can still lock more than its share (measured, and a guard at
+    allocation tried and not kept: ``bench/results/2026-12-05-memory-split-5-guard.md``).
+    A side at its share frees its own memory or fails, and an engine
     then finishes a running request (as it does with two pools of fixed sizes) rather than
     grow that side over the other's cached value. ``on_evict``, when given, receives each
     eviction's ``EvictResult`` (an engine counts its evicted tokens and states with it).
