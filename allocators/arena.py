@@ -6,12 +6,15 @@ size, each holding either ``pages_per_chunk`` KV pages or one recurrent-state sl
     kv_page_bytes   = page_size * kv_bytes_per_token          (K + V, every attention layer)
     pages_per_chunk = ceil(state_bytes / kv_page_bytes)         (a state fits in one chunk)
     chunk_bytes     = pages_per_chunk * kv_page_bytes
-    num_chunks      = budget_bytes // chunk_bytes
+    num_chunks      = budget_bytes // chunk_bytes + 1          (+ 1: the padding chunk)
 
     chunk:  0 (padding) | 1 .. num_kv_chunks: KV band ... | ... state band: num_chunks - 1
             KV page 0 and state slot 0 lie here; never handed out
 
-Chunk 0 is the padding of both kinds (KV page 0, state slot 0). Chunks are owned by one kind
+Chunk 0 is the padding of both kinds (KV page 0, state slot 0). It is allocated on top of the
+budget, as the fixed pools allocate their padding rows on top of their size (``KVPool``'s
+``size + page_size`` rows, ``MambaStatePool``'s ``size + 1``): ``budget_bytes`` is the memory
+the two kinds can use, so an arena and a fixed split of the same budget hold the same bytes. Chunks are owned by one kind
 at a time: KV takes the low end, states the high end (SGLang's ``--enable-unified-memory``
 bands), and a chunk moves from one kind to the other only while it is wholly free
 (:meth:`MemoryArena.kv_to_state`, :meth:`MemoryArena.state_to_kv`; all or nothing). Free KV
@@ -37,8 +40,9 @@ state view keeps the FIFO order; the KV view hands out the lowest free pages (it
 a mask, ``snapshot`` lists it ascending). :meth:`SlotAllocator.available_size` is what the kind
 can hand out now; ``owned_size()`` is what it owns.
 
-Waste (bytes no kind can use, :meth:`MemoryArena.waste_bytes`): the budget's tail past the
-last whole chunk, the padding chunk, and per state chunk ``chunk_bytes - state_bytes``. Free
+Waste (bytes of the budget no kind can use, :meth:`MemoryArena.waste_bytes`): the budget's
+tail past the last whole chunk and per state chunk ``chunk_bytes - state_bytes`` (the padding
+chunk is not in the budget: :attr:`MemoryArena.padding_bytes`). Free
 KV pages in a chunk that still holds used pages are usable by KV but not by a state until
 the chunk empties: :meth:`MemoryArena.stranded_bytes` reports them apart.
 """
@@ -486,8 +490,9 @@ class MemoryArena:
     """One byte budget for KV pages and recurrent-state slots (module docstring: layout).
 
     Args:
-        budget_bytes: the bytes to use (``> 0``); ``budget_bytes // chunk_bytes`` chunks are
-            allocated, at least 3 (padding, one state, one KV chunk).
+        budget_bytes: the bytes the two kinds may use (``> 0``); ``budget_bytes //
+            chunk_bytes`` usable chunks, at least 2 (one state, one KV chunk), and the padding
+            chunk on top (module docstring).
         kv_shape: :class:`KVShape` of the attention KV.
         state_shape: :class:`StateShape` of one recurrent-state slot.
         state_slots: chunks states own at first (the high end), ``0 .. num_chunks - 1``; the
@@ -496,14 +501,15 @@ class MemoryArena:
 
     Raises:
         TypeError: an argument of the wrong type, naming it.
-        ValueError: a budget below 3 chunks (``budget_bytes``, naming the minimum), a chunk
+        ValueError: a budget below 2 chunks (``budget_bytes``, naming the minimum), a chunk
             whose bytes the state dtype does not divide, ``state_slots`` out of range.
 
     Attributes:
         kv_allocator: :class:`ArenaKVAllocator`, the KV view (pass as a cache's
             ``kv_allocator``).
         state_pool: :class:`ArenaStatePool`, the state view (``state_allocator``).
-        buffer: the ``torch.uint8`` tensor of ``num_chunks * chunk_bytes`` bytes.
+        buffer: the ``torch.uint8`` tensor of ``num_chunks * chunk_bytes`` bytes (the padding
+            chunk included).
         owner: numpy ``int8`` per chunk: ``0`` padding, ``1`` KV, ``2`` state (read only).
     """
 
@@ -528,11 +534,12 @@ class MemoryArena:
                 f"kv_shape and state_shape do not divide: a chunk of {chunk} bytes "
                 f"({ppc} KV pages of {kv_page}) is not a whole number of "
                 f"{state_shape.dtype} elements ({s_elem} bytes)")
-        self.num_chunks = n = budget_bytes // chunk
+        self.num_chunks = n = budget_bytes // chunk + 1
         if n < 3:
             raise ValueError(
-                f"budget_bytes={budget_bytes} is below 3 chunks of {chunk} bytes (the padding "
-                f"chunk, one state slot, one KV chunk of {ppc} pages): need >= {3 * chunk}")
+                f"budget_bytes={budget_bytes} is below 2 chunks of {chunk} bytes (one state "
+                f"slot, one KV chunk of {ppc} pages; the padding chunk comes on top): need "
+                f">= {2 * chunk}")
         if state_slots is None:
             state_slots = (n - 1) // 2
         state_slots = check_int(state_slots, "state_slots", minimum=0)
@@ -603,8 +610,14 @@ class MemoryArena:
 
     @property
     def arena_bytes(self) -> int:
-        """Bytes allocated: ``num_chunks * chunk_bytes``."""
+        """Bytes allocated: ``num_chunks * chunk_bytes`` (the padding chunk included)."""
         return self.num_chunks * self.chunk_bytes
+
+    @property
+    def padding_bytes(self) -> int:
+        """Bytes of the padding chunk (KV page 0, state slot 0), allocated on top of the
+        budget: ``chunk_bytes``."""
+        return self.chunk_bytes
 
     @property
     def tokens_per_chunk(self) -> int:
@@ -613,10 +626,11 @@ class MemoryArena:
         return self.pages_per_chunk * self.kv_shape.page_size
 
     def waste_bytes(self) -> int:
-        """Bytes no kind can use now: the budget's tail past the last chunk, the padding
-        chunk, and ``chunk_bytes - state_bytes`` per state chunk."""
-        tail = self.budget_bytes - self.arena_bytes
-        return tail + self.chunk_bytes + self.num_state_chunks * (self.chunk_bytes - self.state_bytes)
+        """Bytes of the budget no kind can use now: its tail past the last usable chunk and
+        ``chunk_bytes - state_bytes`` per state chunk (the padding chunk is on top of the
+        budget, :attr:`padding_bytes`)."""
+        tail = self.budget_bytes - (self.num_chunks - 1) * self.chunk_bytes
+        return tail + self.num_state_chunks * (self.chunk_bytes - self.state_bytes)
 
     def waste_fraction(self) -> float:
         """:meth:`waste_bytes` over ``budget_bytes`` (a fraction in ``[0, 1)``)."""

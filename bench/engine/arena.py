@@ -33,7 +33,8 @@ __all__ = ["ArenaReplayEngine", "build_arena", "make_engine"]
 
 def build_arena(layout: ArenaLayout, page_size: int) -> MemoryArena:
     """The scaled arena of ``layout`` (module docstring): ``num_chunks`` chunks of
-    ``tokens_per_chunk`` tokens x 4 B, ``state_chunks`` of them states.
+    ``tokens_per_chunk`` tokens x 4 B (the padding chunk included: the budget is the
+    others'), ``state_chunks`` of them states.
 
     Raises:
         ValueError: ``tokens_per_chunk`` not a multiple of ``page_size`` (from
@@ -41,7 +42,7 @@ def build_arena(layout: ArenaLayout, page_size: int) -> MemoryArena:
     """
     kv = KVShape(1, 1, 1, torch.float16, page_size)  # 4 B per token (K and V)
     st = StateShape(1, (1,), (layout.tokens_per_chunk - 1,), torch.float32)  # one chunk
-    return MemoryArena(layout.num_chunks * layout.tokens_per_chunk * 4, kv, st,
+    return MemoryArena((layout.num_chunks - 1) * layout.tokens_per_chunk * 4, kv, st,
                        state_slots=layout.state_chunks)
 
 

@@ -267,8 +267,8 @@ def split_memory(preset: ModelPreset, memory_gb: float, state_fraction: float,
 class ArenaLayout:
     """The counts of a unified memory arena (``allocators.arena.MemoryArena``) of a budget:
     ``num_chunks`` chunks of ``tokens_per_chunk`` KV tokens or one state each, chunk 0 the
-    padding, ``state_chunks`` of the others owned by states at the start (the boundary moves
-    at run time).
+    padding (on top of the budget, as a fixed pool's padding rows), ``state_chunks`` of the
+    others owned by states at the start (the boundary moves at run time).
 
     Raises:
         ValueError: a count that is not an int, ``tokens_per_chunk < 1``, ``num_chunks < 3``
@@ -300,12 +300,14 @@ def arena_layout(preset: ModelPreset, memory_gb: float, state_fraction: float,
     ``state_fraction`` of the usable chunks at the start (at least one, and one KV chunk)::
 
         tokens_per_chunk = ceil(state_bytes / (page_size * kv_bytes_per_token)) * page_size
-        num_chunks       = floor(memory_gb * 1e9 / (tokens_per_chunk * kv_bytes_per_token))
+        num_chunks       = floor(memory_gb * 1e9 / (tokens_per_chunk * kv_bytes_per_token)) + 1
         state_chunks     = clamp(round(state_fraction * (num_chunks - 1)), 1, num_chunks - 2)
 
-    (``allocators.arena``'s chunking: a chunk is one state rounded up to whole KV pages.)
+    (``allocators.arena``'s chunking: a chunk is one state rounded up to whole KV pages; the
+    ``+ 1`` is the padding chunk, allocated on top of the budget as the fixed pools allocate
+    their padding rows on top of their size, so both modes get the same usable bytes.)
     Example: ``qwen3-next-80b`` at 10 GB: 3,144 tokens per chunk (77,266,944 B, exactly one
-    state), 129 chunks.
+    state), 129 usable chunks and the padding: 130.
 
     Raises:
         ValueError: ``memory_gb <= 0``, ``state_fraction`` outside ``[0, 1)``,
@@ -321,12 +323,13 @@ def arena_layout(preset: ModelPreset, memory_gb: float, state_fraction: float,
     kv_page = page_size * preset.kv_bytes_per_token
     tokens_per_chunk = -(-preset.state_bytes_per_slot // kv_page) * page_size
     chunk_bytes = tokens_per_chunk * preset.kv_bytes_per_token
-    chunks = int(memory_gb * GB // chunk_bytes)
-    if chunks < 3:
+    usable = int(memory_gb * GB // chunk_bytes)
+    if usable < 2:
         raise ValueError(
-            f"memory_gb={memory_gb} holds {chunks} arena chunks of {chunk_bytes:,} bytes "
+            f"memory_gb={memory_gb} holds {usable} arena chunks of {chunk_bytes:,} bytes "
             f"({preset.name}: one state in whole pages of {page_size}); the unified arena needs "
-            f"3 (padding, one state, one KV chunk): {3 * chunk_bytes / GB:.4g} GB or more")
+            f"2 (one state, one KV chunk): {2 * chunk_bytes / GB:.4g} GB or more")
+    chunks = usable + 1
     state_chunks = min(max(1, round(state_fraction * (chunks - 1))), chunks - 2)
     return ArenaLayout(tokens_per_chunk, chunks, state_chunks)
 

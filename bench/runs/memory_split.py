@@ -81,13 +81,14 @@ def _arena_for(preset: Any, memory_gb: float, page_size: int, fraction: float) -
 
 def real_waste_fraction(preset: Any, memory_gb: float, arena: Any, state_chunks: int) -> float:
     """The layout waste of a real arena of ``preset``'s bytes with ``arena``'s chunk counts and
-    ``state_chunks`` state chunks: the budget's tail, the padding chunk, ``chunk - state``
-    bytes per state chunk (a fraction of the budget)."""
+    ``state_chunks`` state chunks: the budget's tail past the last usable chunk and
+    ``chunk - state`` bytes per state chunk (a fraction of the budget; the padding chunk is
+    on top of the budget, as ``allocators.arena.MemoryArena.waste_bytes`` counts it)."""
     from bench.engine.presets import GB
 
     budget = memory_gb * GB
     chunk = arena.tokens_per_chunk * preset.kv_bytes_per_token
-    waste = (budget - arena.num_chunks * chunk) + chunk \
+    waste = (budget - (arena.num_chunks - 1) * chunk) \
         + state_chunks * (chunk - preset.state_bytes_per_slot)
     return float(waste / budget)
 

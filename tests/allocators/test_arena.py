@@ -32,7 +32,7 @@ def t(*ids: int) -> torch.Tensor:
 
 
 def arena(state_slots: int = 3) -> MemoryArena:
-    return MemoryArena(4000, KV, ST, state_slots=state_slots)
+    return MemoryArena(3616, KV, ST, state_slots=state_slots)
 
 
 def snaps(a: MemoryArena) -> tuple[object, ...]:
@@ -49,15 +49,17 @@ def test_accounting_by_hand() -> None:
     assert (kv.owned_size(), kv.available_size()) == (36, 36)
     assert kv.size == (10 * 3 - 1) * 2  # the whole id range; other chunks' ids withdrawn
     assert (st.owned_size(), st.available_size(), st.size) == (3, 3, 9)
-    assert a.waste_bytes() == 160 + 384 + 3 * 32
-    assert a.waste_fraction() == pytest.approx(640 / 4000)
-    assert a.stats()["waste_fraction"] == pytest.approx(0.16)
+    # budget 3,616 = 9 usable chunks (3,456) + a 160 B tail; the padding chunk is on top
+    assert a.budget_bytes == 3616 and a.padding_bytes == 384
+    assert a.waste_bytes() == 160 + 3 * 32
+    assert a.waste_fraction() == pytest.approx(256 / 3616)
+    assert a.stats()["waste_fraction"] == pytest.approx(256 / 3616)
     assert a.tokens_per_chunk == 6
     a.check()
 
 
 def test_default_split_is_half_the_usable_chunks() -> None:
-    a = MemoryArena(4000, KV, ST)
+    a = MemoryArena(3616, KV, ST)
     assert (a.num_state_chunks, a.num_kv_chunks) == (4, 5)
 
 
@@ -125,7 +127,7 @@ def test_kv_to_state_moves_wholly_free_chunks_all_or_nothing() -> None:
     assert st.snapshot().free_ids() == [9, 6, 5, 4, 3, 2]
     assert a.owner.tolist() == [0, 1, 2, 2, 2, 2, 2, 2, 2, 2]
     assert (kv.available_size(), kv.owned_size()) == (4, 6)
-    assert a.waste_bytes() == 160 + 384 + 8 * 32
+    assert a.waste_bytes() == 160 + 8 * 32
     assert st.alloc(6).tolist() == [9, 6, 5, 4, 3, 2]
     a.check()
 
@@ -209,13 +211,15 @@ def test_a_radix_cache_runs_over_the_views() -> None:
 
 
 def test_bad_input_names_the_argument() -> None:
-    with pytest.raises(ValueError, match="budget_bytes=1151 .*need >= 1152"):
-        MemoryArena(3 * 384 - 1, KV, ST)
-    assert MemoryArena(3 * 384, KV, ST).num_chunks == 3
+    # two usable chunks (one state, one KV) at least; the padding chunk comes on top
+    with pytest.raises(ValueError, match="budget_bytes=767 .*need >= 768"):
+        MemoryArena(2 * 384 - 1, KV, ST)
+    small = MemoryArena(2 * 384, KV, ST)
+    assert (small.num_chunks, small.arena_bytes, small.num_state_chunks) == (3, 3 * 384, 1)
     with pytest.raises(ValueError, match="budget_bytes"):
         MemoryArena(0, KV, ST)
     with pytest.raises(ValueError, match="state_slots=10"):
-        MemoryArena(4000, KV, ST, state_slots=10)
+        MemoryArena(3616, KV, ST, state_slots=10)
     with pytest.raises(ValueError, match="state_slots"):
         MemoryArena(4000, KV, ST, state_slots=-1)
     with pytest.raises(TypeError, match="kv_shape"):
@@ -272,7 +276,7 @@ def test_free_list_withdraw_keeps_the_rest_in_order_and_refuses_misuse() -> None
 
 
 def test_kv_free_list_is_lowest_first_whatever_the_free_order() -> None:
-    a = MemoryArena(20 * 384, KV, ST, state_slots=2)  # KV chunks 1..17: pages 3..53
+    a = MemoryArena(19 * 384, KV, ST, state_slots=2)  # KV chunks 1..17: pages 3..53
     kv = a.kv_allocator
     got = kv.alloc(2 * 30)  # pages 3..32
     assert got is not None and got.tolist() == list(range(6, 66))

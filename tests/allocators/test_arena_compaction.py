@@ -68,7 +68,7 @@ def insert(cache: RadixCache, a: MemoryArena, key: list[int]) -> None:
 
 
 def build() -> tuple[RadixCache, MemoryArena]:
-    a = MemoryArena(4000, KV, ST, state_slots=3)
+    a = MemoryArena(3616, KV, ST, state_slots=3)
     fill(a)
     cache = RadixCache(CFG, kv_allocator=a.kv_allocator, state_allocator=a.state_pool)
     h = a.kv_allocator.alloc(4)
@@ -191,7 +191,7 @@ def test_relocate_refuses_misuse_and_changes_nothing() -> None:
         assert same(snaps(a), s0)
     with pytest.raises(ValueError, match="num_chunks"):
         compact_kv(cache, a, -1)
-    other = MemoryArena(4000, KV, ST, state_slots=3)
+    other = MemoryArena(3616, KV, ST, state_slots=3)
     with pytest.raises(ValueError, match="cache"):
         compact_kv(cache, other, 1)
 
@@ -218,7 +218,7 @@ def test_seeded_stress_against_the_data_written() -> None:
     token's KV row (read through its node's slots) equals the row written for it, and
     every invariant holds."""
     rng = random.Random(7)
-    a = MemoryArena(64 * 384, KV, ST, state_slots=20)
+    a = MemoryArena(63 * 384, KV, ST, state_slots=20)
     cache = RadixCache(CFG, kv_allocator=a.kv_allocator, state_allocator=a.state_pool)
     rowv = rows(a)
     expect: dict[int, torch.Tensor] = {}  # token id -> its KV row (a token has one position)

@@ -42,7 +42,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["kv", "free", "state", "sfree", "to_st
 @settings(max_examples=60, deadline=None)
 @given(OPS, st.integers(0, 39))
 def test_counts_follow_every_operation(ops: list[tuple[str, int]], state_slots: int) -> None:
-    a = MemoryArena(40 * CHUNK, KV, ST, state_slots=state_slots)
+    a = MemoryArena(39 * CHUNK, KV, ST, state_slots=state_slots)
     kv, sp = a.kv_allocator, a.state_pool
     runs: list[list[int]] = []  # KV page ids handed out, per alloc
     slots: list[int] = []

@@ -41,16 +41,17 @@ def test_arena_layout_counts_and_refusals() -> None:
     p = get_preset("qwen3-next-80b")  # 24,576 B per token, 77,266,944 B per state
     lay = arena_layout(p, 10.0, SGLANG_DEFAULT_FRACTION)
     # one chunk = ceil(77,266,944 / 24,576) = 3,144 tokens = one state exactly
-    assert (lay.tokens_per_chunk, lay.num_chunks) == (3144, 10 * GB // (3144 * 24576)) == (3144, 129)
-    assert lay.state_chunks == round(0.9 / 1.9 * 128) == 61
-    assert lay.kv_tokens == (129 - 1 - 61) * 3144
+    # 129 usable chunks in 10 GB, and the padding chunk on top (as a fixed pool's padding rows)
+    assert (lay.tokens_per_chunk, lay.num_chunks) == (3144, 10 * GB // (3144 * 24576) + 1) == (3144, 130)
+    assert lay.state_chunks == round(0.9 / 1.9 * 129) == 61
+    assert lay.kv_tokens == (130 - 1 - 61) * 3144
     # page 64: a chunk is whole pages, ceil(3,144 / 64) = 50 pages = 3,200 tokens
     assert arena_layout(p, 10.0, 0.5, page_size=64).tokens_per_chunk == 3200
-    # three chunks (padding, one state, one KV chunk) = 231,800,832 B; one byte less refused
-    three = 3 * 3144 * 24576
-    assert arena_layout(p, three / GB, 0.5).num_chunks == 3
-    with pytest.raises(ValueError, match=r"memory_gb=.* holds 2 arena chunks .* needs 3"):
-        arena_layout(p, (three - 1) / GB, 0.5)
+    # two usable chunks (one state, one KV chunk) = 154,533,888 B; one byte less refused
+    two = 2 * 3144 * 24576
+    assert arena_layout(p, two / GB, 0.5).num_chunks == 3
+    with pytest.raises(ValueError, match=r"memory_gb=.* holds 1 arena chunks .* needs 2"):
+        arena_layout(p, (two - 1) / GB, 0.5)
     with pytest.raises(ValueError, match="state_fraction"):
         arena_layout(p, 10.0, 1.0)
     with pytest.raises(ValueError, match="page_size"):
@@ -140,8 +141,8 @@ BAD = [
       "--policy", "lru"], "--policy lru: --state-fraction unified runs one policy"),
     (["--model", "qwen3-next-80b", "--memory-gb", "1", "--state-fraction", "unify"],
      "argument --state-fraction: expected a number in [0, 1) or 'unified'"),
-    (["--model", "qwen3-next-80b", "--memory-gb", "0.2", "--state-fraction", "unified"],
-     "memory_gb=0.2 holds 2 arena chunks"),
+    (["--model", "qwen3-next-80b", "--memory-gb", "0.1", "--state-fraction", "unified"],
+     "memory_gb=0.1 holds 1 arena chunks"),
     (["--model", "qwen3-next", "--memory-gb", "1"], "argument --model: invalid choice"),
 ]
 BAD_SIMULATE = [

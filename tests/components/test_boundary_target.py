@@ -28,7 +28,7 @@ K, S = 64, 384
 
 
 def build() -> tuple[RadixCache, MemoryArena, BoundaryTarget]:
-    a = MemoryArena(20 * S, KV, ST, state_slots=4)
+    a = MemoryArena(19 * S, KV, ST, state_slots=4)
     cache = RadixCache(CFG, kv_allocator=a.kv_allocator, state_allocator=a.state_pool)
     for key in (P, Q, R):
         m = cache.match_prefix(key)
@@ -179,7 +179,7 @@ def test_seeded_stress_make_room_keeps_its_contract() -> None:
     import random
 
     rng = random.Random(7)
-    a = MemoryArena(30 * S, KV, ST, state_slots=6)
+    a = MemoryArena(29 * S, KV, ST, state_slots=6)
     cache = RadixCache(CFG, kv_allocator=a.kv_allocator, state_allocator=a.state_pool)
     walk = cache.state.gds if cache.state is not None else None
     assert isinstance(walk, UnifiedStrategy)

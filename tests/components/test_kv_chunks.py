@@ -30,7 +30,7 @@ PPC = 3  # pages per chunk of these shapes
 
 
 def make() -> tuple[RadixCache, MemoryArena]:
-    a = MemoryArena(4000, KV, ST, state_slots=3)
+    a = MemoryArena(3616, KV, ST, state_slots=3)
     assert a.pages_per_chunk == PPC and a.num_chunks == 10
     return RadixCache(CFG, kv_allocator=a.kv_allocator, state_allocator=a.state_pool), a
 

@@ -36,7 +36,7 @@ R = P + [100, 101, 102, 103]
 
 
 def build(chunks: int = 20, state_slots: int = 4) -> tuple[RadixCache, MemoryArena]:
-    a = MemoryArena(chunks * 384, KV, ST, state_slots=state_slots)
+    a = MemoryArena((chunks - 1) * 384, KV, ST, state_slots=state_slots)
     return RadixCache(CFG, kv_allocator=a.kv_allocator, state_allocator=a.state_pool), a
 
 
@@ -123,7 +123,7 @@ def test_evict_bytes_bad_input_and_other_policies() -> None:
     cache, _ = build()
     with pytest.raises(ValueError, match="num_bytes"):
         cache.evict_bytes(-1)
-    a = MemoryArena(4000, KV, ST)
+    a = MemoryArena(3616, KV, ST)
     lru = RadixCache(CacheConfig(page_size=2), kv_allocator=a.kv_allocator,
                      state_allocator=a.state_pool)
     with pytest.raises(ValueError, match="evict_bytes needs radix_eviction_policy='unified'"):
@@ -133,7 +133,7 @@ def test_evict_bytes_bad_input_and_other_policies() -> None:
 
 
 def test_unified_refuses_what_it_does_not_support() -> None:
-    a = MemoryArena(4000, KV, ST)
+    a = MemoryArena(3616, KV, ST)
     kv_only = RadixCache(CFG, kv_allocator=a.kv_allocator)  # lru on KV leaves, as gds
     with pytest.raises(ValueError, match="evict_bytes needs"):
         kv_only.evict_bytes(1)
@@ -168,7 +168,7 @@ def test_random_victims_are_the_exact_minimum_over_both_kinds(seed: int, e: floa
     import random
 
     rng = random.Random(seed)
-    a = MemoryArena(60 * 384, KV, ST, state_slots=20)
+    a = MemoryArena(59 * 384, KV, ST, state_slots=20)
     cfg = CacheConfig(page_size=2, radix_eviction_policy="unified",
                       radix_eviction_policy_config={"d": 1.0, "e": e})
     cache = RadixCache(cfg, kv_allocator=a.kv_allocator, state_allocator=a.state_pool)
