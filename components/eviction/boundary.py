@@ -10,7 +10,8 @@ Self-Tuning, Low Overhead Replacement Cache", FAST 2003: a hit in the ghost list
 grows that side's target)::
 
     state ghost hit:  a match would have used T more tokens had an evicted state (on a node
-                      of its KV-matched path, below the state it used) stayed
+                      of its KV-matched path, below the state it used; or on a leaf that
+                      left with it, the match's key continuing through the leaf's) stayed
                                                               -> target += T * K
     KV ghost hit:     a match would have used G more tokens had an evicted KV leaf with a
                       state (a child of the match's deepest node, its key all matched)
@@ -34,10 +35,19 @@ forgotten first; a hit removes its entry (ARC moves a ghost hit out of its list)
   key's next page; it is a hit when the key continues with every stored token (``G`` =
   their count).
 * State: ``node id -> depth``, recorded when a state leaves a node; at most the KV band's
-  bytes in states. (A leaf evicted with its state leaves an entry that never hits: the KV
-  ghost holds that loss; the entry ages out.) A match walks from its deepest KV node up to
-  the consumed state's node: the first node in the ghost gives ``T = its depth - the usable
-  prefix``.
+  bytes in states. (A leaf evicted with its state leaves an entry that never hits; the
+  entry ages out.) A match walks from its deepest KV node up to the consumed state's node:
+  the first node in the ghost gives ``T = its depth - the usable prefix``.
+* Leaf (state side): ``(parent id, first page) -> the leaf's tokens``, recorded when a
+  state leaves an unlocked leaf that no KV eviction is removing (the cache then prunes
+  the stateless leaf: a loss of the state side that takes KV with it, which neither ghost
+  above could see: the node is gone, and the KV order did not choose it); at most the KV
+  band's bytes in states. Looked up as the KV ghost, and first: a hit gives ``T = kv_end's
+  depth + the leaf's tokens - the usable prefix`` (the node walk is then skipped: the
+  leaf's is the deepest state lost). A leaf's key is in at most one of the KV and leaf
+  ghosts (recording it in one drops it from the other, as ARC's ghost lists are disjoint).
+  A leaf whose parent is pruned with it leaves an entry that never hits (as for the KV
+  ghost).
 
 The target starts at the arena's state band when :meth:`BoundaryTarget.observe` first sees
 the arena (``make_room``'s first call); nothing is recorded before.
@@ -97,6 +107,8 @@ class BoundaryTarget:
         self._kv_ghost: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
         self._kv_ghost_tokens = 0
         self._state_ghost: dict[int, int] = {}
+        self._leaf_ghost: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
+        self._kv_victim: int | None = None
         self.kv_ghost_hits = self.state_ghost_hits = 0
         self.kv_ghost_tokens = self.state_ghost_tokens = 0
         self.states_refused = 0
@@ -148,12 +160,11 @@ class BoundaryTarget:
         """An unlocked KV leaf is being evicted (its key, parent and state still set):
         remember its tokens when it has a state."""
         parent = leaf.parent
+        self._kv_victim = leaf.id
         if self.capacity_bytes is None or parent is None or leaf.state_slot is None:
             return
-        if parent.parent is None:
-            self._root_id = parent.id
-        toks = np.array(leaf.key, dtype=np.int64)
-        gk = (parent.id, tuple(toks[: self.page_size].tolist()))
+        gk, toks = self._leaf_key(leaf, parent)
+        self._leaf_ghost.pop(gk, None)  # a lost leaf is in one ghost (ARC's lists are disjoint)
         ghost = self._kv_ghost
         old = ghost.pop(gk, None)
         if old is not None:
@@ -164,16 +175,42 @@ class BoundaryTarget:
         while self._kv_ghost_tokens > limit and ghost:
             self._kv_ghost_tokens -= len(ghost.pop(next(iter(ghost))))
 
+    def _leaf_key(self, leaf: TreeNode, parent: TreeNode
+                  ) -> tuple[tuple[int, tuple[int, ...]], np.ndarray]:
+        if parent.parent is None:
+            self._root_id = parent.id
+        toks = np.array(leaf.key, dtype=np.int64)
+        return (parent.id, tuple(toks[: self.page_size].tolist())), toks
+
     def on_state_removed(self, node: TreeNode) -> None:
-        """A state left ``node``: remember where."""
+        """A state left ``node``: remember where. On an unlocked leaf that a KV eviction
+        is not removing, the leaf leaves with it (a stateless leaf is pruned), so its tokens
+        are remembered too (the leaf ghost: a state loss that takes KV with it)."""
         if self.capacity_bytes is None:
             return
+        kv_victim, self._kv_victim = self._kv_victim, None
         ghost = self._state_ghost
         ghost.pop(node.id, None)
         ghost[node.id] = node.depth
-        limit = (self.capacity_bytes - self.band_bytes) // self.state_bytes
+        limit = self._state_limit()
         while len(ghost) > limit:
             del ghost[next(iter(ghost))]
+        parent = node.parent
+        if node.id == kv_victim or parent is None or node.children or node.kv_lock:
+            return
+        gk, toks = self._leaf_key(node, parent)
+        old = self._kv_ghost.pop(gk, None)
+        if old is not None:
+            self._kv_ghost_tokens -= len(old)
+        leaves = self._leaf_ghost
+        leaves.pop(gk, None)
+        leaves[gk] = toks
+        while len(leaves) > limit:
+            del leaves[next(iter(leaves))]
+
+    def _state_limit(self) -> int:
+        assert self.capacity_bytes is not None
+        return (self.capacity_bytes - self.band_bytes) // self.state_bytes
 
     def on_match(self, kv_end: TreeNode | None, consumed: TreeNode | None,
                  key: Sequence[int], end: int) -> None:
@@ -183,26 +220,34 @@ class BoundaryTarget:
         if self.target_bytes is None:
             return
         base = consumed.depth if consumed is not None else 0
-        ghost = self._state_ghost
-        n = kv_end
-        while ghost and n is not None and n is not consumed and n.depth > base:
-            if ghost.pop(n.id, None) is not None:
-                t = n.depth - base
-                self.state_ghost_hits += 1
-                self.state_ghost_tokens += t
-                self._move(t * self.kv_bytes_per_token)
-                break
-            n = n.parent
-        g = self._kv_ghost_hit(kv_end, key, end)
+        g = self._ghost_hit(self._leaf_ghost, kv_end, key, end)
+        if g:  # the deepest state lost: the leaf's, whose KV left with it
+            self._state_hit((kv_end.depth if kv_end is not None else 0) + g - base)
+        else:
+            ghost = self._state_ghost
+            n = kv_end
+            while ghost and n is not None and n is not consumed and n.depth > base:
+                if ghost.pop(n.id, None) is not None:
+                    self._state_hit(n.depth - base)
+                    break
+                n = n.parent
+        g = self._ghost_hit(self._kv_ghost, kv_end, key, end)
         if g:
+            self._kv_ghost_tokens -= g
             self.kv_ghost_hits += 1
             self.kv_ghost_tokens += g
             self._move(-g * self.kv_bytes_per_token)
 
-    def _kv_ghost_hit(self, kv_end: TreeNode | None, key: Sequence[int], end: int) -> int:
-        """Tokens of the KV ghost entry below ``kv_end`` when ``key[:end]`` continues with
-        all of them (the entry then leaves the ghost), else 0."""
-        if not self._kv_ghost:
+    def _state_hit(self, t: int) -> None:
+        self.state_ghost_hits += 1
+        self.state_ghost_tokens += t
+        self._move(t * self.kv_bytes_per_token)
+
+    def _ghost_hit(self, ghost: dict[tuple[int, tuple[int, ...]], np.ndarray],
+                   kv_end: TreeNode | None, key: Sequence[int], end: int) -> int:
+        """Tokens of the leaf entry of ``ghost`` below ``kv_end`` when ``key[:end]``
+        continues with all of them (the entry then leaves ``ghost``), else 0."""
+        if not ghost:
             return 0
         depth = kv_end.depth if kv_end is not None else 0
         parent_id = kv_end.id if kv_end is not None else self._root_id
@@ -210,15 +255,14 @@ class BoundaryTarget:
         if parent_id is None or depth + ps > end:
             return 0
         gk = (parent_id, tuple(int(x) for x in key[depth: depth + ps]))
-        toks = self._kv_ghost.get(gk)
+        toks = ghost.get(gk)
         if toks is None:
             return 0
         g = len(toks)
         if depth + g > end or not np.array_equal(
                 np.asarray(key[depth: depth + g], dtype=np.int64), toks):
             return 0
-        del self._kv_ghost[gk]
-        self._kv_ghost_tokens -= g
+        del ghost[gk]
         return g
 
     def check(self) -> None:

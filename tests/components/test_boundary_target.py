@@ -122,6 +122,58 @@ def test_kv_ghost_needs_the_whole_leaf() -> None:
     cache.sanity_check()
 
 
+def depth_id(cache: RadixCache, depth: int) -> int:
+    """The id of the node ending at ``depth`` (found without a match, which would feed the
+    ghosts)."""
+    (n,) = [n for n in cache.tree.iter_nodes() if n.parent is not None and n.depth == depth]
+    return n.id
+
+
+def test_leaf_state_evicted_with_its_leaf_is_a_state_ghost_hit() -> None:
+    cache, a, b = build()
+    # P's state (internal, 4 tokens to rebuild), then R's (8: P's is gone); R is a leaf and
+    # leaves with its state (a stateless leaf is pruned): its tokens go to the leaf ghost,
+    # not to the KV ghost (no KV eviction chose it).
+    assert cache.evict_states(2).num_states == 2
+    assert tree(cache) == [(4, False), (40, True)]
+    assert list(b._leaf_ghost) == [(depth_id(cache, 4), (100, 101))] and not b._kv_ghost
+    # R again: the match ends at P (4 tokens, usable 0); R's state and KV would have made
+    # all 8 usable: + 8 K, and P's node entry (shallower) is not looked at.
+    m = cache.match_prefix(R)
+    assert (m.prefix_len, m.kv_hit_length) == (0, 4)
+    assert b.target_bytes == 4 * S + 8 * K
+    assert (b.state_ghost_hits, b.state_ghost_tokens, b.kv_ghost_hits) == (1, 8, 0)
+    # The leaf entry left on its hit; P's node entry gives its 4 tokens next: + 4 K.
+    cache.match_prefix(R)
+    assert b.target_bytes == 4 * S + 12 * K and (b.state_ghost_hits, b.state_ghost_tokens) == (2, 12)
+    cache.match_prefix(R)  # both entries gone
+    assert b.target_bytes == 4 * S + 12 * K
+    cache.sanity_check()
+
+
+def test_leaf_ghost_and_kv_ghost_are_disjoint() -> None:
+    cache, a, b = build()
+    assert cache.evict(1).num_tokens == 4  # R, with its state, by the KV order: KV ghost
+    assert list(b._kv_ghost) == [(depth_id(cache, 4), (100, 101))] and not b._leaf_ghost
+    # R back with a state (inserted without a match: no ghost look-up), then its state goes
+    # by the state order and takes the leaf along: the key moves to the leaf ghost.
+    new = a.kv_allocator.alloc(8)
+    slot = a.state_pool.alloc_slot()
+    assert new is not None and slot is not None
+    res = cache.insert(R, new, state_slot=slot)
+    assert res.state_adopted
+    a.kv_allocator.free(res.duplicate_indices)  # P's 4, already cached
+    assert cache.evict_states(2).num_states == 2  # P's (internal), then R's with its leaf
+    assert tree(cache) == [(4, False), (40, True)]
+    assert list(b._leaf_ghost) == [(depth_id(cache, 4), (100, 101))] and not b._kv_ghost
+    assert b._kv_ghost_tokens == 0
+    # R again: usable 0, R's state would have made 8: + 8 K; no KV ghost hit (- 4 K).
+    m = cache.match_prefix(R)
+    assert (m.prefix_len, m.kv_hit_length) == (0, 4)
+    assert b.target_bytes == 4 * S + 8 * K and (b.state_ghost_hits, b.kv_ghost_hits) == (1, 0)
+    cache.sanity_check()
+
+
 def test_make_room_kv_short_at_its_share_evicts_kv_then_fails() -> None:
     cache, a, b = build()
     kv, st = a.kv_allocator, a.state_pool
