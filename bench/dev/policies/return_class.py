@@ -188,9 +188,12 @@ class ReturnRecorder:
 
 
 def _patch_engine(engine: ReplayEngine, ctx: _Context) -> None:
-    """Make ``engine`` tell ``ctx`` which request it serves and how it inserts (its
-    ``admit``, ``_prefill_checkpoints`` and ``_finish`` wrapped on the instance)."""
-    admit, checkpoints, finish = engine.admit, engine._prefill_checkpoints, engine._finish
+    """Make ``engine`` tell ``ctx`` which request it serves and how it inserts: its
+    ``admit`` and its cache's ``cache_unfinished_req`` (checkpoints) and
+    ``cache_finished_req`` (prompt ends) wrapped on the instances."""
+    admit = engine.admit
+    cache = engine.cache
+    unfinished, finished = cache.cache_unfinished_req, cache.cache_finished_req
 
     def patched_admit(tr: Any, rid: object = None, extra_key: Any = None) -> bool:
         old = ctx.rid
@@ -200,24 +203,19 @@ def _patch_engine(engine: ReplayEngine, ctx: _Context) -> None:
         finally:
             ctx.rid = old
 
-    def patched_checkpoints(req: Any, *args: Any) -> None:
-        old = ctx.rid, ctx.store
-        ctx.rid, ctx.store = req.rid, "chunk"
-        try:
-            checkpoints(req, *args)
-        finally:
-            ctx.rid, ctx.store = old
+    def insert_as(store: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        def patched(req: Any, *args: Any, **kwargs: Any) -> Any:
+            old = ctx.rid, ctx.store
+            ctx.rid, ctx.store = req.rid, store
+            try:
+                return call(req, *args, **kwargs)
+            finally:
+                ctx.rid, ctx.store = old
+        return patched
 
-    def patched_finish(run: Any) -> None:
-        old = ctx.rid, ctx.store
-        ctx.rid, ctx.store = run.req.rid, "end"
-        try:
-            finish(run)
-        finally:
-            ctx.rid, ctx.store = old
-
-    vars(engine).update(admit=patched_admit, _prefill_checkpoints=patched_checkpoints,
-                        _finish=patched_finish)
+    vars(engine).update(admit=patched_admit)
+    vars(cache).update(cache_unfinished_req=insert_as("chunk", unfinished),
+                       cache_finished_req=insert_as("end", finished))
 
 
 class _Sim(Simulator):
