@@ -46,18 +46,7 @@ shallower live state is ``s``):
   cached, GDSF's frequency: a leaf consumed without being extended, such as a shared
   prompt's end state, is worth more each time). Outcomes are read from KV-level reuse
   (``hit_count`` of the node after ``2 x`` live-states stores), so the walk's own evictions
-  do not censor them. A leaf of return class ``continued`` (:func:`return_class`: the
-  request that stored it had resumed at a leaf state, i.e. continued an earlier prompt's
-  end, as a conversation's next turn does) is weighed further by ``max(1, rate(continued) /
-  rate(leaf))``: hits per leaf state per store of that class over all leaves' (the kinds'
-  rate rule), quantised as the session tags' weights are
-  (:func:`components.eviction.sessions.quantised`). Measured under the offline reference
-  (``bench/results/2026-12-06-return-class.md``): the end states of continuing conversations
-  are the class that comes back (multi-turn chat, 64 slots: resumed 0.76 against 0.41-0.49;
-  Mooncake-like, 64 slots: 0.27 against 0.10); the other classes (``fresh``, ``inner``) are
-  not weighed. The weight never goes below 1 because the rate is censored by the walk's own
-  evictions (a class weighed down is evicted before it can be hit: measured, letting it fall
-  took Mooncake-like 64 slots from 0.062 to 0.051).
+  do not censor them.
 * ``chain`` (consumed by a request that then cached a state below it: the conversation
   moved past it; not consumed since): ``w = 0`` while chains are learned to be hit less often
   than leaves, else 1.
@@ -108,13 +97,12 @@ from typing import TYPE_CHECKING, Any
 
 from components.eviction.duel import Ghosts, KVOrderDuel
 from components.eviction.gds import GreedyDualHeap, gds_cost
-from components.eviction.sessions import SessionEvidence, quantised
+from components.eviction.sessions import SessionEvidence
 
 if TYPE_CHECKING:
     from radix.node import TreeNode
 
-__all__ = ["CHAIN", "CONTINUED", "FRESH", "HUB", "HUB0", "INNER", "KIND_NAMES", "LEAF",
-           "RETURN_NAMES", "SPINE", "AdaptiveGDSStrategy", "return_class", "seen_bucket"]
+__all__ = ["CHAIN", "HUB", "HUB0", "KIND_NAMES", "LEAF", "SPINE", "AdaptiveGDSStrategy", "seen_bucket"]
 
 SEEN_EDGES = (0.3, 0.9)
 """Seen-share bucket edges: ``< 0.3`` -> 0, ``< 0.9`` -> 1, else 2."""
@@ -135,11 +123,6 @@ SWITCH_MARGIN = 1.5
 """Another order leads once the leader's charge exceeds its own by this factor (and by more
 than the mean matched key length)."""
 
-FRESH, CONTINUED, INNER = 0, 1, 2
-RETURNS = (FRESH, CONTINUED, INNER)
-RETURN_NAMES = ("fresh", "continued", "inner")
-"""Return classes of a stored state (:func:`return_class`)."""
-
 LEAF, CHAIN, HUB0, HUB, SPINE = 0, 1, 2, 3, 4
 KINDS = (LEAF, CHAIN, HUB0, HUB, SPINE)
 KIND_NAMES = ("leaf", "chain", "hub0", "hub", "spine")
@@ -156,24 +139,6 @@ def seen_bucket(node: TreeNode) -> int:
     seen = 0 if n is None else n.depth
     share = seen / max(node.depth, 1)
     return 0 if share < SEEN_EDGES[0] else 1 if share < SEEN_EDGES[1] else 2
-
-
-def return_class(above_class: int | None, above_consumed: bool, above_was_leaf: bool) -> int:
-    """The return class of a state stored below the live state ``above`` (its nearest
-    shallower one; ``above_class`` ``None``: there is none).
-
-    * no live state above: :data:`FRESH` (its request resumed from no state);
-    * ``above`` consumed since it was stored (so the storing request resumed there):
-      :data:`CONTINUED` when ``above`` had no live state below when consumed (the request
-      continued another prompt's end), else :data:`INNER` (it resumed at a chunk checkpoint,
-      a fork or a shared prefix);
-    * ``above`` not consumed: the request that stored ``above`` went on (its next chunk
-      checkpoint or its prompt's end): ``above``'s class."""
-    if above_class is None:
-        return FRESH
-    if above_consumed:
-        return CONTINUED if above_was_leaf else INNER
-    return above_class
 
 
 class AdaptiveGDSStrategy:
@@ -193,10 +158,6 @@ class AdaptiveGDSStrategy:
         self.hits: dict[int, int] = {}
         self.hits_below: dict[int, int] = {}
         self.bucket: dict[int, int] = {}
-        #: Return class (:func:`return_class`) of each live state.
-        self.returns: dict[int, int] = {}
-        #: Whether a live state had no live state below at its latest hit.
-        self.hit_as_leaf: dict[int, bool] = {}
         self.kind: dict[int, int] = {}
         # learned: seen-share buckets, per-kind hit rates and the chain / spine rules
         self.stores = 0
@@ -209,12 +170,6 @@ class AdaptiveGDSStrategy:
         self.count = [0] * len(KINDS)
         self.exposure = [0.0] * len(KINDS)
         self.rate_hits = [0.0] * len(KINDS)
-        # per return class, over leaf states: live count, decayed exposure and hits, weight
-        # (only ``continued`` is ever weighed, see the module docstring)
-        self.leaf_returns = [0] * len(RETURNS)
-        self.return_exposure = [0.0] * len(RETURNS)
-        self.return_hits = [0.0] * len(RETURNS)
-        self.return_weights = [1.0] * len(RETURNS)
         self.chain_weight = 1.0
         self.spine_weight = 1.0
         #: The session hint's evidence (:mod:`components.eviction.sessions`).
@@ -299,8 +254,7 @@ class AdaptiveGDSStrategy:
         """The ``signals`` order's weight of the state on node ``nid``."""
         k = self.kind[nid]
         if k == LEAF:
-            return self.bucket_weight(self.bucket[nid]) * (1.0 + self.hits[nid]) \
-                * self.return_weights[self.returns[nid]]
+            return self.bucket_weight(self.bucket[nid]) * (1.0 + self.hits[nid])
         if k == CHAIN:
             return self.chain_weight
         if k == SPINE:
@@ -336,11 +290,7 @@ class AdaptiveGDSStrategy:
             return
         if old is not None:
             self.count[old] -= 1
-            if old == LEAF:
-                self.leaf_returns[self.returns[nid]] -= 1
         self.count[new] += 1
-        if new == LEAF:
-            self.leaf_returns[self.returns[nid]] += 1
         self.kind[nid] = new
         if old is not None:
             for o in self._signal_orders:
@@ -360,27 +310,6 @@ class AdaptiveGDSStrategy:
                         for o in self._signal_orders:
                             o.reweigh(self._live[nid])
 
-    def return_rate(self, c: int) -> float:
-        """Learned hits per leaf state per store of return class ``c`` (prior: the leaves'
-        rate over :data:`RATE_PRIOR` stores of the live pool)."""
-        prior = RATE_PRIOR * max(len(self._live), 1)
-        return (self.return_hits[c] + prior * self.rate(LEAF)) / (self.return_exposure[c] + prior)
-
-    def _learn_returns(self) -> None:
-        """One store: age the return classes' exposure and hits; requantise the
-        ``continued`` weight (its leaves' heap entries are refreshed when it changed)."""
-        f = self._decay
-        for c in RETURNS:
-            self.return_exposure[c] = self.return_exposure[c] * f + self.leaf_returns[c]
-            self.return_hits[c] *= f
-        w = max(1.0, quantised(self.return_rate(CONTINUED) / self.rate(LEAF)))
-        if w != self.return_weights[CONTINUED]:
-            self.return_weights[CONTINUED] = w
-            for nid, kind in self.kind.items():
-                if kind == LEAF and self.returns[nid] == CONTINUED:
-                    for o in self._signal_orders:
-                        o.reweigh(self._live[nid])
-
     def _tick(self) -> None:
         """One store: age rates and charges, resolve due bucket outcomes, maybe switch."""
         self.stores += 1
@@ -388,7 +317,6 @@ class AdaptiveGDSStrategy:
         for k in KINDS:
             self.exposure[k] = self.exposure[k] * f + self.count[k]
             self.rate_hits[k] *= f
-        self._learn_returns()
         self._rules()
         order = self._session_order
         if order is not None:
@@ -461,9 +389,6 @@ class AdaptiveGDSStrategy:
         self.born_below[nid] = bool(direct)
         self.hits[nid] = 0
         self.hits_below[nid] = 0
-        self.hit_as_leaf[nid] = False
-        self.returns[nid] = FRESH if above is None else return_class(
-            self.returns[above.id], self.consumed[above.id], self.hit_as_leaf[above.id])
         b = seen_bucket(node)
         self.bucket[nid] = b
         entry = [self.stores, weakref.ref(node), node.hit_count, b, None, nid]
@@ -488,11 +413,8 @@ class AdaptiveGDSStrategy:
     def on_hit(self, node: TreeNode) -> None:
         nid = node.id
         self.rate_hits[self.kind[nid]] += 1.0
-        if self.kind[nid] == LEAF:
-            self.return_hits[self.returns[nid]] += 1.0
         self.sessions.on_hit(nid)
         self.consumed[nid] = True
-        self.hit_as_leaf[nid] = not self.below[nid]
         self.hits[nid] += 1
         if self.below[nid]:
             self.hits_below[nid] += 1
@@ -571,12 +493,9 @@ class AdaptiveGDSStrategy:
         above = self.nearest_shallower(node)
         del self._live[nid]
         promoted = self.sessions.on_remove(nid)
-        kind = self.kind.pop(nid)
-        self.count[kind] -= 1
-        if kind == LEAF:
-            self.leaf_returns[self.returns[nid]] -= 1
+        self.count[self.kind.pop(nid)] -= 1
         for m in (self.below, self.superseded, self.consumed, self.born_below, self.hits,
-                  self.hits_below, self.bucket, self.returns, self.hit_as_leaf):
+                  self.hits_below, self.bucket):
             del m[nid]
         for o in self.orders:
             o.remove(nid)
@@ -607,16 +526,13 @@ class AdaptiveGDSStrategy:
         live = {n.id for n in state_nodes}
         assert live == set(self._live), f"gds_adaptive live set differs: {live ^ set(self._live)}"
         for m in (self.below, self.superseded, self.consumed, self.born_below, self.hits,
-                  self.hits_below, self.bucket, self.returns, self.hit_as_leaf, self.kind):
+                  self.hits_below, self.bucket, self.kind):
             assert set(m) == live, "gds_adaptive per-state maps out of step"
         for n in state_nodes:
             assert self.below[n.id] == len(self._direct_below(n)), f"below count wrong for {n}"
             assert self.kind[n.id] == self.kind_of(n.id), f"kind wrong for {n}"
         kinds = list(self.kind.values())
         assert self.count == [kinds.count(k) for k in KINDS], "kind counts wrong"
-        leaf_classes = [self.returns[n] for n, k in self.kind.items() if k == LEAF]
-        assert self.leaf_returns == [leaf_classes.count(c) for c in RETURNS], \
-            "leaf return-class counts wrong"
         self.sessions.check(live)
         for o in self.orders:
             o.check(state_nodes)

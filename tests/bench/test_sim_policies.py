@@ -243,3 +243,18 @@ def test_return_class_recorder_passes_the_walk_through() -> None:
             assert bucket in ("0", "1", "2") and 0 <= rec.resumed[store, frm, br, guess, bucket] <= n
         by_store = {key[0]: n for key, n, _ in classify(rec, (0,))}
         assert sum(by_store.values()) == sum(rec.stored.values())
+
+
+def test_return_class_table() -> None:
+    """bench.dev.policies.return_class.return_class, every case by hand."""
+    from bench.dev.policies.return_class import CONTINUED, FRESH, INNER, return_class
+
+    assert return_class(None, False, False) == FRESH  # no live state above
+    assert return_class(None, True, True) == FRESH
+    assert return_class(FRESH, True, True) == CONTINUED  # resumed at a leaf: a next turn
+    assert return_class(INNER, True, True) == CONTINUED
+    assert return_class(FRESH, True, False) == INNER  # resumed at a state with states below
+    assert return_class(CONTINUED, True, False) == INNER
+    for c in (FRESH, CONTINUED, INNER):  # not consumed: the same request went on
+        assert return_class(c, False, False) == c
+        assert return_class(c, False, True) == c

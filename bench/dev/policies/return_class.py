@@ -12,9 +12,10 @@ before they left the pool (or by the end of the run):
   ``chunk`` (a checkpoint: it resumed inside an earlier prompt) or ``fresh`` (no state);
 * ``branched``: ``yes`` when a node on the state's path (the root excluded) had two or more
   children when it was stored (another request diverged from this prefix before);
-* ``tree guess``: the return class ``gds_adaptive`` assigns from the tree alone
-  (:func:`components.eviction.adaptive.return_class`: ``continued``, ``inner``, ``fresh``),
-  an online stand-in for ``from``;
+* ``tree guess``: the return class a state walk can assign from its own events alone
+  (:func:`return_class`: ``continued``, ``inner``, ``fresh``), an online stand-in for
+  ``from`` (a ``gds_adaptive`` weight on it was measured and not kept:
+  ``bench/results/2026-12-06-return-class.md``);
 * ``bucket``: the seen-share bucket (:func:`components.eviction.adaptive.seen_bucket`).
 
 Under the offline reference (``belady``) the resumed share is what a perfect keeper gets out
@@ -40,13 +41,36 @@ from bench.engine.simulator import SimConfig, Simulator
 from bench.policies import baselines
 from bench.policies.strategies import NextUseIndex, StateStrategy
 from bench.runs.robustness import ALL_SOURCES
-from components.eviction.adaptive import FRESH, RETURN_NAMES, return_class, seen_bucket
+from components.eviction.adaptive import seen_bucket
 from components.eviction.gds import GDS_WALKS
 from components.eviction.registry import GDS_DEFAULT_D, GDS_DEFAULT_E
 from components.state import make_gds_walk
 from radix.node import TreeNode
 
-__all__ = ["Classes", "ReturnRecorder", "classify", "main", "run_point"]
+__all__ = ["CONTINUED", "FRESH", "INNER", "RETURN_NAMES", "Classes", "ReturnRecorder", "classify",
+           "main", "return_class", "run_point"]
+
+FRESH, CONTINUED, INNER = 0, 1, 2
+RETURN_NAMES = ("fresh", "continued", "inner")
+"""Return classes of a stored state (:func:`return_class`)."""
+
+
+def return_class(above_class: int | None, above_consumed: bool, above_was_leaf: bool) -> int:
+    """The return class of a state stored below the live state ``above`` (its nearest
+    shallower one; ``above_class`` ``None``: there is none), from what a state walk sees:
+
+    * no live state above: :data:`FRESH` (its request resumed from no state);
+    * ``above`` consumed since it was stored (so the storing request resumed there):
+      :data:`CONTINUED` when ``above`` had no live state below when consumed (the request
+      continued another prompt's end), else :data:`INNER` (it resumed at a chunk checkpoint,
+      a fork or a shared prefix);
+    * ``above`` not consumed: the request that stored ``above`` went on (its next chunk
+      checkpoint or its prompt's end): ``above``'s class."""
+    if above_class is None:
+        return FRESH
+    if above_consumed:
+        return CONTINUED if above_was_leaf else INNER
+    return above_class
 
 Classes = tuple[str, str, str, str, str]
 """(store, from, branched, proxy, bucket): see the module docstring."""
@@ -113,8 +137,8 @@ class ReturnRecorder:
         return None
 
     def _proxy(self, node: TreeNode) -> str:
-        """The walk's return class (:func:`components.eviction.adaptive.return_class`), the
-        tree's guess of ``from``, from the same events the walk sees."""
+        """The return class (:func:`return_class`), the tree's guess of ``from``, from the
+        same events a walk sees."""
         above = self._above(node)
         if above is None:
             return RETURN_NAMES[FRESH]
