@@ -219,3 +219,42 @@ def test_hit_breakdown_counts_every_consumed_state() -> None:
         assert sum(rec.count.values()) > 0 and sum(rec.tokens.values()) > 0
         assert all(first in ("first", "again") and where in ("leaf", "below") and b in (0, 1, 2)
                    for first, where, b in rec.tokens)
+
+
+def test_return_class_recorder_passes_the_walk_through() -> None:
+    """bench.dev.policies.return_class: the recorded run scores what a plain run of the same
+    configuration scores (the recorder and the engine wrappers change no decision), every
+    class takes its documented values, and no class has more resumed states than stored."""
+    from bench.dev.policies.return_class import classify, run_point
+    from bench.engine.simulator import SimConfig, Simulator
+    from bench.traces.loader import load_trace
+
+    trace = load_trace(None, max_requests=120)
+    for policy in ("gds_adaptive", "belady"):
+        cfg = SimConfig.of(policy, kv_tokens=2_000_000, state_slots=16, concurrency=4)
+        plain = Simulator(trace, cfg)
+        plain.run()
+        hit, rec = run_point(trace, cfg)
+        assert hit == plain.result(0.0).metrics.token_hit_rate
+        assert sum(rec.stored.values()) > 0 and not rec.open
+        for (store, frm, br, guess, bucket), n in rec.stored.items():
+            assert store in ("end", "chunk") and frm in ("end", "chunk", "fresh")
+            assert br in ("yes", "no") and guess in ("continued", "inner", "fresh")
+            assert bucket in ("0", "1", "2") and 0 <= rec.resumed[store, frm, br, guess, bucket] <= n
+        by_store = {key[0]: n for key, n, _ in classify(rec, (0,))}
+        assert sum(by_store.values()) == sum(rec.stored.values())
+
+
+def test_return_class_table() -> None:
+    """bench.dev.policies.return_class.return_class, every case by hand."""
+    from bench.dev.policies.return_class import CONTINUED, FRESH, INNER, return_class
+
+    assert return_class(None, False, False) == FRESH  # no live state above
+    assert return_class(None, True, True) == FRESH
+    assert return_class(FRESH, True, True) == CONTINUED  # resumed at a leaf: a next turn
+    assert return_class(INNER, True, True) == CONTINUED
+    assert return_class(FRESH, True, False) == INNER  # resumed at a state with states below
+    assert return_class(CONTINUED, True, False) == INNER
+    for c in (FRESH, CONTINUED, INNER):  # not consumed: the same request went on
+        assert return_class(c, False, False) == c
+        assert return_class(c, False, True) == c
