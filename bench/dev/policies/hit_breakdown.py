@@ -101,25 +101,35 @@ class Recorder:
         return getattr(self.inner, name)
 
 
+def wrapped_walk_factory(sim: Simulator, next_use: NextUseIndex | None,
+                         wrap: Callable[[Any], StateStrategy], tool: str
+                         ) -> Callable[[Callable[[TreeNode], bool]], StateStrategy]:
+    """A ``Simulator._state_walk`` factory whose walk is ``wrap(inner)``: ``inner`` is the
+    run's baseline walk (``Simulator._state_walk``) or its GDS-family walk; each wrapped walk
+    is appended to ``sim._walks``.
+
+    Raises:
+        ValueError: a policy that is neither a baseline nor a GDS-family walk (naming ``tool``).
+    """
+    baseline = Simulator._state_walk(sim, next_use)
+    policy = sim.cfg.policy
+    if baseline is None and policy not in GDS_WALKS:
+        raise ValueError(f"{tool} needs a GDS-family or baseline walk, got {policy!r}")
+
+    def factory(ok: Callable[[TreeNode], bool]) -> StateStrategy:
+        inner = baseline(ok) if baseline is not None else \
+            make_gds_walk(policy, GDS_DEFAULT_D, GDS_DEFAULT_E, ok)
+        rec = wrap(inner)
+        sim._walks.append(rec)
+        return rec
+
+    return factory
+
+
 class _RecordingSimulator(Simulator):
     def _state_walk(self, next_use: NextUseIndex | None
                     ) -> Callable[[Callable[[Any], bool]], StateStrategy] | None:
-        baseline = super()._state_walk(next_use)
-        policy = self.cfg.policy
-        if baseline is None and policy not in GDS_WALKS:
-            raise ValueError(f"hit_breakdown needs a GDS-family or baseline walk, got {policy!r}")
-
-        def inner(ok: Callable[[TreeNode], bool]) -> Any:
-            if baseline is not None:
-                return baseline(ok)
-            return make_gds_walk(policy, GDS_DEFAULT_D, GDS_DEFAULT_E, ok)
-
-        def factory(ok: Callable[[TreeNode], bool]) -> StateStrategy:
-            rec = Recorder(inner(ok))
-            self._walks.append(rec)
-            return rec
-
-        return factory
+        return wrapped_walk_factory(self, next_use, Recorder, "hit_breakdown")
 
 
 def breakdown(trace: Sequence[Any], config: SimConfig) -> tuple[float, Recorder]:

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.dev.policies.hit_breakdown import wrapped_walk_factory
 from bench.dev.policies.ideas import live_states_below
 from bench.engine.core import ReplayEngine
 from bench.engine.simulator import SimConfig, Simulator
@@ -43,8 +44,6 @@ from bench.policies.strategies import NextUseIndex, StateStrategy
 from bench.runs.robustness import ALL_SOURCES
 from components.eviction.adaptive import seen_bucket
 from components.eviction.gds import GDS_WALKS
-from components.eviction.registry import GDS_DEFAULT_D, GDS_DEFAULT_E
-from components.state import make_gds_walk
 from radix.node import TreeNode
 
 __all__ = ["CONTINUED", "FRESH", "INNER", "RETURN_NAMES", "Classes", "ReturnRecorder", "classify",
@@ -247,19 +246,8 @@ class _Sim(Simulator):
 
     def _state_walk(self, next_use: NextUseIndex | None
                     ) -> Callable[[Callable[[Any], bool]], StateStrategy] | None:
-        baseline = super()._state_walk(next_use)
-        policy = self.cfg.policy
-        if baseline is None and policy not in GDS_WALKS:
-            raise ValueError(f"return_class needs a GDS-family or baseline walk, got {policy!r}")
-
-        def factory(ok: Callable[[TreeNode], bool]) -> StateStrategy:
-            inner = baseline(ok) if baseline is not None else \
-                make_gds_walk(policy, GDS_DEFAULT_D, GDS_DEFAULT_E, ok)
-            rec = ReturnRecorder(inner, self.ctx)
-            self._walks.append(rec)
-            return rec
-
-        return factory
+        return wrapped_walk_factory(self, next_use, lambda inner: ReturnRecorder(inner, self.ctx),
+                                    "return_class")
 
 
 def run_point(trace: Sequence[Any], config: SimConfig) -> tuple[float, ReturnRecorder]:
