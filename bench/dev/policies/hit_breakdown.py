@@ -38,7 +38,37 @@ from radix.node import TreeNode
 __all__ = ["Recorder", "breakdown", "main"]
 
 
-class Recorder:
+class WalkWrapper:
+    """A state walk that forwards to ``inner`` what a recording walk does not watch:
+    ``on_use``, ``requeue``, ``pop_victim``, ``check``, ``before_admit`` (when ``inner``
+    has it) and any other attribute (a baseline's KV order, Marconi's alpha)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def on_use(self, node: TreeNode) -> None:
+        self.inner.on_use(node)
+
+    def requeue(self, node: TreeNode) -> None:
+        self.inner.requeue(node)
+
+    def pop_victim(self) -> TreeNode | None:
+        return self.inner.pop_victim()
+
+    def check(self, state_nodes: list[TreeNode]) -> None:
+        self.inner.check(state_nodes)
+
+    def before_admit(self, index: int) -> None:
+        hook = getattr(self.inner, "before_admit", None)
+        if hook is not None:
+            hook(index)
+
+    def __getattr__(self, name: str) -> Any:
+        """Anything else (a baseline's KV order, Marconi's alpha) is the inner walk's."""
+        return getattr(self.inner, name)
+
+
+class Recorder(WalkWrapper):
     """Wraps a state walk; counts consumed-state tokens by (first/again, leaf/below, bucket)."""
 
     def __init__(self, inner: Any) -> None:
@@ -75,30 +105,10 @@ class Recorder:
         self.hits[nid] += 1
         self.inner.on_hit(node)
 
-    def on_use(self, node: TreeNode) -> None:
-        self.inner.on_use(node)
-
     def on_remove(self, node: TreeNode) -> None:
         self.live.discard(node.id)
         self.inner.on_remove(node)
 
-    def requeue(self, node: TreeNode) -> None:
-        self.inner.requeue(node)
-
-    def pop_victim(self) -> TreeNode | None:
-        return self.inner.pop_victim()
-
-    def check(self, state_nodes: list[TreeNode]) -> None:
-        self.inner.check(state_nodes)
-
-    def before_admit(self, index: int) -> None:
-        hook = getattr(self.inner, "before_admit", None)
-        if hook is not None:
-            hook(index)
-
-    def __getattr__(self, name: str) -> Any:
-        """Anything else (a baseline's KV order, Marconi's alpha) is the inner walk's."""
-        return getattr(self.inner, name)
 
 
 def wrapped_walk_factory(sim: Simulator, next_use: NextUseIndex | None,

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.dev.policies.hit_breakdown import wrapped_walk_factory
+from bench.dev.policies.hit_breakdown import WalkWrapper, wrapped_walk_factory
 from bench.dev.policies.ideas import live_states_below
 from bench.engine.core import ReplayEngine
 from bench.engine.simulator import SimConfig, Simulator
@@ -95,7 +95,7 @@ def branched(node: TreeNode) -> bool:
     return False
 
 
-class ReturnRecorder:
+class ReturnRecorder(WalkWrapper):
     """Wraps a state walk; per stored state its classes and whether a match consumed it
     before it left. ``ctx``: the engine context the patched engine keeps."""
 
@@ -174,9 +174,6 @@ class ReturnRecorder:
             self.open[node.id] = (rec[0], rec[1] + 1)
         self.inner.on_hit(node)
 
-    def on_use(self, node: TreeNode) -> None:
-        self.inner.on_use(node)
-
     def on_remove(self, node: TreeNode) -> None:
         self._close(node.id)
         self.live.pop(node.id, None)
@@ -185,29 +182,10 @@ class ReturnRecorder:
         self.store_of.pop(node.id, None)
         self.inner.on_remove(node)
 
-    def requeue(self, node: TreeNode) -> None:
-        self.inner.requeue(node)
-
-    def pop_victim(self) -> TreeNode | None:
-        victim: TreeNode | None = self.inner.pop_victim()
-        return victim
-
-    def check(self, state_nodes: list[TreeNode]) -> None:
-        self.inner.check(state_nodes)
-
-    def before_admit(self, index: int) -> None:
-        hook = getattr(self.inner, "before_admit", None)
-        if hook is not None:
-            hook(index)
-
     def finish(self) -> None:
         """Close the states still live at the end of the run."""
         for nid in list(self.open):
             self._close(nid)
-
-    def __getattr__(self, name: str) -> Any:
-        """Anything else (a baseline's KV order) is the inner walk's."""
-        return getattr(self.inner, name)
 
 
 def _patch_engine(engine: ReplayEngine, ctx: _Context) -> None:
