@@ -111,18 +111,16 @@ class Recorder(WalkWrapper):
 
 
 
-def wrapped_walk_factory(sim: Simulator, next_use: NextUseIndex | None,
-                         wrap: Callable[[Any], StateStrategy], tool: str
-                         ) -> Callable[[Callable[[TreeNode], bool]], StateStrategy]:
-    """A ``Simulator._state_walk`` factory whose walk is ``wrap(inner)``: ``inner`` is the
-    run's baseline walk (``Simulator._state_walk``) or its GDS-family walk; each wrapped walk
-    is appended to ``sim._walks``.
+def wrapped_walk_factory(policy: str, baseline: Callable[[Callable[[Any], bool]], Any] | None,
+                         walks: list[StateStrategy], wrap: Callable[[Any], StateStrategy],
+                         tool: str) -> Callable[[Callable[[TreeNode], bool]], StateStrategy]:
+    """A simulator's state-walk factory whose walk is ``wrap(inner)``: ``inner`` is the run's
+    ``baseline`` walk (``Simulator._state_walk``'s factory) or, when ``None``, ``policy``'s
+    GDS-family walk; each wrapped walk is appended to ``walks`` (the simulator's list).
 
     Raises:
         ValueError: a policy that is neither a baseline nor a GDS-family walk (naming ``tool``).
     """
-    baseline = Simulator._state_walk(sim, next_use)
-    policy = sim.cfg.policy
     if baseline is None and policy not in GDS_WALKS:
         raise ValueError(f"{tool} needs a GDS-family or baseline walk, got {policy!r}")
 
@@ -130,7 +128,7 @@ def wrapped_walk_factory(sim: Simulator, next_use: NextUseIndex | None,
         inner = baseline(ok) if baseline is not None else \
             make_gds_walk(policy, GDS_DEFAULT_D, GDS_DEFAULT_E, ok)
         rec = wrap(inner)
-        sim._walks.append(rec)
+        walks.append(rec)
         return rec
 
     return factory
@@ -139,7 +137,8 @@ def wrapped_walk_factory(sim: Simulator, next_use: NextUseIndex | None,
 class _RecordingSimulator(Simulator):
     def _state_walk(self, next_use: NextUseIndex | None
                     ) -> Callable[[Callable[[Any], bool]], StateStrategy] | None:
-        return wrapped_walk_factory(self, next_use, Recorder, "hit_breakdown")
+        return wrapped_walk_factory(self.cfg.policy, super()._state_walk(next_use), self._walks,
+                                    Recorder, "hit_breakdown")
 
 
 def breakdown(trace: Sequence[Any], config: SimConfig) -> tuple[float, Recorder]:

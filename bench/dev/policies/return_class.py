@@ -224,8 +224,8 @@ class _Sim(Simulator):
 
     def _state_walk(self, next_use: NextUseIndex | None
                     ) -> Callable[[Callable[[Any], bool]], StateStrategy] | None:
-        return wrapped_walk_factory(self, next_use, lambda inner: ReturnRecorder(inner, self.ctx),
-                                    "return_class")
+        return wrapped_walk_factory(self.cfg.policy, super()._state_walk(next_use), self._walks,
+                                    lambda inner: ReturnRecorder(inner, self.ctx), "return_class")
 
 
 def run_point(trace: Sequence[Any], config: SimConfig) -> tuple[float, ReturnRecorder]:
