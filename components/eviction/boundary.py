@@ -165,10 +165,8 @@ class BoundaryTarget:
             return
         gk, toks = self._leaf_key(leaf, parent)
         self._leaf_ghost.pop(gk, None)  # a lost leaf is in one ghost (ARC's lists are disjoint)
+        self._forget_kv(gk)
         ghost = self._kv_ghost
-        old = ghost.pop(gk, None)
-        if old is not None:
-            self._kv_ghost_tokens -= len(old)
         ghost[gk] = toks
         self._kv_ghost_tokens += len(toks)
         limit = self.band_bytes // self.kv_bytes_per_token
@@ -192,25 +190,25 @@ class BoundaryTarget:
         ghost = self._state_ghost
         ghost.pop(node.id, None)
         ghost[node.id] = node.depth
-        limit = self._state_limit()
+        limit = (self.capacity_bytes - self.band_bytes) // self.state_bytes
         while len(ghost) > limit:
             del ghost[next(iter(ghost))]
         parent = node.parent
         if node.id == kv_victim or parent is None or node.children or node.kv_lock:
             return
         gk, toks = self._leaf_key(node, parent)
-        old = self._kv_ghost.pop(gk, None)
-        if old is not None:
-            self._kv_ghost_tokens -= len(old)
+        self._forget_kv(gk)
         leaves = self._leaf_ghost
         leaves.pop(gk, None)
         leaves[gk] = toks
         while len(leaves) > limit:
             del leaves[next(iter(leaves))]
 
-    def _state_limit(self) -> int:
-        assert self.capacity_bytes is not None
-        return (self.capacity_bytes - self.band_bytes) // self.state_bytes
+    def _forget_kv(self, gk: tuple[int, tuple[int, ...]]) -> None:
+        """Drop the KV ghost's entry ``gk`` (and its tokens from the count), if any."""
+        old = self._kv_ghost.pop(gk, None)
+        if old is not None:
+            self._kv_ghost_tokens -= len(old)
 
     def on_match(self, kv_end: TreeNode | None, consumed: TreeNode | None,
                  key: Sequence[int], end: int) -> None:
