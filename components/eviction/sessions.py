@@ -29,7 +29,7 @@ import math
 from collections.abc import Hashable, Mapping
 from typing import Any
 
-__all__ = ["LATEST", "NONE", "STALE", "SessionEvidence", "TAG_NAMES", "quantised"]
+__all__ = ["LATEST", "NONE", "STALE", "SessionEvidence", "TAG_NAMES"]
 
 NONE, LATEST, STALE = 0, 1, 2
 TAGS = (NONE, LATEST, STALE)
@@ -38,14 +38,6 @@ STEPS_PER_OCTAVE = 4
 """Tag weights are quantised to ``2 ** (k / STEPS_PER_OCTAVE)``."""
 WEIGHT_RANGE = 64.0
 """Tag weights are clamped to ``[1 / WEIGHT_RANGE, WEIGHT_RANGE]``."""
-
-
-def quantised(ratio: float) -> float:
-    """A learned relative rate as a weight: rounded to the nearest ``2 ** (k /
-    STEPS_PER_OCTAVE)`` and clamped to ``[1 / WEIGHT_RANGE, WEIGHT_RANGE]`` (so a weight, and
-    the heap entries that depend on it, change only when the evidence moved by about 19 %)."""
-    k = round(STEPS_PER_OCTAVE * math.log2(ratio))
-    return min(max(2.0 ** (k / STEPS_PER_OCTAVE), 1.0 / WEIGHT_RANGE), WEIGHT_RANGE)
 
 
 class SessionEvidence:
@@ -142,7 +134,8 @@ class SessionEvidence:
         tagged = self.tagged_rate()
         changed = []
         for t in (LATEST, STALE):
-            w = quantised(self.rate(t, prior) / tagged)
+            k = round(STEPS_PER_OCTAVE * math.log2(self.rate(t, prior) / tagged))
+            w = min(max(2.0 ** (k / STEPS_PER_OCTAVE), 1.0 / WEIGHT_RANGE), WEIGHT_RANGE)
             if w != self.weights[t]:
                 self.weights[t] = w
                 changed.append(t)
