@@ -41,10 +41,19 @@ __all__ = ["Recorder", "breakdown", "main"]
 class WalkWrapper:
     """A state walk that forwards to ``inner`` what a recording walk does not watch:
     ``on_use``, ``requeue``, ``pop_victim``, ``check``, ``before_admit`` (when ``inner``
-    has it) and any other attribute (a baseline's KV order, Marconi's alpha)."""
+    has it), the ``watermark`` (read and set) and any other attribute (a baseline's KV
+    order, Marconi's alpha)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
+
+    @property
+    def watermark(self) -> float:
+        return float(self.inner.watermark)
+
+    @watermark.setter
+    def watermark(self, value: float) -> None:
+        self.inner.watermark = value
 
     def on_use(self, node: TreeNode) -> None:
         self.inner.on_use(node)
@@ -72,20 +81,12 @@ class Recorder(WalkWrapper):
     """Wraps a state walk; counts consumed-state tokens by (first/again, leaf/below, bucket)."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.live: set[int] = set()
         self.hits: dict[int, int] = {}
         self.bucket: dict[int, int] = {}
         self.tokens: Counter[tuple[str, str, int]] = Counter()
         self.count: Counter[tuple[str, str, int]] = Counter()
-
-    @property
-    def watermark(self) -> float:
-        return self.inner.watermark
-
-    @watermark.setter
-    def watermark(self, value: float) -> None:
-        self.inner.watermark = value
 
     def on_set(self, node: TreeNode) -> None:
         self.live.add(node.id)

@@ -100,7 +100,7 @@ class ReturnRecorder(WalkWrapper):
     before it left. ``ctx``: the engine context the patched engine keeps."""
 
     def __init__(self, inner: Any, ctx: _Context) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.ctx = ctx
         self.open: dict[int, tuple[Classes, int]] = {}  # node id -> (classes, hits)
         self.store_of: dict[int, str] = {}
@@ -109,14 +109,6 @@ class ReturnRecorder(WalkWrapper):
         self.proxy: dict[int, str] = {}
         self.stored: Counter[Classes] = Counter()
         self.resumed: Counter[Classes] = Counter()
-
-    @property
-    def watermark(self) -> float:
-        return float(self.inner.watermark)
-
-    @watermark.setter
-    def watermark(self, value: float) -> None:
-        self.inner.watermark = value
 
     def _close(self, nid: int) -> None:
         rec = self.open.pop(nid, None)
