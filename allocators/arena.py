@@ -480,6 +480,27 @@ class ArenaStatePool(MambaStatePool):
         self.arena.check_owned(np.array([slot], dtype=np.int64), STATE, "slot")
         self._pages.release_one(slot)
 
+    def copy(self, src: int | torch.Tensor, dst: int | torch.Tensor) -> None:
+        """``MambaStatePool.copy``, refusing too a chunk states do not own (it counts as
+        handed out here, being withdrawn: its bytes are KV's). Two ints: scalar owner
+        checks before the pool's own."""
+        if type(src) is int and type(dst) is int:
+            owner = self.arena.owner
+            n = owner.shape[0]
+            if not (0 <= src < n and 0 <= dst < n and owner[src] == STATE
+                    and owner[dst] == STATE):
+                self._allocated(src, "src")  # raises, naming the bad one
+                self._allocated(dst, "dst")
+        super().copy(src, dst)
+
+    def _allocated(self, slots: int | torch.Tensor, name: str) -> torch.Tensor:
+        """``MambaStatePool._allocated`` (handed out, else ``ValueError`` naming ``name``),
+        and of a chunk states own (``foreign index``): what ``get_state``, ``set_state``
+        and ``copy`` validate with."""
+        idx = super()._allocated(slots, name)
+        self.arena.check_owned(idx.numpy(), STATE, name)
+        return idx
+
     @property
     def total_bytes(self) -> int:
         """Bytes of the chunks states own (padding excluded)."""

@@ -1,0 +1,66 @@
+"""Ids of the other kind's chunks, given to an arena view or to a cache over the views.
+
+In a ``MemoryArena`` an id of a chunk the other kind owns is *withdrawn* from a view's free
+list: the view counts it as used. Every entry point that accepts "an id handed out" must
+therefore also check the chunk's owner, else the other kind's bytes are read or written
+through the wrong view, or the id is later freed into the wrong free list.
+
+Shapes as tests/allocators/test_arena.py: 64 B per KV token, page_size 2, 3 pages per chunk
+(6 tokens, 384 B); budget 3,616 B -> chunks 0..9; ``state_slots=3``: chunks 7, 8, 9 states,
+1..6 KV. Chunk c holds pages 3c .. 3c+2, i.e. slots 6c .. 6c+5: chunk 7's slots are 42..47.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from allocators.arena import KVShape, MemoryArena, StateShape
+
+KV = KVShape(num_layers=2, num_heads=2, head_dim=4, dtype=torch.float16, page_size=2)
+ST = StateShape(num_layers=2, conv_state_shape=(4, 3), ssm_state_shape=(2, 4, 4))
+
+
+def t(*ids: int) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def arena() -> MemoryArena:
+    a = MemoryArena(3616, KV, ST, state_slots=3)
+    g = torch.Generator().manual_seed(0)  # every byte known: a stray write shows
+    a.buffer.copy_(torch.randint(0, 256, a.buffer.shape, dtype=torch.uint8, generator=g))
+    return a
+
+
+def snaps(a: MemoryArena) -> tuple[object, ...]:
+    return (a.kv_allocator.snapshot(), a.state_pool.snapshot(), a.owner.tobytes(),
+            a.kv_free_per_chunk.tobytes(), a.buffer.clone())
+
+
+def assert_same(x: tuple[object, ...], y: tuple[object, ...]) -> None:
+    assert x[:4] == y[:4]
+    assert isinstance(x[4], torch.Tensor) and isinstance(y[4], torch.Tensor)
+    assert torch.equal(x[4], y[4])
+
+
+def test_state_access_to_a_kv_chunk_is_refused() -> None:
+    # Chunk 2 is KV's: as a state slot it is withdrawn (counts as used), yet it is not a
+    # state. Reading it would return KV bytes as a state; writing it would overwrite KV.
+    a = arena()
+    st = a.state_pool
+    s = st.alloc_slot()
+    assert s == 7
+    before = snaps(a)
+    conv, ssm = torch.ones(4, 3), torch.ones(2, 4, 4)
+    for call, name in (
+        (lambda: st.get_state(2, 0), "slot"),
+        (lambda: st.set_state(2, 0, conv, ssm), "slot"),
+        (lambda: st.copy(7, 2), "dst"),
+        (lambda: st.copy(2, 7), "src"),
+        (lambda: st.copy(t(7, 7), t(7, 2)), "dst"),
+        (lambda: st.copy(torch.tensor(2), torch.tensor(7)), "src"),
+    ):
+        with pytest.raises(ValueError, match=f"{name}: foreign index: arena chunk 2 belongs to KV"):
+            call()
+        assert_same(snaps(a), before)
+    a.check()
