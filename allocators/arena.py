@@ -427,6 +427,13 @@ class ArenaKVAllocator(_FreeListAllocator):
         self.arena.check_owned(pages.numpy() // self.arena.pages_per_chunk, KV, "indices")
         self._pages.release(pages)
 
+    def undo_alloc(self, indices: torch.Tensor) -> None:
+        """``PagedAllocator.undo_alloc``, refusing too a page of a chunk KV does not own
+        (as :meth:`free`; nothing changes)."""
+        pages = self.slots_to_pages(as_index_tensor(indices, "indices"))
+        self.arena.check_owned(pages.numpy() // self.arena.pages_per_chunk, KV, "indices")
+        self._pages.restore(pages)
+
 
 class ArenaStatePool(MambaStatePool):
     """The arena's state view: a :class:`~allocators.state_pool.MambaStatePool` (same
@@ -472,6 +479,13 @@ class ArenaStatePool(MambaStatePool):
         idx = as_index_tensor(indices, "indices")
         self.arena.check_owned(idx.numpy(), STATE, "indices")
         self._pages.release(idx)
+
+    def undo_alloc(self, indices: torch.Tensor) -> None:
+        """``MambaStatePool.undo_alloc``, refusing too a slot of a chunk states do not own
+        (as :meth:`free`; nothing changes)."""
+        idx = as_index_tensor(indices, "indices")
+        self.arena.check_owned(idx.numpy(), STATE, "indices")
+        self._pages.restore(idx)
 
     def free_slot(self, slot: int) -> None:
         """``MambaStatePool.free_slot``, refusing too a chunk states do not own."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from allocators import AllocTxn
 from allocators.arena import KVShape, MemoryArena, StateShape
 
 KV = KVShape(num_layers=2, num_heads=2, head_dim=4, dtype=torch.float16, page_size=2)
@@ -64,3 +65,20 @@ def test_state_access_to_a_kv_chunk_is_refused() -> None:
             call()
         assert_same(snaps(a), before)
     a.check()
+
+
+def test_undo_alloc_of_the_other_kinds_ids_is_refused() -> None:
+    a = arena()
+    kv, st = a.kv_allocator, a.state_pool
+    before = snaps(a)
+    with pytest.raises(ValueError, match="indices: foreign index: arena chunk 7 belongs to the states"):
+        kv.undo_alloc(t(42, 43))  # page 21: chunk 7
+    with pytest.raises(ValueError, match="indices: foreign index: arena chunk 2 belongs to KV"):
+        st.undo_alloc(t(2))
+    assert_same(snaps(a), before)
+    a.check()
+    # the views' own ids still undo exactly (AllocTxn's rollback; the bookkeeping: the
+    # state slots taken were zeroed by their alloc)
+    with AllocTxn() as txn:
+        assert txn.alloc(kv, 4) is not None and txn.alloc(st, 2) is not None
+    assert snaps(a)[:4] == before[:4]
