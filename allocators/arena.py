@@ -434,6 +434,14 @@ class ArenaKVAllocator(_FreeListAllocator):
         self.arena.check_owned(pages.numpy() // self.arena.pages_per_chunk, KV, "indices")
         self._pages.restore(pages)
 
+    def check_owned_slots(self, slots: np.ndarray, name: str) -> None:
+        """Raise ``ValueError`` (``foreign index``, naming ``name``) when one of the KV
+        ``slots`` (int64 numpy) lies in a chunk KV does not own: such a slot counts as
+        handed out here (withdrawn) but is the other kind's. A cache checks the slots it
+        adopts with it (``components.kv.KVComponent.claim``); slots outside the arena are
+        left to the caller's range check. O(len(slots))."""
+        self.arena.check_owned(slots // self.arena.tokens_per_chunk, KV, name)
+
 
 class ArenaStatePool(MambaStatePool):
     """The arena's state view: a :class:`~allocators.state_pool.MambaStatePool` (same
@@ -486,6 +494,13 @@ class ArenaStatePool(MambaStatePool):
         idx = as_index_tensor(indices, "indices")
         self.arena.check_owned(idx.numpy(), STATE, "indices")
         self._pages.restore(idx)
+
+    def check_owned_slots(self, slots: np.ndarray, name: str) -> None:
+        """Raise ``ValueError`` (``foreign index``, naming ``name``) when one of the state
+        ``slots`` (int64 numpy) is a chunk states do not own (withdrawn here, it counts as
+        handed out). A cache checks the slot it adopts with it
+        (``components.state.StateComponent.check_insert``)."""
+        self.arena.check_owned(slots, STATE, name)
 
     def free_slot(self, slot: int) -> None:
         """``MambaStatePool.free_slot``, refusing too a chunk states do not own."""

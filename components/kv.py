@@ -178,6 +178,11 @@ class KVComponent(Component):
         self._pos: np.ndarray | None = None
         #: One past the pool's last slot (the pool holds slots ``[page_size, _slot_end)``).
         self._slot_end: int = allocator.size + self.page_size
+        #: The allocator's check that slots lie in memory it owns (a memory arena's view:
+        #: ``ArenaKVAllocator.check_owned_slots``, whose ids of the other kind's chunks count
+        #: as handed out); ``None``: every id in range is the allocator's.
+        self._check_owned: Callable[[np.ndarray, str], None] | None = getattr(
+            allocator, "check_owned_slots", None)
         #: 0, 1, .., page_size - 1, repeated (page structure checks); grown on demand
         self._page_offsets = np.tile(np.arange(self.page_size, dtype=np.int64), 64)
         #: :meth:`slots`' last CPU view and the array it views (``None``: none kept)
@@ -323,6 +328,8 @@ class KVComponent(Component):
         """:meth:`claim` for a caller that has already checked ``value`` (a 1-D int64 CPU
         tensor) and ``0 <= lo <= hi <= len(value)``: the insert's path. The slots themselves
         are still checked. With ``copy``, returns the node's own ``array('q')`` of them."""
+        if self._check_owned is not None:
+            self._check_owned(value.numpy()[lo:hi], "value")
         if _claim_c is None:
             return self._claim_numpy(value.numpy()[lo:hi], copy)
         if not value.is_contiguous():

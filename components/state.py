@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from allocators.host_mirror import host_int
@@ -364,6 +365,9 @@ class StateComponent(Component):
                 f"state_slot {state_slot} is free in the state pool: the tree adopts only a slot "
                 "the caller got from alloc"
             )
+        owned = getattr(self.allocator, "check_owned_slots", None)
+        if owned is not None:  # a memory arena's view: the other kind's chunks count as used
+            owned(np.array([state_slot], dtype=np.int64), "state_slot")
 
     def plan_insert(self, plan: InsertPlan) -> None:
         """New tokens need a state at their end: a leaf never stays without one."""

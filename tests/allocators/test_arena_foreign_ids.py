@@ -17,9 +17,12 @@ import torch
 
 from allocators import AllocTxn
 from allocators.arena import KVShape, MemoryArena, StateShape
+from radix.cache import RadixCache
+from radix.config import CacheConfig
 
 KV = KVShape(num_layers=2, num_heads=2, head_dim=4, dtype=torch.float16, page_size=2)
 ST = StateShape(num_layers=2, conv_state_shape=(4, 3), ssm_state_shape=(2, 4, 4))
+CFG = CacheConfig(page_size=2, radix_eviction_policy="unified")
 
 
 def t(*ids: int) -> torch.Tensor:
@@ -82,3 +85,30 @@ def test_undo_alloc_of_the_other_kinds_ids_is_refused() -> None:
     with AllocTxn() as txn:
         assert txn.alloc(kv, 4) is not None and txn.alloc(st, 2) is not None
     assert snaps(a)[:4] == before[:4]
+
+
+def test_a_cache_does_not_adopt_the_other_kinds_ids() -> None:
+    # Adopted, such an id would be freed into the wrong view when its node is evicted:
+    # chunk 7 would get free KV pages, chunk 2 would become a free state slot.
+    a = arena()
+    kv, st = a.kv_allocator, a.state_pool
+    cache = RadixCache(CFG, kv_allocator=kv, state_allocator=st)
+    own = kv.alloc(2)
+    slot = st.alloc_slot()
+    assert own is not None and own.tolist() == [6, 7] and slot == 7
+    before = snaps(a)
+    with pytest.raises(ValueError, match="value: foreign index: arena chunk 7 belongs to the states"):
+        cache.insert([1, 2], t(42, 43), state_slot=slot)
+    with pytest.raises(ValueError, match="state_slot: foreign index: arena chunk 2 belongs to KV"):
+        cache.insert([1, 2], own, state_slot=2)
+    with pytest.raises(ValueError, match="value: foreign index: arena chunk 7"):
+        cache.insert([1, 2, 3, 4], torch.cat([own, t(42, 43)]), state_slot=slot)
+    assert_same(snaps(a), before)
+    assert cache.tree.num_nodes == 0 and cache.evictable_size() == 0  # nothing adopted
+    cache.sanity_check()
+    # the cache's own ids are adopted and freed back to their own view
+    assert cache.insert([1, 2], own, state_slot=slot).state_adopted
+    assert cache.evict(2).num_tokens == 2
+    assert (kv.available_size(), st.available_size()) == (36, 3)
+    a.check()
+    cache.sanity_check()
