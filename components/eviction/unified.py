@@ -314,7 +314,8 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
         stays evicted; the boundary is where it was).
 
     Raises:
-        TypeError / ValueError: bad counts; a cache whose policy is not ``"unified"``.
+        TypeError / ValueError: bad counts; a cache whose policy is not ``"unified"``; an
+            ``arena`` whose views are not the cache's allocators (nothing changes).
     """
     kv, st = arena.kv_allocator, arena.state_pool
     tpc = arena.tokens_per_chunk
@@ -325,6 +326,9 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
     for name, v in (("kv_tokens", kv_tokens), ("states", states)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+    if cache.kv.allocator is not kv or state.allocator is not st:
+        raise ValueError("arena: the cache's kv_allocator and state_allocator are not this "
+                         "arena's views (its evictions would free nothing here)")
     boundary = walk.boundary
     band = arena.num_state_chunks
     boundary.observe(arena.arena_bytes, band * arena.chunk_bytes, arena.kv_shape.page_size)

@@ -1,0 +1,45 @@
+"""``make_room``'s arguments: the arena must be the cache's, and the learned target is bounded
+by what the states can own.
+
+Shapes as tests/components/test_unified_eviction.py: 64 B per KV token, page_size 2, a chunk of
+3 pages = 6 tokens = 384 B.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from allocators.arena import MemoryArena
+from components.eviction.unified import UnifiedStrategy, make_room
+from radix.cache import RadixCache
+from tests.components.test_unified_eviction import CFG, KV, ST, P, Q, build, insert, tree
+
+S = 384
+
+
+def test_an_arena_that_is_not_the_caches_is_refused_and_nothing_changes() -> None:
+    # The other arena is full (KV and states all handed out): served by the cache, it would
+    # evict the cache's entries for memory they do not hold, then fail.
+    cache, a = build(chunks=20, state_slots=4)
+    for key in (P, Q):
+        insert(cache, a, key)
+    other = MemoryArena(19 * S, KV, ST, state_slots=4)
+    assert other.kv_allocator.alloc(other.kv_allocator.available_size()) is not None
+    assert other.state_pool.alloc(4) is not None
+    before = (tree(cache), cache.stats(), a.kv_allocator.snapshot(), a.state_pool.snapshot(),
+              other.kv_allocator.snapshot(), other.state_pool.snapshot(), other.owner.tobytes())
+    for kwargs in ({"kv_tokens": 6}, {"states": 1}, {}):
+        with pytest.raises(ValueError, match="arena: .*not this arena's views"):
+            make_room(cache, other, **kwargs)
+    after = (tree(cache), cache.stats(), a.kv_allocator.snapshot(), a.state_pool.snapshot(),
+             other.kv_allocator.snapshot(), other.state_pool.snapshot(), other.owner.tobytes())
+    assert after == before
+    walk = cache.state.gds if cache.state is not None else None
+    assert isinstance(walk, UnifiedStrategy) and walk.boundary.target_bytes is None  # not bound
+    # a cache over the arena's KV view but another state pool is refused too
+    mixed = RadixCache(CFG, kv_allocator=a.kv_allocator, state_allocator=other.state_pool)
+    with pytest.raises(ValueError, match="arena"):
+        make_room(mixed, a, states=1)
+    cache.sanity_check()
+    a.check()
+    other.check()
