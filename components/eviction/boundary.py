@@ -84,8 +84,9 @@ class BoundaryTarget:
 
     Attributes:
         target_bytes: the state band's target [bytes]; ``None`` until :meth:`observe`.
-        capacity_bytes: the arena's bytes (the target's upper bound) [bytes]; ``None`` until
-            :meth:`observe`.
+        capacity_bytes: the bytes both kinds share, the most the state band can own (the
+            target's upper bound; an arena's usable chunks, its padding chunk left out)
+            [bytes]; ``None`` until :meth:`observe`.
         band_bytes: the state band at the last :meth:`observe` [bytes].
         kv_ghost_hits / state_ghost_hits: ghost hits [matches]; ``kv_ghost_tokens`` /
             ``state_ghost_tokens``: the tokens they gave [tokens]; ``states_refused``: state

@@ -331,7 +331,9 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
                          "arena's views (its evictions would free nothing here)")
     boundary = walk.boundary
     band = arena.num_state_chunks
-    boundary.observe(arena.arena_bytes, band * arena.chunk_bytes, arena.kv_shape.page_size)
+    # capacity: the usable chunks (the padding chunk is never either kind's)
+    boundary.observe((arena.num_chunks - 1) * arena.chunk_bytes, band * arena.chunk_bytes,
+                     arena.kv_shape.page_size)
     target = boundary.target_chunks(arena.chunk_bytes)
     while True:
         kv_short = max(0, kv_tokens - kv.available_size())

@@ -43,3 +43,17 @@ def test_an_arena_that_is_not_the_caches_is_refused_and_nothing_changes() -> Non
     cache.sanity_check()
     a.check()
     other.check()
+
+
+def test_the_target_is_bounded_by_the_usable_chunks() -> None:
+    # 2 usable chunks (768 B) and the padding chunk (384 B) on top: the states can own at
+    # most 2 chunks, so the target cannot exceed 768 B.
+    cache, a = build(chunks=3, state_slots=1)
+    walk = cache.state.gds if cache.state is not None else None
+    assert isinstance(walk, UnifiedStrategy)
+    assert make_room(cache, a, states=3) is False  # 3 states never fit: refused
+    b = walk.boundary
+    assert b.capacity_bytes == 2 * S
+    # refused 2 states short: the target 1 chunk + 2 * 384 B = 1,152 B, clamped at 768 B
+    assert b.target_bytes == 2 * S and b.target_chunks(a.chunk_bytes) == 2
+    b.check()
