@@ -787,11 +787,23 @@ class MemoryArena:
     def lowest_free_kv_pages(self, k: int, exclude: np.ndarray) -> np.ndarray | None:
         """The ``k`` lowest free KV pages outside chunks ``exclude`` (ascending, a new int64
         array), or ``None`` when fewer are free there. Reads only; scans the free mask in
-        blocks from the lowest free page: O(k + the ids it passes)."""
+        blocks from the lowest free page: O(k + the ids it passes).
+
+        Raises:
+            TypeError / ValueError: ``k`` not an int ``>= 0``; ``exclude`` not a 1-D numpy
+                array of integer chunk ids in ``0 .. num_chunks - 1``.
+        """
         k = check_int(k, "k", minimum=0)
+        if not isinstance(exclude, np.ndarray) or exclude.dtype.kind not in "iu":
+            raise TypeError(f"exclude must be a numpy array of integer chunk ids, got "
+                            f"{type(exclude).__name__} {getattr(exclude, 'dtype', '')}")
+        if exclude.ndim != 1:
+            raise ValueError(f"exclude must be 1-D, got shape {exclude.shape}")
+        if exclude.size and (int(exclude.min()) < 0 or int(exclude.max()) >= self.num_chunks):
+            raise ValueError(f"exclude: a chunk id is outside 0..{self.num_chunks - 1}")
         pages = self.kv_allocator.lowest
         skip = np.zeros(self.num_chunks, dtype=np.bool_)
-        skip[np.asarray(exclude, dtype=np.int64)] = True
+        skip[exclude] = True
         if int(pages.group_free[~skip].sum()) < k:
             return None
         return pages.lowest_free(k, skip)

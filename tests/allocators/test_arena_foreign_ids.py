@@ -12,6 +12,7 @@ Shapes as tests/allocators/test_arena.py: 64 B per KV token, page_size 2, 3 page
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -112,3 +113,23 @@ def test_a_cache_does_not_adopt_the_other_kinds_ids() -> None:
     assert (kv.available_size(), st.available_size()) == (36, 3)
     a.check()
     cache.sanity_check()
+
+
+def test_lowest_free_kv_pages_refuses_chunk_ids_it_cannot_skip() -> None:
+    # KV chunks 1..6 all free: pages 3..20; excluding chunk 1 the lowest two are 6, 7
+    a = arena()
+    assert a.lowest_free_kv_pages(2, np.array([1], dtype=np.int64)).tolist() == [6, 7]
+    assert a.lowest_free_kv_pages(2, np.array([], dtype=np.int64)).tolist() == [3, 4]
+    before = snaps(a)
+    bad: list[tuple[object, type[Exception]]] = [
+        (np.array([10]), ValueError),  # chunks are 0..9
+        (np.array([-1]), ValueError),  # would wrap round to chunk 9
+        (np.array([True, False]), TypeError),  # a mask, not chunk ids
+        (np.array([1.0]), TypeError),
+        (np.array([[1]]), ValueError),
+        ("1", TypeError),
+    ]
+    for exclude, err in bad:
+        with pytest.raises(err, match="exclude"):
+            a.lowest_free_kv_pages(1, exclude)
+    assert_same(snaps(a), before)
