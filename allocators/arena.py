@@ -434,6 +434,13 @@ class ArenaKVAllocator(_FreeListAllocator):
         self.arena.check_owned(pages.numpy() // self.arena.pages_per_chunk, KV, "indices")
         self._pages.restore(pages)
 
+    def clear(self) -> None:
+        """Every page of the chunks KV owns free, ascending; the pages of the other chunks
+        (the padding chunk's, the states') stay withdrawn. O(pages)."""
+        self._pages.reset()
+        arena = self.arena
+        self.lowest.withdraw(arena._pages_of(np.flatnonzero(arena.owner != KV)))
+
     def check_owned_slots(self, slots: np.ndarray, name: str) -> None:
         """Raise ``ValueError`` (``foreign index``, naming ``name``) when one of the KV
         ``slots`` (int64 numpy) lies in a chunk KV does not own: such a slot counts as
@@ -494,6 +501,12 @@ class ArenaStatePool(MambaStatePool):
         idx = as_index_tensor(indices, "indices")
         self.arena.check_owned(idx.numpy(), STATE, "indices")
         self._pages.restore(idx)
+
+    def clear(self) -> None:
+        """Every chunk states own a free slot, in ascending order; the other chunks stay
+        withdrawn. O(slots)."""
+        self._pages.reset()
+        self._pages.withdraw(np.flatnonzero(self.arena.owner[1:] != STATE) + 1)
 
     def check_owned_slots(self, slots: np.ndarray, name: str) -> None:
         """Raise ``ValueError`` (``foreign index``, naming ``name``) when one of the state
@@ -608,8 +621,8 @@ class MemoryArena:
         self.kv_allocator = ArenaKVAllocator(self, n * ppc - 1, self._kv_buffers())
         self.state_pool = ArenaStatePool(self, *self._state_stores())
         # Withdraw from each view the ids of chunks it does not own.
-        self.kv_allocator._pages.withdraw(self._pages_of(np.flatnonzero(self._owner != KV)))
-        self.state_pool._pages.withdraw(np.flatnonzero(self._owner[1:] != STATE) + 1)
+        self.kv_allocator.clear()
+        self.state_pool.clear()
 
     # ------------------------------------------------------------------ views
     def _kv_buffers(self) -> KVBuffers:

@@ -133,3 +133,23 @@ def test_lowest_free_kv_pages_refuses_chunk_ids_it_cannot_skip() -> None:
         with pytest.raises(err, match="exclude"):
             a.lowest_free_kv_pages(1, exclude)
     assert_same(snaps(a), before)
+
+
+def test_clear_frees_only_the_views_own_chunks() -> None:
+    # clear(): every id of the chunks the view owns free, in the initial order; the other
+    # kind's chunks and the padding chunk stay withdrawn, the other view untouched.
+    a = arena()
+    kv, st = a.kv_allocator, a.state_pool
+    assert kv.alloc(10) is not None and st.alloc(2) is not None
+    assert a.kv_to_state(1)  # chunk 6 (pages 18..20) becomes a state: KV owns chunks 1..5
+    st_before = st.snapshot()
+    kv.clear()
+    assert (kv.available_size(), kv.owned_size()) == (30, 30)
+    assert kv.snapshot().free_ids() == list(range(3, 18))  # pages of chunks 1..5
+    assert st.snapshot() == st_before
+    a.check()
+    kv_before = kv.snapshot()
+    st.clear()
+    assert st.snapshot().free_ids() == [6, 7, 8, 9] and st.available_size() == 4
+    assert kv.snapshot() == kv_before
+    a.check()
