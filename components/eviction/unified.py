@@ -311,7 +311,9 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
     Returns:
         ``True`` when the room is there (nothing allocated: the caller allocates next);
         ``False`` when the rule leaves it short with nothing more to evict (what was evicted
-        stays evicted; the boundary is where it was).
+        stays evicted; the boundary is where it was), or at once, nothing evicted and no
+        evidence recorded, when the request needs more chunks than the arena has
+        (``ceil(kv_tokens / tokens_per_chunk) + states > num_chunks - 1``).
 
     Raises:
         TypeError / ValueError: bad counts; a cache whose policy is not ``"unified"``; an
@@ -329,6 +331,8 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
     if cache.kv.allocator is not kv or state.allocator is not st:
         raise ValueError("arena: the cache's kv_allocator and state_allocator are not this "
                          "arena's views (its evictions would free nothing here)")
+    if -(-kv_tokens // tpc) + states > arena.num_chunks - 1:
+        return False  # more chunks than the arena has: no eviction can make the room
     boundary = walk.boundary
     band = arena.num_state_chunks
     # capacity: the usable chunks (the padding chunk is never either kind's)

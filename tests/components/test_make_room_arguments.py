@@ -48,12 +48,37 @@ def test_an_arena_that_is_not_the_caches_is_refused_and_nothing_changes() -> Non
 def test_the_target_is_bounded_by_the_usable_chunks() -> None:
     # 2 usable chunks (768 B) and the padding chunk (384 B) on top: the states can own at
     # most 2 chunks, so the target cannot exceed 768 B.
-    cache, a = build(chunks=3, state_slots=1)
+    cache, a = build(chunks=3, state_slots=2)
     walk = cache.state.gds if cache.state is not None else None
     assert isinstance(walk, UnifiedStrategy)
-    assert make_room(cache, a, states=3) is False  # 3 states never fit: refused
+    assert a.state_pool.alloc(2) is not None  # both states held by requests
+    assert make_room(cache, a, states=1) is False  # nothing to evict: refused
     b = walk.boundary
     assert b.capacity_bytes == 2 * S
-    # refused 2 states short: the target 1 chunk + 2 * 384 B = 1,152 B, clamped at 768 B
+    # refused 1 state: the target 2 chunks + 384 B = 1,152 B, clamped at 768 B
     assert b.target_bytes == 2 * S and b.target_chunks(a.chunk_bytes) == 2
     b.check()
+
+
+def test_a_request_larger_than_the_arena_evicts_nothing() -> None:
+    # 19 usable chunks of 6 tokens: 2 + 19 * 6 = 116 tokens, 20 states, or 60 tokens (10
+    # chunks) with 10 states never fit, whatever is evicted: refused up front, the cache and
+    # the learned target as they were.
+    cache, a = build(chunks=20, state_slots=4)
+    for key in (P, Q):
+        insert(cache, a, key)
+    assert make_room(cache, a)  # binds the target at the band: 4 chunks
+    walk = cache.state.gds if cache.state is not None else None
+    assert isinstance(walk, UnifiedStrategy)
+    before = (tree(cache), cache.stats(), a.kv_allocator.snapshot(), a.state_pool.snapshot(),
+              a.owner.tobytes(), walk.boundary.target_bytes, walk.boundary.states_refused)
+    for kwargs in ({"kv_tokens": 116}, {"states": 20}, {"kv_tokens": 60, "states": 10}):
+        assert make_room(cache, a, **kwargs) is False
+        assert (tree(cache), cache.stats(), a.kv_allocator.snapshot(), a.state_pool.snapshot(),
+                a.owner.tobytes(), walk.boundary.target_bytes,
+                walk.boundary.states_refused) == before
+    cache.sanity_check()
+    # 114 tokens (19 chunks) is no refusal up front: an arena all KV serves it
+    kv_only, b = build(chunks=20, state_slots=0)
+    assert make_room(kv_only, b, kv_tokens=114) is True
+    a.check()
