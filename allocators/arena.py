@@ -773,6 +773,10 @@ class MemoryArena:
         if n == 0:
             return True
         chunks = cand[:n].astype(np.int64)
+        # On a device the state view's zeroing and copies wait for the next read of the
+        # states: issued now, while the chunks are still states (a freed slot's pending work
+        # would otherwise land on KV bytes, a pending copy would read them). No sync.
+        self.state_pool.flush()
         self.state_pool._pages.withdraw(chunks)
         self._owner[chunks] = KV
         self._num_state -= n
