@@ -123,8 +123,8 @@ class KVShape:
     page_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_heads", "head_dim", "page_size"):
-            check_positive_int(getattr(self, name), name)
+        for name in ("num_layers", "num_heads", "head_dim", "page_size"):  # kept as ints
+            object.__setattr__(self, name, check_positive_int(getattr(self, name), name))
         check_float_dtype(self.dtype, "dtype")
 
     @property
@@ -157,7 +157,7 @@ class StateShape:
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
-        check_positive_int(self.num_layers, "num_layers")
+        object.__setattr__(self, "num_layers", check_positive_int(self.num_layers, "num_layers"))
         object.__setattr__(self, "conv_state_shape",
                            check_shape(self.conv_state_shape, "conv_state_shape"))
         object.__setattr__(self, "ssm_state_shape",

@@ -153,3 +153,19 @@ def test_clear_frees_only_the_views_own_chunks() -> None:
     assert st.snapshot().free_ids() == [6, 7, 8, 9] and st.available_size() == 4
     assert kv.snapshot() == kv_before
     a.check()
+
+
+def test_shapes_keep_numpy_ints_as_python_ints() -> None:
+    # numpy ints are accepted (check_int); kept as numpy, they made every size derived from
+    # the shapes numpy, and the unified cache refused the arena's byte sizes as not ints.
+    kv = KVShape(np.int64(2), np.int64(2), np.int64(4), torch.float16, np.int64(2))
+    st = StateShape(np.int64(2), (4, 3), (2, 4, 4))
+    assert kv == KV and st == ST
+    assert all(type(getattr(kv, f)) is int
+               for f in ("num_layers", "num_heads", "head_dim", "page_size"))
+    assert type(st.num_layers) is int
+    a = MemoryArena(3616, kv, st, state_slots=3)
+    assert (a.chunk_bytes, a.pages_per_chunk, kv.bytes_per_token) == (384, 3, 64)
+    assert all(type(v) is int for v in (a.chunk_bytes, a.pages_per_chunk, kv.bytes_per_token))
+    cache = RadixCache(CFG, kv_allocator=a.kv_allocator, state_allocator=a.state_pool)
+    cache.sanity_check()
