@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from allocators import check_int
 from allocators.arena import KV, MemoryArena
 
 if TYPE_CHECKING:
@@ -55,10 +56,10 @@ def compact_kv(cache: RadixCache, arena: MemoryArena, num_chunks: int) -> bool:
         chunks can be emptied (pinned pages) or the other chunks lack the free pages.
 
     Raises:
-        ValueError: ``cache`` does not allocate its KV from ``arena``; a bad ``num_chunks``.
+        TypeError / ValueError: ``num_chunks`` not an int ``>= 0`` (a numpy int is one);
+            ``cache`` does not allocate its KV from ``arena`` (ValueError).
     """
-    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 0:
-        raise ValueError(f"num_chunks must be an int >= 0, got {num_chunks!r}")
+    num_chunks = check_int(num_chunks, "num_chunks", minimum=0)
     if cache.kv.allocator is not arena.kv_allocator:
         raise ValueError("cache: its KV allocator is not this arena's kv_allocator")
     if num_chunks == 0:

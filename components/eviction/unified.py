@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from allocators import check_int
 from allocators.arena import MemoryArena
 from components.compaction import compact_kv
 from components.eviction.boundary import BoundaryTarget
@@ -325,9 +326,8 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
     walk = state.gds if state is not None else None
     if state is None or not isinstance(walk, UnifiedStrategy):
         raise ValueError("make_room needs a cache with radix_eviction_policy='unified'")
-    for name, v in (("kv_tokens", kv_tokens), ("states", states)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+    kv_tokens = check_int(kv_tokens, "kv_tokens", minimum=0)
+    states = check_int(states, "states", minimum=0)
     if cache.kv.allocator is not kv or state.allocator is not st:
         raise ValueError("arena: the cache's kv_allocator and state_allocator are not this "
                          "arena's views (its evictions would free nothing here)")

@@ -7,9 +7,11 @@ Shapes as tests/components/test_unified_eviction.py: 64 B per KV token, page_siz
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from allocators.arena import MemoryArena
+from components.compaction import compact_kv
 from components.eviction.unified import UnifiedStrategy, make_room
 from radix.cache import RadixCache
 from tests.components.test_unified_eviction import CFG, KV, ST, P, Q, build, insert, tree
@@ -81,4 +83,30 @@ def test_a_request_larger_than_the_arena_evicts_nothing() -> None:
     # 114 tokens (19 chunks) is no refusal up front: an arena all KV serves it
     kv_only, b = build(chunks=20, state_slots=0)
     assert make_room(kv_only, b, kv_tokens=114) is True
+    a.check()
+
+
+def test_counts_follow_the_librarys_int_rule() -> None:
+    # as every count of the arena (kv_to_state, ensure_kv, ...): a numpy int is an int; a
+    # bool or a float is the wrong kind (TypeError), a negative count out of range
+    # (ValueError); each names the argument, nothing changes.
+    cache, a = build(chunks=20, state_slots=4)
+    insert(cache, a, P)
+    before = (tree(cache), a.kv_allocator.snapshot(), a.state_pool.snapshot(),
+              a.owner.tobytes())
+    calls = {
+        "states": lambda v: make_room(cache, a, states=v),
+        "kv_tokens": lambda v: make_room(cache, a, kv_tokens=v),
+        "num_chunks": lambda v: compact_kv(cache, a, v),
+    }
+    for name, call in calls.items():
+        for bad, err in ((True, TypeError), (1.0, TypeError), ("1", TypeError),
+                         (-1, ValueError), (np.int64(-1), ValueError)):
+            with pytest.raises(err, match=name):
+                call(bad)
+        assert (tree(cache), a.kv_allocator.snapshot(), a.state_pool.snapshot(),
+                a.owner.tobytes()) == before
+    assert make_room(cache, a, states=np.int64(1), kv_tokens=np.int64(6)) is True
+    assert compact_kv(cache, a, np.int64(0)) is True
+    cache.sanity_check()
     a.check()
