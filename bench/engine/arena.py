@@ -37,9 +37,11 @@ def build_arena(layout: ArenaLayout, page_size: int) -> MemoryArena:
     others'), ``state_chunks`` of them states.
 
     Raises:
-        ValueError: ``tokens_per_chunk`` not a multiple of ``page_size`` (from
-            ``MemoryArena``: the shapes do not divide).
+        ValueError: ``tokens_per_chunk`` not a multiple of ``page_size``.
     """
+    if layout.tokens_per_chunk % page_size:  # (the arena would round the chunk up)
+        raise ValueError(f"layout.tokens_per_chunk={layout.tokens_per_chunk} is not a multiple "
+                         f"of page_size={page_size}")
     kv = KVShape(1, 1, 1, torch.float16, page_size)  # 4 B per token (K and V)
     st = StateShape(1, (1,), (layout.tokens_per_chunk - 1,), torch.float32)  # one chunk
     return MemoryArena((layout.num_chunks - 1) * layout.tokens_per_chunk * 4, kv, st,
