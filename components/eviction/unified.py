@@ -287,7 +287,8 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
 
         KV short      free state chunks move to KV (``MemoryArena.state_to_kv``) down to the
                       target, or below it while KV's locked tokens plus ``kv_tokens`` fit
-                      in KV's share; if states hold such chunks but in use: evict by value
+                      in KV's share or KV owns no chunk (no KV evidence could lower the
+                      target then); if states hold such chunks but in use: evict by value
                       (``cache.evict_bytes``); else KV frees its own (``cache.evict``, the
                       unified KV order) or the call fails
         states short  wholly free KV chunks move to the states (``kv_to_state``; free pages
@@ -347,7 +348,10 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
             room = band - target  # state chunks KV may take
             if room < need:
                 locked = kv.owned_size() - kv.available_size() - cache.evictable_size()
-                if locked + kv_tokens <= (arena.num_chunks - 1 - target) * tpc:
+                # (KV owning no chunk passes too: with no KV leaf there is no KV evidence
+                # that could lower the target, so it would never get memory back)
+                if locked + kv_tokens <= (arena.num_chunks - 1 - target) * tpc \
+                        or arena.num_kv_chunks == 0:
                     room = band
             if need == 0 or need <= min(spare_states, room):
                 return arena.state_to_kv(need)

@@ -110,3 +110,19 @@ def test_counts_follow_the_librarys_int_rule() -> None:
     assert compact_kv(cache, a, np.int64(0)) is True
     cache.sanity_check()
     a.check()
+
+
+def test_kv_with_no_chunk_gets_one_back() -> None:
+    # Every usable chunk a state (state_slots = all, or the states took the last KV chunk):
+    # the target starts at the band, KV's share is 0 and KV has no evidence to lower it (a
+    # KV ghost needs a KV leaf). KV is served from the free state chunks, lowest first.
+    cache, a = build(chunks=20, state_slots=19)
+    assert a.kv_allocator.available_size() == 0
+    assert make_room(cache, a, kv_tokens=8) is True  # ceil(8 / 6) = 2 chunks: 1 and 2
+    assert a.owner.tolist()[:4] == [0, 1, 1, 2] and a.num_kv_chunks == 2
+    assert a.kv_allocator.available_size() == 12
+    # with KV owning a chunk again, its share rule holds as before: no exception
+    walk = cache.state.gds if cache.state is not None else None
+    assert isinstance(walk, UnifiedStrategy) and walk.boundary.target_chunks(S) == 19
+    cache.sanity_check()
+    a.check()
