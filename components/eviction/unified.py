@@ -318,8 +318,9 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
         (``ceil(kv_tokens / tokens_per_chunk) + states > num_chunks - 1``).
 
     Raises:
-        TypeError / ValueError: bad counts; a cache whose policy is not ``"unified"``; an
-            ``arena`` whose views are not the cache's allocators (nothing changes).
+        TypeError / ValueError: bad counts or ``on_evict``; a cache whose policy is not
+            ``"unified"``; an ``arena`` whose views are not the cache's allocators (nothing
+            changes).
     """
     kv, st = arena.kv_allocator, arena.state_pool
     tpc = arena.tokens_per_chunk
@@ -329,6 +330,8 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
         raise ValueError("make_room needs a cache with radix_eviction_policy='unified'")
     kv_tokens = check_int(kv_tokens, "kv_tokens", minimum=0)
     states = check_int(states, "states", minimum=0)
+    if on_evict is not None and not callable(on_evict):
+        raise TypeError(f"on_evict must be callable or None, got {type(on_evict).__name__}")
     if cache.kv.allocator is not kv or state.allocator is not st:
         raise ValueError("arena: the cache's kv_allocator and state_allocator are not this "
                          "arena's views (its evictions would free nothing here)")

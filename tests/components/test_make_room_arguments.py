@@ -126,3 +126,15 @@ def test_kv_with_no_chunk_gets_one_back() -> None:
     assert isinstance(walk, UnifiedStrategy) and walk.boundary.target_chunks(S) == 19
     cache.sanity_check()
     a.check()
+
+
+def test_a_bad_on_evict_is_refused_before_any_eviction() -> None:
+    cache, a = build(chunks=20, state_slots=4)
+    for key in (P, Q):
+        insert(cache, a, key)
+    assert a.kv_allocator.alloc(a.kv_allocator.available_size()) is not None  # KV full
+    assert a.state_pool.alloc(2) is not None  # states full: room only by eviction
+    before = tree(cache)
+    with pytest.raises(TypeError, match="on_evict"):
+        make_room(cache, a, kv_tokens=6, on_evict="print")
+    assert tree(cache) == before  # nothing evicted for a call that could not report it
