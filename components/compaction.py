@@ -34,6 +34,7 @@ import numpy as np
 
 from allocators import check_int
 from allocators.arena import KV, MemoryArena
+from components.kv import KVComponent
 
 if TYPE_CHECKING:
     from radix.cache import RadixCache
@@ -56,9 +57,14 @@ def compact_kv(cache: RadixCache, arena: MemoryArena, num_chunks: int) -> bool:
         chunks can be emptied (pinned pages) or the other chunks lack the free pages.
 
     Raises:
+        TypeError: ``cache`` not a radix cache, ``arena`` not a :class:`MemoryArena`.
         TypeError / ValueError: ``num_chunks`` not an int ``>= 0`` (a numpy int is one);
             ``cache`` does not allocate its KV from ``arena`` (ValueError).
     """
+    if not isinstance(arena, MemoryArena):
+        raise TypeError(f"arena must be a MemoryArena, got {type(arena).__name__}")
+    if not isinstance(getattr(cache, "kv", None), KVComponent):
+        raise TypeError(f"cache must be a RadixCache, got {type(cache).__name__}")
     num_chunks = check_int(num_chunks, "num_chunks", minimum=0)
     if cache.kv.allocator is not arena.kv_allocator:
         raise ValueError("cache: its KV allocator is not this arena's kv_allocator")

@@ -39,6 +39,7 @@ from allocators.arena import MemoryArena
 from components.compaction import compact_kv
 from components.eviction.boundary import BoundaryTarget
 from components.eviction.gds import GDSStrategy, GreedyDualHeap, gds_cost
+from components.kv import KVComponent
 
 if TYPE_CHECKING:
     from radix.cache import RadixCache
@@ -318,10 +319,15 @@ def make_room(cache: RadixCache, arena: MemoryArena, *, kv_tokens: int = 0,
         (``ceil(kv_tokens / tokens_per_chunk) + states > num_chunks - 1``).
 
     Raises:
+        TypeError: ``cache`` not a radix cache, ``arena`` not a :class:`MemoryArena`.
         TypeError / ValueError: bad counts or ``on_evict``; a cache whose policy is not
             ``"unified"``; an ``arena`` whose views are not the cache's allocators (nothing
             changes).
     """
+    if not isinstance(arena, MemoryArena):
+        raise TypeError(f"arena must be a MemoryArena, got {type(arena).__name__}")
+    if not isinstance(getattr(cache, "kv", None), KVComponent):
+        raise TypeError(f"cache must be a RadixCache, got {type(cache).__name__}")
     kv, st = arena.kv_allocator, arena.state_pool
     tpc = arena.tokens_per_chunk
     state = cache.state

@@ -138,3 +138,20 @@ def test_a_bad_on_evict_is_refused_before_any_eviction() -> None:
     with pytest.raises(TypeError, match="on_evict"):
         make_room(cache, a, kv_tokens=6, on_evict="print")
     assert tree(cache) == before  # nothing evicted for a call that could not report it
+
+
+def test_arguments_of_the_wrong_kind_are_type_errors_naming_them() -> None:
+    cache, a = build(chunks=20, state_slots=4)
+    insert(cache, a, P)
+    before = (tree(cache), a.kv_allocator.snapshot(), a.state_pool.snapshot())
+    for call, name in (
+        (lambda: make_room(None, a), "cache"),
+        (lambda: make_room(cache, None), "arena"),
+        (lambda: make_room(cache, "arena"), "arena"),
+        (lambda: compact_kv(None, a, 1), "cache"),
+        (lambda: compact_kv(cache, None, 1), "arena"),
+        (lambda: compact_kv(cache, a.kv_allocator, 1), "arena"),  # a view, not the arena
+    ):
+        with pytest.raises(TypeError, match=f"^{name} must be"):
+            call()
+    assert (tree(cache), a.kv_allocator.snapshot(), a.state_pool.snapshot()) == before
