@@ -446,8 +446,12 @@ class ArenaKVAllocator(_FreeListAllocator):
         ``slots`` (int64 numpy) lies in a chunk KV does not own: such a slot counts as
         handed out here (withdrawn) but is the other kind's. A cache checks the slots it
         adopts with it (``components.kv.KVComponent.claim``); slots outside the arena are
-        left to the caller's range check. O(len(slots))."""
-        self.arena.check_owned(slots // self.arena.tokens_per_chunk, KV, name)
+        left to the caller's range check. O(len(slots)): one gather of the owners (clipped:
+        a slot outside the arena reads an edge chunk), the exact check only when it fails."""
+        arena = self.arena
+        chunks = slots // arena.tokens_per_chunk
+        if not (arena.owner.take(chunks, mode="clip") == KV).all():
+            arena.check_owned(chunks, KV, name)
 
 
 class ArenaStatePool(MambaStatePool):
@@ -508,11 +512,18 @@ class ArenaStatePool(MambaStatePool):
         self._pages.reset()
         self._pages.withdraw(np.flatnonzero(self.arena.owner[1:] != STATE) + 1)
 
-    def check_owned_slots(self, slots: np.ndarray, name: str) -> None:
+    def check_owned_slots(self, slots: np.ndarray | int, name: str) -> None:
         """Raise ``ValueError`` (``foreign index``, naming ``name``) when one of the state
-        ``slots`` (int64 numpy) is a chunk states do not own (withdrawn here, it counts as
-        handed out). A cache checks the slot it adopts with it
-        (``components.state.StateComponent.check_insert``)."""
+        ``slots`` (int64 numpy, or one ``int``: scalar compares) is a chunk states do not own
+        (withdrawn here, it counts as handed out). A cache checks the slot it adopts with it
+        (``components.state.StateComponent.check_insert``); ids outside the arena are left
+        to the caller's range check."""
+        owner = self.arena.owner
+        if type(slots) is int:
+            if 0 <= slots < owner.shape[0] and owner[slots] != STATE:
+                self.arena.check_owned(np.array([slots], dtype=np.int64), STATE, name)
+            return
+        assert isinstance(slots, np.ndarray)
         self.arena.check_owned(slots, STATE, name)
 
     def free_slot(self, slot: int) -> None:

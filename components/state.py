@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import numpy as np
 import torch
 
 from allocators.host_mirror import host_int
@@ -178,6 +177,10 @@ class StateComponent(Component):
         self.restore_allocator: Any = allocator
         #: The pool's live free mask over slots (``None`` for a pool without one).
         self.free_mask = getattr(allocator, "free_mask", None)
+        #: The pool's check that a slot lies in memory it owns (a memory arena's view:
+        #: ``ArenaStatePool.check_owned_slots``); ``None``: every slot in range is the pool's.
+        self._check_owned: Callable[[int, str], None] | None = getattr(
+            allocator, "check_owned_slots", None)
         self._walk_name = walk
         self._gds_args = gds
         self._state_walk = state_walk
@@ -365,9 +368,9 @@ class StateComponent(Component):
                 f"state_slot {state_slot} is free in the state pool: the tree adopts only a slot "
                 "the caller got from alloc"
             )
-        owned = getattr(self.allocator, "check_owned_slots", None)
+        owned = self._check_owned
         if owned is not None:  # a memory arena's view: the other kind's chunks count as used
-            owned(np.array([state_slot], dtype=np.int64), "state_slot")
+            owned(state_slot, "state_slot")
 
     def plan_insert(self, plan: InsertPlan) -> None:
         """New tokens need a state at their end: a leaf never stays without one."""
