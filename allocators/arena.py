@@ -518,13 +518,12 @@ class ArenaStatePool(MambaStatePool):
         (withdrawn here, it counts as handed out). A cache checks the slot it adopts with it
         (``components.state.StateComponent.check_insert``); ids outside the arena are left
         to the caller's range check."""
-        owner = self.arena.owner
-        if type(slots) is int:
-            if 0 <= slots < owner.shape[0] and owner[slots] != STATE:
-                self.arena.check_owned(np.array([slots], dtype=np.int64), STATE, name)
+        if isinstance(slots, np.ndarray):
+            self.arena.check_owned(slots, STATE, name)
             return
-        assert isinstance(slots, np.ndarray)
-        self.arena.check_owned(slots, STATE, name)
+        owner, slot = self.arena.owner, int(slots)
+        if 0 <= slot < owner.shape[0] and owner[slot] != STATE:
+            self.arena.check_owned(np.array([slot], dtype=np.int64), STATE, name)
 
     def free_slot(self, slot: int) -> None:
         """``MambaStatePool.free_slot``, refusing too a chunk states do not own."""
