@@ -3,7 +3,10 @@
 In a ``MemoryArena`` an id of a chunk the other kind owns is *withdrawn* from a view's free
 list: the view counts it as used. Every entry point that accepts "an id handed out" must
 therefore also check the chunk's owner, else the other kind's bytes are read or written
-through the wrong view, or the id is later freed into the wrong free list.
+through the wrong view, or the id is later freed into the wrong free list. The same holds
+for what takes chunk ids (``lowest_free_kv_pages``' ``exclude``), for ``clear()`` (a view
+frees only its own chunks), and for the shapes' int fields (kept as Python ints, so the
+sizes derived from them are ints a cache accepts).
 
 Shapes as tests/allocators/test_arena.py: 64 B per KV token, page_size 2, 3 pages per chunk
 (6 tokens, 384 B); budget 3,616 B -> chunks 0..9; ``state_slots=3``: chunks 7, 8, 9 states,
