@@ -69,3 +69,26 @@ def test_lora_adapter_checks_float8_weights_for_nan() -> None:
     with pytest.raises(ValueError, match=r"weights\['q_proj'\].B must be finite, got 12 NaN"):
         LoraAdapter({"q_proj": (a, b)})
     assert LoraAdapter({"q_proj": (a, torch.ones(6, 2).to(F8))}).rank == 2
+
+
+def test_apply_refuses_a_module_of_the_wrong_type_with_type_error() -> None:
+    # Before: ValueError ("module must be one of ..."), as for an unknown name.
+    from allocators.lora import LoraMemoryPool
+
+    pool = LoraMemoryPool(SHAPES, 2, 2, dtype=torch.float64)
+    x = torch.zeros(1, 8, dtype=torch.float64)
+    i = torch.zeros(1, dtype=torch.int64)
+    for bad in (1, None, b"q_proj"):
+        with pytest.raises(TypeError, match="module must be a str"):
+            pool.apply(bad, x, i)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="module must be one of"):
+        pool.apply("k_proj", x, i)
+
+
+@pytest.mark.parametrize("names", [[3], ["q_proj", None], ("q_proj", 1.5)])
+def test_lora_target_modules_with_a_non_str_name_is_a_type_error(names: list) -> None:
+    # Before: ValueError ("must be 'all' or non-empty names"), as for an empty name.
+    with pytest.raises(TypeError, match=r"lora_target_modules\[\d\] must be a str"):
+        LoraArgs(lora_paths=["a=/x"], lora_target_modules=names)
+    with pytest.raises(ValueError, match="non-empty names"):
+        LoraArgs(lora_paths=["a=/x"], lora_target_modules=["q_proj", " "])
