@@ -317,7 +317,8 @@ class RadixCache:
     def release_swa_slots(self, slots: torch.Tensor, start: int, seq_len: int) -> int:
         """Free the SWA KV of ``slots[start:upto]`` (a request's own KV slots [one per token],
         1-D int64): the tokens that slid out of its window before ``seq_len``, ``upto``
-        keeping the last ``max(sliding_window_size, page_size)`` tokens and
+        keeping the last ``max(sliding_window_size, page_size)`` tokens before the end of
+        ``seq_len``'s whole pages and
         ``swa_release_extra_pages`` pages live (page aligned; as :meth:`release_swa`, for an
         engine that keeps its own request record). Returns ``upto`` (``<= start``: nothing
         freed).

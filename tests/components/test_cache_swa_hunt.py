@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from allocators import SWAAllocator
-from radix import CacheConfig, RadixCache
+from radix import CacheConfig, CacheRequest, RadixCache
 
 
 def t(*x: int) -> torch.Tensor:
@@ -71,3 +71,43 @@ def test_release_swa_slots_refuses_bad_input_naming_it(slots: str, start: int, s
     # page 2, window 2: the margin is max(2, 2) = 2 tokens -> release [0, 6)
     assert c.release_swa_slots(own, 0, 8) == 6
     assert kv.has_swa(own).tolist() == [False] * 6 + [True] * 2
+
+
+def test_release_swa_at_an_unaligned_length_keeps_the_cached_prompt_usable() -> None:
+    # Window 5, page 4, 10 tokens computed. cache_finished_req caches the whole pages, [0, 8).
+    # Before: the margin was counted back from 10, releasing [0, 4): the cached [4, 8) had 4
+    # live tokens < 5 before its end, so a match of those 8 tokens hit nothing (prefix 0,
+    # swa_miss 8) while the tree held 8 full and 4 SWA tokens no match could use.
+    # Now it is counted back from the cached boundary 8: 8 - 5 = 3 -> page 0: nothing freed.
+
+    c, kv = make(page_size=4, window=5)
+    key = list(range(101, 111))
+    req = CacheRequest(key=key, kv_indices=kv.alloc(12)[:10], cached_len=0, last_node=c.root,
+                       lock=c.inc_lock_ref(c.root))
+    assert c.release_swa(req, 10) == 0
+    res = c.cache_finished_req(req, upto=10)
+    assert res.inserted_len == 8
+    m = c.match_prefix(key[:8])
+    assert (m.prefix_len, m.swa_miss_tokens) == (8, 0)
+    c.sanity_check()
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+@pytest.mark.parametrize("window", [1, 2, 3, 5, 6, 7])
+def test_the_prompt_cache_finished_req_caches_after_release_swa_is_matched_whole(
+        page_size: int, window: int) -> None:
+    # For every length: the whole pages cache_finished_req caches are a usable end (a match of
+    # exactly those tokens hits all of them), whatever release_swa freed before.
+    for seq in range(1, 17):
+        c, kv = make(page_size=page_size, window=window)
+        key = list(range(101, 101 + seq))
+        n = -(-seq // page_size) * page_size
+        req = CacheRequest(key=key, kv_indices=kv.alloc(n)[:seq], cached_len=0,
+                           last_node=c.root, lock=c.inc_lock_ref(c.root))
+        released = c.release_swa(req, seq)
+        end = seq // page_size * page_size
+        assert released <= max(end - max(window, page_size), 0), (seq, released)
+        c.cache_finished_req(req, upto=seq)
+        m = c.match_prefix(key[:end])
+        assert (m.prefix_len, m.swa_miss_tokens) == (end, 0), (seq, released)
+        c.sanity_check()
