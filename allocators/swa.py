@@ -536,9 +536,9 @@ class SWAAllocator(SlotAllocator):
     def check(self) -> None:
         """Both inner checks, plus the mapping invariants: the padding page maps to 0; only
         allocated full slots map; every non-zero entry is an allocated SWA slot used by
-        exactly one full slot; the number of non-zero entries equals ``swa_used_size()``;
-        paged: each full page maps wholly to one page-aligned SWA page, slot by slot, or not
-        at all.
+        exactly one full slot, and the inverse map (SWA -> full) agrees; the number of non-zero
+        entries equals ``swa_used_size()``; paged: each full page maps wholly to one
+        page-aligned SWA page, slot by slot, or not at all.
 
         Raises:
             AssertionError: with a dump of the state. O(full_size log full_size); for tests.

@@ -10,37 +10,39 @@ runner releases the locks first.
 
 from __future__ import annotations
 
+import importlib
 import itertools
+from typing import Any
 
-from tests.components.test_cache_swa_random import SWAHarness
-from tests.hicache.test_hicache_swa import (
-    test_random_steps_keep_every_copy_exact_and_every_invariant as hicache_walk,
-)
+# (imported by name: the test modules are not part of the type-checked packages)
+SWAHarness: Any = importlib.import_module("tests.components.test_cache_swa_random").SWAHarness
+hicache_walk: Any = importlib.import_module(
+    "tests.hicache.test_hicache_swa").test_random_steps_keep_every_copy_exact_and_every_invariant
 
 
-class LocksFirst(SWAHarness):
-    def run(self, steps: int) -> None:
-        ops = [(self.op_insert, 25), (self.op_match, 14), (self.op_unlock, 10),
-               (self.op_evict, 6), (self.op_evict_swa, 8), (self.op_evict_states, 5),
-               (self.op_req_start, 8), (self.op_req_step, 12), (self.op_req_finish, 4),
-               (self.op_hold, 3), (self.op_release, 3), (self.op_reset, 1)]
-        fns = [f for f, _ in ops]
-        weights = [w for _, w in ops]
-        self.check()
-        for _ in range(steps):
-            self.rng.choices(fns, weights)[0]()
-            self.check()
-        while self.locks:
-            self.op_unlock()
-            self.check()
-        for _ in range(1000):
-            if not self.reqs:
-                break
-            if self.cache_req(self.reqs[0], finished=True):
-                self.reqs.pop(0)
-            else:
-                self._evict("evict_states", 1)
-            self.check()
+def run_locks_first(h: Any, steps: int) -> None:
+    """``SWAHarness.run`` with the locks released before the requests are drained."""
+    ops = [(h.op_insert, 25), (h.op_match, 14), (h.op_unlock, 10), (h.op_evict, 6),
+           (h.op_evict_swa, 8), (h.op_evict_states, 5), (h.op_req_start, 8),
+           (h.op_req_step, 12), (h.op_req_finish, 4), (h.op_hold, 3), (h.op_release, 3),
+           (h.op_reset, 1)]
+    fns = [f for f, _ in ops]
+    weights = [w for _, w in ops]
+    h.check()
+    for _ in range(steps):
+        h.rng.choices(fns, weights)[0]()
+        h.check()
+    while h.locks:
+        h.op_unlock()
+        h.check()
+    for _ in range(1000):
+        if not h.reqs:
+            break
+        if h.cache_req(h.reqs[0], finished=True):
+            h.reqs.pop(0)
+        else:
+            h._evict("evict_states", 1)
+        h.check()
 
 
 def main() -> None:
@@ -49,9 +51,9 @@ def main() -> None:
             [1, 2, 4], [1, 2, 3, 5, 8, 16], [0, 1, 2], [False, True], range(3)):
         if ps == 4 and extra == 2:
             continue
-        h = LocksFirst(90000 + seed * 7 + ps * 1000 + window * 13 + extra * 101 + hybrid, ps,
+        h = SWAHarness(90000 + seed * 7 + ps * 1000 + window * 13 + extra * 101 + hybrid, ps,
                        hybrid, window, extra_pages=extra)
-        h.run(250)
+        run_locks_first(h, 250)
         runs += 1
         stalls += bool(h.reqs)  # requests the drain could not finish (states all held)
     print(f"{runs} walks of 250 steps agreed with the model ({stalls} drains left requests)")
