@@ -7,7 +7,7 @@ arguments and the adapter manager over those slots in :mod:`radix.lora`.
 
 from __future__ import annotations
 
-from ._checks import check_int, check_positive_int, resolve_device
+from ._checks import as_index_tensor, check_int, check_positive_int, check_range, resolve_device
 from .base import AllocatorSnapshot, SlotAllocator
 from .host_mirror import cat_slots, host_ids, host_int, slot_copy
 from .kv_pool import KVBuffers, KVPool, KVStorage
@@ -29,8 +29,10 @@ __all__ = [
     "SlotAllocator",
     "TokenAllocator",
     "alloc_all",
+    "as_index_tensor",
     "check_int",
     "check_positive_int",
+    "check_range",
     "cat_slots",
     "host_ids",
     "host_int",

@@ -178,6 +178,10 @@ class SWAAllocator(SlotAllocator):
         #: CPU ``torch.int64``, ``full_size + page_size`` entries. Read-only for callers.
         self.full_to_swa = torch.zeros(full_size + page_size, dtype=torch.int64)
         self._map = self.full_to_swa.numpy()  # shares memory
+        #: The inverse of ``_map``: ``_owner[s]`` is the full slot holding SWA slot ``s``, 0
+        #: when none (free, or taken from ``swa_side`` and not mapped yet): what
+        #: :meth:`map_swa` checks an SWA slot against.
+        self._owner = np.zeros(swa_size + page_size, dtype=np.int64)
         self._arange_page = np.arange(page_size, dtype=np.int64)
         #: The mapping on ``device`` as last written (``None`` on the CPU: ``full_to_swa`` is
         #: there already); read it through :attr:`full_to_swa_device`.
@@ -227,9 +231,12 @@ class SWAAllocator(SlotAllocator):
         """Give allocated full slots ``full`` that hold no SWA slot the SWA slots ``swa``
         (taken from :attr:`swa_side` and held by no full slot), element-wise.
 
+        Paged: both are whole pages, so each full page maps to one SWA page slot by slot.
+
         Raises:
-            ValueError: different lengths, a full slot that is free or already mapped. Nothing
-                changes then.
+            ValueError: different lengths; a slot outside its pool; a partial page; a slot
+                repeated; a full slot that is free or already mapped; an SWA slot that is free
+                or already held by a full slot. Nothing changes then.
         """
         f, w = (torch.from_numpy(np.ascontiguousarray(host_ids(as_index_tensor(x, name), name)))
                 for x, name in ((full, "full"), (swa, "swa")))  # their host mirrors: no sync
@@ -237,10 +244,30 @@ class SWAAllocator(SlotAllocator):
             raise ValueError(f"map_swa: {f.numel()} full slots for {w.numel()} SWA slots")
         if f.numel() == 0:
             return
-        check_range(f, "full", low=1, high=self.size + self._page_size)
+        p = self._page_size
+        check_range(f, "full", low=p, high=self.size + p)
+        check_range(w, "swa", low=p, high=self.swa_size + p)
+        self._full.slots_to_pages(f)  # paged: whole, aligned pages (raises)
+        self._swa.slots_to_pages(w)
+        fa, wa = f.numpy(), w.numpy()
+        for what, arr in (("full", fa), ("SWA", wa)):
+            uniq, counts = np.unique(arr, return_counts=True)
+            if uniq.size != arr.size:
+                bad = int(uniq[counts > 1][0])
+                raise ValueError(f"map_swa: {what} slot {bad} appears more than once")
         if bool(self._full.is_free(f).any()) or bool((self.full_to_swa[f] != 0).any()):
             raise ValueError("map_swa: a full slot is free or already holds an SWA slot")
-        self._map[f.numpy()] = w.numpy()
+        free = self._swa.is_free(w).numpy()
+        if free.any():
+            raise ValueError(f"map_swa: SWA slot {int(wa[free.argmax()])} is free (take it "
+                             "from swa_side first)")
+        owner = self._owner[wa]
+        if owner.any():
+            k = int((owner != 0).argmax())
+            raise ValueError(f"map_swa: SWA slot {int(wa[k])} is already held by full slot "
+                             f"{int(owner[k])}")
+        self._map[fa] = wa
+        self._owner[wa] = fa
         dev_map = self.full_to_swa_device
         if dev_map is not None:
             both = np.concatenate((f.numpy(), w.numpy()))
@@ -373,6 +400,7 @@ class SWAAllocator(SlotAllocator):
         assert full is not None and swa is not None
         host = full.numpy()
         self._map[host] = swa.numpy()
+        self._owner[swa.numpy()] = host
         if self._dev_map is None:
             return full
         self._changed(host)
@@ -402,6 +430,7 @@ class SWAAllocator(SlotAllocator):
         swa_pages = _validated_release_pages(self._swa, swa[swa != 0])
         self._full.pages.release(full_pages)
         self._swa.pages.release(swa_pages)
+        self._owner[swa.numpy()] = 0  # (entry 0 of a tombstone: padding, never owned)
         ids = idx.numpy()
         self._map[ids] = 0
         self._changed(ids)
@@ -454,6 +483,7 @@ class SWAAllocator(SlotAllocator):
             raise ValueError(f"double free: slot {bad} appears more than once in one call")
         swa_pages = _validated_release_pages(self._swa, swa)
         self._swa.pages.release(swa_pages)
+        self._owner[swa.numpy()] = 0
         ids = idx.numpy()
         self._map[ids] = 0
         self._changed(ids)
@@ -486,6 +516,7 @@ class SWAAllocator(SlotAllocator):
         swa_pages = _validated_release_pages(self._swa, swa)
         self._full.pages.restore(full_pages)
         self._swa.pages.restore(swa_pages)
+        self._owner[swa.numpy()] = 0
         ids = idx.numpy()
         self._map[ids] = 0
         self._changed(ids)
@@ -495,6 +526,7 @@ class SWAAllocator(SlotAllocator):
         self._full.clear()
         self._swa.clear()
         self._map[:] = 0
+        self._owner[:] = 0
         if self._dev_map is not None:
             self._stale_ids.clear()
             self._stale[:] = False
@@ -504,9 +536,9 @@ class SWAAllocator(SlotAllocator):
     def check(self) -> None:
         """Both inner checks, plus the mapping invariants: the padding page maps to 0; only
         allocated full slots map; every non-zero entry is an allocated SWA slot used by
-        exactly one full slot; the number of non-zero entries equals ``swa_used_size()``;
-        paged: each full page maps wholly to one page-aligned SWA page, slot by slot, or not
-        at all.
+        exactly one full slot, and the inverse map (SWA -> full) agrees; the number of non-zero
+        entries equals ``swa_used_size()``; paged: each full page maps wholly to one
+        page-aligned SWA page, slot by slot, or not at all.
 
         Raises:
             AssertionError: with a dump of the state. O(full_size log full_size); for tests.
@@ -537,6 +569,9 @@ class SWAAllocator(SlotAllocator):
             uniq, counts = np.unique(vals, return_counts=True)
             if uniq.size != vals.size:
                 problems.append(f"SWA slots used by several full slots: {uniq[counts > 1][:16]}")
+            wrong = self._owner[vals] != nz
+            if wrong.any() or np.count_nonzero(self._owner) != nz.size:
+                problems.append("the SWA-to-full inverse map disagrees with full_to_swa")
         if nz.size != self._swa.used_size():
             problems.append(
                 f"{nz.size} non-zero mappings but {self._swa.used_size()} SWA slots used"

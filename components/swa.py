@@ -390,9 +390,16 @@ class SWAComponent(Component):
     def release(self, kv_indices: torch.Tensor, start: int, seq_len: int) -> int:
         """Free the SWA KV of ``kv_indices[start:upto]``, the request's own tokens that slid
         out of its window, where ``upto`` keeps the last :meth:`release_margin` tokens before
-        ``seq_len`` live (page aligned). Returns ``upto`` (<= start: nothing freed)."""
+        ``seq_len``'s whole pages live (page aligned): an insert up to ``seq_len`` caches only
+        those pages, so the margin counts back from their end (counted from an unaligned
+        ``seq_len``, a window larger than a page and not a multiple of it would leave fewer
+        than a window of live tokens before the cached end: a prompt no match could use)::
+
+            window 5, page 4, seq_len 10: cached end 8, 8 - 5 = 3 -> upto 0 (not 4)
+
+        Returns ``upto`` (<= start: nothing freed)."""
         ps = self.kv.page_size
-        upto = max(seq_len - self.release_margin(), 0) // ps * ps
+        upto = max(seq_len // ps * ps - self.release_margin(), 0) // ps * ps
         if upto > start:
             self.allocator.free_swa(kv_indices[start:upto])
         return upto

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
+from allocators import as_index_tensor, check_range
 from allocators.host_mirror import cat_mirrored, host_int, register
 from components.base import Component
 from components.events import KVEvent, KVEventRecorder
@@ -298,8 +299,13 @@ class RadixCache:
         ``caller``; all ``False`` without an SWA component.
 
         Raises:
-            ValueError: ``caller`` and ``tree`` differ in length.
+            TypeError: not a tensor, or not ``torch.int64``.
+            ValueError: not 1-D, a slot outside ``[0, size + page_size)``, or ``caller`` and
+                ``tree`` differ in length.
         """
+        high = self.kv.allocator.size + self.page_size
+        for name, x in (("caller", caller), ("tree", tree)):
+            check_range(as_index_tensor(x, name), name, low=0, high=high)
         if len(caller) != len(tree):
             raise ValueError(f"caller ({len(caller)} slots) and tree ({len(tree)} slots) must "
                              "cover the same tokens")
@@ -311,20 +317,27 @@ class RadixCache:
     def release_swa_slots(self, slots: torch.Tensor, start: int, seq_len: int) -> int:
         """Free the SWA KV of ``slots[start:upto]`` (a request's own KV slots [one per token],
         1-D int64): the tokens that slid out of its window before ``seq_len``, ``upto``
-        keeping the last ``max(sliding_window_size, page_size)`` tokens and
+        keeping the last ``max(sliding_window_size, page_size)`` tokens before the end of
+        ``seq_len``'s whole pages and
         ``swa_release_extra_pages`` pages live (page aligned; as :meth:`release_swa`, for an
         engine that keeps its own request record). Returns ``upto`` (``<= start``: nothing
         freed).
 
         Raises:
-            ValueError: no SWA component, ``start < 0``, or ``seq_len`` not in
-                ``[0, len(slots)]``; ``TypeError``: counts that are not ints.
+            ValueError: no SWA component, ``start < 0`` or not a multiple of ``page_size``
+                (the release frees whole pages), ``seq_len`` not in ``[0, len(slots)]``,
+                ``slots`` not 1-D; ``TypeError``: counts that are not ints, ``slots`` not an
+                int64 tensor.
         """
         swa = self.swa
         if swa is None:
             raise ValueError("release_swa_slots on a cache without a sliding-window component")
+        as_index_tensor(slots, "slots")
         check_count(start, "start")
         check_count(seq_len, "seq_len")
+        if start % self.page_size:
+            raise ValueError(f"start={start} is not a multiple of page_size={self.page_size} "
+                             "(the SWA KV is released in whole pages)")
         if seq_len > len(slots):
             raise ValueError(f"seq_len ({seq_len}) > len(slots) ({len(slots)})")
         return swa.release(slots, start, seq_len)

@@ -302,8 +302,10 @@ def cache_finished_req(cache: RadixCache, ctx: RequestContext, req: CacheRequest
 def release_swa(ctx: RequestContext, req: CacheRequest, seq_len: int) -> int:
     """Free the SWA KV of the request's own tokens that slid out of its window.
 
-    Keeps the last ``max(sliding_window_size, page_size)`` tokens before ``seq_len`` live
-    (so a page larger than the window never tombstones the leaf the request will insert), plus
+    Keeps the last ``max(sliding_window_size, page_size)`` tokens before the end of
+    ``seq_len``'s whole pages live (what an insert up to ``seq_len`` caches; so a page larger
+    than the window never tombstones the leaf the request will insert, and the cached end has
+    a window of live tokens), plus
     ``CacheConfig.swa_release_extra_pages`` pages (so a later match ending one page earlier
     still has its window: ``components.swa.SWAComponent.release_margin``); call it with the
     boundary the next ``cache_*_req`` will use (its ``upto``). Tokens below

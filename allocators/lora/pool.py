@@ -390,7 +390,7 @@ class LoraMemoryPool:
             ``[T, out_features]`` tensor of the pool's dtype and device.
 
         Raises:
-            TypeError / ValueError: an unknown module, or a wrong shape, dtype, device or slot.
+            TypeError / ValueError: a module that is not a str (TypeError) or unknown, or a wrong shape, dtype, device or slot.
         """
         return self.slots.apply(module, x, weight_indices)
 

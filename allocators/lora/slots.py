@@ -138,7 +138,9 @@ class LoraSlots:
         """Batched LoRA delta: ``out[t] = scaling[s] * B[s] @ (A[s] @ x[t])``, ``s`` the row's
         slot; ``x`` may be ``[T]`` int64 token ids (an embedding: ``A[s][:, x[t]]``). See
         :meth:`LoraMemoryPool.apply <allocators.lora.LoraMemoryPool.apply>`."""
-        if not isinstance(module, str) or module not in self.A_buffer:
+        if not isinstance(module, str):
+            raise TypeError(f"module must be a str, got {type(module).__name__}")
+        if module not in self.A_buffer:
             raise ValueError(f"module must be one of {sorted(self.A_buffer)}, got {module!r}")
         in_f, out_f = self.target_modules[module]
         ids = isinstance(x, torch.Tensor) and not x.dtype.is_floating_point

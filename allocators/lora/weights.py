@@ -149,8 +149,10 @@ def _check_pair(module: str, pair: Any) -> tuple[torch.Tensor, torch.Tensor]:
             raise ValueError(f"weights[{module!r}].{name} must be 2-D, got {tuple(w.shape)}")
         if w.device.type != "cpu":
             raise ValueError(f"weights[{module!r}].{name} must be on the CPU, got {w.device}")
-        if not bool(torch.isfinite(w).all()):
-            bad = int((~torch.isfinite(w)).sum())
+        # float8 has no CPU isfinite kernel: check it widened to float32 (exact).
+        finite = torch.isfinite(w if w.element_size() > 1 else w.to(torch.float32))
+        if not bool(finite.all()):
+            bad = int((~finite).sum())
             raise ValueError(f"weights[{module!r}].{name} must be finite, got {bad} NaN / inf "
                              "values (a corrupt or diverged adapter)")
     if a.shape[0] < 1 or a.shape[0] != b.shape[1]:

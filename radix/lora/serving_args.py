@@ -224,7 +224,10 @@ def _parse_target_modules(value: object) -> TargetModules:
             f"lora_target_modules must be 'all' or a list of str, got {type(value).__name__}"
         )
     names = list(names)
-    if not names or not all(isinstance(n, str) and n.strip() for n in names):
+    for i, n in enumerate(names):
+        if not isinstance(n, str):
+            raise TypeError(f"lora_target_modules[{i}] must be a str, got {type(n).__name__}")
+    if not names or not all(n.strip() for n in names):
         raise ValueError(f"lora_target_modules must be 'all' or non-empty names, got {value!r}")
     if "all" in names or "all-linear" in names:
         if len(names) != 1:

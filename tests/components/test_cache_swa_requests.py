@@ -82,7 +82,8 @@ def test_the_leaf_cache_finished_req_inserts_is_never_a_tombstone(page_size: int
         n = -(-seq // page_size) * page_size
         req = CacheRequest(key=K[:n], kv_indices=kv.alloc(n), cached_len=0, last_node=cache.root)
         released = cache.release_swa(req, seq)
-        want = max(seq - margin, 0) // page_size * page_size
+        # the margin counts back from the whole pages the insert caches (seq's, aligned down)
+        want = max(seq // page_size * page_size - margin, 0) // page_size * page_size
         assert released == want, (seq, window, page_size)
         res = cache.cache_finished_req(req, upto=seq)
         cache.sanity_check()
