@@ -312,13 +312,17 @@ class UnifiedRadixCache:
         if legacy:
             params = InsertParams(key=as_radix_key(params), value=value)
         assert isinstance(params, InsertParams)
-        res = self.insert_keeping(params, False)
+        res = self.insert_keeping(params, False, self.frees_duplicates)
         return res.prefix_len if legacy else res
 
-    def insert_keeping(self, params: InsertParams, keep_live_swa: bool) -> InsertResult:
+    def insert_keeping(self, params: InsertParams, keep_live_swa: bool,
+                       free_duplicates: bool = True) -> InsertResult:
         """:meth:`insert` (its ``InsertParams`` shape); with ``keep_live_swa`` a running
         request's live SWA copies over tombstones are not freed as duplicates (the library's
-        ``RadixCache.swa_kept_mask``): ``radix.sglang.requests`` checkpoints through it."""
+        ``RadixCache.swa_kept_mask``): ``radix.sglang.requests`` checkpoints through it.
+        ``free_duplicates``: free the caller's duplicates in ``[prev_prefix_len, prefix_len)``
+        (a checkpoint always does, as SGLang's ``checkpoint`` does for every tree cache;
+        :meth:`insert` only where the class's ``insert`` does: ``frees_duplicates``)."""
         if self.disable:
             return InsertResult(prefix_len=0)
         if params.key is None:
@@ -352,7 +356,7 @@ class UnifiedRadixCache:
         res = self.cache.insert(tokens, slots.to(self.device), key.namespace, state_slot=state,
                                 priority=priority)
         p0 = min(prev, res.prefix_len)
-        if self.frees_duplicates and p0 < res.prefix_len:
+        if free_duplicates and p0 < res.prefix_len:
             caller = slots[p0:res.prefix_len]
             tree = (self.cache.device_slots(res.tree_values)[p0:res.prefix_len]
                     if res.tree_values
@@ -629,7 +633,8 @@ class UnifiedRadixCache:
 
 class RadixCache(UnifiedRadixCache):
     """SGLang's ``RadixCache`` (full KV only): its ``insert`` leaves the caller's duplicate
-    slots to the caller (``checkpoint`` frees them), as SGLang's does."""
+    slots to the caller, as SGLang's does; its ``checkpoint`` (and the request calls over it)
+    frees them."""
 
     frees_duplicates = False
 

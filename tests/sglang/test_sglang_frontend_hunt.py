@@ -1,0 +1,75 @@
+"""Bugs a new embedder found in the SGLang front end (``radix.sglang``), each with the
+scenario that showed it; every expected count is worked out by hand in the test's comments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from allocators import PagedAllocator, TokenAllocator
+from radix.sglang import (
+    CacheInitParams,
+    MatchPrefixParams,
+    RadixCache,
+    Req,
+    ReqToTokenPool,
+    UnifiedRadixCache,
+)
+
+
+def kv_cache(cls: type[UnifiedRadixCache], page: int, size: int = 64,
+             ) -> tuple[UnifiedRadixCache, Any, ReqToTokenPool]:
+    kv: Any = TokenAllocator(size) if page == 1 else PagedAllocator(size, page)
+    rtp = ReqToTokenPool(4, 32)
+    fe = cls(CacheInitParams(disable=False, req_to_token_pool=rtp,
+                             token_to_kv_pool_allocator=kv, page_size=page))
+    return fe, kv, rtp
+
+
+def admit(fe: UnifiedRadixCache, kv: Any, rtp: ReqToTokenPool, prompt: list[int],
+          rid: int) -> Req:
+    """The scheduler's admission: match, take a row, put the matched slots and fresh ones
+    (whole pages) in it, lock the matched node."""
+    req = Req(rid=rid, origin_input_ids=prompt)
+    m = fe.match_prefix(MatchPrefixParams(key=req.radix_key()))
+    assert rtp.alloc([req]) is not None and req.kv.req_pool_idx is not None
+    row, p, ps = req.kv.req_pool_idx, m.device_prefix_len, fe.page_size
+    alloc_len = -(-len(prompt) // ps) * ps
+    fresh = kv.alloc(alloc_len - p)
+    assert fresh is not None
+    rtp.req_to_token[row, :p] = m.device_indices
+    rtp.req_to_token[row, p:alloc_len] = fresh
+    req.kv.cache_protected_len = p
+    req.kv.kv_committed_len = len(prompt)
+    req.kv.kv_allocated_len = alloc_len
+    req.last_node = m.last_device_node
+    req.lock = fe.lock(m.last_device_node)
+    return req
+
+
+# ======================================================= duplicates of a racing request
+@pytest.mark.parametrize("cls", [RadixCache, UnifiedRadixCache])
+@pytest.mark.parametrize("page", [1, 4])
+def test_a_racing_requests_duplicate_slots_go_back_on_release(
+        cls: type[UnifiedRadixCache], page: int) -> None:
+    """Two requests with the same 8-token head run together (neither matched the other).
+    The first to finish puts its 8 tokens in the tree; the second's 8 slots for them are
+    duplicates, which SGLang's ``checkpoint`` frees (``free_segment(row[protected:prefix])``)
+    for ``RadixCache`` as for the unified cache. Before, ``RadixCache``'s checkpoint
+    overwrote them in the row and never freed them: 8 slots leaked per race."""
+    fe, kv, rtp = kv_cache(cls, page)
+    head = list(range(1, 9))
+    a = admit(fe, kv, rtp, head + [50, 51], rid=0)  # 10 tokens
+    b = admit(fe, kv, rtp, head + [60, 61, 62, 63], rid=1)  # 12 tokens
+    a.finished_reason = b.finished_reason = "stop"
+    fe.cache_finished_req(a)
+    fe.cache_finished_req(b)
+    fe.sanity_check()
+    # tree: a's 10 tokens cut to whole pages (page 1: 10, page 4: 8), then b's tail after
+    # the shared head, [8, 12) (4 tokens at either page size): page 1: 10 + 4 = 14; page 4:
+    # 8 + 4 = 12. Every allocated slot is the tree's; nothing else is held.
+    tree = 14 if page == 1 else 12
+    assert fe.total_size() == tree
+    assert kv.used_size() == tree
+    assert fe.match_prefix(MatchPrefixParams(key=b.radix_key())).device_prefix_len == 12
