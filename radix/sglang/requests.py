@@ -365,12 +365,15 @@ def checkpoint_into_tree(fe: UnifiedRadixCache, req: Any, up_to: int) -> None:
     merged = tree if not keep else torch.where(lib.swa_kept_mask(mine, tree), mine, tree)
     if new_len > protected:
         row[protected:new_len] = merged[protected:]
-    old = req.lock
-    req.lock = fe.lock(res.last_device_node)
-    fe.unlock(old)
+    if new_len >= protected:
+        # (a shorter checkpoint leaves the lock where it is: on the node ending the
+        # protected prefix, which the row reads from the tree)
+        old = req.lock
+        req.lock = fe.lock(res.last_device_node)
+        fe.unlock(old)
+        req.last_node = res.last_device_node
     kv.cache_protected_len = max(new_len, protected)
     kv.cache_inserted_len = max(kv.cache_inserted_len, new_len)
-    req.last_node = res.last_device_node
     req.prefix_indices = row[: kv.cache_protected_len].clone()
 
 

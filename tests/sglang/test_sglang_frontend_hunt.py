@@ -73,3 +73,35 @@ def test_a_racing_requests_duplicate_slots_go_back_on_release(
     assert fe.total_size() == tree
     assert kv.used_size() == tree
     assert fe.match_prefix(MatchPrefixParams(key=b.radix_key())).device_prefix_len == 12
+
+
+# ======================================================= a checkpoint below the protected prefix
+@pytest.mark.parametrize("up_to", [0, 2, 4])
+def test_a_shorter_checkpoint_keeps_the_protected_prefix_locked(up_to: int) -> None:
+    """``b`` matched 5 cached tokens (``cache_protected_len`` 5, locked at the node ending
+    at 5). A checkpoint up to fewer tokens keeps ``cache_protected_len`` at 5 (the tree
+    already owns them; ``test_sglang_round3``), so it must keep the lock covering them too.
+    Before, the lock moved up to the node ending at ``up_to`` while ``cache_protected_len``
+    stayed 5: an eviction freed 5 - up_to tree slots the request's row still read (and the
+    allocator could hand them to another request). Now the lock stays; an eviction of
+    everything leaves b's 5 protected tokens in the tree."""
+    fe, kv, rtp = kv_cache(UnifiedRadixCache, 1)
+    a = admit(fe, kv, rtp, [1, 2, 3, 4, 5], rid=0)
+    a.finished_reason = "stop"
+    fe.cache_finished_req(a)
+    b = admit(fe, kv, rtp, [1, 2, 3, 4, 5, 6, 7], rid=1)
+    assert b.kv.cache_protected_len == 5 and fe.protected_size() == 5
+    fe.checkpoint(b, up_to=up_to)
+    assert b.kv.cache_protected_len == 5 and fe.protected_size() == 5
+    fe.evict(10**6)
+    # b's 5 protected tokens stay in the tree (locked) and allocated; its own 2 stay with it
+    assert b.req_pool_idx is not None
+    row = rtp.req_to_token[b.req_pool_idx, :7]
+    assert kv.is_free(row).tolist() == [False] * 7
+    assert fe.total_size() == 5 and kv.used_size() == 7
+    fe.checkpoint(b, up_to=7)  # past the protected prefix: the lock moves down
+    assert b.kv.cache_protected_len == 7 and fe.protected_size() == 7
+    b.finished_reason = "stop"
+    fe.cache_finished_req(b)
+    assert fe.protected_size() == 0 and fe.total_size() == 7 and kv.used_size() == 7
+    fe.sanity_check()
