@@ -533,10 +533,27 @@ class UnifiedRadixCache:
                 if w is not None]
 
     def reset(self) -> None:
-        """Empty the tree (every slot back to its allocator); one ``AllBlocksCleared``."""
-        self.cache.reset()
+        """Empty the tree (every slot back to its allocator); one ``AllBlocksCleared``.
+        Open streaming sessions end first (as SGLang's reset drops them): their locks, rows,
+        slots and states go back too.
+
+        Raises:
+            ValueError: a request still holds a lock (the library's check); nothing changed.
+        """
+        held = [] if self.session is None else list(self.session.slots.values())
+        locks = [slot.lock for slot in held]
+        for slot in held:
+            self.unlock(slot.lock)
+            slot.lock = None
+        try:
+            self.cache.reset()
+        except ValueError:
+            for slot, lock in zip(held, locks, strict=True):
+                slot.lock = None if lock is None else self.lock(lock.node)
+            raise
         if self.session is not None:
-            self.session.slots.clear()
+            for sid in list(self.session.slots):
+                self.session.release_session(sid)  # (lock released above)
 
     def sanity_check(self) -> None:
         """The library's full invariant check (raises ``AssertionError``)."""

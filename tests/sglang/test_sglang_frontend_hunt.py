@@ -3,6 +3,7 @@ scenario that showed it; every expected count is worked out by hand in the test'
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from radix.sglang import (
     ReqToTokenPool,
     UnifiedRadixCache,
 )
+from tests.helpers.cache_helpers import tiny_state_pool
 
 
 def kv_cache(cls: type[UnifiedRadixCache], page: int, size: int = 64,
@@ -104,4 +106,79 @@ def test_a_shorter_checkpoint_keeps_the_protected_prefix_locked(up_to: int) -> N
     b.finished_reason = "stop"
     fe.cache_finished_req(b)
     assert fe.protected_size() == 0 and fe.total_size() == 7 and kv.used_size() == 7
+    fe.sanity_check()
+
+
+# ======================================================= reset with an open streaming session
+@pytest.mark.parametrize("published", [True, False])
+def test_reset_ends_open_streaming_sessions_and_gives_their_memory_back(published: bool) -> None:
+    """SGLang's ``flush_cache`` resets the tree cache while a streaming session is idle
+    between turns; its ``reset`` drops the session slots with the tree. Before, the front
+    end's ``reset`` raised "reset while requests hold locks" when the session had published
+    its prompt (the session's lock), and otherwise dropped the session's record without
+    giving back its KV row, its 10 slots and its state slot (leaked). Now the sessions are
+    released first: every pool is back to full."""
+    kv, sp = TokenAllocator(64), tiny_state_pool(8)
+    rtp = ReqToTokenPool(4, 64, mamba_pool=sp)
+    fe = UnifiedRadixCache(CacheInitParams(disable=False, req_to_token_pool=rtp,
+                                           token_to_kv_pool_allocator=kv, page_size=1,
+                                           enable_streaming_session=True))
+    prompt = list(range(1, 9))
+    req = Req("t1", prompt, session=SimpleNamespace(session_id="s", streaming=True))
+    m = fe.match_prefix(MatchPrefixParams(key=req.radix_key(), req=req, cow_mamba=True))
+    req.last_node = m.last_device_node
+    req.lock = fe.lock(req.last_node)
+    assert rtp.alloc([req]) is not None and req.kv.req_pool_idx is not None
+    fresh = kv.alloc(10)
+    assert fresh is not None
+    rtp.write((req.kv.req_pool_idx, slice(0, 10)), fresh)
+    req.output_ids = [50, 51]
+    req.kv.kv_committed_len = req.kv.kv_allocated_len = 10
+    fe.maybe_hand_to_session(req)
+    if published:
+        fe.checkpoint(req, up_to=8)  # 8 tokens and a state copy into the tree, locked
+    req.finished_reason = "stop"
+    fe.release_kv_cache(req, checkpoint=True)
+    assert fe.session_records()["s"].kv_committed_len == 10
+    # held: the session's row; its 10 slots (8 of them the tree's when published); its
+    # running state, and the tree's copy when published
+    assert rtp.available_size() == 3
+    assert kv.used_size() == 10 and sp.used_size() == (2 if published else 1)
+    fe.reset()
+    assert fe.session_records() == {}
+    assert fe.total_size() == 0 and fe.protected_size() == 0
+    assert kv.used_size() == 0 and sp.used_size() == 0 and rtp.available_size() == 4
+    fe.sanity_check()
+
+
+def test_reset_with_a_running_requests_lock_is_refused_and_keeps_the_sessions() -> None:
+    """A running (non-session) request's lock still refuses the reset, and the open session
+    is left as it was: its record, its lock on the published prompt."""
+    kv, sp = TokenAllocator(64), tiny_state_pool(8)
+    rtp = ReqToTokenPool(4, 64, mamba_pool=sp)
+    fe = UnifiedRadixCache(CacheInitParams(disable=False, req_to_token_pool=rtp,
+                                           token_to_kv_pool_allocator=kv, page_size=1,
+                                           enable_streaming_session=True))
+    req = Req("t1", [1, 2, 3, 4], session=SimpleNamespace(session_id="s", streaming=True))
+    fe.match_prefix(MatchPrefixParams(key=req.radix_key(), req=req, cow_mamba=True))
+    req.last_node = fe.root_node
+    req.lock = fe.lock(req.last_node)
+    assert rtp.alloc([req]) is not None and req.kv.req_pool_idx is not None
+    fresh = kv.alloc(4)
+    assert fresh is not None
+    rtp.write((req.kv.req_pool_idx, slice(0, 4)), fresh)
+    req.kv.kv_committed_len = req.kv.kv_allocated_len = 4
+    fe.maybe_hand_to_session(req)
+    fe.checkpoint(req, up_to=4)
+    req.finished_reason = "stop"
+    fe.release_kv_cache(req, checkpoint=True)
+    other = fe.lock(fe.match_prefix([1, 2, 3, 4]).last_device_node)  # a running request's
+    assert fe.protected_size() == 4
+    with pytest.raises(ValueError, match="reset while requests hold locks"):
+        fe.reset()
+    assert fe.session_records()["s"].kv_committed_len == 4
+    fe.unlock(other)
+    assert fe.protected_size() == 4  # the session's lock, still held
+    fe.reset()
+    assert kv.used_size() == 0 and sp.used_size() == 0 and rtp.available_size() == 4
     fe.sanity_check()
