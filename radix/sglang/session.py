@@ -120,8 +120,11 @@ class StreamingSessions:
         if slot.publishes_prompt:
             req.lock, slot.lock = slot.lock, None
             req.last_node = self._node_of(req)
-            self.cache.checkpoint_into_tree(req, up_to=up_to)
-            self._lock_to_slot(req, slot)
+            try:
+                self.cache.checkpoint_into_tree(req, up_to=up_to)
+            finally:
+                # (also when the checkpoint raises: the lock is the session's)
+                self._lock_to_slot(req, slot)
         return True
 
     def try_cache_finished_req(self, req: Any) -> bool:

@@ -11,8 +11,11 @@ import pytest
 from allocators import PagedAllocator, TokenAllocator
 from radix.sglang import (
     CacheInitParams,
+    EvictParams,
+    InsertParams,
     MatchPrefixParams,
     RadixCache,
+    RadixKey,
     Req,
     ReqToTokenPool,
     UnifiedRadixCache,
@@ -180,5 +183,47 @@ def test_reset_with_a_running_requests_lock_is_refused_and_keeps_the_sessions() 
     fe.unlock(other)
     assert fe.protected_size() == 4  # the session's lock, still held
     fe.reset()
+    assert kv.used_size() == 0 and sp.used_size() == 0 and rtp.available_size() == 4
+    fe.sanity_check()
+
+
+# ======================================================= a session checkpoint that fails
+def test_a_failed_session_checkpoint_leaves_the_lock_with_the_session() -> None:
+    """A streaming turn's checkpoint that raises (here: no state slot for the tree's copy,
+    every state held) must leave the session's lock with the session. Before, the lock had
+    been moved onto the request for the insert and stayed there: the finished turn left
+    it behind (the session keeps the record, not the request's lock) and ``release_session``
+    released nothing, so the 4 matched tokens stayed protected for ever."""
+    kv, sp = TokenAllocator(64), tiny_state_pool(3)
+    rtp = ReqToTokenPool(4, 64, mamba_pool=sp)
+    fe = UnifiedRadixCache(CacheInitParams(disable=False, req_to_token_pool=rtp,
+                                           token_to_kv_pool_allocator=kv, page_size=1,
+                                           enable_streaming_session=True))
+    fe.insert(InsertParams(key=RadixKey([1, 2, 3, 4]), value=kv.alloc(4), mamba_value=sp.alloc(1)))
+    held = sp.alloc(1)  # another request's running state
+    assert held is not None
+    req = Req("t1", list(range(1, 9)), session=SimpleNamespace(session_id="s", streaming=True))
+    m = fe.match_prefix(MatchPrefixParams(key=req.radix_key(), req=req, cow_mamba=True))
+    assert m.device_prefix_len == 4 and sp.available_size() == 0  # the copy took the last
+    req.last_node = m.last_device_node
+    req.lock = fe.lock(req.last_node)
+    assert rtp.alloc([req]) is not None and req.kv.req_pool_idx is not None
+    fresh = kv.alloc(4)
+    assert fresh is not None
+    rtp.write((req.kv.req_pool_idx, slice(0, 4)), m.device_indices)
+    rtp.write((req.kv.req_pool_idx, slice(4, 8)), fresh)
+    req.kv.cache_protected_len = 4
+    req.kv.kv_committed_len = req.kv.kv_allocated_len = 8
+    fe.maybe_hand_to_session(req)
+    assert fe.protected_size() == 4
+    with pytest.raises(RuntimeError, match="no recurrent-state slot"):
+        fe.checkpoint(req, up_to=8)  # the tree's only state is the locked one
+    req.finished_reason = "stop"
+    fe.release_kv_cache(req, checkpoint=True)  # the session keeps the record
+    assert fe.protected_size() == 4  # the session's lock on its matched prefix
+    fe.release_session("s")
+    assert fe.protected_size() == 0 and fe.session_records() == {}
+    sp.free(held)
+    fe.evict(EvictParams(num_tokens=100))
     assert kv.used_size() == 0 and sp.used_size() == 0 and rtp.available_size() == 4
     fe.sanity_check()
