@@ -88,12 +88,13 @@ class StreamingSessions:
         slot = self.slots.get(req.session.session_id)
         if slot is None or not slot.kv.holds_kv:
             return None
-        req.kv = slot.kv
         prefix_len = min(slot.kv.kv_committed_len, len(params.key))
         if prefix_len < slot.kv.cache_protected_len:
+            # (refused before the request borrows the record: nothing changed)
             raise ValueError(f"streaming session {req.session.session_id!r}: the prefix shrank "
                              f"below what it published ({prefix_len} < "
                              f"{slot.kv.cache_protected_len}); sessions are append-only")
+        req.kv = slot.kv
         self._free_tail(slot.kv, prefix_len)
         node = slot.virtual_node
         return MatchResult(prefix_len, node, node, node,

@@ -227,3 +227,41 @@ def test_a_failed_session_checkpoint_leaves_the_lock_with_the_session() -> None:
     fe.evict(EvictParams(num_tokens=100))
     assert kv.used_size() == 0 and sp.used_size() == 0 and rtp.available_size() == 4
     fe.sanity_check()
+
+
+def test_a_refused_session_turn_does_not_borrow_the_sessions_record() -> None:
+    """A turn whose key is shorter than what its session published is refused
+    (``ValueError``: sessions are append-only). Before, the request had already been handed
+    the session's KV record when the error was raised, so releasing the refused request as
+    an abort ended the session and freed its row. Now the request keeps its own (empty)
+    record and the session is untouched."""
+    kv = TokenAllocator(64)
+    rtp = ReqToTokenPool(4, 64)
+    fe = UnifiedRadixCache(CacheInitParams(disable=False, req_to_token_pool=rtp,
+                                           token_to_kv_pool_allocator=kv, page_size=1,
+                                           enable_streaming_session=True))
+    s = SimpleNamespace(session_id="s", streaming=True)
+    t1 = Req("t1", list(range(1, 9)), session=s)
+    m = fe.match_prefix(MatchPrefixParams(key=t1.radix_key(), req=t1))
+    t1.last_node = m.last_device_node
+    t1.lock = fe.lock(t1.last_node)
+    assert rtp.alloc([t1]) is not None and t1.kv.req_pool_idx is not None
+    fresh = kv.alloc(8)
+    assert fresh is not None
+    rtp.write((t1.kv.req_pool_idx, slice(0, 8)), fresh)
+    t1.kv.kv_committed_len = t1.kv.kv_allocated_len = 8
+    fe.maybe_hand_to_session(t1)
+    fe.checkpoint(t1, up_to=8)  # publishes the 8 prompt tokens
+    t1.finished_reason = "stop"
+    fe.release_kv_cache(t1, checkpoint=True)
+    record = fe.session_records()["s"]
+    t2 = Req("t2", list(range(1, 6)), session=s)  # 5 < 8 published tokens
+    own = t2.kv
+    with pytest.raises(ValueError, match="sessions are append-only"):
+        fe.match_prefix(MatchPrefixParams(key=t2.radix_key(), req=t2))
+    assert t2.kv is own and not t2.kv.holds_kv
+    assert fe.session_records()["s"] is record and record.kv_committed_len == 8
+    assert fe.protected_size() == 8 and rtp.available_size() == 3
+    fe.release_session("s")
+    assert fe.protected_size() == 0 and kv.used_size() == 8 and rtp.available_size() == 4
+    fe.sanity_check()
