@@ -425,7 +425,7 @@ def release_kv_cache(fe: UnifiedRadixCache, req: Any, *, checkpoint: bool) -> No
             raise ValueError(f"releasing unfinished request {req.rid!r} into a hybrid tree")
         fe.checkpoint(req, up_to=owned)
     protected = kv.cache_protected_len
-    _free_kept(fe, req)
+    free_kept_slots(fe, kv, req.last_node)
     free_kv_row(fe, kv, [(protected, owned)])
     fe.unlock(req.lock)
     req.lock = None
@@ -439,15 +439,16 @@ def release_kv_cache(fe: UnifiedRadixCache, req: Any, *, checkpoint: bool) -> No
     kv.kv_committed_len = 0
 
 
-def _free_kept(fe: UnifiedRadixCache, req: Any) -> None:
-    """Free the request's own slots below ``cache_protected_len`` (kept over tombstones
-    while it ran) and point the row at the tree's."""
-    kv = req.kv
+def free_kept_slots(fe: UnifiedRadixCache, kv: ReqKvInfo, last_node: Any) -> None:
+    """Free the record's own slots below ``cache_protected_len`` (kept over tombstones
+    while its request ran) and point the row at the tree's; ``last_node``: the node its
+    lock holds (the protected prefix's end; ``None``: nothing protected). A request's
+    release and a streaming session's end both call it."""
     p = kv.cache_protected_len
-    if not fe.cache.has_swa or p == 0 or req.last_node is None:
+    if not fe.cache.has_swa or p == 0 or last_node is None:
         return
     row = fe.req_to_token_pool.req_to_token[kv.req_pool_idx]
-    tree = fe.path_device_indices(req.last_node)[:p].to(row.device)
+    tree = fe.path_device_indices(last_node)[:p].to(row.device)
     mine = row[:p]
     own = mine != tree
     if bool(own.any()):

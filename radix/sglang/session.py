@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from radix.sglang.params import MatchPrefixParams, MatchResult, TreeLock
-from radix.sglang.requests import ReqKvInfo
+from radix.sglang.requests import ReqKvInfo, free_kept_slots
 
 if TYPE_CHECKING:
     from radix.sglang.cache import UnifiedRadixCache
@@ -158,8 +158,12 @@ class StreamingSessions:
         if slot is None:
             return
         cache = self.cache
-        cache.unlock(slot.lock)
         kv = slot.kv
+        if kv.holds_kv:
+            # (its own slots kept over tombstones below the protected prefix, while the
+            # lock still holds the prefix's path)
+            free_kept_slots(cache, kv, None if slot.lock is None else slot.lock.node)
+        cache.unlock(slot.lock)
         if kv.holds_kv:
             cache.free_kv_row(kv, [(kv.cache_protected_len, kv.kv_allocated_len)])
             cache.req_to_token_pool.free(slot)

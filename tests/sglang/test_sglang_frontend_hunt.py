@@ -7,8 +7,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
-from allocators import PagedAllocator, TokenAllocator
+from allocators import PagedAllocator, SWAAllocator, TokenAllocator
 from radix.sglang import (
     CacheInitParams,
     EvictParams,
@@ -264,4 +265,52 @@ def test_a_refused_session_turn_does_not_borrow_the_sessions_record() -> None:
     assert fe.protected_size() == 8 and rtp.available_size() == 3
     fe.release_session("s")
     assert fe.protected_size() == 0 and kv.used_size() == 8 and rtp.available_size() == 4
+    fe.sanity_check()
+
+
+# ======================================================= SWA copies a session keeps
+def test_a_sessions_swa_copies_over_a_locked_tombstone_go_back_when_it_ends() -> None:
+    """Window 4. The tree holds ``head`` (8 tokens) as a tombstone (SWA evicted) that
+    another reader keeps locked, so a session's first turn over ``head + [20, 21]`` cannot
+    hand its live copies of ``head`` to the tree: its row keeps its own 8 slots below
+    ``cache_protected_len`` (10). A request frees such copies when it is released
+    (``release_kv_cache``); a session keeps its row past its turns, and ``release_session``
+    freed only ``[cache_protected_len, kv_allocated_len)``: the 8 copies leaked. Now they
+    go back when the session ends."""
+    kv = SWAAllocator(64, 32)
+    rtp = ReqToTokenPool(4, 64)
+    fe = UnifiedRadixCache(CacheInitParams(disable=False, req_to_token_pool=rtp,
+                                           token_to_kv_pool_allocator=kv, page_size=1,
+                                           enable_streaming_session=True, sliding_window_size=4))
+    head = list(range(1, 9))
+    first = kv.alloc(8)
+    assert first is not None
+    fe.insert(InsertParams(key=RadixKey(head), value=first))
+    tail = kv.alloc(2)
+    assert tail is not None
+    fe.insert(InsertParams(key=RadixKey(head + [9, 10]), value=torch.cat([first, tail])))
+    assert fe.evict(EvictParams(num_tokens=0, swa_num_tokens=8)).swa_num_tokens_evicted == 8
+    (node,) = fe.root_node.children.values()  # head: internal, a tombstone now
+    reader = fe.inc_lock_ref(node)
+    req = Req("t1", head + [20, 21], session=SimpleNamespace(session_id="s", streaming=True))
+    m = fe.match_prefix(MatchPrefixParams(key=req.radix_key(), req=req))
+    assert m.device_prefix_len == 0  # no live window over the tombstone
+    req.last_node = m.last_device_node
+    req.lock = fe.lock(req.last_node)
+    assert rtp.alloc([req]) is not None and req.kv.req_pool_idx is not None
+    own = kv.alloc(10)
+    assert own is not None
+    rtp.write((req.kv.req_pool_idx, slice(0, 10)), own)
+    req.kv.kv_committed_len = req.kv.kv_allocated_len = 10
+    fe.maybe_hand_to_session(req)
+    fe.checkpoint(req, up_to=10)  # publishes: the tree takes [20, 21]; head's copies kept
+    req.finished_reason = "stop"
+    fe.release_kv_cache(req, checkpoint=True)  # the session keeps its row
+    # tree: head 8 + [9, 10] + [20, 21] = 12; the session's kept copies of head: 8
+    assert fe.total_size() == 12 and kv.used_size() == 20
+    fe.release_session("s")
+    assert kv.used_size() == 12 and kv.swa_used_size() == 4  # live SWA: [9, 10], [20, 21]
+    fe.dec_lock_ref(node, reader.to_dec_params())
+    fe.evict(EvictParams(num_tokens=100))
+    assert kv.used_size() == 0 and kv.swa_used_size() == 0 and rtp.available_size() == 4
     fe.sanity_check()
