@@ -542,6 +542,9 @@ class UnifiedRadixCache:
         """
         held = [] if self.session is None else list(self.session.slots.values())
         locks = [slot.lock for slot in held]
+        # (read while the tree is there; freed once the reset went through)
+        kept = [requests.kept_slots(self, slot.kv, None if lock is None else lock.node)
+                if slot.kv.holds_kv else _EMPTY for slot, lock in zip(held, locks, strict=True)]
         for slot in held:
             self.unlock(slot.lock)
             slot.lock = None
@@ -551,9 +554,12 @@ class UnifiedRadixCache:
             for slot, lock in zip(held, locks, strict=True):
                 slot.lock = None if lock is None else self.lock(lock.node)
             raise
+        for own in kept:
+            if len(own):
+                self.slot_allocator.free(own)
         if self.session is not None:
             for sid in list(self.session.slots):
-                self.session.release_session(sid)  # (lock released above)
+                self.session.release_session(sid)  # (lock released, kept slots freed above)
 
     def sanity_check(self) -> None:
         """The library's full invariant check (raises ``AssertionError``)."""

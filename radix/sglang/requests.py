@@ -439,21 +439,28 @@ def release_kv_cache(fe: UnifiedRadixCache, req: Any, *, checkpoint: bool) -> No
     kv.kv_committed_len = 0
 
 
-def free_kept_slots(fe: UnifiedRadixCache, kv: ReqKvInfo, last_node: Any) -> None:
-    """Free the record's own slots below ``cache_protected_len`` (kept over tombstones
-    while its request ran) and point the row at the tree's; ``last_node``: the node its
-    lock holds (the protected prefix's end; ``None``: nothing protected). A request's
-    release and a streaming session's end both call it."""
+def kept_slots(fe: UnifiedRadixCache, kv: ReqKvInfo, last_node: Any) -> torch.Tensor:
+    """The record's own slots below ``cache_protected_len`` (kept over tombstones while its
+    request ran: where its row differs from the tree's path), a CPU tensor; ``last_node``:
+    the node its lock holds (the protected prefix's end; ``None``: nothing protected)."""
     p = kv.cache_protected_len
     if not fe.cache.has_swa or p == 0 or last_node is None:
-        return
+        return torch.empty(0, dtype=torch.int64)
     row = fe.req_to_token_pool.req_to_token[kv.req_pool_idx]
     tree = fe.path_device_indices(last_node)[:p].to(row.device)
     mine = row[:p]
-    own = mine != tree
-    if bool(own.any()):
-        fe.slot_allocator.free(mine[own].cpu())
-        row[:p] = tree
+    return mine[mine != tree].cpu()
+
+
+def free_kept_slots(fe: UnifiedRadixCache, kv: ReqKvInfo, last_node: Any) -> None:
+    """Free :func:`kept_slots` and point the row at the tree's. A request's release and a
+    streaming session's end both call it."""
+    own = kept_slots(fe, kv, last_node)
+    if len(own):
+        fe.slot_allocator.free(own)
+        row = fe.req_to_token_pool.req_to_token[kv.req_pool_idx]
+        p = kv.cache_protected_len
+        row[:p] = fe.path_device_indices(last_node)[:p].to(row.device)
 
 
 def release_out_of_window(fe: UnifiedRadixCache, req: Any, pre_len: int) -> None:

@@ -269,14 +269,15 @@ def test_a_refused_session_turn_does_not_borrow_the_sessions_record() -> None:
 
 
 # ======================================================= SWA copies a session keeps
-def test_a_sessions_swa_copies_over_a_locked_tombstone_go_back_when_it_ends() -> None:
+@pytest.mark.parametrize("end", ["release_session", "reset"])
+def test_a_sessions_swa_copies_over_a_locked_tombstone_go_back_when_it_ends(end: str) -> None:
     """Window 4. The tree holds ``head`` (8 tokens) as a tombstone (SWA evicted) that
     another reader keeps locked, so a session's first turn over ``head + [20, 21]`` cannot
     hand its live copies of ``head`` to the tree: its row keeps its own 8 slots below
     ``cache_protected_len`` (10). A request frees such copies when it is released
     (``release_kv_cache``); a session keeps its row past its turns, and ``release_session``
-    freed only ``[cache_protected_len, kv_allocated_len)``: the 8 copies leaked. Now they
-    go back when the session ends."""
+    freed only ``[cache_protected_len, kv_allocated_len)``: the 8 copies leaked (and so
+    did ``reset``, which ends the open sessions). Now they go back when the session ends."""
     kv = SWAAllocator(64, 32)
     rtp = ReqToTokenPool(4, 64)
     fe = UnifiedRadixCache(CacheInitParams(disable=False, req_to_token_pool=rtp,
@@ -308,9 +309,14 @@ def test_a_sessions_swa_copies_over_a_locked_tombstone_go_back_when_it_ends() ->
     fe.release_kv_cache(req, checkpoint=True)  # the session keeps its row
     # tree: head 8 + [9, 10] + [20, 21] = 12; the session's kept copies of head: 8
     assert fe.total_size() == 12 and kv.used_size() == 20
-    fe.release_session("s")
-    assert kv.used_size() == 12 and kv.swa_used_size() == 4  # live SWA: [9, 10], [20, 21]
-    fe.dec_lock_ref(node, reader.to_dec_params())
-    fe.evict(EvictParams(num_tokens=100))
+    if end == "release_session":
+        fe.release_session("s")
+        assert kv.used_size() == 12 and kv.swa_used_size() == 4  # live SWA: [9, 10], [20, 21]
+        fe.dec_lock_ref(node, reader.to_dec_params())
+        fe.evict(EvictParams(num_tokens=100))
+    else:
+        fe.dec_lock_ref(node, reader.to_dec_params())
+        fe.reset()
+        assert fe.session_records() == {}
     assert kv.used_size() == 0 and kv.swa_used_size() == 0 and rtp.available_size() == 4
     fe.sanity_check()
