@@ -55,6 +55,21 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 _SLOT_DTYPES = (torch.int32, torch.int64)
 
 
+def session_hint(session_id: Any, name: str) -> dict[str, Any] | None:
+    """The library's hint (``radix.hints``) for a request's session: ``{"session_id": ...}``,
+    or ``None`` without one.
+
+    Raises:
+        TypeError: ``session_id`` not a ``str`` / ``int`` (``bool`` refused), naming ``name``.
+    """
+    if session_id is None:
+        return None
+    if isinstance(session_id, bool) or not isinstance(session_id, (str, int)):
+        raise TypeError(f"{name} must be a str or an int (the request's session), got "
+                        f"{type(session_id).__name__}")
+    return {"session_id": session_id}
+
+
 class UnifiedRadixCache:
     """SGLang 0.5.23's ``UnifiedRadixCache`` interface over the library's tree.
 
@@ -262,7 +277,10 @@ class UnifiedRadixCache:
         key = as_radix_key(params.key)
         if self.disable or len(key) == 0:
             return self._empty_match()
-        m = self.cache.match_prefix(key.tokens(), key.namespace)
+        hint = (None if params.req is None
+                else session_hint(getattr(params.req, "session_id", None),
+                                  "params.req.session_id"))
+        m = self.cache.match_prefix(key.tokens(), key.namespace, extra=hint)
         views = self.views
         last = views.get(m.last_device_node)
         host_node = m.last_host_node if m.last_host_node is not None else m.last_device_node
@@ -353,8 +371,9 @@ class UnifiedRadixCache:
         priority = params.priority or 0
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"params.priority must be an int, got {type(priority).__name__}")
+        hint = session_hint(params.session_id, "params.session_id")
         res = self.cache.insert(tokens, slots.to(self.device), key.namespace, state_slot=state,
-                                priority=priority)
+                                priority=priority, extra=hint)
         p0 = min(prev, res.prefix_len)
         if free_duplicates and p0 < res.prefix_len:
             caller = slots[p0:res.prefix_len]

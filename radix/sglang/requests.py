@@ -345,7 +345,8 @@ def checkpoint_into_tree(fe: UnifiedRadixCache, req: Any, up_to: int) -> None:
     protected = kv.cache_protected_len
     params = InsertParams(key=req.radix_key(n), value=value,
                           mamba_value=None if state is None else torch.tensor([state]),
-                          prev_prefix_len=protected, priority=req.priority or 0)
+                          prev_prefix_len=protected, priority=req.priority or 0,
+                          session_id=getattr(req, "session_id", None))
     keep = lib.has_swa and not finished
     try:
         res = fe.insert_keeping(params, keep)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -320,3 +321,49 @@ def test_a_sessions_swa_copies_over_a_locked_tombstone_go_back_when_it_ends(end:
         assert fe.session_records() == {}
     assert kv.used_size() == 0 and kv.swa_used_size() == 0 and rtp.available_size() == 4
     fe.sanity_check()
+
+
+# ======================================================= the session hint of gds_adaptive
+def test_the_requests_session_reaches_the_library_as_its_hint() -> None:
+    """``gds_adaptive`` reads each request's session (``radix.hints``: ``extra={"session_id":
+    ...}``, SGLang's ``Req.session_id``) as evidence. SGLang hands it over as
+    ``InsertParams.session_id`` (its checkpoint fills it from the request) and the match
+    has the request in ``MatchPrefixParams.req``. Before, the front end dropped both, so
+    under SGLang the walk never saw a session. Now the match, the insert and the checkpoint
+    pass ``{"session_id": ...}``; a request without a session passes ``None``."""
+    kv, sp = TokenAllocator(64), tiny_state_pool(4)
+    rtp = ReqToTokenPool(4, 64, mamba_pool=sp)
+    fe = UnifiedRadixCache(CacheInitParams(disable=False, req_to_token_pool=rtp,
+                                           token_to_kv_pool_allocator=kv, page_size=1,
+                                           eviction_policy="gds_adaptive"))
+    match = mock.patch.object(fe.cache, "match_prefix", wraps=fe.cache.match_prefix)
+    insert = mock.patch.object(fe.cache, "insert", wraps=fe.cache.insert)
+    with match as lib_match, insert as lib_insert:
+        run_the_calls(fe, kv, sp, rtp)
+    hint = {"session_id": "conv-7"}
+    assert [c.kwargs["extra"] for c in lib_match.call_args_list] == [hint, None]
+    assert [c.kwargs["extra"] for c in lib_insert.call_args_list] == [hint,
+                                                                      {"session_id": "conv-8"}]
+    bad: Any = 1.5
+    with pytest.raises(TypeError, match=r"params.session_id must be a str or an int"):
+        fe.insert(InsertParams(key=RadixKey([9]), value=kv.alloc(1), mamba_value=sp.alloc(1),
+                               session_id=bad))
+
+
+def run_the_calls(fe: UnifiedRadixCache, kv: TokenAllocator, sp: Any,
+                  rtp: ReqToTokenPool) -> None:
+    """A session request's match and checkpoint, an insert naming a session, a bare match."""
+    req = Req("r", [1, 2, 3, 4], session=SimpleNamespace(session_id="conv-7", streaming=False))
+    m = fe.match_prefix(MatchPrefixParams(key=req.radix_key(), req=req))
+    req.last_node = m.last_device_node
+    req.lock = fe.lock(req.last_node)
+    assert rtp.alloc([req]) is not None and req.kv.req_pool_idx is not None
+    fresh = kv.alloc(4)
+    assert fresh is not None
+    rtp.write((req.kv.req_pool_idx, slice(0, 4)), fresh)
+    req.kv.kv_committed_len = req.kv.kv_allocated_len = 4
+    fe.checkpoint(req, up_to=4)
+    state = sp.alloc(1)
+    fe.insert(InsertParams(key=RadixKey([1, 2, 3, 4, 5]), value=torch.cat([fresh, kv.alloc(1)]),
+                           mamba_value=state, session_id="conv-8"))
+    fe.match_prefix(RadixKey([1, 2, 3]))  # no request: no hint
