@@ -192,6 +192,13 @@ class ReqToTokenPool:
             self._free_rows.append(kv.req_pool_idx)
             kv.req_pool_idx = None
 
+    def clear(self) -> None:
+        """Every row free again, and the state pool emptied (SGLang's ``flush_cache`` calls
+        it after the tree cache's ``reset``; the requests' records are dropped with it)."""
+        self._free_rows = list(range(self.size))
+        if self.mamba_pool is not None:
+            self.mamba_pool.clear()
+
     def free_mamba_cache(self, req: Any) -> None:
         kv = req.kv
         if kv.mamba_pool_idx is not None and self.mamba_pool is not None:

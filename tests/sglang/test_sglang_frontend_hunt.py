@@ -367,3 +367,36 @@ def run_the_calls(fe: UnifiedRadixCache, kv: TokenAllocator, sp: Any,
     fe.insert(InsertParams(key=RadixKey([1, 2, 3, 4, 5]), value=torch.cat([fresh, kv.alloc(1)]),
                            mamba_value=state, session_id="conv-8"))
     fe.match_prefix(RadixKey([1, 2, 3]))  # no request: no hint
+
+
+# ======================================================= SGLang's flush_cache
+def test_sglangs_flush_cache_sequence_runs_and_leaves_every_pool_full() -> None:
+    """SGLang's scheduler flushes an idle cache with ``tree_cache.reset()``,
+    ``req_to_token_pool.clear()``, ``token_to_kv_pool_allocator.clear()``. The front end's
+    ``ReqToTokenPool`` had no ``clear`` (``AttributeError``); it now frees every row and, as
+    SGLang's hybrid pool does, the state pool. A request admitted afterwards runs as on a
+    fresh cache."""
+    kv, sp = TokenAllocator(32), tiny_state_pool(4)
+    rtp = ReqToTokenPool(2, 32, mamba_pool=sp)
+    fe = UnifiedRadixCache(CacheInitParams(disable=False, req_to_token_pool=rtp,
+                                           token_to_kv_pool_allocator=kv, page_size=1))
+    req = Req("r", [1, 2, 3, 4, 5])
+    assert rtp.alloc([req]) is not None and req.kv.req_pool_idx is not None
+    fresh = kv.alloc(5)
+    assert fresh is not None
+    rtp.write((req.kv.req_pool_idx, slice(0, 5)), fresh)
+    req.kv.kv_committed_len = req.kv.kv_allocated_len = 5
+    req.last_node = fe.root_node
+    req.finished_reason = "stop"
+    fe.release_kv_cache(req)
+    assert fe.total_size() == 5 and sp.used_size() == 1  # the tree's tokens and state
+    fe.reset()
+    rtp.clear()
+    kv.clear()
+    assert fe.total_size() == 0 and kv.used_size() == 0 and sp.used_size() == 0
+    assert rtp.available_size() == 2
+    again = Req("r2", [1, 2, 3])
+    assert rtp.alloc([again]) is not None and again.kv.req_pool_idx is not None
+    assert again.kv.mamba_pool_idx is not None and sp.used_size() == 1
+    assert fe.match_prefix([1, 2, 3]).device_prefix_len == 0
+    fe.sanity_check()
