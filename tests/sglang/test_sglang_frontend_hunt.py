@@ -22,6 +22,7 @@ from radix.sglang import (
     ReqToTokenPool,
     UnifiedRadixCache,
 )
+from radix.sglang.evict_policy import LFUStrategy, LRUStrategy
 from tests.helpers.cache_helpers import tiny_state_pool
 
 
@@ -400,3 +401,13 @@ def test_sglangs_flush_cache_sequence_runs_and_leaves_every_pool_full() -> None:
     assert again.kv.mamba_pool_idx is not None and sp.used_size() == 1
     assert fe.match_prefix([1, 2, 3]).device_prefix_len == 0
     fe.sanity_check()
+
+
+# ======================================================= SGLang's strategy classes
+@pytest.mark.parametrize(("cls", "knob"), [(LRUStrategy, "bogus"), (LFUStrategy, "decay")])
+def test_a_strategy_refuses_an_unknown_knob_with_a_type_error_naming_it(cls: Any,
+                                                                        knob: str) -> None:
+    """SGLang's ``LRUStrategy()`` takes no knob: an unknown one is Python's ``TypeError``
+    for an unexpected keyword. Before, the registry lookup raised ``KeyError``."""
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{knob}'"):
+        cls(**{knob: 1})
