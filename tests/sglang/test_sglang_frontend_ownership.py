@@ -18,10 +18,13 @@ the records, independently of the cache's counters:
 * an eviction of everything leaves every locked node in the tree.
 
 These found the leaks and lost locks of ``test_sglang_frontend_hunt.py``.
+``HPC_SGLANG_OWNERSHIP_SEEDS`` (default 3) / ``HPC_SGLANG_OWNERSHIP_STEPS`` (default 200)
+scale the run.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from types import SimpleNamespace
 from typing import Any
@@ -44,6 +47,8 @@ from radix.sglang.session import is_virtual_node
 from tests.helpers.cache_helpers import tiny_state_pool
 
 HUGE = 10**6
+SEEDS = int(os.environ.get("HPC_SGLANG_OWNERSHIP_SEEDS", "3"))
+STEPS = int(os.environ.get("HPC_SGLANG_OWNERSHIP_STEPS", "200"))
 
 
 def held(alloc: Any) -> set[int]:
@@ -311,11 +316,11 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize(("cls", "page", "hybrid", "window", "sessions", "policy"), CONFIGS)
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(SEEDS))
 def test_every_slot_has_exactly_one_owner(cls: type[UnifiedRadixCache], page: int,
                                           hybrid: bool, window: int | None, sessions: bool,
                                           policy: str, seed: int) -> None:
     s = Scheduler(seed, cls, page, hybrid, window, sessions, policy)
-    for i in range(200):
+    for i in range(STEPS):
         s.step(i)
     s.drain()
