@@ -589,8 +589,13 @@ class UnifiedRadixCache:
 
     # ================================================================ HiCache
     def init_load_back(self, params: InitLoadBackParams) -> tuple[int, TreeNode] | None:
-        """Load the host chain ending at ``best_match_node`` to device; returns the tokens
-        loaded and the device node the request now ends at (``0``: nothing loaded).
+        """Load what ``best_match_node`` holds only on host (its host-only KV chain, its
+        state, its SWA KV) to device, all or nothing; returns the tokens the request's
+        device prefix grew by and the device node it now ends at, as SGLang's scheduler
+        reads them: ``(params.host_hit_length, best_match_node)`` once loaded (that count
+        includes device KV that was behind a host-only state: the library's
+        ``load_back`` returns only the KV tokens it copied), else ``(0, params.req.last_node)``
+        (``best_match_node`` without a request).
 
         Raises:
             TypeError: ``params`` is not an :class:`InitLoadBackParams`, or its
@@ -603,8 +608,12 @@ class UnifiedRadixCache:
         if not self.cache.has_host_tier or params.host_hit_length <= 0:
             return 0, params.best_match_node
         lib = self.lib_node(params.best_match_node)
-        loaded = self.cache.load_back(lib)
-        return loaded, self.views.get(lib) if lib.kv_value is not None else params.best_match_node
+        states_before = self.cache.stats()["load_back_states"]
+        # (a load of the node's own state or SWA KV alone copies no KV token: counted apart)
+        if self.cache.load_back(lib) or self.cache.stats()["load_back_states"] > states_before:
+            return params.host_hit_length, self.views.get(lib)
+        before = getattr(params.req, "last_node", None)
+        return 0, params.best_match_node if before is None else before
 
     def check_hicache_events(self) -> None:
         self.cache.poll_transfers()

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from allocators import PagedAllocator, SWAAllocator, TokenAllocator
+from hicache import HiCacheConfig
 from radix.sglang import (
     CacheInitParams,
     EvictParams,
+    InitLoadBackParams,
     InsertParams,
     MatchPrefixParams,
     RadixCache,
@@ -411,3 +413,66 @@ def test_a_strategy_refuses_an_unknown_knob_with_a_type_error_naming_it(cls: Any
     for an unexpected keyword. Before, the registry lookup raised ``KeyError``."""
     with pytest.raises(TypeError, match=f"unexpected keyword argument '{knob}'"):
         cls(**{knob: 1})
+
+
+# ======================================================= init_load_back's count
+def host_tree(threshold: int = 1) -> tuple[UnifiedRadixCache, TokenAllocator]:
+    """``a`` (8 tokens): KV on device, its state only on host; ``b`` = ``a`` + 4 tokens:
+    KV and state only on host (write-through backups, then device evictions)."""
+    kv, sp = TokenAllocator(64), tiny_state_pool(4)
+    rtp = ReqToTokenPool(2, 32, mamba_pool=sp)
+    fe = UnifiedRadixCache(CacheInitParams(
+        disable=False, req_to_token_pool=rtp, token_to_kv_pool_allocator=kv, page_size=1,
+        hicache=HiCacheConfig(hicache_ratio=2.0, hicache_write_policy="write_through",
+                              load_back_threshold=threshold)))
+    a = list(range(1, 9))
+    fe.insert(InsertParams(key=RadixKey(a), value=kv.alloc(8), mamba_value=sp.alloc(1)))
+    head = fe.match_prefix(RadixKey(a)).device_indices
+    tail = kv.alloc(4)
+    assert tail is not None
+    fe.insert(InsertParams(key=RadixKey(a + [20, 21, 22, 23]), value=torch.cat([head, tail]),
+                           mamba_value=sp.alloc(1)))
+    fe.check_hicache_events()
+    assert fe.evict(EvictParams(num_tokens=4)).num_tokens_evicted == 4  # b's leaf: to host
+    assert fe.evict(EvictParams(num_tokens=0, mamba_num=1)).mamba_num_evicted == 1  # a's state
+    return fe, kv
+
+
+@pytest.mark.parametrize(("extra", "promised", "end"), [([20, 21, 22, 23, 30], 12, 12),
+                                                         ([30], 8, 8)])
+def test_init_load_back_reports_the_tokens_the_prefix_grew_by(extra: list[int], promised: int,
+                                                              end: int) -> None:
+    """SGLang's scheduler reads ``init_load_back``'s count as the tokens its prefix grew by
+    (``collect_full_device_indices(best, last device node)``) and raises when it is between
+    0 and the promised ``host_hit_length`` ("must commit all promised FULL tokens or
+    none"). The library's ``host_hit_length`` also counts device KV behind a host-only
+    state, but ``load_back`` returns only the KV tokens it copied: b's load reported 4 of 12
+    promised (SGLang's scheduler raises), a's state-only load reported 0 of 8 (the
+    scheduler recomputes 8 cached tokens). Now the count is the promise once the load went
+    through."""
+    fe, kv = host_tree()
+    key = RadixKey(list(range(1, 9)) + extra)
+    m = fe.match_prefix(MatchPrefixParams(key=key))
+    assert (m.device_prefix_len, m.host_hit_length) == (0, promised)
+    loaded, node = fe.init_load_back(InitLoadBackParams(
+        best_match_node=m.best_match_node, host_hit_length=m.host_hit_length))
+    assert loaded == promised and node is m.best_match_node
+    after = fe.match_prefix(MatchPrefixParams(key=key))
+    assert after.device_prefix_len == end and after.last_device_node is node
+    fe.sanity_check()
+
+
+def test_init_load_back_that_does_not_happen_leaves_the_request_where_it_was() -> None:
+    """A load below ``load_back_threshold`` does nothing: 0 tokens, and the node the request
+    ends at is still its last device node (SGLang returns ``req.last_node``), not the
+    host-only node it asked for. Before, the host-only node came back."""
+    fe, kv = host_tree(threshold=100)
+    key = RadixKey(list(range(1, 9)) + [20, 21, 22, 23, 30])
+    m = fe.match_prefix(MatchPrefixParams(key=key))
+    req = Req("r", key.token_ids)
+    req.last_node = m.last_device_node
+    loaded, node = fe.init_load_back(InitLoadBackParams(
+        best_match_node=m.best_match_node, host_hit_length=m.host_hit_length, req=req))
+    assert loaded == 0 and node is m.last_device_node and fe.is_root(node)
+    assert fe.match_prefix(MatchPrefixParams(key=key)).device_prefix_len == 0
+    fe.sanity_check()
