@@ -33,9 +33,11 @@ import pytest
 import torch
 
 from allocators import PagedAllocator, SWAAllocator, TokenAllocator
+from hicache import HiCacheConfig
 from radix.sglang import (
     CacheInitParams,
     EvictParams,
+    InitLoadBackParams,
     MatchPrefixParams,
     RadixCache,
     Req,
@@ -62,7 +64,7 @@ class Scheduler:
     """One cache, its pools, and the records of what each owner holds."""
 
     def __init__(self, seed: int, cls: type[UnifiedRadixCache], page: int, hybrid: bool,
-                 window: int | None, sessions: bool, policy: str) -> None:
+                 window: int | None, sessions: bool, policy: str, host: bool = False) -> None:
         self.rng = random.Random(seed)
         self.page, self.hybrid, self.window = page, hybrid, window
         scale = max(1, page // 4)
@@ -75,8 +77,13 @@ class Scheduler:
         self.fe = cls(CacheInitParams(
             disable=False, req_to_token_pool=self.rtp, token_to_kv_pool_allocator=self.kv,
             page_size=page, eviction_policy=policy, sliding_window_size=window,
-            enable_kv_cache_events=window is None, enable_streaming_session=sessions))
-        self.sessions = sessions
+            enable_kv_cache_events=window is None and not host,
+            enable_streaming_session=sessions,
+            hicache=HiCacheConfig(hicache_ratio=2.0, load_back_threshold=1,
+                                  hicache_write_policy=self.rng.choice(["write_through",
+                                                                         "write_back"]))
+            if host else None))
+        self.sessions, self.host = sessions, host
         self.running: list[Req] = []
         self.readers: list[TreeLock | None] = []
         self.prompts: list[list[int]] = []
@@ -131,7 +138,7 @@ class Scheduler:
             mine = [int(rec.mamba_pool_idx) for rec in recs if rec.mamba_pool_idx is not None]
             assert len(states) + len(mine) == len(set(states) | set(mine)), (tag, "state twice")
             assert held(self.sp) == set(states) | set(mine), (tag, "state leaked")
-        if self.window is None:
+        if self.window is None and not self.host:
             for e in fe.take_events():
                 name = type(e).__name__
                 if name == "AllBlocksCleared":
@@ -182,17 +189,27 @@ class Scheduler:
             assert "no recurrent-state slot" in str(e)
             return
         req.last_node = m.last_device_node
+        p, indices = m.device_prefix_len, m.device_indices
+        if self.host and m.host_hit_length and rng.random() < 0.8:
+            # SGLang's admission: the prefix grows by what the load-back reports
+            loaded, node = self.fe.init_load_back(InitLoadBackParams(
+                best_match_node=m.best_match_node, host_hit_length=m.host_hit_length, req=req))
+            assert loaded in (0, m.host_hit_length), "a load-back commits all or none"
+            req.last_node, p = node, p + loaded
+            indices = self.fe.path_device_indices(node)
+            assert len(indices) == p, "the node the request ends at ends at its prefix"
         if m.cache_protected_len is None:
-            req.kv.cache_protected_len = m.device_prefix_len
+            req.kv.cache_protected_len = p
+        else:
+            p = m.device_prefix_len
         req.lock = self.fe.lock(req.last_node)
-        p = m.device_prefix_len
         if req.kv.req_pool_idx is None:
             if self.rtp.alloc([req]) is None:
                 self.fe.unlock(req.lock)
                 self.rtp.free_mamba_cache(req)
                 return
             assert req.kv.req_pool_idx is not None
-            self.rtp.write((req.kv.req_pool_idx, slice(0, p)), m.device_indices)
+            self.rtp.write((req.kv.req_pool_idx, slice(0, p)), indices)
             req.kv.kv_committed_len = req.kv.kv_allocated_len = p
         start = max(req.kv.kv_allocated_len, p)
         end = -(-len(prompt) // self.page) * self.page
@@ -260,6 +277,8 @@ class Scheduler:
             if all(r.session_id != sid for r in self.running):
                 fe.release_session(sid)
                 self.history.pop(sid, None)
+        elif op < 0.81 and self.host:
+            fe.evict_host(rng.randint(0, 30 * self.scale))
         elif op < 0.88:
             n = rng.randint(0, 40 * self.scale)
             fe.evict(EvictParams(num_tokens=n if rng.random() < 0.6 else 0,
@@ -301,7 +320,7 @@ class Scheduler:
 
 
 CONFIGS = [
-    # (class, page, hybrid, window, sessions, policy)
+    # (class, page, hybrid, window, sessions, policy[, host tier])
     (RadixCache, 1, False, None, False, "lru"),
     (RadixCache, 4, False, None, True, "gds"),
     (UnifiedRadixCache, 1, False, None, True, "lru"),
@@ -312,15 +331,17 @@ CONFIGS = [
     (UnifiedRadixCache, 1, False, 4, True, "lru"),
     (UnifiedRadixCache, 4, False, 8, True, "lru"),
     (UnifiedRadixCache, 1, True, 4, True, "lru"),
+    (UnifiedRadixCache, 1, True, None, False, "gds", True),
+    (UnifiedRadixCache, 4, False, 8, False, "lru", True),
+    (UnifiedRadixCache, 1, False, None, True, "gds", True),
 ]
 
 
-@pytest.mark.parametrize(("cls", "page", "hybrid", "window", "sessions", "policy"), CONFIGS)
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(
+    getattr(x, "__name__", str(x)) for x in c))
 @pytest.mark.parametrize("seed", range(SEEDS))
-def test_every_slot_has_exactly_one_owner(cls: type[UnifiedRadixCache], page: int,
-                                          hybrid: bool, window: int | None, sessions: bool,
-                                          policy: str, seed: int) -> None:
-    s = Scheduler(seed, cls, page, hybrid, window, sessions, policy)
+def test_every_slot_has_exactly_one_owner(config: tuple[Any, ...], seed: int) -> None:
+    s = Scheduler(seed, *config)
     for i in range(STEPS):
         s.step(i)
     s.drain()
