@@ -325,9 +325,14 @@ def _lock_of(fe: UnifiedRadixCache, req: Any) -> tuple[LibNode, Any]:
 
 def checkpoint_into_tree(fe: UnifiedRadixCache, req: Any, up_to: int) -> None:
     """Insert ``fill_ids(req)[:up_to]`` and move the request onto the tree's slots (see the
-    module docstring). Raises as :func:`check_request`, or as the insert; nothing changed
-    then."""
+    module docstring). Raises as :func:`check_request`, ``ValueError`` for an ``up_to``
+    past ``req.kv.kv_committed_len``, or as the insert; nothing changed then."""
     pool = check_request(fe, req, up_to)
+    if up_to > req.kv.kv_committed_len:
+        # (the tree would hand out KV never computed, and cache_protected_len would pass
+        # kv_committed_len, which no release accepts)
+        raise ValueError(f"up_to must be <= req.kv.kv_committed_len = "
+                         f"{req.kv.kv_committed_len} (KV computed so far), got {up_to}")
     finished = req.finished()
     if fe.disable:
         if finished:

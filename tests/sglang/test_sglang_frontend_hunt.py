@@ -476,3 +476,26 @@ def test_init_load_back_that_does_not_happen_leaves_the_request_where_it_was() -
     assert loaded == 0 and node is m.last_device_node and fe.is_root(node)
     assert fe.match_prefix(MatchPrefixParams(key=key)).device_prefix_len == 0
     fe.sanity_check()
+
+
+# ======================================================= a checkpoint past the computed KV
+def test_a_checkpoint_past_the_computed_kv_is_refused() -> None:
+    """5 slots allocated, 3 computed (``kv_committed_len``). A checkpoint up to 5 put the
+    2 uncomputed slots in the tree for other requests to match, and set
+    ``cache_protected_len`` to 5 > ``kv_committed_len``, after which ``release_kv_cache``
+    refused the request ("lengths out of order"): its lock and row could never be given
+    back. Now: ``ValueError`` naming ``up_to``, nothing changed; up to 3 is accepted and
+    the request is released normally."""
+    fe, kv, rtp = kv_cache(UnifiedRadixCache, 1)
+    r = admit(fe, kv, rtp, [1, 2, 3, 4, 5], rid=0)
+    r.kv.kv_committed_len = 3
+    before = (fe.cache.pretty_print(), kv.snapshot(), r.kv.cache_protected_len)
+    with pytest.raises(ValueError, match=r"up_to must be <= req.kv.kv_committed_len = 3"):
+        fe.checkpoint(r, up_to=5)
+    assert (fe.cache.pretty_print(), kv.snapshot(), r.kv.cache_protected_len) == before
+    fe.checkpoint(r, up_to=3)
+    assert r.kv.cache_protected_len == 3 and fe.total_size() == 3
+    r.finished_reason = "stop"
+    fe.release_kv_cache(r)  # tree keeps its 3 tokens; the 2 uncomputed slots go back
+    assert fe.total_size() == 3 and kv.used_size() == 3 and fe.protected_size() == 0
+    fe.sanity_check()
