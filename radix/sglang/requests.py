@@ -478,11 +478,20 @@ def free_kept_slots(fe: UnifiedRadixCache, kv: ReqKvInfo, last_node: Any) -> Non
 
 def release_out_of_window(fe: UnifiedRadixCache, req: Any, pre_len: int) -> None:
     """Free the SWA KV of the request's own tokens more than a window (and a page) before
-    ``pre_len``."""
+    ``pre_len``.
+
+    Raises:
+        TypeError / ValueError: as :func:`check_request`; ``ValueError`` for a ``pre_len``
+            past ``req.kv.kv_committed_len`` (the window would slide past the tokens the
+            request attends to next); nothing freed then.
+    """
     if not fe.cache.has_swa:
         return
     check_request(fe, req, pre_len, "pre_len")
     kv = req.kv
+    if pre_len > kv.kv_committed_len:
+        raise ValueError(f"pre_len must be <= req.kv.kv_committed_len = {kv.kv_committed_len} "
+                         f"(the sequence computed so far), got {pre_len}")
     row = fe.req_to_token_pool.req_to_token[kv.req_pool_idx]
     start = max(kv.swa_evicted_seqlen, kv.cache_protected_len)
     upto = fe.cache.release_swa_slots(row[:pre_len].cpu(), start, pre_len)

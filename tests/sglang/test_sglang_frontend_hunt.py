@@ -499,3 +499,27 @@ def test_a_checkpoint_past_the_computed_kv_is_refused() -> None:
     fe.release_kv_cache(r)  # tree keeps its 3 tokens; the 2 uncomputed slots go back
     assert fe.total_size() == 3 and kv.used_size() == 3 and fe.protected_size() == 0
     fe.sanity_check()
+
+
+def test_a_window_slide_past_the_computed_kv_is_refused() -> None:
+    """Window 4; 10 tokens computed, 16 slots allocated. ``evict_sliding_windows(req, 16)``
+    freed the SWA KV of every token more than a window before 16, the request's live window
+    ``[6, 10)`` among them, which its next step attends to. Now: ``ValueError`` naming
+    ``pre_len``, nothing freed; a slide at 10 frees ``[0, 6)`` and keeps the window."""
+    kv = SWAAllocator(64, 32)
+    rtp = ReqToTokenPool(2, 32)
+    fe = UnifiedRadixCache(CacheInitParams(disable=False, req_to_token_pool=rtp,
+                                           token_to_kv_pool_allocator=kv, page_size=1,
+                                           sliding_window_size=4))
+    r = Req("r", list(range(1, 11)))
+    assert rtp.alloc([r]) is not None and r.kv.req_pool_idx is not None
+    slots = kv.alloc(16)
+    assert slots is not None
+    rtp.write((r.kv.req_pool_idx, slice(0, 16)), slots)
+    r.kv.kv_committed_len, r.kv.kv_allocated_len = 10, 16
+    r.last_node = fe.root_node
+    with pytest.raises(ValueError, match=r"pre_len must be <= req.kv.kv_committed_len = 10"):
+        fe.evict_sliding_windows(r, 16)
+    assert kv.has_swa(slots).tolist() == [True] * 16 and r.kv.swa_evicted_seqlen == 0
+    fe.evict_sliding_windows(r, 10)
+    assert kv.has_swa(slots[:10]).tolist() == [False] * 6 + [True] * 4
