@@ -20,6 +20,9 @@ call shapes:
 * ``checkpoint(req, up_to=)``, ``release_kv_cache(req, checkpoint=)``, ``free_kv_row``
   over ``req_to_token_pool`` (0.5.23), and the names of SGLang's earlier releases
   ``cache_unfinished_req(req, chunked=False)`` / ``cache_finished_req(req, is_insert=True)``.
+* a request's session (``MatchPrefixParams.req.session_id``, ``InsertParams.session_id``,
+  which ``checkpoint`` fills from the request) goes to the library as its hint
+  (``radix.hints``: ``extra={"session_id": ...}``, which ``gds_adaptive`` reads).
 * list-like :class:`RadixKey`, SGLang-shaped :class:`TreeNode` views, ``take_events()``
   (the library's KV events), streaming sessions (``enable_streaming_session``).
 * ``evict_policy`` (SGLang's eviction-strategy classes, ordering as the library's policies),

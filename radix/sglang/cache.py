@@ -55,6 +55,21 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 _SLOT_DTYPES = (torch.int32, torch.int64)
 
 
+def session_hint(session_id: Any, name: str) -> dict[str, Any] | None:
+    """The library's hint (``radix.hints``) for a request's session: ``{"session_id": ...}``,
+    or ``None`` without one.
+
+    Raises:
+        TypeError: ``session_id`` not a ``str`` / ``int`` (``bool`` refused), naming ``name``.
+    """
+    if session_id is None:
+        return None
+    if isinstance(session_id, bool) or not isinstance(session_id, (str, int)):
+        raise TypeError(f"{name} must be a str or an int (the request's session), got "
+                        f"{type(session_id).__name__}")
+    return {"session_id": session_id}
+
+
 class UnifiedRadixCache:
     """SGLang 0.5.23's ``UnifiedRadixCache`` interface over the library's tree.
 
@@ -262,7 +277,10 @@ class UnifiedRadixCache:
         key = as_radix_key(params.key)
         if self.disable or len(key) == 0:
             return self._empty_match()
-        m = self.cache.match_prefix(key.tokens(), key.namespace)
+        hint = (None if params.req is None
+                else session_hint(getattr(params.req, "session_id", None),
+                                  "params.req.session_id"))
+        m = self.cache.match_prefix(key.tokens(), key.namespace, extra=hint)
         views = self.views
         last = views.get(m.last_device_node)
         host_node = m.last_host_node if m.last_host_node is not None else m.last_device_node
@@ -312,13 +330,17 @@ class UnifiedRadixCache:
         if legacy:
             params = InsertParams(key=as_radix_key(params), value=value)
         assert isinstance(params, InsertParams)
-        res = self.insert_keeping(params, False)
+        res = self.insert_keeping(params, False, self.frees_duplicates)
         return res.prefix_len if legacy else res
 
-    def insert_keeping(self, params: InsertParams, keep_live_swa: bool) -> InsertResult:
+    def insert_keeping(self, params: InsertParams, keep_live_swa: bool,
+                       free_duplicates: bool = True) -> InsertResult:
         """:meth:`insert` (its ``InsertParams`` shape); with ``keep_live_swa`` a running
         request's live SWA copies over tombstones are not freed as duplicates (the library's
-        ``RadixCache.swa_kept_mask``): ``radix.sglang.requests`` checkpoints through it."""
+        ``RadixCache.swa_kept_mask``): ``radix.sglang.requests`` checkpoints through it.
+        ``free_duplicates``: free the caller's duplicates in ``[prev_prefix_len, prefix_len)``
+        (a checkpoint always does, as SGLang's ``checkpoint`` does for every tree cache;
+        :meth:`insert` only where the class's ``insert`` does: ``frees_duplicates``)."""
         if self.disable:
             return InsertResult(prefix_len=0)
         if params.key is None:
@@ -349,10 +371,11 @@ class UnifiedRadixCache:
         priority = params.priority or 0
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"params.priority must be an int, got {type(priority).__name__}")
+        hint = session_hint(params.session_id, "params.session_id")
         res = self.cache.insert(tokens, slots.to(self.device), key.namespace, state_slot=state,
-                                priority=priority)
+                                priority=priority, extra=hint)
         p0 = min(prev, res.prefix_len)
-        if self.frees_duplicates and p0 < res.prefix_len:
+        if free_duplicates and p0 < res.prefix_len:
             caller = slots[p0:res.prefix_len]
             tree = (self.cache.device_slots(res.tree_values)[p0:res.prefix_len]
                     if res.tree_values
@@ -529,10 +552,33 @@ class UnifiedRadixCache:
                 if w is not None]
 
     def reset(self) -> None:
-        """Empty the tree (every slot back to its allocator); one ``AllBlocksCleared``."""
-        self.cache.reset()
+        """Empty the tree (every slot back to its allocator); one ``AllBlocksCleared``.
+        Open streaming sessions end first (as SGLang's reset drops them): their locks, rows,
+        slots and states go back too.
+
+        Raises:
+            ValueError: a request still holds a lock (the library's check); nothing changed.
+        """
+        held = [] if self.session is None else list(self.session.slots.values())
+        locks = [slot.lock for slot in held]
+        # (read while the tree is there; freed once the reset went through)
+        kept = [requests.kept_slots(self, slot.kv, None if lock is None else lock.node)
+                if slot.kv.holds_kv else _EMPTY for slot, lock in zip(held, locks, strict=True)]
+        for slot in held:
+            self.unlock(slot.lock)
+            slot.lock = None
+        try:
+            self.cache.reset()
+        except ValueError:
+            for slot, lock in zip(held, locks, strict=True):
+                slot.lock = None if lock is None else self.lock(lock.node)
+            raise
+        for own in kept:
+            if len(own):
+                self.slot_allocator.free(own)
         if self.session is not None:
-            self.session.slots.clear()
+            for sid in list(self.session.slots):
+                self.session.release_session(sid)  # (lock released, kept slots freed above)
 
     def sanity_check(self) -> None:
         """The library's full invariant check (raises ``AssertionError``)."""
@@ -543,8 +589,13 @@ class UnifiedRadixCache:
 
     # ================================================================ HiCache
     def init_load_back(self, params: InitLoadBackParams) -> tuple[int, TreeNode] | None:
-        """Load the host chain ending at ``best_match_node`` to device; returns the tokens
-        loaded and the device node the request now ends at (``0``: nothing loaded).
+        """Load what ``best_match_node`` holds only on host (its host-only KV chain, its
+        state, its SWA KV) to device, all or nothing; returns the tokens the request's
+        device prefix grew by and the device node it now ends at, as SGLang's scheduler
+        reads them: ``(params.host_hit_length, best_match_node)`` once loaded (that count
+        includes device KV that was behind a host-only state: the library's
+        ``load_back`` returns only the KV tokens it copied), else ``(0, params.req.last_node)``
+        (``best_match_node`` without a request).
 
         Raises:
             TypeError: ``params`` is not an :class:`InitLoadBackParams`, or its
@@ -557,8 +608,12 @@ class UnifiedRadixCache:
         if not self.cache.has_host_tier or params.host_hit_length <= 0:
             return 0, params.best_match_node
         lib = self.lib_node(params.best_match_node)
-        loaded = self.cache.load_back(lib)
-        return loaded, self.views.get(lib) if lib.kv_value is not None else params.best_match_node
+        states_before = self.cache.stats()["load_back_states"]
+        # (a load of the node's own state or SWA KV alone copies no KV token: counted apart)
+        if self.cache.load_back(lib) or self.cache.stats()["load_back_states"] > states_before:
+            return params.host_hit_length, self.views.get(lib)
+        before = getattr(params.req, "last_node", None)
+        return 0, params.best_match_node if before is None else before
 
     def check_hicache_events(self) -> None:
         self.cache.poll_transfers()
@@ -629,7 +684,8 @@ class UnifiedRadixCache:
 
 class RadixCache(UnifiedRadixCache):
     """SGLang's ``RadixCache`` (full KV only): its ``insert`` leaves the caller's duplicate
-    slots to the caller (``checkpoint`` frees them), as SGLang's does."""
+    slots to the caller, as SGLang's does; its ``checkpoint`` (and the request calls over it)
+    frees them."""
 
     frees_duplicates = False
 

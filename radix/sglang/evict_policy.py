@@ -34,7 +34,7 @@ class EvictionStrategy:
     the strategy is.
 
     Raises:
-        TypeError: instantiating the base class.
+        TypeError: instantiating the base class, or a knob the policy does not have.
         ValueError: a bad knob value (the policy's own check), naming it.
     """
 
@@ -45,6 +45,9 @@ class EvictionStrategy:
         if spec is None:
             raise TypeError("EvictionStrategy is abstract: use one of EVICTION_STRATEGIES")
         for name, value in knobs.items():
+            if name not in spec.knobs:
+                raise TypeError(f"{type(self).__name__} got an unexpected keyword argument "
+                                f"{name!r}")
             err = spec.knobs[name].check(value)
             if err:
                 raise ValueError(f"{name} {err}")

@@ -95,7 +95,8 @@ class InsertParams:
         swa_branching_seqlen: accepted, unused (the SWA component plans its own cuts).
         inserted_len: the request already counted in ``hit_count`` up to here.
         priority: request priority (``priority`` policy).
-        session_id: the request's session (attribution only).
+        session_id: the request's session, handed to the library as its hint
+            (``radix.hints``: ``gds_adaptive`` reads it); ``str`` or ``int``.
     """
 
     key: RadixKey | None = None

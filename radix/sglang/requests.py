@@ -192,6 +192,13 @@ class ReqToTokenPool:
             self._free_rows.append(kv.req_pool_idx)
             kv.req_pool_idx = None
 
+    def clear(self) -> None:
+        """Every row free again, and the state pool emptied (SGLang's ``flush_cache`` calls
+        it after the tree cache's ``reset``; the requests' records are dropped with it)."""
+        self._free_rows = list(range(self.size))
+        if self.mamba_pool is not None:
+            self.mamba_pool.clear()
+
     def free_mamba_cache(self, req: Any) -> None:
         kv = req.kv
         if kv.mamba_pool_idx is not None and self.mamba_pool is not None:
@@ -318,9 +325,14 @@ def _lock_of(fe: UnifiedRadixCache, req: Any) -> tuple[LibNode, Any]:
 
 def checkpoint_into_tree(fe: UnifiedRadixCache, req: Any, up_to: int) -> None:
     """Insert ``fill_ids(req)[:up_to]`` and move the request onto the tree's slots (see the
-    module docstring). Raises as :func:`check_request`, or as the insert; nothing changed
-    then."""
+    module docstring). Raises as :func:`check_request`, ``ValueError`` for an ``up_to``
+    past ``req.kv.kv_committed_len``, or as the insert; nothing changed then."""
     pool = check_request(fe, req, up_to)
+    if up_to > req.kv.kv_committed_len:
+        # (the tree would hand out KV never computed, and cache_protected_len would pass
+        # kv_committed_len, which no release accepts)
+        raise ValueError(f"up_to must be <= req.kv.kv_committed_len = "
+                         f"{req.kv.kv_committed_len} (KV computed so far), got {up_to}")
     finished = req.finished()
     if fe.disable:
         if finished:
@@ -345,7 +357,8 @@ def checkpoint_into_tree(fe: UnifiedRadixCache, req: Any, up_to: int) -> None:
     protected = kv.cache_protected_len
     params = InsertParams(key=req.radix_key(n), value=value,
                           mamba_value=None if state is None else torch.tensor([state]),
-                          prev_prefix_len=protected, priority=req.priority or 0)
+                          prev_prefix_len=protected, priority=req.priority or 0,
+                          session_id=getattr(req, "session_id", None))
     keep = lib.has_swa and not finished
     try:
         res = fe.insert_keeping(params, keep)
@@ -365,12 +378,15 @@ def checkpoint_into_tree(fe: UnifiedRadixCache, req: Any, up_to: int) -> None:
     merged = tree if not keep else torch.where(lib.swa_kept_mask(mine, tree), mine, tree)
     if new_len > protected:
         row[protected:new_len] = merged[protected:]
-    old = req.lock
-    req.lock = fe.lock(res.last_device_node)
-    fe.unlock(old)
+    if new_len >= protected:
+        # (a shorter checkpoint leaves the lock where it is: on the node ending the
+        # protected prefix, which the row reads from the tree)
+        old = req.lock
+        req.lock = fe.lock(res.last_device_node)
+        fe.unlock(old)
+        req.last_node = res.last_device_node
     kv.cache_protected_len = max(new_len, protected)
     kv.cache_inserted_len = max(kv.cache_inserted_len, new_len)
-    req.last_node = res.last_device_node
     req.prefix_indices = row[: kv.cache_protected_len].clone()
 
 
@@ -422,7 +438,7 @@ def release_kv_cache(fe: UnifiedRadixCache, req: Any, *, checkpoint: bool) -> No
             raise ValueError(f"releasing unfinished request {req.rid!r} into a hybrid tree")
         fe.checkpoint(req, up_to=owned)
     protected = kv.cache_protected_len
-    _free_kept(fe, req)
+    free_kept_slots(fe, kv, req.last_node)
     free_kv_row(fe, kv, [(protected, owned)])
     fe.unlock(req.lock)
     req.lock = None
@@ -436,29 +452,46 @@ def release_kv_cache(fe: UnifiedRadixCache, req: Any, *, checkpoint: bool) -> No
     kv.kv_committed_len = 0
 
 
-def _free_kept(fe: UnifiedRadixCache, req: Any) -> None:
-    """Free the request's own slots below ``cache_protected_len`` (kept over tombstones
-    while it ran) and point the row at the tree's."""
-    kv = req.kv
+def kept_slots(fe: UnifiedRadixCache, kv: ReqKvInfo, last_node: Any) -> torch.Tensor:
+    """The record's own slots below ``cache_protected_len`` (kept over tombstones while its
+    request ran: where its row differs from the tree's path), a CPU tensor; ``last_node``:
+    the node its lock holds (the protected prefix's end; ``None``: nothing protected)."""
     p = kv.cache_protected_len
-    if not fe.cache.has_swa or p == 0 or req.last_node is None:
-        return
+    if not fe.cache.has_swa or p == 0 or last_node is None:
+        return torch.empty(0, dtype=torch.int64)
     row = fe.req_to_token_pool.req_to_token[kv.req_pool_idx]
-    tree = fe.path_device_indices(req.last_node)[:p].to(row.device)
+    tree = fe.path_device_indices(last_node)[:p].to(row.device)
     mine = row[:p]
-    own = mine != tree
-    if bool(own.any()):
-        fe.slot_allocator.free(mine[own].cpu())
-        row[:p] = tree
+    return mine[mine != tree].cpu()
+
+
+def free_kept_slots(fe: UnifiedRadixCache, kv: ReqKvInfo, last_node: Any) -> None:
+    """Free :func:`kept_slots` and point the row at the tree's. A request's release and a
+    streaming session's end both call it."""
+    own = kept_slots(fe, kv, last_node)
+    if len(own):
+        fe.slot_allocator.free(own)
+        row = fe.req_to_token_pool.req_to_token[kv.req_pool_idx]
+        p = kv.cache_protected_len
+        row[:p] = fe.path_device_indices(last_node)[:p].to(row.device)
 
 
 def release_out_of_window(fe: UnifiedRadixCache, req: Any, pre_len: int) -> None:
     """Free the SWA KV of the request's own tokens more than a window (and a page) before
-    ``pre_len``."""
+    ``pre_len``.
+
+    Raises:
+        TypeError / ValueError: as :func:`check_request`; ``ValueError`` for a ``pre_len``
+            past ``req.kv.kv_committed_len`` (the window would slide past the tokens the
+            request attends to next); nothing freed then.
+    """
     if not fe.cache.has_swa:
         return
     check_request(fe, req, pre_len, "pre_len")
     kv = req.kv
+    if pre_len > kv.kv_committed_len:
+        raise ValueError(f"pre_len must be <= req.kv.kv_committed_len = {kv.kv_committed_len} "
+                         f"(the sequence computed so far), got {pre_len}")
     row = fe.req_to_token_pool.req_to_token[kv.req_pool_idx]
     start = max(kv.swa_evicted_seqlen, kv.cache_protected_len)
     upto = fe.cache.release_swa_slots(row[:pre_len].cpu(), start, pre_len)

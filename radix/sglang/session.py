@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from radix.sglang.params import MatchPrefixParams, MatchResult, TreeLock
-from radix.sglang.requests import ReqKvInfo
+from radix.sglang.requests import ReqKvInfo, free_kept_slots
 
 if TYPE_CHECKING:
     from radix.sglang.cache import UnifiedRadixCache
@@ -88,12 +88,13 @@ class StreamingSessions:
         slot = self.slots.get(req.session.session_id)
         if slot is None or not slot.kv.holds_kv:
             return None
-        req.kv = slot.kv
         prefix_len = min(slot.kv.kv_committed_len, len(params.key))
         if prefix_len < slot.kv.cache_protected_len:
+            # (refused before the request borrows the record: nothing changed)
             raise ValueError(f"streaming session {req.session.session_id!r}: the prefix shrank "
                              f"below what it published ({prefix_len} < "
                              f"{slot.kv.cache_protected_len}); sessions are append-only")
+        req.kv = slot.kv
         self._free_tail(slot.kv, prefix_len)
         node = slot.virtual_node
         return MatchResult(prefix_len, node, node, node,
@@ -120,8 +121,11 @@ class StreamingSessions:
         if slot.publishes_prompt:
             req.lock, slot.lock = slot.lock, None
             req.last_node = self._node_of(req)
-            self.cache.checkpoint_into_tree(req, up_to=up_to)
-            self._lock_to_slot(req, slot)
+            try:
+                self.cache.checkpoint_into_tree(req, up_to=up_to)
+            finally:
+                # (also when the checkpoint raises: the lock is the session's)
+                self._lock_to_slot(req, slot)
         return True
 
     def try_cache_finished_req(self, req: Any) -> bool:
@@ -154,8 +158,12 @@ class StreamingSessions:
         if slot is None:
             return
         cache = self.cache
-        cache.unlock(slot.lock)
         kv = slot.kv
+        if kv.holds_kv:
+            # (its own slots kept over tombstones below the protected prefix, while the
+            # lock still holds the prefix's path)
+            free_kept_slots(cache, kv, None if slot.lock is None else slot.lock.node)
+        cache.unlock(slot.lock)
         if kv.holds_kv:
             cache.free_kv_row(kv, [(kv.cache_protected_len, kv.kv_allocated_len)])
             cache.req_to_token_pool.free(slot)
