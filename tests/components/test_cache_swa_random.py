@@ -130,7 +130,7 @@ class SWAHarness:
         out = self.model.unlock(mnode, swa_start(lock))
         assert self.full_free()[before:] == out.freed_slots
 
-    def _evict(self, kind: str, n: int) -> None:
+    def evict(self, kind: str, n: int) -> None:
         """Run one library eviction and the model's; ties (equal stamps) resolved by what the
         library freed, in order (full slots, or the full ids whose SWA slots went back)."""
         held = self.model.held_slots()
@@ -161,16 +161,16 @@ class SWAHarness:
 
     def ensure_kv(self, n: int) -> list[int] | None:
         if self.kv.full_available_size() < n:
-            self._evict("evict", n - self.kv.full_available_size())
+            self.evict("evict", n - self.kv.full_available_size())
         if self.kv.swa_available_size() < n:
-            self._evict("evict_swa", n - self.kv.swa_available_size())
+            self.evict("evict_swa", n - self.kv.swa_available_size())
         got = self.kv.alloc(n)
         return None if got is None else got.tolist()
 
     def ensure_state(self) -> int | None:
         assert self.pool is not None
         if self.pool.available_size() < 1:
-            self._evict("evict_states", 1)
+            self.evict("evict_states", 1)
         got = self.pool.alloc(1)
         return None if got is None else int(got[0])
 
@@ -241,14 +241,14 @@ class SWAHarness:
             self.unlock(*self.locks.pop(self.rng.randrange(len(self.locks))))
 
     def op_evict(self) -> None:
-        self._evict("evict", self.rng.randint(0, 8))
+        self.evict("evict", self.rng.randint(0, 8))
 
     def op_evict_swa(self) -> None:
-        self._evict("evict_swa", self.rng.randint(0, 8))
+        self.evict("evict_swa", self.rng.randint(0, 8))
 
     def op_evict_states(self) -> None:
         if self.hybrid:
-            self._evict("evict_states", self.rng.randint(0, 3))
+            self.evict("evict_states", self.rng.randint(0, 3))
 
     def op_hold(self) -> None:
         got = self.kv.alloc(self.ps * self.rng.randint(1, 3))
@@ -423,12 +423,12 @@ class SWAHarness:
             if self.cache_req(self.reqs[0], finished=True):
                 self.reqs.pop(0)
             else:
-                self._evict("evict_states", 1)
+                self.evict("evict_states", 1)
             self.check()
         while self.locks:
             self.op_unlock()
             self.check()
-        self._evict("evict", 10**6)
+        self.evict("evict", 10**6)
         self.check()
         assert self.cache.total_size() == 0 and not self.model.pages and not self.model.dead - {
             s for h in self.held for s in h}

@@ -41,7 +41,7 @@ def run_locks_first(h: Any, steps: int) -> None:
         if h.cache_req(h.reqs[0], finished=True):
             h.reqs.pop(0)
         else:
-            h._evict("evict_states", 1)
+            h.evict("evict_states", 1)
         h.check()
 
 
