@@ -23,6 +23,7 @@ be copied.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -120,7 +121,11 @@ def _host_size(device_size: int, page_size: int, cfg: HiCacheConfig, bytes_per_u
     if host_bytes is not None and bytes_per_unit > 0:
         size = host_bytes // bytes_per_unit
     else:
-        size = int(device_size * cfg.hicache_ratio)
+        want = device_size * cfg.hicache_ratio
+        if not math.isfinite(want):
+            raise ValueError(f"hicache_ratio={cfg.hicache_ratio} x the device pool ({device_size} "
+                             "units) is not a finite host pool size; give a smaller ratio")
+        size = int(want)
         frac = None if cfg.hicache_size else cfg.hicache_host_memory_fraction
         budget = host_memory_budget() if frac is not None and bytes_per_unit > 0 else None
         if frac is not None and budget is not None:

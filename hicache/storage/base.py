@@ -90,12 +90,22 @@ _KEY = re.compile(r"[0-9a-f]{64}(?:\.s)?")
 
 
 def check_seconds(value: Any, name: str, zero_ok: bool = False) -> float:
-    """``value`` as seconds: a finite number > 0 (>= 0 with ``zero_ok``); errors name ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
-            value < 0 if zero_ok else value <= 0):
+    """``value`` as seconds: a finite number > 0 (>= 0 with ``zero_ok``), at most
+    ``threading.TIMEOUT_MAX`` (the longest wait the platform takes); errors name ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) or (
+            value < 0 if zero_ok else value <= 0) or value > threading.TIMEOUT_MAX:
         raise ValueError(f"{name} must be a finite number {'>=' if zero_ok else '>'} 0 [s], "
+                         f"at most {threading.TIMEOUT_MAX:.0f} (threading.TIMEOUT_MAX), "
                          f"got {value!r}")
     return float(value)
+
+
+def _finite(x: int | float) -> bool:
+    """Whether ``x`` is finite as a float (an int too large for one is not)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def check_key(key: Any, name: str = "key") -> str:

@@ -162,3 +162,25 @@ def test_evict_host_count_must_be_a_non_negative_int(n: object, exc: type) -> No
     with pytest.raises(exc, match="num_tokens must be an int >= 0"):
         h.cache.evict_host(n)  # type: ignore[arg-type]
     assert_same(before, dump(h))
+
+
+# ======================================================================== huge numbers
+@pytest.mark.parametrize("kwargs,name", [
+    ({"hicache_ratio": 10**400}, "hicache_ratio"),  # an int no float holds
+    ({"hicache_size": 10**400}, "hicache_size"),
+    ({"hicache_size": 1e300}, "hicache_size"),  # finite, but 1e300 GB is not a finite byte count
+])
+def test_numbers_past_a_float_are_refused_naming_the_field(kwargs: dict[str, object], name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        HiCacheConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_ratio_whose_host_size_is_not_finite_is_refused_naming_it() -> None:
+    # 16 device slots x 1e308 = inf host slots: refused naming the ratio, nothing allocated
+    # (not an OverflowError from deep inside the pool sizing).
+    kv = TokenAllocator(16, pool=KVPool(16, 2, 1, 2, torch.float32))
+    for fraction in (None, 0.8):
+        with pytest.raises(ValueError, match="hicache_ratio"):
+            RadixCache(kv_allocator=kv, hicache=HiCacheConfig(
+                hicache_ratio=1e308, hicache_host_memory_fraction=fraction))
+    assert kv.available_size() == 16

@@ -310,3 +310,28 @@ def test_a_size_cap_below_one_page_record_is_refused_when_the_cache_is_built(
         make("file", where=str(tmp_path / "a"), max_bytes=record - 1)
     ok = make("file", where=str(tmp_path / "b"), max_bytes=record)
     ok.close()
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    ({"hicache_storage_timeout_s": 1e300}, "hicache_storage_timeout_s"),
+    ({"hicache_prefetch_timeout_s": 1e10}, "hicache_prefetch_timeout_s"),
+    ({"hicache_storage_backend": "file", "hicache_storage_dir": "/tmp",
+      "hicache_storage_backend_extra_config": json.dumps({"prefetch_timeout_base": 1e300})},
+     "prefetch_timeout_base"),
+])
+def test_a_timeout_longer_than_a_wait_can_take_is_refused(kwargs: dict[str, Any], name: str) -> None:
+    # threading waits refuse anything past threading.TIMEOUT_MAX (~292 years): accepted,
+    # every prefetch wait would raise and be counted as an L3 fault
+    with pytest.raises(ValueError, match=name):
+        HiCacheConfig(**kwargs)
+
+
+def test_the_timeout_wait_of_a_long_prompt_is_at_most_the_longest_wait() -> None:
+    import threading
+
+    cfg = HiCacheConfig(hicache_storage_backend="file", hicache_storage_dir="/tmp",
+                        hicache_storage_backend_extra_config=json.dumps(
+                            {"prefetch_timeout_base": 1, "prefetch_timeout_per_ki_token": 1e6}))
+    assert cfg.prefetch_wait_s(1024) == 1 + 1e6
+    # 2**40 tokens x 1e6 s per 1024: past TIMEOUT_MAX, which an Event.wait would refuse
+    assert cfg.prefetch_wait_s(2**40) == threading.TIMEOUT_MAX
