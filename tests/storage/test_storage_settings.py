@@ -312,6 +312,23 @@ def test_a_size_cap_below_one_page_record_is_refused_when_the_cache_is_built(
     ok.close()
 
 
+@pytest.mark.parametrize("url", ["redis://[::1", "redis://u:pw@[::1:7000", "redis://h:1,redis://[fe80::1"])
+def test_a_malformed_host_is_refused_naming_the_setting_and_masking_the_password(url: str) -> None:
+    with pytest.raises(ValueError, match="hicache_storage_url") as info:
+        redis_cfg(url)
+    assert "pw" not in str(info.value)
+
+
+@pytest.mark.parametrize("query", ["socket_timeout=-1", "socket_timeout=nan", "socket_timeout=inf",
+                                   "socket_connect_timeout=0", "timeout=-2",
+                                   "socket_timeout=1e300"])
+def test_a_url_timeout_no_socket_takes_is_refused_naming_the_setting(query: str) -> None:
+    # redis-py parses these as floats and only the first connect fails (every call a fault)
+    with pytest.raises(ValueError, match=r"hicache_storage_url.*timeout"):
+        redis_cfg(f"redis://h:1/0?{query}")
+    redis_cfg("redis://h:1/0?socket_timeout=2.5&socket_connect_timeout=1")  # still fine
+
+
 @pytest.mark.parametrize("kwargs,name", [
     ({"hicache_storage_timeout_s": 1e300}, "hicache_storage_timeout_s"),
     ({"hicache_prefetch_timeout_s": 1e10}, "hicache_prefetch_timeout_s"),
