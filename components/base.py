@@ -287,6 +287,13 @@ class Component:
         (``HiCacheController.register_pair``)."""
         return None
 
+    def host_demand(self) -> tuple[int, int, int] | None:
+        """``(device units, page size, bytes per unit)`` of the device pool :meth:`host_pool`
+        mirrors by ``hicache_ratio``, so the host tier can fit every such pool together into
+        ``hicache_host_memory_fraction`` of the host memory
+        (``hicache.host_pools.fit_host_ratio``); ``None``: not counted."""
+        return None
+
     def has_device(self, node: TreeNode) -> bool:
         """Whether ``node`` holds this component's value on device."""
         return False

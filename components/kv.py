@@ -708,6 +708,11 @@ class KVComponent(Component):
         host = mirror_kv(self.allocator, config)
         return self.allocator, host, kv_lanes(self.allocator, host)
 
+    def host_demand(self) -> tuple[int, int, int]:
+        from hicache.host_pools import kv_demand
+
+        return kv_demand(self.allocator)
+
     def has_device(self, node: TreeNode) -> bool:
         return node.kv_value is not None
 

@@ -432,6 +432,9 @@ class StateComponent(Component):
         host = mirror_state(self.allocator, config)
         return self.allocator, host, state_lanes(self.allocator, host)
 
+    def host_demand(self) -> tuple[int, int, int]:
+        return self.allocator.size, 1, int(getattr(self.allocator, "bytes_per_slot", 0))
+
     def has_device(self, node: TreeNode) -> bool:
         return node.state_slot is not None
 

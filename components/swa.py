@@ -413,6 +413,11 @@ class SWAComponent(Component):
         host = mirror_kv(side, config)
         return side, host, kv_lanes(side, host)
 
+    def host_demand(self) -> tuple[int, int, int]:
+        from hicache.host_pools import kv_demand
+
+        return kv_demand(self.allocator.swa_side)
+
     def has_device(self, node: TreeNode) -> bool:
         return node.kv_value is not None and not node.swa_tombstone
 

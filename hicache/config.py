@@ -131,7 +131,8 @@ class HiCacheConfig:
             0.8): when the host pools are sized by ``hicache_ratio`` (``hicache_size`` 0), the
             share of the host memory available when they are built (``MemAvailable``, bounded
             by the cgroup's ``memory.max``; see ``hicache.host_pools.host_memory_budget``) they
-            may take; the ratio is reduced until they fit, and the build fails (ValueError)
+            may take together (KV, state and SWA host pools); one ratio, reduced until they
+            all fit (``hicache.host_pools.fit_host_ratio``), and the build fails (ValueError)
             when a pool larger than the device pool does not fit. ``None``: no cap. In (0, 1].
             Unlike SGLang, no 10 GiB reserve is kept back and an explicit ratio is capped too
             (a dataclass cannot tell a given 2.0 from the default).

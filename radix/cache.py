@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from allocators.host_mirror import cat_mirrored, host_int, register
-from components.base import Component
+from components.base import Component, tier_components
 from components.events import KVEvent, KVEventRecorder
 from components.eviction.gds import GDS_WALKS
 from components.eviction.unified import UnifiedStrategy, unified_bytes
@@ -183,7 +183,9 @@ class RadixCache:
         self._host: HostTier | None = None
         self._storage: StorageTier | None = None
         if hicache is not None:
-            self.hicache = HiCacheController(kv_allocator, state_allocator, hicache)
+            demands = [d for c in tier_components(core.components)
+                       if (d := c.host_demand()) is not None]
+            self.hicache = HiCacheController(kv_allocator, state_allocator, hicache, demands)
             self._host = host = HostTier(core, self.hicache)
             host.durations = self.durations
             core.add_per_node(host)
