@@ -331,6 +331,13 @@ class Component:
     def drop_host(self, node: TreeNode) -> None:
         """Free ``node``'s host copy (if any)."""
 
+    def undo_host(self, node: TreeNode) -> None:
+        """Give back the host copy :meth:`backup` just gave ``node``, whose copy could not
+        start: as :meth:`drop_host`, but to the front of the host allocator's free list
+        (``undo_alloc``), so that allocator is as before the backup. Default:
+        :meth:`drop_host`."""
+        self.drop_host(node)
+
     def split_host(self, upper: TreeNode, lower: TreeNode, split_len: int) -> None:
         """``lower`` lost its first ``split_len`` tokens to ``upper``: split the host copy."""
 

@@ -746,6 +746,12 @@ class KVComponent(Component):
             self.host_allocator.free_owned(hv)
             node.host_value = None
 
+    def undo_host(self, node: TreeNode) -> None:
+        hv = node.host_value
+        if hv is not None:
+            node.host_value = None
+            self.host_allocator.undo_alloc(hv)
+
     def split_host(self, upper: TreeNode, lower: TreeNode, split_len: int) -> None:
         hv = lower.host_value
         if hv is not None:

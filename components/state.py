@@ -469,6 +469,12 @@ class StateComponent(Component):
             self.host_allocator.free_owned(slot)
             node.host_state_slot = None
 
+    def undo_host(self, node: TreeNode) -> None:
+        slot = node.host_state_slot
+        if slot is not None:
+            node.host_state_slot = None
+            self.host_allocator.undo_alloc(_slot_tensor(slot))
+
     def host_usable(self, path: list[TreeNode], n: int) -> int:
         """A match may end at a node with a state on device or on host."""
         while n > 0 and path[n - 1].state_slot is None and path[n - 1].host_state_slot is None:

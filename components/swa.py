@@ -451,6 +451,12 @@ class SWAComponent(Component):
             self.host_allocator.free_owned(hv)
             node.host_swa_value = None
 
+    def undo_host(self, node: TreeNode) -> None:
+        hv = node.host_swa_value
+        if hv is not None:
+            node.host_swa_value = None
+            self.host_allocator.undo_alloc(hv)
+
     def split_host(self, upper: TreeNode, lower: TreeNode, split_len: int) -> None:
         hv = lower.host_swa_value
         if hv is not None:

@@ -381,14 +381,24 @@ class CacheCore:
                 break
             kind, node = picked
             (idx, internal, _), _ = plans[kind]
-            if internal is not None and node.children:
-                if before is not None:
-                    before(node, freed)
-                freed[idx] += internal(node)
-            else:
-                free_leaf(node, freed)
+            try:
+                if internal is not None and node.children:
+                    if before is not None:
+                        before(node, freed)
+                    freed[idx] += internal(node)
+                else:
+                    free_leaf(node, freed)
+            except BaseException:
+                self._refile(node)
+                raise
             done = sum(f * s for f, s in zip(freed, sizes, strict=True))
         return self.result(freed)
+
+    def _refile(self, node: TreeNode) -> None:
+        """A popped victim whose step raised (a backup copy that could not start) is filed
+        again where it still is, so it stays evictable and the orders stay whole."""
+        if self.tree.is_attached(node):
+            self.refresh(node)
 
     def evict(self, comp: Component, target: int) -> EvictResult:
         """Free at least ``target`` of ``comp``'s units (``comp.evict_field``) in its order:
@@ -410,12 +420,16 @@ class CacheCore:
             node = pop()
             if node is None:
                 break
-            if internal is not None and node.children:
-                if before is not None:
-                    before(node, freed)
-                freed[idx] += internal(node)
-                continue
-            free_leaf(node, freed)
+            try:
+                if internal is not None and node.children:
+                    if before is not None:
+                        before(node, freed)
+                    freed[idx] += internal(node)
+                    continue
+                free_leaf(node, freed)
+            except BaseException:
+                self._refile(node)
+                raise
             if requeue is not None and node.owner:  # it stayed (a copy in flight)
                 requeue(node)
         if self.other_fields:

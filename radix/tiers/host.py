@@ -307,8 +307,8 @@ class HostTier(Component, Tier):
         try:  # the copy is enqueued before anything else changes: one that cannot start
             self._write(parts, lambda: self._on_write_done(node, flight))
         except BaseException:  # gives its host units back and leaves the node as it was
-            for c in taken:
-                c.drop_host(node)
+            for c in reversed(taken):  # (undone in reverse: each allocator as before)
+                c.undo_host(node)
             raise
         self.host_tokens += size
         primary = self.primary
@@ -346,8 +346,8 @@ class HostTier(Component, Tier):
         try:  # the parts join the node's pages once they are on host (never raises)
             self._write(parts, None if storage is None else lambda: storage.backup(node))
         except BaseException:
-            for c in taken:
-                c.drop_host(node)
+            for c in reversed(taken):
+                c.undo_host(node)
             raise
         self.poll()  # (on the CPU the copy has landed: nothing stays in flight)
 
@@ -553,9 +553,9 @@ class HostTier(Component, Tier):
         hc = self.controller
         try:  # the copy is enqueued first: one that cannot start gives the device units back
             hc.load_rows(parts)
-        except BaseException:
-            for (c, _), dev in zip(wanted, got, strict=True):
-                c.restore_allocator.free(dev)
+        except BaseException:  # undone in reverse: each allocator as before the alloc
+            for (c, _), dev in reversed(list(zip(wanted, got, strict=True))):
+                c.restore_allocator.undo_alloc(dev)
             raise
         hc.load_tokens += tokens
         now = core.tick()

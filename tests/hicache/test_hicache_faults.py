@@ -245,3 +245,91 @@ def test_write_through_insert_without_host_room_caches_on_device_only(hybrid: bo
     m = c.match_prefix(KEY[:8])
     assert (m.prefix_len, m.host_hit_length) == (8, 0)
     check_accounting(h)
+
+
+# ======================================================================== a copy that cannot start
+class CopyRefused(RuntimeError):
+    pass
+
+
+def refuse_copy(h: HC, k: int) -> None:
+    """The controller's ``k``-th ``write_rows`` raises before enqueuing anything (a copy that
+    cannot start: a CUDA error on a GPU)."""
+    orig, calls = h.hc.write_rows, [0]
+
+    def write_rows(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == k:
+            raise CopyRefused(f"write {k}")
+        return orig(*args, **kwargs)
+
+    h.hc.write_rows = write_rows  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("states", [0, 4])
+def test_a_write_back_copy_that_cannot_start_leaves_its_victim_evictable(page_size: int,
+                                                                       states: int) -> None:
+    # write_back: evicting leaf Q (below P, neither backed up) backs up P, then Q. Q's copy
+    # refuses to start: Q must stay on device, unbacked, and still first in the eviction
+    # order, with every host unit given back; P's copy was enqueued and lands at the next poll.
+    h = make(page_size=page_size, size=16, states=states, policy="write_back")
+    c = h.cache
+    put(h, KEY[:4])
+    put(h, KEY[:8], prefix=c.match_prefix(KEY[:4]).device_indices)
+    p, q = node_at(c, KEY[:4]), node_at(c, KEY[:8])
+    q_slots = ids(q.kv_value)
+    refuse_copy(h, 2)
+    with pytest.raises(CopyRefused):
+        c.evict(4)
+    c.sanity_check()  # actual: "kv eviction set differs: missing {Q}"
+    check_accounting(h, 0)
+    assert (ids(q.kv_value), q.host_value, q.kv_lock) == (q_slots, None, 0)
+    assert [n.id for n in c.kv.leaves] == [q.id]
+    assert c.host_size() == 4 and ids(p.host_value) is not None
+    h.hc.write_rows = type(h.hc).write_rows.__get__(h.hc)  # type: ignore[method-assign]
+    c.poll_transfers()  # P's copy lands: P unlocked
+    assert p.kv_lock == 0
+    r = c.evict(4)  # the retry evicts Q as it would have
+    assert r.num_tokens == 4 and q.kv_value is None and q.host_value is not None
+    c.sanity_check()
+    check_accounting(h, 0)
+
+
+@pytest.mark.parametrize("states", [0, 4])
+def test_a_write_back_copy_that_cannot_start_leaves_the_cache_as_before(states: int) -> None:
+    # the first copy (P's, the chain's first) refuses: nothing at all changed
+    h = make(size=16, states=states, policy="write_back")
+    c = h.cache
+    put(h, KEY[:4])
+    put(h, KEY[:8], prefix=c.match_prefix(KEY[:4]).device_indices)
+    before = dump(h)
+    refuse_copy(h, 1)
+    with pytest.raises(CopyRefused):
+        c.evict(4)
+    c.sanity_check()
+    assert_same(before, dump(h))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_load_back_copy_that_cannot_start_leaves_the_cache_as_before(page_size: int,
+                                                                      hybrid: bool) -> None:
+    # room on device (no eviction): the device units the load-back took go back where they
+    # were in every free list, and every node, lock and counter is as before
+    h, step = chain_on_host(page_size, hybrid)
+    before = dump(h)
+    orig = h.hc.load_rows
+
+    def load_rows(*args: Any) -> Any:
+        raise CopyRefused("load")
+
+    h.hc.load_rows = load_rows  # type: ignore[method-assign]
+    with pytest.raises(CopyRefused):
+        step()
+    h.cache.sanity_check()
+    assert_same(before, dump(h))  # actual: the device units went to the back of the lists
+    h.hc.load_rows = orig  # type: ignore[method-assign]
+    assert step() == 8
+    h.cache.sanity_check()
+    check_accounting(h)
