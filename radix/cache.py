@@ -48,6 +48,7 @@ from components.kv import KVComponent, cat_values
 from components.state import StateComponent, StateWalkFactory, check_state_walk_factory
 from components.swa import SWAComponent
 from hicache import HiCacheConfig, HiCacheController
+from hicache.storage.base import check_wait
 from radix import diagnostics, requests
 from radix.checks import check_count, check_lock, check_node
 from radix.config import CacheConfig
@@ -795,8 +796,11 @@ class RadixCache:
         return self._storage.poll() if self._storage is not None else 0
 
     def flush_storage(self, timeout_s: float | None = None) -> bool:
-        """Wait for queued L3 writes and running prefetches (at most ``timeout_s``), then
-        attach what the prefetches brought. Returns whether everything finished."""
+        """Wait for queued L3 writes and running prefetches (at most ``timeout_s``; ``None``
+        or ``inf``: until done), then attach what the prefetches brought. Returns whether
+        everything finished. Raises ``TypeError`` / ``ValueError`` (naming ``timeout_s``) for a
+        bound that is not a number of seconds >= 0."""
+        timeout_s = check_wait(timeout_s, "timeout_s")
         return self._storage.flush(timeout_s) if self._storage is not None else True
 
     def close_storage(self) -> None:

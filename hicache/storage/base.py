@@ -100,6 +100,24 @@ def check_seconds(value: Any, name: str, zero_ok: bool = False) -> float:
     return float(value)
 
 
+def check_wait(value: Any, name: str) -> float | None:
+    """A bound on a wait [s]: ``None`` or a number >= 0; returned as ``None`` (no bound) when
+    it is one no wait can take (``inf``, past ``threading.TIMEOUT_MAX``: until done).
+
+    Raises:
+        TypeError: not a number (a bool included), naming ``name``.
+        ValueError: NaN or negative, naming ``name``.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds >= 0 or None, got "
+                        f"{type(value).__name__}")
+    if value != value or value < 0:  # NaN, or negative
+        raise ValueError(f"{name} must be a number of seconds >= 0 or None, got {value!r}")
+    return None if value > threading.TIMEOUT_MAX else float(value)
+
+
 def _finite(x: int | float) -> bool:
     """Whether ``x`` is finite as a float (an int too large for one is not)."""
     try:

@@ -352,3 +352,37 @@ def test_the_timeout_wait_of_a_long_prompt_is_at_most_the_longest_wait() -> None
     assert cfg.prefetch_wait_s(1024) == 1 + 1e6
     # 2**40 tokens x 1e6 s per 1024: past TIMEOUT_MAX, which an Event.wait would refuse
     assert cfg.prefetch_wait_s(2**40) == threading.TIMEOUT_MAX
+
+
+@pytest.mark.parametrize("bad,err", [(True, TypeError), ("1", TypeError), ([1], TypeError),
+                                     (-1, ValueError), (float("nan"), ValueError)])
+def test_flush_storage_refuses_a_timeout_that_is_not_seconds(tmp_path: Path, bad: Any,
+                                                             err: type) -> None:
+    from tests.storage.test_storage_common import make
+
+    h = make("file", where=str(tmp_path))
+    try:
+        with pytest.raises(err, match="timeout_s"):
+            h.cache.flush_storage(bad)
+    finally:
+        h.close()
+
+
+def test_flush_storage_without_a_bound_waits_for_what_is_in_flight(tmp_path: Path) -> None:
+    # inf (and a bound past what a wait can take) means "until done", as None does; before,
+    # such a flush with a prefetch still running raised OverflowError from the wait
+    import threading
+
+    from tests.storage.test_storage_common import make, wrap_flaky
+
+    h = make("file", where=str(tmp_path), prefetch="best_effort")
+    try:
+        flaky = wrap_flaky(h)
+        for i, timeout in enumerate((float("inf"), 1e300)):
+            flaky.gate.clear()  # the prefetch's lookup waits on the gate
+            h.cache.match_prefix([100 * (i + 1) + t for t in range(4)])
+            threading.Timer(0.2, flaky.gate.set).start()
+            assert h.cache.flush_storage(timeout) is True
+        assert h.cache.stats()["l3_prefetch_started"] == 2
+    finally:
+        h.close()
