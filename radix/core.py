@@ -382,12 +382,14 @@ class CacheCore:
             kind, node = picked
             (idx, internal, _), _ = plans[kind]
             try:
-                if internal is not None and node.children:
-                    if before is not None:
-                        before(node, freed)
+                if internal is not None and node.children and before is not None:
+                    before(node, freed)  # (copies landing meanwhile may remove children)
+                if not self.tree.is_attached(node):
+                    pass
+                elif internal is not None and node.children:
                     freed[idx] += internal(node)
                 else:
-                    free_leaf(node, freed)
+                    free_leaf(node, freed)  # a leaf, or one since its children left
             except BaseException:
                 self._refile(node)
                 raise
@@ -423,10 +425,13 @@ class CacheCore:
             try:
                 if internal is not None and node.children:
                     if before is not None:
-                        before(node, freed)
-                    freed[idx] += internal(node)
-                    continue
-                free_leaf(node, freed)
+                        before(node, freed)  # (copies landing meanwhile may remove children)
+                        if not self.tree.is_attached(node):
+                            continue
+                    if node.children:
+                        freed[idx] += internal(node)
+                        continue
+                free_leaf(node, freed)  # a leaf, or one since its children left
             except BaseException:
                 self._refile(node)
                 raise
