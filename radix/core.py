@@ -382,19 +382,32 @@ class CacheCore:
             kind, node = picked
             (idx, internal, _), _ = plans[kind]
             try:
-                if internal is not None and node.children and before is not None:
-                    before(node, freed)  # (copies landing meanwhile may remove children)
-                if not self.tree.is_attached(node):
-                    pass
-                elif internal is not None and node.children:
-                    freed[idx] += internal(node)
-                else:
-                    free_leaf(node, freed)  # a leaf, or one since its children left
+                if internal is None or not node.children or self._evict_internal(
+                        kinds[kind][0], node, internal, before, freed, idx):
+                    free_leaf(node, freed)
             except BaseException:
                 self._refile(node)
                 raise
             done = sum(f * s for f, s in zip(freed, sizes, strict=True))
         return self.result(freed)
+
+    def _evict_internal(self, comp: Component, node: TreeNode, internal: Callable[[TreeNode], int],
+                        before: Callable[[TreeNode, list[int]], None] | None, freed: list[int],
+                        idx: int) -> bool:
+        """Evict ``comp``'s value from internal victim ``node`` (``before_internal`` first);
+        returns whether ``node`` is to leave whole instead (``free_leaf``). Copies landing
+        during ``before_internal`` may have demoted or removed ``node`` (nothing left to evict:
+        skipped; the units are in ``freed``) or removed its last children (a leaf now: it
+        leaves whole, unless a copy in flight still locks it)."""
+        if before is not None:
+            before(node, freed)
+            if not self.tree.is_attached(node) or (
+                    type(comp).has_device is not Component.has_device and not comp.has_device(node)):
+                return False
+            if not node.children:
+                return node.kv_lock == 0
+        freed[idx] += internal(node)
+        return False
 
     def _refile(self, node: TreeNode) -> None:
         """A popped victim whose step raised (a backup copy that could not start) is filed
@@ -423,15 +436,10 @@ class CacheCore:
             if node is None:
                 break
             try:
-                if internal is not None and node.children:
-                    if before is not None:
-                        before(node, freed)  # (copies landing meanwhile may remove children)
-                        if not self.tree.is_attached(node):
-                            continue
-                    if node.children:
-                        freed[idx] += internal(node)
-                        continue
-                free_leaf(node, freed)  # a leaf, or one since its children left
+                if internal is not None and node.children and not self._evict_internal(
+                        comp, node, internal, before, freed, idx):
+                    continue
+                free_leaf(node, freed)
             except BaseException:
                 self._refile(node)
                 raise

@@ -511,3 +511,27 @@ def test_an_internal_victim_whose_children_leave_while_it_is_saved_is_evicted_as
     assert r_.num_swa_tokens == 8  # R's 4 and P's 4 live SWA tokens
     m = c.match_prefix(KEY[:4])
     assert (m.host_hit_length, m.last_host_node) == (4, p)  # still served from the host
+
+
+def test_an_internal_victim_demoted_while_it_is_saved_is_not_evicted_again() -> None:
+    # write_back: X [0, 8) is a write-back victim, its copy in flight; a match splits it into
+    # P [0, 4) and X [4, 8), both in the copy's span. evict_swa pops P (internal, live):
+    # saving it first lands the copy, which demotes X and then P (the span, deepest first).
+    # P is host-only now: nothing is left to tombstone (actual: an AssertionError from the
+    # tombstone, the eviction half done).
+    h = SWAH(1, policy="write_back")
+    c = h.cache
+    h.insert(KEY[:8])
+    h.hc.hold_completions = True
+    assert c.evict(8).num_tokens == 0  # in flight: freed when it lands
+    c.match_prefix(KEY[:4])  # splits the in-flight node
+    p, x = node_at(c, KEY[:4]), node_at(c, KEY[:8])
+    assert (p.kv_lock, x.kv_lock, p.host_value is not None) == (1, 1, True)
+    h.hc.hold_completions = False
+    h.hc.release_held()
+    r = c.evict_swa(1)
+    c.sanity_check()
+    assert (p.kv_value, x.kv_value) == (None, None)  # both demoted by the landing copy
+    assert r.num_swa_tokens == 8 and h.kv.swa_used_size() == 0
+    m = c.match_prefix(KEY[:8])
+    assert (m.host_hit_length, m.last_host_node) == (8, x)
