@@ -439,8 +439,9 @@ class HostTier(Component, Tier):
     def _free_device_leaf(self, node: TreeNode) -> None:
         has_copy = self._host_copy(node) is not None
         if not has_copy and self.controller.config.hicache_write_policy == "write_back":
-            if self.backup_chain(node, demote_after=True):  # raises ``core.pending`` meanwhile
-                self.poll()
+            ok = self.backup_chain(node, demote_after=True)  # raises ``core.pending`` meanwhile
+            self.poll()  # landed copies finish now, also those of ancestors backed up before a
+            if ok:  # shortfall stopped the chain: unlocked, they are evictable again
                 return
             if not self.core.tree.is_attached(node):  # making host room removed it (a dead
                 return  # leaf once its host-only children went): its units are counted

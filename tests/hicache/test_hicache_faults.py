@@ -383,3 +383,25 @@ def test_a_finished_request_whose_backup_cannot_start_releases_its_lock() -> Non
     assert node_at(c, KEY[:8]).host_value is None
     c.sanity_check()
     check_accounting(h)
+
+
+@pytest.mark.parametrize("states", [0, 4])
+def test_a_write_back_eviction_goes_on_to_the_parent_it_backed_up_before_a_shortfall(
+        states: int) -> None:
+    # write_back, P [0, 4) and leaf Q [4, 8) on device, no host copies; host room for one
+    # node only. evict(16): Q's chain backs up P (the copy lands at once on the CPU), then
+    # finds no room for Q, which leaves. P, backed up, must then be demoted in the same call,
+    # as it is when Q's backup succeeds (actual: P stayed locked until a later poll, and the
+    # eviction stopped at 4 of the 8 evictable tokens).
+    h = make(size=16, states=states, policy="write_back")
+    c = h.cache
+    put(h, KEY[:4])
+    put(h, KEY[:8], prefix=c.match_prefix(KEY[:4]).device_indices)
+    p = node_at(c, KEY[:4])
+    with FailAllocs({"host kv": h.host_kv}, 2, "from"):
+        r = c.evict(16)
+    assert r.num_tokens == 8 and h.kv.available_size() == 16
+    assert p.kv_value is None and p.host_value is not None and p.kv_lock == 0  # demoted
+    assert c.host_size() == 4
+    c.sanity_check()
+    check_accounting(h)
