@@ -143,6 +143,7 @@ class HiCacheController:
             ``config`` is then the reduced copy).
 
     Raises:
+        TypeError: a state allocator that is not a ``MambaStatePool``.
         ValueError: a host pool not larger than its device pool, or a GPU KV allocator
             without a pool (``hicache.host_pools.mirror_kv``).
 
@@ -157,6 +158,11 @@ class HiCacheController:
     def __init__(self, kv_device: SlotAllocator, state_device: MambaStatePool | None,
                  config: HiCacheConfig,
                  demands: Sequence[tuple[int, int, int]] | None = None) -> None:
+        if state_device is not None and not isinstance(state_device, MambaStatePool):
+            raise TypeError(
+                "hicache with a state_allocator needs an allocators.MambaStatePool (its host "
+                "mirror holds the conv and SSM state tensors the copies move), got "
+                f"{type(state_device).__name__}")
         if demands is None:
             demands = [kv_demand(kv_device)]
             if state_device is not None:

@@ -184,3 +184,13 @@ def test_a_ratio_whose_host_size_is_not_finite_is_refused_naming_it() -> None:
         RadixCache(kv_allocator=kv, hicache=HiCacheConfig(
             hicache_ratio=1e308, hicache_host_memory_fraction=None))
     assert kv.available_size() == 16
+
+
+def test_a_state_allocator_hicache_cannot_mirror_is_refused_naming_it() -> None:
+    # a bare slot allocator is a valid state_allocator without a host tier; with one, its
+    # host mirror needs the conv / SSM tensors (actual: AttributeError 'bytes_per_slot')
+    kv, states = TokenAllocator(8), TokenAllocator(4)
+    RadixCache(kv_allocator=kv, state_allocator=states)
+    with pytest.raises(TypeError, match="state_allocator needs an allocators.MambaStatePool"):
+        RadixCache(kv_allocator=kv, state_allocator=states, hicache=HiCacheConfig())
+    assert (kv.available_size(), states.available_size()) == (8, 4)
