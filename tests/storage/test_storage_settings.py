@@ -120,6 +120,23 @@ def test_mooncake_url_port_is_checked() -> None:
         HiCacheConfig(hicache_storage_backend="mooncake", hicache_storage_url="mooncake://h:0")
 
 
+MOONCAKE_EXTRA = json.dumps({"metadata_server": "P2PHANDSHAKE", "global_segment_size": 1 << 24,
+                             "local_hostname": "127.0.0.1"})
+
+
+@pytest.mark.parametrize("url", ["mooncake://[::1", "mooncake://[::1]:50051", "mooncake://u:pw@h:1",
+                                 "mooncake://h:1?x=1", "mooncake://h:1#frag"])
+def test_a_mooncake_url_that_is_not_host_port_is_refused_naming_the_setting(url: str) -> None:
+    # actual: urllib's bare 'Invalid IPv6 URL'; an IPv6 master blamed on
+    # master_server_address; credentials, a query or a fragment silently dropped
+    with pytest.raises(ValueError, match="hicache_storage_url for mooncake") as info:
+        HiCacheConfig(hicache_storage_backend="mooncake", hicache_storage_url=url,
+                      hicache_storage_backend_extra_config=MOONCAKE_EXTRA)
+    assert "pw" not in str(info.value)
+    HiCacheConfig(hicache_storage_backend="mooncake", hicache_storage_url="mooncake://h:1",
+                  hicache_storage_backend_extra_config=MOONCAKE_EXTRA)
+
+
 # --------------------------------------------------------------- keys named
 @pytest.mark.parametrize("bad,err", [("zz" * 32, ValueError), ("ab", ValueError),
                                      ("../" + GOOD, ValueError), (GOOD + ".x", ValueError),
