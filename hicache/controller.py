@@ -143,7 +143,8 @@ class HiCacheController:
             ``config`` is then the reduced copy).
 
     Raises:
-        TypeError: a state allocator that is not a ``MambaStatePool``.
+        TypeError: ``config`` not a ``HiCacheConfig``, ``kv_device`` not a slot allocator, a
+            state allocator that is not a ``MambaStatePool``.
         ValueError: a host pool not larger than its device pool, or a GPU KV allocator
             without a pool (``hicache.host_pools.mirror_kv``).
 
@@ -158,6 +159,12 @@ class HiCacheController:
     def __init__(self, kv_device: SlotAllocator, state_device: MambaStatePool | None,
                  config: HiCacheConfig,
                  demands: Sequence[tuple[int, int, int]] | None = None) -> None:
+        if not isinstance(config, HiCacheConfig):
+            raise TypeError(f"config must be a HiCacheConfig, got {type(config).__name__}")
+        if not isinstance(kv_device, SlotAllocator):
+            raise TypeError("kv_device (a cache's kv_allocator) must be a KV slot allocator "
+                            "(allocators.SlotAllocator) for a host tier to mirror, got "
+                            f"{type(kv_device).__name__}")
         if state_device is not None and not isinstance(state_device, MambaStatePool):
             raise TypeError(
                 "hicache with a state_allocator needs an allocators.MambaStatePool (its host "

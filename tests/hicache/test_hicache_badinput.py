@@ -194,3 +194,18 @@ def test_a_state_allocator_hicache_cannot_mirror_is_refused_naming_it() -> None:
     with pytest.raises(TypeError, match="state_allocator needs an allocators.MambaStatePool"):
         RadixCache(kv_allocator=kv, state_allocator=states, hicache=HiCacheConfig())
     assert (kv.available_size(), states.available_size()) == (8, 4)
+
+
+@pytest.mark.parametrize("kwargs,name", [({"config": "write_back"}, "config"),
+                                         ({"config": None}, "config"),
+                                         ({"kv_device": "kv"}, "kv_device")])
+def test_the_controller_refuses_what_is_not_its_arguments_naming_them(kwargs: dict[str, object],
+                                                                       name: str) -> None:
+    # HiCacheController is public (an engine may build the host pools itself); actual:
+    # AttributeError from deep in the pool sizing
+    from hicache import HiCacheController
+
+    args: dict[str, object] = {"kv_device": TokenAllocator(8), "state_device": None,
+                               "config": HiCacheConfig(), **kwargs}
+    with pytest.raises(TypeError, match=f"^{name} .*must be"):
+        HiCacheController(**args)  # type: ignore[arg-type]
