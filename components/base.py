@@ -287,6 +287,13 @@ class Component:
         (``HiCacheController.register_pair``)."""
         return None
 
+    def host_demand(self) -> tuple[int, int, int] | None:
+        """``(device units, page size, bytes per unit)`` of the device pool :meth:`host_pool`
+        mirrors by ``hicache_ratio``, so the host tier can fit every such pool together into
+        ``hicache_host_memory_fraction`` of the host memory
+        (``hicache.host_pools.fit_host_ratio``); ``None``: not counted."""
+        return None
+
     def has_device(self, node: TreeNode) -> bool:
         """Whether ``node`` holds this component's value on device."""
         return False
@@ -323,6 +330,13 @@ class Component:
 
     def drop_host(self, node: TreeNode) -> None:
         """Free ``node``'s host copy (if any)."""
+
+    def undo_host(self, node: TreeNode) -> None:
+        """Give back the host copy :meth:`backup` just gave ``node``, whose copy could not
+        start: as :meth:`drop_host`, but to the front of the host allocator's free list
+        (``undo_alloc``), so that allocator is as before the backup. Default:
+        :meth:`drop_host`."""
+        self.drop_host(node)
 
     def split_host(self, upper: TreeNode, lower: TreeNode, split_len: int) -> None:
         """``lower`` lost its first ``split_len`` tokens to ``upper``: split the host copy."""

@@ -715,6 +715,11 @@ class KVComponent(Component):
         host = mirror_kv(self.allocator, config)
         return self.allocator, host, kv_lanes(self.allocator, host)
 
+    def host_demand(self) -> tuple[int, int, int]:
+        from hicache.host_pools import kv_demand
+
+        return kv_demand(self.allocator)
+
     def has_device(self, node: TreeNode) -> bool:
         return node.kv_value is not None
 
@@ -747,6 +752,12 @@ class KVComponent(Component):
         if hv is not None:
             self.host_allocator.free_owned(hv)
             node.host_value = None
+
+    def undo_host(self, node: TreeNode) -> None:
+        hv = node.host_value
+        if hv is not None:
+            node.host_value = None
+            self.host_allocator.undo_alloc(hv)
 
     def split_host(self, upper: TreeNode, lower: TreeNode, split_len: int) -> None:
         hv = lower.host_value

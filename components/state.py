@@ -439,6 +439,9 @@ class StateComponent(Component):
         host = mirror_state(self.allocator, config)
         return self.allocator, host, state_lanes(self.allocator, host)
 
+    def host_demand(self) -> tuple[int, int, int]:
+        return self.allocator.size, 1, int(getattr(self.allocator, "bytes_per_slot", 0))
+
     def has_device(self, node: TreeNode) -> bool:
         return node.state_slot is not None
 
@@ -472,6 +475,12 @@ class StateComponent(Component):
         if slot is not None:
             self.host_allocator.free_owned(slot)
             node.host_state_slot = None
+
+    def undo_host(self, node: TreeNode) -> None:
+        slot = node.host_state_slot
+        if slot is not None:
+            node.host_state_slot = None
+            self.host_allocator.undo_alloc(_slot_tensor(slot))
 
     def host_usable(self, path: list[TreeNode], n: int) -> int:
         """A match may end at a node with a state on device or on host."""

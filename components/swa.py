@@ -420,6 +420,11 @@ class SWAComponent(Component):
         host = mirror_kv(side, config)
         return side, host, kv_lanes(side, host)
 
+    def host_demand(self) -> tuple[int, int, int]:
+        from hicache.host_pools import kv_demand
+
+        return kv_demand(self.allocator.swa_side)
+
     def has_device(self, node: TreeNode) -> bool:
         return node.kv_value is not None and not node.swa_tombstone
 
@@ -452,6 +457,12 @@ class SWAComponent(Component):
         if hv is not None:
             self.host_allocator.free_owned(hv)
             node.host_swa_value = None
+
+    def undo_host(self, node: TreeNode) -> None:
+        hv = node.host_swa_value
+        if hv is not None:
+            node.host_swa_value = None
+            self.host_allocator.undo_alloc(hv)
 
     def split_host(self, upper: TreeNode, lower: TreeNode, split_len: int) -> None:
         hv = lower.host_swa_value

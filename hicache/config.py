@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,10 @@ if TYPE_CHECKING:
 
 #: Write policies (SGLang ``--hicache-write-policy``).
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+#: The longest wait a timeout may ask for [s]: ``threading.TIMEOUT_MAX``, past which the
+#: platform's waits (``Event.wait``, socket timeouts) raise ``OverflowError``.
+MAX_WAIT_S = threading.TIMEOUT_MAX
 
 #: The environment variable a deployment secret for L3 pages may come from.
 SECRET_ENV = "HICACHE_STORAGE_SECRET"
@@ -126,7 +131,8 @@ class HiCacheConfig:
             0.8): when the host pools are sized by ``hicache_ratio`` (``hicache_size`` 0), the
             share of the host memory available when they are built (``MemAvailable``, bounded
             by the cgroup's ``memory.max``; see ``hicache.host_pools.host_memory_budget``) they
-            may take; the ratio is reduced until they fit, and the build fails (ValueError)
+            may take together (KV, state and SWA host pools); one ratio, reduced until they
+            all fit (``hicache.host_pools.fit_host_ratio``), and the build fails (ValueError)
             when a pool larger than the device pool does not fit. ``None``: no cap. In (0, 1].
             Unlike SGLang, no 10 GiB reserve is kept back and an explicit ratio is capped too
             (a dataclass cannot tell a given 2.0 from the default).
@@ -163,10 +169,11 @@ class HiCacheConfig:
         r = self.hicache_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)):
             raise TypeError(f"hicache_ratio must be a number > 1, got {type(r).__name__}")
-        if not math.isfinite(r) or r <= 1.0:
+        if not _finite(r) or r <= 1.0:
             raise ValueError(f"hicache_ratio must be a finite number > 1 (host larger than device), got {r}")
         g = self.hicache_size
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not _finite(g) or g < 0 \
+                or not math.isfinite(float(g) * 1e9):  # the byte count (host_size_bytes) too
             raise ValueError(f"hicache_size must be a finite number >= 0 [GB; 0: use hicache_ratio], got {g!r}")
         if self.hicache_write_policy not in WRITE_POLICIES:
             raise ValueError(
@@ -193,7 +200,7 @@ class HiCacheConfig:
                              f"{list(HOST_MEMORY_MODES)}")
         f = self.hicache_host_memory_fraction
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float))
-                              or not math.isfinite(f) or not 0 < f <= 1):
+                              or not _finite(f) or not 0 < f <= 1):
             raise ValueError(f"hicache_host_memory_fraction must be a number in (0, 1] or None, "
                              f"got {f!r}")
 
@@ -251,8 +258,11 @@ class HiCacheConfig:
                              f"hicache_storage_backend is {backend!r}")
         for name in ("hicache_storage_timeout_s", "hicache_prefetch_timeout_s"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v) or v <= 0:
                 raise ValueError(f"{name} must be a finite number > 0 [s], got {v!r}")
+            if v > MAX_WAIT_S:
+                raise ValueError(f"{name} must be at most {MAX_WAIT_S:.0f} s (threading.TIMEOUT_MAX, "
+                                 f"the longest wait the platform takes), got {v!r}")
         if not isinstance(self.hicache_storage_model, str):
             raise TypeError(f"hicache_storage_model must be a str, got {type(self.hicache_storage_model).__name__}")
         if self.hicache_storage_prefetch_policy not in PREFETCH_POLICIES:
@@ -324,9 +334,11 @@ class HiCacheConfig:
         out = {k: extra.get(k, d) for k, d in GENERIC_EXTRA_KEYS.items()}
         for k in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token"):
             v = out[k]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v) or v < 0 \
+                    or v > MAX_WAIT_S:
                 raise ValueError(f"hicache_storage_backend_extra_config {k} must be a finite "
-                                 f"number >= 0 [s], got {v!r}")
+                                 f"number >= 0 [s], at most {MAX_WAIT_S:.0f} "
+                                 f"(threading.TIMEOUT_MAX), got {v!r}")
             out[k] = float(v)
         if not isinstance(out["check_server"], bool):
             raise ValueError("hicache_storage_backend_extra_config check_server must be true or "
@@ -336,9 +348,9 @@ class HiCacheConfig:
     def prefetch_wait_s(self, tokens: int) -> float | None:
         """How long a match waits in all for the prefetch of ``tokens`` tokens [s]:
         ``wait_complete``: ``hicache_storage_timeout_s``; ``timeout``:
-        ``prefetch_timeout_base + prefetch_timeout_per_ki_token * tokens / 1024`` when the
-        extra config sets either key (the other at SGLang's default), else
-        ``hicache_prefetch_timeout_s``; ``best_effort``: ``None`` (no wait)."""
+        ``prefetch_timeout_base + prefetch_timeout_per_ki_token * tokens / 1024`` (at most
+        :data:`MAX_WAIT_S`) when the extra config sets either key (the other at SGLang's
+        default), else ``hicache_prefetch_timeout_s``; ``best_effort``: ``None`` (no wait)."""
         policy = self.hicache_storage_prefetch_policy
         if policy == "wait_complete":
             return self.hicache_storage_timeout_s
@@ -347,7 +359,7 @@ class HiCacheConfig:
         if self._timeouts is None:
             return self.hicache_prefetch_timeout_s
         base, per_ki = self._timeouts
-        return base + per_ki * tokens / 1024
+        return min(base + per_ki * tokens / 1024, MAX_WAIT_S)  # a long prompt: the longest wait
 
     def _check_extra_config(self) -> None:
         from hicache.storage.mooncake_options import load_extra_config
@@ -373,6 +385,14 @@ class HiCacheConfig:
         elif extra and self.hicache_storage_backend in ("file", "redis"):
             raise ValueError(f"hicache_storage_backend_extra_config keys {sorted(extra)} are not "
                              f"accepted by hicache_storage_backend={self.hicache_storage_backend!r}")
+
+
+def _finite(x: int | float) -> bool:
+    """Whether the number ``x`` is finite as a float (an int too large for one is not)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def check_storage_dir(path: str, name: str) -> None:

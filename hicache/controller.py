@@ -60,6 +60,8 @@ from hicache.host_pools import (
     PoolPair,
     copy_kv,
     copy_state,
+    fit_host_ratio,
+    kv_demand,
     kv_lanes,
     mirror_kv,
     mirror_state,
@@ -134,8 +136,15 @@ class HiCacheController:
             ``KVPool`` or the engine's own ``KVBuffers``).
         state_device: the device state pool, or ``None`` (no recurrent layers).
         config: sizes, policies, ``hicache_io_backend`` and ``hicache_mem_layout``.
+        demands: every device pool the host tier will mirror by ``hicache_ratio``, as
+            ``(device units, page size, bytes per unit)`` (``Component.host_demand``; default:
+            the KV and state pools): with ``hicache_host_memory_fraction`` the ratio is
+            reduced until their host pools fit together (``hicache.host_pools.fit_host_ratio``;
+            ``config`` is then the reduced copy).
 
     Raises:
+        TypeError: ``config`` not a ``HiCacheConfig``, ``kv_device`` not a slot allocator, a
+            state allocator that is not a ``MambaStatePool``.
         ValueError: a host pool not larger than its device pool, or a GPU KV allocator
             without a pool (``hicache.host_pools.mirror_kv``).
 
@@ -148,7 +157,24 @@ class HiCacheController:
     """
 
     def __init__(self, kv_device: SlotAllocator, state_device: MambaStatePool | None,
-                 config: HiCacheConfig) -> None:
+                 config: HiCacheConfig,
+                 demands: Sequence[tuple[int, int, int]] | None = None) -> None:
+        if not isinstance(config, HiCacheConfig):
+            raise TypeError(f"config must be a HiCacheConfig, got {type(config).__name__}")
+        if not isinstance(kv_device, SlotAllocator):
+            raise TypeError("kv_device (a cache's kv_allocator) must be a KV slot allocator "
+                            "(allocators.SlotAllocator) for a host tier to mirror, got "
+                            f"{type(kv_device).__name__}")
+        if state_device is not None and not isinstance(state_device, MambaStatePool):
+            raise TypeError(
+                "hicache with a state_allocator needs an allocators.MambaStatePool (its host "
+                "mirror holds the conv and SSM state tensors the copies move), got "
+                f"{type(state_device).__name__}")
+        if demands is None:
+            demands = [kv_demand(kv_device)]
+            if state_device is not None:
+                demands.append((state_device.size, 1, state_device.bytes_per_slot))
+        config = fit_host_ratio(config, demands)
         self.config = config
         kv_host = mirror_kv(kv_device, config)
         self.pools: dict[str, PoolPair] = {

@@ -23,6 +23,9 @@ be copied.
 
 from __future__ import annotations
 
+import copy
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +38,7 @@ from allocators import (
     SlotAllocator,
     TokenAllocator,
 )
+from allocators.free_list import free_list_bytes
 from allocators.memory import available_host_memory
 from hicache.config import HiCacheConfig
 
@@ -120,7 +124,11 @@ def _host_size(device_size: int, page_size: int, cfg: HiCacheConfig, bytes_per_u
     if host_bytes is not None and bytes_per_unit > 0:
         size = host_bytes // bytes_per_unit
     else:
-        size = int(device_size * cfg.hicache_ratio)
+        want = device_size * cfg.hicache_ratio
+        if not math.isfinite(want):
+            raise ValueError(f"hicache_ratio={cfg.hicache_ratio} x the device pool ({device_size} "
+                             "units) is not a finite host pool size; give a smaller ratio")
+        size = int(want)
         frac = None if cfg.hicache_size else cfg.hicache_host_memory_fraction
         budget = host_memory_budget() if frac is not None and bytes_per_unit > 0 else None
         if frac is not None and budget is not None:
@@ -140,6 +148,53 @@ def _host_size(device_size: int, page_size: int, cfg: HiCacheConfig, bytes_per_u
             "raise hicache_ratio or hicache_size"
         )
     return size
+
+
+#: Host bytes one more id costs a host allocator's free list (``free_list_bytes``).
+_FREE_ID_BYTES = free_list_bytes(2) - free_list_bytes(1)
+
+
+def kv_demand(device: SlotAllocator) -> tuple[int, int, int]:
+    """``(device tokens, page size, bytes per token)`` of a KV allocator (0 bytes without a
+    pool: an index-only model, whose host mirror holds no tensors)."""
+    pool: KVStorage | None = getattr(device, "pool", None)
+    return device.size, device.page_size, pool.bytes_per_token if pool is not None else 0
+
+
+def fit_host_ratio(cfg: HiCacheConfig, demands: Sequence[tuple[int, int, int]]) -> HiCacheConfig:
+    """``cfg`` with ``hicache_ratio`` reduced so the host pools of every device pool in
+    ``demands`` (``(device units, page size, bytes per unit)``, each mirrored by the ratio)
+    take at most ``hicache_host_memory_fraction`` of :func:`host_memory_budget` together;
+    ``cfg`` itself when they fit, when ``hicache_size`` sizes the pools, or with no fraction
+    or budget. (Each pool alone is also capped where it is built: :func:`_host_size`.)
+
+    Raises:
+        ValueError: at the reduced ratio some host pool would not be larger than its device
+            pool, naming ``hicache_host_memory_fraction``.
+    """
+    frac = cfg.hicache_host_memory_fraction
+    # host bytes at ratio 1: the pools' rows and their allocators' free lists (one id a page)
+    per_ratio = sum(units * bpu + units // page * _FREE_ID_BYTES for units, page, bpu in demands)
+    if cfg.hicache_size or frac is None or per_ratio <= 0:
+        return cfg
+    budget = host_memory_budget()
+    if budget is None:
+        return cfg
+    ratio = budget * frac / per_ratio
+    if ratio >= cfg.hicache_ratio:
+        return cfg
+    for units, page, _ in demands:
+        size = int(units * ratio)
+        if size - size % page <= units:
+            raise ValueError(
+                f"hicache_host_memory_fraction={frac}: of the host memory available ({budget} "
+                f"bytes) the host pools ({per_ratio} bytes per unit of hicache_ratio) fit at a "
+                f"ratio of {ratio:.3f}, where a host pool ({size - size % page} units) is not "
+                f"larger than its device pool ({units}); raise the fraction, set it to None or "
+                "give hicache_size")
+    fitted = copy.copy(cfg)
+    object.__setattr__(fitted, "hicache_ratio", ratio)  # a frozen copy: the checks stand
+    return fitted
 
 
 def mirror_kv(device: SlotAllocator, cfg: HiCacheConfig) -> SlotAllocator:

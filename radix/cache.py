@@ -41,7 +41,7 @@ import torch
 
 from allocators import as_index_tensor, check_range
 from allocators.host_mirror import cat_mirrored, host_int, register
-from components.base import Component
+from components.base import Component, tier_components
 from components.events import KVEvent, KVEventRecorder
 from components.eviction.gds import GDS_WALKS
 from components.eviction.unified import UnifiedStrategy, unified_bytes
@@ -49,6 +49,7 @@ from components.kv import KVComponent, cat_values
 from components.state import StateComponent, StateWalkFactory, check_state_walk_factory
 from components.swa import SWAComponent
 from hicache import HiCacheConfig, HiCacheController
+from hicache.storage.base import check_wait
 from radix import diagnostics, requests
 from radix.checks import check_count, check_lock, check_node
 from radix.config import CacheConfig
@@ -184,7 +185,9 @@ class RadixCache:
         self._host: HostTier | None = None
         self._storage: StorageTier | None = None
         if hicache is not None:
-            self.hicache = HiCacheController(kv_allocator, state_allocator, hicache)
+            demands = [d for c in tier_components(core.components)
+                       if (d := c.host_demand()) is not None]
+            self.hicache = HiCacheController(kv_allocator, state_allocator, hicache, demands)
             self._host = host = HostTier(core, self.hicache)
             host.durations = self.durations
             core.add_per_node(host)
@@ -806,8 +809,11 @@ class RadixCache:
         return self._storage.poll() if self._storage is not None else 0
 
     def flush_storage(self, timeout_s: float | None = None) -> bool:
-        """Wait for queued L3 writes and running prefetches (at most ``timeout_s``), then
-        attach what the prefetches brought. Returns whether everything finished."""
+        """Wait for queued L3 writes and running prefetches (at most ``timeout_s``; ``None``
+        or ``inf``: until done), then attach what the prefetches brought. Returns whether
+        everything finished. Raises ``TypeError`` / ``ValueError`` (naming ``timeout_s``) for a
+        bound that is not a number of seconds >= 0."""
+        timeout_s = check_wait(timeout_s, "timeout_s")
         return self._storage.flush(timeout_s) if self._storage is not None else True
 
     def close_storage(self) -> None:

@@ -381,14 +381,39 @@ class CacheCore:
                 break
             kind, node = picked
             (idx, internal, _), _ = plans[kind]
-            if internal is not None and node.children:
-                if before is not None:
-                    before(node, freed)
-                freed[idx] += internal(node)
-            else:
-                free_leaf(node, freed)
+            try:
+                if internal is None or not node.children or self._evict_internal(
+                        kinds[kind][0], node, internal, before, freed, idx):
+                    free_leaf(node, freed)
+            except BaseException:
+                self._refile(node)
+                raise
             done = sum(f * s for f, s in zip(freed, sizes, strict=True))
         return self.result(freed)
+
+    def _evict_internal(self, comp: Component, node: TreeNode, internal: Callable[[TreeNode], int],
+                        before: Callable[[TreeNode, list[int]], None] | None, freed: list[int],
+                        idx: int) -> bool:
+        """Evict ``comp``'s value from internal victim ``node`` (``before_internal`` first);
+        returns whether ``node`` is to leave whole instead (``free_leaf``). Copies landing
+        during ``before_internal`` may have demoted or removed ``node`` (nothing left to evict:
+        skipped; the units are in ``freed``) or removed its last children (a leaf now: it
+        leaves whole, unless a copy in flight still locks it)."""
+        if before is not None:
+            before(node, freed)
+            if not self.tree.is_attached(node) or (
+                    type(comp).has_device is not Component.has_device and not comp.has_device(node)):
+                return False
+            if not node.children:
+                return node.kv_lock == 0
+        freed[idx] += internal(node)
+        return False
+
+    def _refile(self, node: TreeNode) -> None:
+        """A popped victim whose step raised (a backup copy that could not start) is filed
+        again where it still is, so it stays evictable and the orders stay whole."""
+        if self.tree.is_attached(node):
+            self.refresh(node)
 
     def evict(self, comp: Component, target: int) -> EvictResult:
         """Free at least ``target`` of ``comp``'s units (``comp.evict_field``) in its order:
@@ -410,12 +435,14 @@ class CacheCore:
             node = pop()
             if node is None:
                 break
-            if internal is not None and node.children:
-                if before is not None:
-                    before(node, freed)
-                freed[idx] += internal(node)
-                continue
-            free_leaf(node, freed)
+            try:
+                if internal is not None and node.children and not self._evict_internal(
+                        comp, node, internal, before, freed, idx):
+                    continue
+                free_leaf(node, freed)
+            except BaseException:
+                self._refile(node)
+                raise
             if requeue is not None and node.owner:  # it stayed (a copy in flight)
                 requeue(node)
         if self.other_fields:

@@ -69,6 +69,8 @@ COUNTERS: dict[str, tuple[str, dict[str, str], str]] = {
     "host_evicted_tokens": ("hicache_host_evicted_tokens", {}, "Host tokens evicted"),
     "load_back_tokens": ("load_back_tokens", {}, "Tokens loaded back from host to device"),
     "load_back_states": ("load_back_states", {}, "States loaded back from host to device"),
+    "copy_failures": ("hicache_copy_failures", {},
+                      "Host-tier copies that could not start (skipped, units given back)"),
     "kv_events_emitted": ("kv_events_emitted", {}, "KV events recorded"),
     "kv_events_dropped": ("kv_events_dropped", {}, "KV events dropped from a full queue"),
     "l3_prefetch_tokens": ("prefetched_tokens", {}, "Tokens prefetched from L3 storage"),

@@ -90,12 +90,40 @@ _KEY = re.compile(r"[0-9a-f]{64}(?:\.s)?")
 
 
 def check_seconds(value: Any, name: str, zero_ok: bool = False) -> float:
-    """``value`` as seconds: a finite number > 0 (>= 0 with ``zero_ok``); errors name ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
-            value < 0 if zero_ok else value <= 0):
+    """``value`` as seconds: a finite number > 0 (>= 0 with ``zero_ok``), at most
+    ``threading.TIMEOUT_MAX`` (the longest wait the platform takes); errors name ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) or (
+            value < 0 if zero_ok else value <= 0) or value > threading.TIMEOUT_MAX:
         raise ValueError(f"{name} must be a finite number {'>=' if zero_ok else '>'} 0 [s], "
+                         f"at most {threading.TIMEOUT_MAX:.0f} (threading.TIMEOUT_MAX), "
                          f"got {value!r}")
     return float(value)
+
+
+def check_wait(value: Any, name: str) -> float | None:
+    """A bound on a wait [s]: ``None`` or a number >= 0; returned as ``None`` (no bound) when
+    it is one no wait can take (``inf``, past ``threading.TIMEOUT_MAX``: until done).
+
+    Raises:
+        TypeError: not a number (a bool included), naming ``name``.
+        ValueError: NaN or negative, naming ``name``.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds >= 0 or None, got "
+                        f"{type(value).__name__}")
+    if value != value or value < 0:  # NaN, or negative
+        raise ValueError(f"{name} must be a number of seconds >= 0 or None, got {value!r}")
+    return None if value > threading.TIMEOUT_MAX else float(value)
+
+
+def _finite(x: int | float) -> bool:
+    """Whether ``x`` is finite as a float (an int too large for one is not)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def check_key(key: Any, name: str = "key") -> str:

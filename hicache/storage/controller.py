@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache.storage.base import Page, StorageBackend
+from hicache.storage.base import Page, StorageBackend, check_wait
 from hicache.storage.keys import chain_seed, encode_namespace, end_key, page_key
 
 log = logging.getLogger("hicache.storage")
@@ -278,7 +278,9 @@ class StorageController:
         return present
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait for queued writes and running prefetches; whether all finished in time."""
+        """Wait for queued writes and running prefetches (``timeout_s``: see
+        ``hicache.storage.base.check_wait``); whether all finished in time."""
+        timeout_s = check_wait(timeout_s, "timeout_s")
         with self._lock:
             futs = list(self._pending)
         from concurrent.futures import wait

@@ -151,14 +151,23 @@ def _url_port(url: str) -> int | None:
 
 
 def master_from_url(url: str) -> str:
-    """``host:port`` from ``mooncake://host:port`` (port 1..65535)."""
-    parts = urlsplit(url)
+    """``host:port`` from ``mooncake://host:port`` (port 1..65535; a host name or IPv4
+    address, as ``master_server_address`` takes it): no credentials (the store has none),
+    query or fragment, which would otherwise be dropped unseen."""
+    from hicache.storage.redis_store import redact_url
+
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+    except ValueError:  # an unclosed IPv6 bracket
+        host = None
     port = _url_port(url)
-    if (parts.scheme != "mooncake" or not parts.hostname or port is None or not 1 <= port <= 65535
-            or parts.path not in ("", "/")):
+    if (host is None or parts.scheme != "mooncake" or ":" in host or port is None
+            or not 1 <= port <= 65535 or parts.path not in ("", "/") or "@" in parts.netloc
+            or parts.query or parts.fragment):
         raise ValueError(f"hicache_storage_url for mooncake must be mooncake://host:port (port "
-                         f"1..65535), got {url!r}")
-    return f"{parts.hostname}:{port}"
+                         f"1..65535, a host name or IPv4 address), got {redact_url(url)!r}")
+    return f"{host}:{port}"
 
 
 @dataclass(frozen=True)

@@ -89,12 +89,16 @@ def split_urls(urls: Any, name: str = "urls") -> list[str]:
 def _check_url(url: str, name: str) -> tuple[str, str, int]:
     """``(scheme, host:port, db)`` of one checked URL."""
     shown = redact_url(url)
-    parts = urlsplit(url)
     form = "redis://[user:password@]host:port[/db] or rediss://..."
     if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
         raise ValueError(f"{name}: a Redis URL has no spaces or control characters (percent-"
                          f"encode them in a password), got {shown!r}")
-    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+    except ValueError as exc:  # an unclosed IPv6 bracket, ...
+        raise ValueError(f"{name}: a Redis URL must look like {form} ({exc}), got {shown!r}") from None
+    if parts.scheme not in ("redis", "rediss") or not host:
         raise ValueError(f"{name}: a Redis URL must look like {form}, got {shown!r}")
     try:
         port = parts.port
@@ -113,6 +117,10 @@ def _check_url(url: str, name: str) -> tuple[str, str, int]:
     if parts.query:
         _check_query(parts.scheme, parts.query, shown, name)
     return parts.scheme, f"{parts.hostname}:{port or 6379}", db
+
+
+#: The timeouts a Redis URL's query may set [s] (redis-py's parsers take any float).
+_URL_TIMEOUTS = ("socket_timeout", "socket_connect_timeout", "timeout")
 
 
 def _check_query(scheme: str, query: str, shown: str, name: str) -> None:
@@ -141,14 +149,30 @@ def _check_query(scheme: str, query: str, shown: str, name: str) -> None:
                          f"{'SSL' if scheme == 'rediss' else ''}connection arguments only), "
                          f"got {shown!r}")
     try:
-        parse_url(f"{scheme}://h?{query}")
+        parsed = parse_url(f"{scheme}://h?{query}")
     except ValueError as exc:
         raise ValueError(f"{name}: {exc} (got {shown!r})") from None
+    for key in _URL_TIMEOUTS:  # floats to redis-py; only a connect would refuse them
+        if key in parsed:
+            try:
+                check_seconds(parsed[key], f"{name}: ?{key}=")
+            except ValueError as exc:
+                raise ValueError(f"{exc} in {shown!r}") from None
 
 
 def redact_url(url: str) -> str:
     """``url`` with its user name and password replaced by ``***`` (also in a malformed URL)."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # one urlsplit refuses (an unclosed IPv6 bracket): cut the netloc by hand
+        scheme, sep, rest = url.partition("://")
+        if not sep:
+            return url
+        end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+        netloc = rest[:end]
+        if "@" not in netloc:
+            return url
+        return f"{scheme}://***:***@{netloc.rsplit('@', 1)[1]}{rest[end:]}"
     if "@" not in parts.netloc:
         return url
     host = parts.netloc.rsplit("@", 1)[1]

@@ -17,6 +17,10 @@ a prefix from the root (a child is never backed up before its parent)::
   (all or nothing: a shortfall in any pool rolls every pool back), evicting on device first.
 * ``evict_host``: host-only leaves, least recently used first, cascading to parents that
   become host-only leaves.
+* a copy that cannot start (the controller raises: a device out of memory for its
+  temporary) gives back every unit it took, to the front of the free lists, is logged and
+  counted (``copy_failures``) and is a backup or load-back without room: the insert, eviction
+  or request step around it completes (see :meth:`HostTier._copy_failed`).
 
 :class:`HostTier` is a component of the tree for the structural hooks (it holds each node's
 host copy: split, re-file, free on removal; an insert over host-only nodes revives them) and a
@@ -31,6 +35,7 @@ The tier names no component: it loops over the components with host copies
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from time import perf_counter
@@ -51,6 +56,8 @@ if TYPE_CHECKING:
     from radix.core import CacheCore
     from radix.node import TreeNode
     from radix.tiers.storage import StorageTier
+
+log = logging.getLogger("hicache")
 
 #: One copy's parts: ``(pool name, source indices, destination indices)``.
 Parts = list[tuple[str, torch.Tensor, torch.Tensor]]
@@ -118,7 +125,8 @@ class HostTier(Component, Tier):
         self.host_tokens = 0
         self._pinned: set[int] = set()  # node ids a load_back is bringing to device
         self.counters = {"backup_tokens": 0, "demoted_tokens": 0, "host_evicted_tokens": 0,
-                         "load_back_tokens": 0, "load_back_states": 0, "host_hit_tokens": 0}
+                         "load_back_tokens": 0, "load_back_states": 0, "host_hit_tokens": 0,
+                         "copy_failures": 0}
 
     # ------------------------------------------------------------ residency
     def refresh(self, node: TreeNode) -> None:
@@ -306,10 +314,11 @@ class HostTier(Component, Tier):
         flight = _Flight(node.start, tuple(units), demote_after)
         try:  # the copy is enqueued before anything else changes: one that cannot start
             self._write(parts, lambda: self._on_write_done(node, flight))
-        except BaseException:  # gives its host units back and leaves the node as it was
-            for c in taken:
-                c.drop_host(node)
-            raise
+        except BaseException as exc:  # gives its host units back and leaves the node as it was
+            for c in reversed(taken):  # (undone in reverse: each allocator as before)
+                c.undo_host(node)
+            self._copy_failed("backup", exc)  # (re-raised unless an Exception)
+            return False  # as with no host room
         self.host_tokens += size
         primary = self.primary
         primary.lock(node)  # until the copy has landed
@@ -319,6 +328,19 @@ class HostTier(Component, Tier):
                 core.pending[i] += u
         self.counters["backup_tokens"] += size
         return True
+
+    def _copy_failed(self, op: str, exc: BaseException) -> None:
+        """A copy that could not start (``write_rows`` / ``load_rows`` raised, e.g. a device
+        out of memory for its temporary; its units were given back): an ``Exception`` is
+        logged and counted (``stats()["copy_failures"]``) and the step goes on as one without
+        room (a backup is skipped, a load-back returns 0), so an insert, eviction or match
+        that made it never fails half done; anything else (``KeyboardInterrupt``) is
+        re-raised."""
+        if not isinstance(exc, Exception):
+            raise exc
+        self.counters["copy_failures"] += 1
+        log.warning("host tier: a %s copy could not start (%s: %s); skipped", op,
+                    type(exc).__name__, exc)
 
     def _write(self, parts: Parts, on_done: Callable[[], None] | None) -> None:
         """Enqueue one device -> host copy of ``parts`` (``(pool pair, device rows, host
@@ -345,10 +367,11 @@ class HostTier(Component, Tier):
         storage = self.storage
         try:  # the parts join the node's pages once they are on host (never raises)
             self._write(parts, None if storage is None else lambda: storage.backup(node))
-        except BaseException:
-            for c in taken:
-                c.drop_host(node)
-            raise
+        except BaseException as exc:
+            for c in reversed(taken):
+                c.undo_host(node)
+            self._copy_failed("backup", exc)
+            return
         self.poll()  # (on the CPU the copy has landed: nothing stays in flight)
 
     def save_before_drop(self, node: TreeNode, freed: list[int]) -> None:
@@ -416,8 +439,9 @@ class HostTier(Component, Tier):
     def _free_device_leaf(self, node: TreeNode) -> None:
         has_copy = self._host_copy(node) is not None
         if not has_copy and self.controller.config.hicache_write_policy == "write_back":
-            if self.backup_chain(node, demote_after=True):  # raises ``core.pending`` meanwhile
-                self.poll()
+            ok = self.backup_chain(node, demote_after=True)  # raises ``core.pending`` meanwhile
+            self.poll()  # landed copies finish now, also those of ancestors backed up before a
+            if ok:  # shortfall stopped the chain: unlocked, they are evictable again
                 return
             if not self.core.tree.is_attached(node):  # making host room removed it (a dead
                 return  # leaf once its host-only children went): its units are counted
@@ -553,10 +577,11 @@ class HostTier(Component, Tier):
         hc = self.controller
         try:  # the copy is enqueued first: one that cannot start gives the device units back
             hc.load_rows(parts)
-        except BaseException:
-            for (c, _), dev in zip(wanted, got, strict=True):
-                c.restore_allocator.free(dev)
-            raise
+        except BaseException as exc:  # undone in reverse: each allocator as before the alloc
+            for (c, _), dev in reversed(list(zip(wanted, got, strict=True))):
+                c.restore_allocator.undo_alloc(dev)
+            self._copy_failed("load-back", exc)
+            return 0  # as with no device room
         hc.load_tokens += tokens
         now = core.tick()
         offsets = [0] * len(wanted)

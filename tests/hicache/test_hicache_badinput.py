@@ -162,3 +162,50 @@ def test_evict_host_count_must_be_a_non_negative_int(n: object, exc: type) -> No
     with pytest.raises(exc, match="num_tokens must be an int >= 0"):
         h.cache.evict_host(n)  # type: ignore[arg-type]
     assert_same(before, dump(h))
+
+
+# ======================================================================== huge numbers
+@pytest.mark.parametrize("kwargs,name", [
+    ({"hicache_ratio": 10**400}, "hicache_ratio"),  # an int no float holds
+    ({"hicache_size": 10**400}, "hicache_size"),
+    ({"hicache_size": 1e300}, "hicache_size"),  # finite, but 1e300 GB is not a finite byte count
+])
+def test_numbers_past_a_float_are_refused_naming_the_field(kwargs: dict[str, object], name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        HiCacheConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_ratio_whose_host_size_is_not_finite_is_refused_naming_it() -> None:
+    # 16 device slots x 1e308 = inf host slots: refused naming the ratio, nothing allocated
+    # (not an OverflowError from deep inside the pool sizing).
+    # (With a memory fraction the ratio is cut to what fits instead.)
+    kv = TokenAllocator(16, pool=KVPool(16, 2, 1, 2, torch.float32))
+    with pytest.raises(ValueError, match="hicache_ratio"):
+        RadixCache(kv_allocator=kv, hicache=HiCacheConfig(
+            hicache_ratio=1e308, hicache_host_memory_fraction=None))
+    assert kv.available_size() == 16
+
+
+def test_a_state_allocator_hicache_cannot_mirror_is_refused_naming_it() -> None:
+    # a bare slot allocator is a valid state_allocator without a host tier; with one, its
+    # host mirror needs the conv / SSM tensors (actual: AttributeError 'bytes_per_slot')
+    kv, states = TokenAllocator(8), TokenAllocator(4)
+    RadixCache(kv_allocator=kv, state_allocator=states)
+    with pytest.raises(TypeError, match="state_allocator needs an allocators.MambaStatePool"):
+        RadixCache(kv_allocator=kv, state_allocator=states, hicache=HiCacheConfig())
+    assert (kv.available_size(), states.available_size()) == (8, 4)
+
+
+@pytest.mark.parametrize("kwargs,name", [({"config": "write_back"}, "config"),
+                                         ({"config": None}, "config"),
+                                         ({"kv_device": "kv"}, "kv_device")])
+def test_the_controller_refuses_what_is_not_its_arguments_naming_them(kwargs: dict[str, object],
+                                                                       name: str) -> None:
+    # HiCacheController is public (an engine may build the host pools itself); actual:
+    # AttributeError from deep in the pool sizing
+    from hicache import HiCacheController
+
+    args: dict[str, object] = {"kv_device": TokenAllocator(8), "state_device": None,
+                               "config": HiCacheConfig(), **kwargs}
+    with pytest.raises(TypeError, match=f"^{name} .*must be"):
+        HiCacheController(**args)  # type: ignore[arg-type]

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from tests.hicache.test_hicache_common import (
     HC,
@@ -244,4 +245,163 @@ def test_write_through_insert_without_host_room_caches_on_device_only(hybrid: bo
     assert c.host_size() == 0 and c.stats()["backup_tokens"] == 0
     m = c.match_prefix(KEY[:8])
     assert (m.prefix_len, m.host_hit_length) == (8, 0)
+    check_accounting(h)
+
+
+# ======================================================================== a copy that cannot start
+class CopyRefused(RuntimeError):
+    pass
+
+
+def refuse_copy(h: HC, k: int) -> None:
+    """The controller's ``k``-th ``write_rows`` raises before enqueuing anything (a copy that
+    cannot start: a CUDA error on a GPU)."""
+    orig, calls = h.hc.write_rows, [0]
+
+    def write_rows(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == k:
+            raise CopyRefused(f"write {k}")
+        return orig(*args, **kwargs)
+
+    h.hc.write_rows = write_rows  # type: ignore[method-assign]
+
+
+def without_counter(d: dict[str, Any]) -> dict[str, Any]:
+    """``dump`` less the copy-failure counter (a failed copy counts itself)."""
+    out = dict(d)
+    out["stats"] = {k: v for k, v in d["stats"].items() if k != "copy_failures"}
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("states", [0, 4])
+def test_a_write_back_copy_that_cannot_start_is_a_backup_without_host_room(page_size: int,
+                                                                          states: int) -> None:
+    # write_back: evicting leaf Q (below P, neither backed up) backs up P, then Q. Q's copy
+    # refuses to start: Q's host units go back and Q leaves the tree as a write-back victim
+    # without host room does; the evict frees what it was asked and nothing is left half done.
+    h = make(page_size=page_size, size=16, states=states, policy="write_back")
+    c = h.cache
+    put(h, KEY[:4])
+    put(h, KEY[:8], prefix=c.match_prefix(KEY[:4]).device_indices)
+    p, q = node_at(c, KEY[:4]), node_at(c, KEY[:8])
+    refuse_copy(h, 2)
+    r = c.evict(4)  # actual: raised, and Q was gone from the eviction order for good
+    assert r.num_tokens == 4 and not c.tree.is_attached(q)
+    assert c.stats()["copy_failures"] == 1
+    c.sanity_check()
+    check_accounting(h, 0)
+    assert c.host_size() == 4 and p.host_value is not None  # P's copy was enqueued
+    c.poll_transfers()  # it lands: P unlocked
+    assert p.kv_lock == 0
+    c.sanity_check()
+
+
+@pytest.mark.parametrize("states", [0, 4])
+def test_a_refused_first_copy_of_a_chain_takes_no_host_unit(states: int) -> None:
+    # the first copy (P's, the chain's first) refuses: Q leaves as without host room, the
+    # host pools (free-list order included) and P are exactly as before
+    h = make(size=16, states=states, policy="write_back")
+    c = h.cache
+    put(h, KEY[:4])
+    put(h, KEY[:8], prefix=c.match_prefix(KEY[:4]).device_indices)
+    p = node_at(c, KEY[:4])
+    before = dump(h)
+    refuse_copy(h, 1)
+    assert c.evict(4).num_tokens == 4
+    c.sanity_check()
+    after = dump(h)
+    for name in ("host kv", "host state"):
+        assert after.get(name) == before.get(name), name  # actual: the units at the back
+    assert (p.host_value, p.kv_lock, p.children) == (None, 0, {})
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective"])
+@pytest.mark.parametrize("states", [0, 4])
+def test_an_insert_whose_backup_cannot_start_stands_and_returns_its_result(policy: str,
+                                                                           states: int) -> None:
+    # the insert's write-through backup refuses to start: the insert is not undone and not
+    # turned into an error (the caller would lose which slots are duplicates, and a request
+    # helper its lock); the node stays device-only, as without host room
+    h = make(size=16, states=states, policy=policy)
+    c = h.cache
+    put(h, KEY[:4])
+    if policy == "write_through_selective":  # P hit twice: the next insert backs it up
+        c.match_prefix(KEY[:4])
+    before_host = h.host_kv.snapshot()
+    refuse_copy(h, 1)
+    res = put(h, KEY[:8], prefix=c.match_prefix(KEY[:4]).device_indices)
+    assert res.prefix_len == 4 and c.stats()["copy_failures"] == 1
+    q = node_at(c, KEY[:8])
+    assert q.kv_value is not None and q.host_value is None and q.kv_lock == 0
+    assert h.host_kv.snapshot() == before_host  # the refused copy took no host unit
+    if policy == "write_through_selective":  # the copy refused was P's
+        assert node_at(c, KEY[:4]).host_value is None
+    c.sanity_check()
+    check_accounting(h, 0)
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_load_back_copy_that_cannot_start_leaves_the_cache_as_before(page_size: int,
+                                                                      hybrid: bool) -> None:
+    # room on device (no eviction): the load-back returns 0, the device units it took go
+    # back where they were in every free list, and every node, lock and counter is as before
+    h, step = chain_on_host(page_size, hybrid)
+    before = dump(h)
+    orig = h.hc.load_rows
+
+    def load_rows(*args: Any) -> Any:
+        raise CopyRefused("load")
+
+    h.hc.load_rows = load_rows  # type: ignore[method-assign]
+    assert step() == 0  # as without device room; actual: raised, the units at the back
+    h.cache.sanity_check()
+    assert_same(without_counter(before), without_counter(dump(h)))
+    assert h.cache.stats()["copy_failures"] == 1
+    h.hc.load_rows = orig  # type: ignore[method-assign]
+    assert step() == 8
+    h.cache.sanity_check()
+    check_accounting(h)
+
+
+def test_a_finished_request_whose_backup_cannot_start_releases_its_lock() -> None:
+    from radix import CacheRequest
+
+    h = make(size=16, states=4)
+    c = h.cache
+    put(h, KEY[:4])
+    m = c.match_prefix(KEY[:8])
+    p = m.last_device_node
+    lock = c.inc_lock_ref(p)
+    fresh = h.kv.alloc(4)
+    assert fresh is not None and p.kv_lock == 1
+    req = CacheRequest(key=KEY[:8], kv_indices=torch.cat([m.device_indices, fresh]),
+                       cached_len=m.prefix_len, last_node=p, lock=lock)
+    refuse_copy(h, 1)
+    c.cache_finished_req(req, state_slot=h.state())  # actual: raised, P stayed locked
+    assert p.kv_lock == 0 and c.protected_size() == 0
+    assert node_at(c, KEY[:8]).host_value is None
+    c.sanity_check()
+    check_accounting(h)
+
+
+@pytest.mark.parametrize("states", [0, 4])
+def test_a_write_back_eviction_goes_on_to_the_parent_it_backed_up_before_a_shortfall(
+        states: int) -> None:
+    # write_back, P [0, 4) and leaf Q [4, 8) on device, no host copies; host room for one
+    # node only. evict(16): Q's chain backs up P (the copy lands at once on the CPU), then
+    # finds no room for Q, which leaves. P, backed up, must then be demoted in the same call,
+    # as it is when Q's backup succeeds (actual: P stayed locked until a later poll, and the
+    # eviction stopped at 4 of the 8 evictable tokens).
+    h = make(size=16, states=states, policy="write_back")
+    c = h.cache
+    put(h, KEY[:4])
+    put(h, KEY[:8], prefix=c.match_prefix(KEY[:4]).device_indices)
+    p = node_at(c, KEY[:4])
+    with FailAllocs({"host kv": h.host_kv}, 2, "from"):
+        r = c.evict(16)
+    assert r.num_tokens == 8 and h.kv.available_size() == 16
+    assert p.kv_value is None and p.host_value is not None and p.kv_lock == 0  # demoted
+    assert c.host_size() == 4
+    c.sanity_check()
     check_accounting(h)

@@ -481,3 +481,57 @@ def test_random_steps_keep_every_copy_exact_and_every_invariant(seed: int, polic
             c.poll_transfers()
         c.sanity_check()
         _check_contents(h)
+
+
+def test_an_internal_victim_whose_children_leave_while_it_is_saved_is_evicted_as_a_leaf() -> None:
+    # write_back: P [0, 4) live, backed up (its state written back by evict_states, then a
+    # new device state); Q [4, 8) a tombstone without state; R [8, 12) live with a state.
+    # evict_swa pops R: its chain's backup copies Q (in flight) but finds no host room for R,
+    # so R leaves; then P, internal: saving it first lands Q's copy, and Q, a tombstone leaf
+    # now, leaves too. P must then be evicted as the leaf it has become (demoted: it has a
+    # host copy), not tombstoned in place as an internal node: that left an unlocked
+    # tombstone leaf (a dead leaf) in the tree.
+    h = SWAH(1, states=4, policy="write_back")
+    c = h.cache
+    h.insert(KEY[:4])
+    p = node_at(c, KEY[:4])
+    h.insert(KEY[:12], prefix=c.match_prefix(KEY[:4]).device_indices, tombstone=4)
+    q, r = node_at(c, KEY[:8]), node_at(c, KEY[:12])
+    assert (q.swa_tombstone, q.state_slot, r.swa_tombstone) == (True, None, False)
+    assert c.evict_states(1).num_states == 1  # P's state: P backed up first (write_back)
+    assert p.host_value is not None and p.state_slot is None and p.host_state_slot is not None
+    h.insert(KEY[:4], prefix=node_slots(p))  # a device state at P again
+    assert p.state_slot is not None
+    with FailAllocs(h.pools(), 2, "from") as f:  # host room for Q's copy only
+        r_ = c.evict_swa(8)
+    assert [n for n, _, failed in f.calls if not failed] == ["host kv"]  # Q's
+    c.sanity_check()  # actual: "unlocked dead leaf (no state / tombstone)": P
+    assert not c.tree.is_attached(q) and not c.tree.is_attached(r)
+    assert p.kv_value is None and p.host_value is not None and not p.swa_tombstone  # demoted
+    assert r_.num_swa_tokens == 8  # R's 4 and P's 4 live SWA tokens
+    m = c.match_prefix(KEY[:4])
+    assert (m.host_hit_length, m.last_host_node) == (4, p)  # still served from the host
+
+
+def test_an_internal_victim_demoted_while_it_is_saved_is_not_evicted_again() -> None:
+    # write_back: X [0, 8) is a write-back victim, its copy in flight; a match splits it into
+    # P [0, 4) and X [4, 8), both in the copy's span. evict_swa pops P (internal, live):
+    # saving it first lands the copy, which demotes X and then P (the span, deepest first).
+    # P is host-only now: nothing is left to tombstone (actual: an AssertionError from the
+    # tombstone, the eviction half done).
+    h = SWAH(1, policy="write_back")
+    c = h.cache
+    h.insert(KEY[:8])
+    h.hc.hold_completions = True
+    assert c.evict(8).num_tokens == 0  # in flight: freed when it lands
+    c.match_prefix(KEY[:4])  # splits the in-flight node
+    p, x = node_at(c, KEY[:4]), node_at(c, KEY[:8])
+    assert (p.kv_lock, x.kv_lock, p.host_value is not None) == (1, 1, True)
+    h.hc.hold_completions = False
+    h.hc.release_held()
+    r = c.evict_swa(1)
+    c.sanity_check()
+    assert (p.kv_value, x.kv_value) == (None, None)  # both demoted by the landing copy
+    assert r.num_swa_tokens == 8 and h.kv.swa_used_size() == 0
+    m = c.match_prefix(KEY[:8])
+    assert (m.host_hit_length, m.last_host_node) == (8, x)

@@ -120,6 +120,23 @@ def test_mooncake_url_port_is_checked() -> None:
         HiCacheConfig(hicache_storage_backend="mooncake", hicache_storage_url="mooncake://h:0")
 
 
+MOONCAKE_EXTRA = json.dumps({"metadata_server": "P2PHANDSHAKE", "global_segment_size": 1 << 24,
+                             "local_hostname": "127.0.0.1"})
+
+
+@pytest.mark.parametrize("url", ["mooncake://[::1", "mooncake://[::1]:50051", "mooncake://u:pw@h:1",
+                                 "mooncake://h:1?x=1", "mooncake://h:1#frag"])
+def test_a_mooncake_url_that_is_not_host_port_is_refused_naming_the_setting(url: str) -> None:
+    # actual: urllib's bare 'Invalid IPv6 URL'; an IPv6 master blamed on
+    # master_server_address; credentials, a query or a fragment silently dropped
+    with pytest.raises(ValueError, match="hicache_storage_url for mooncake") as info:
+        HiCacheConfig(hicache_storage_backend="mooncake", hicache_storage_url=url,
+                      hicache_storage_backend_extra_config=MOONCAKE_EXTRA)
+    assert "pw" not in str(info.value)
+    HiCacheConfig(hicache_storage_backend="mooncake", hicache_storage_url="mooncake://h:1",
+                  hicache_storage_backend_extra_config=MOONCAKE_EXTRA)
+
+
 # --------------------------------------------------------------- keys named
 @pytest.mark.parametrize("bad,err", [("zz" * 32, ValueError), ("ab", ValueError),
                                      ("../" + GOOD, ValueError), (GOOD + ".x", ValueError),
@@ -310,3 +327,79 @@ def test_a_size_cap_below_one_page_record_is_refused_when_the_cache_is_built(
         make("file", where=str(tmp_path / "a"), max_bytes=record - 1)
     ok = make("file", where=str(tmp_path / "b"), max_bytes=record)
     ok.close()
+
+
+@pytest.mark.parametrize("url", ["redis://[::1", "redis://u:pw@[::1:7000", "redis://h:1,redis://[fe80::1"])
+def test_a_malformed_host_is_refused_naming_the_setting_and_masking_the_password(url: str) -> None:
+    with pytest.raises(ValueError, match="hicache_storage_url") as info:
+        redis_cfg(url)
+    assert "pw" not in str(info.value)
+
+
+@pytest.mark.parametrize("query", ["socket_timeout=-1", "socket_timeout=nan", "socket_timeout=inf",
+                                   "socket_connect_timeout=0", "timeout=-2",
+                                   "socket_timeout=1e300"])
+def test_a_url_timeout_no_socket_takes_is_refused_naming_the_setting(query: str) -> None:
+    # redis-py parses these as floats and only the first connect fails (every call a fault)
+    with pytest.raises(ValueError, match=r"hicache_storage_url.*timeout"):
+        redis_cfg(f"redis://h:1/0?{query}")
+    redis_cfg("redis://h:1/0?socket_timeout=2.5&socket_connect_timeout=1")  # still fine
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    ({"hicache_storage_timeout_s": 1e300}, "hicache_storage_timeout_s"),
+    ({"hicache_prefetch_timeout_s": 1e10}, "hicache_prefetch_timeout_s"),
+    ({"hicache_storage_backend": "file", "hicache_storage_dir": "/tmp",
+      "hicache_storage_backend_extra_config": json.dumps({"prefetch_timeout_base": 1e300})},
+     "prefetch_timeout_base"),
+])
+def test_a_timeout_longer_than_a_wait_can_take_is_refused(kwargs: dict[str, Any], name: str) -> None:
+    # threading waits refuse anything past threading.TIMEOUT_MAX (~292 years): accepted,
+    # every prefetch wait would raise and be counted as an L3 fault
+    with pytest.raises(ValueError, match=name):
+        HiCacheConfig(**kwargs)
+
+
+def test_the_timeout_wait_of_a_long_prompt_is_at_most_the_longest_wait() -> None:
+    import threading
+
+    cfg = HiCacheConfig(hicache_storage_backend="file", hicache_storage_dir="/tmp",
+                        hicache_storage_backend_extra_config=json.dumps(
+                            {"prefetch_timeout_base": 1, "prefetch_timeout_per_ki_token": 1e6}))
+    assert cfg.prefetch_wait_s(1024) == 1 + 1e6
+    # 2**40 tokens x 1e6 s per 1024: past TIMEOUT_MAX, which an Event.wait would refuse
+    assert cfg.prefetch_wait_s(2**40) == threading.TIMEOUT_MAX
+
+
+@pytest.mark.parametrize("bad,err", [(True, TypeError), ("1", TypeError), ([1], TypeError),
+                                     (-1, ValueError), (float("nan"), ValueError)])
+def test_flush_storage_refuses_a_timeout_that_is_not_seconds(tmp_path: Path, bad: Any,
+                                                             err: type) -> None:
+    from tests.storage.test_storage_common import make
+
+    h = make("file", where=str(tmp_path))
+    try:
+        with pytest.raises(err, match="timeout_s"):
+            h.cache.flush_storage(bad)
+    finally:
+        h.close()
+
+
+def test_flush_storage_without_a_bound_waits_for_what_is_in_flight(tmp_path: Path) -> None:
+    # inf (and a bound past what a wait can take) means "until done", as None does; before,
+    # such a flush with a prefetch still running raised OverflowError from the wait
+    import threading
+
+    from tests.storage.test_storage_common import make, wrap_flaky
+
+    h = make("file", where=str(tmp_path), prefetch="best_effort")
+    try:
+        flaky = wrap_flaky(h)
+        for i, timeout in enumerate((float("inf"), 1e300)):
+            flaky.gate.clear()  # the prefetch's lookup waits on the gate
+            h.cache.match_prefix([100 * (i + 1) + t for t in range(4)])
+            threading.Timer(0.2, flaky.gate.set).start()
+            assert h.cache.flush_storage(timeout) is True
+        assert h.cache.stats()["l3_prefetch_started"] == 2
+    finally:
+        h.close()

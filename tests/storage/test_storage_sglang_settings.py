@@ -327,3 +327,44 @@ def test_the_dynamic_backend_refuses_a_bad_factory_result(tmp_path: Any) -> None
              "answer": 42}
     with pytest.raises(TypeError, match="the dynamic backend 'x' returned int"):
         make("dynamic", where=str(tmp_path), extra=extra)
+
+
+def test_host_memory_fraction_caps_the_kv_and_state_pools_together(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from radix import RadixCache
+
+    pool = KVPool(16, 2, 1, 2, torch.float32)  # 32 bytes per token
+    sp = MambaStatePool(4, num_layers=2, conv_state_shape=(2,), ssm_state_shape=(2, 2))
+    assert (pool.bytes_per_token, sp.bytes_per_slot) == (32, 48)  # 2 x (2 + 4) x 4
+    monkeypatch.setattr(host_pools, "host_memory_budget", lambda: 2410)
+    cache = RadixCache(kv_allocator=TokenAllocator(16, pool=pool), state_allocator=sp,
+                       hicache=HiCacheConfig(hicache_ratio=4.0))
+    hc = cache.hicache
+    assert hc is not None and hc.host_state is not None
+    # Per unit of ratio: 16 tokens x (32 bytes + 13 of free list) + 4 states x (48 + 13) = 964
+    # bytes; 0.8 x 2410 = 1928 bytes hold one ratio of 2.0 for both: 32 tokens and 8 states.
+    # (Each capped alone: 1928 // 32 = 60 tokens and 16 states, 2688 bytes of rows in all.)
+    assert (hc.host_kv.size, hc.host_state.size) == (32, 8)
+    assert hc.config.hicache_ratio == 2.0
+    # a budget where the shared ratio leaves a pool no larger than its device pool
+    monkeypatch.setattr(host_pools, "host_memory_budget", lambda: 1000)  # ratio 800 / 964
+    with pytest.raises(ValueError, match="hicache_host_memory_fraction=0.8"):
+        RadixCache(kv_allocator=TokenAllocator(16, pool=KVPool(16, 2, 1, 2, torch.float32)),
+                   state_allocator=MambaStatePool(4, 2, (2,), (2, 2)),
+                   hicache=HiCacheConfig(hicache_ratio=4.0))
+
+
+def test_host_memory_fraction_counts_the_swa_pool_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    from allocators import SWAAllocator
+    from radix import CacheConfig, RadixCache
+
+    full, swa = KVPool(16, 2, 1, 2, torch.float32), KVPool(8, 1, 1, 2, torch.float32)
+    assert (full.bytes_per_token, swa.bytes_per_token) == (32, 16)
+    kv = SWAAllocator(16, 8, 1, full_pool=full, swa_pool=swa)
+    monkeypatch.setattr(host_pools, "host_memory_budget", lambda: 2380)
+    cache = RadixCache(CacheConfig(sliding_window_size=4), kv_allocator=kv,
+                       hicache=HiCacheConfig(hicache_ratio=4.0))
+    pools = cache.hicache.pools  # type: ignore[union-attr]
+    # 0.8 x 2380 = 1904 bytes over 16 x (32 + 13) + 8 x (16 + 13) = 952 per unit of ratio:
+    # 2.0 -> 32 full tokens and 16 SWA tokens (alone: 59 and 32)
+    assert (pools["kv"].host.size, pools["swa"].host.size) == (32, 16)

@@ -1,0 +1,119 @@
+"""Seeded random steps on a sliding-window hybrid cache with a host tier, under faults: every
+host-tier copy may refuse to start (``write_rows`` / ``load_rows`` raise) and every host
+``alloc`` may come up short, while copies are held in flight at random.
+
+The faults are what a GPU and a busy host give an engine (a device out of memory for a copy's
+temporary, a full host pool); each step must still complete (a copy that cannot start is a
+backup or load-back without room), and after every step ``sanity_check()`` holds and every
+copy the tree keeps, device and host, full KV, SWA KV and state, holds its prefix's value.
+This is the harness that found the two ``CacheCore.evict`` bugs where an internal victim's
+``before_internal`` (write-back save) landed copies that removed its children or demoted it.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.swa_hicache import SWAHostRig
+from tests.hicache.test_hicache_swa import W, _check_contents, _sig
+
+
+def inject(h: SWAHostRig, rng: random.Random, p_copy: float, p_short: float) -> None:
+    """Copies refuse to start with probability ``p_copy``; host allocs come up short with
+    ``p_short``."""
+    for name in ("write_rows", "load_rows"):
+        orig = getattr(h.hc, name)
+
+        def refuse(*args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
+            if rng.random() < p_copy:
+                raise RuntimeError("injected: the copy cannot start")
+            return _orig(*args, **kwargs)
+
+        setattr(h.hc, name, refuse)
+    for pair in h.hc.pools.values():
+        host, alloc = pair.host, pair.host.alloc
+
+        def short(*args: Any, _alloc: Any = alloc, **kwargs: Any) -> Any:
+            return None if rng.random() < p_short else _alloc(*args, **kwargs)
+
+        host.alloc = short  # type: ignore[method-assign]
+
+
+def request(h: SWAHostRig, rng: random.Random, key: list[int], ps: int) -> None:
+    """Match (maybe load back), lock, allocate whole pages (evicting), insert, free."""
+    c, kv = h.cache, h.kv
+    m = c.match_prefix(key)
+    if m.host_hit_length and rng.random() < 0.7:
+        c.load_back(m.last_host_node)
+        m = c.match_prefix(key)
+    need = len(key) - m.prefix_len
+    lock = c.inc_lock_ref(m.last_device_node)
+    pages = -(-need // ps) * ps
+    if need == 0 or kv.available_size() < pages:
+        c.evict(pages)
+        c.evict_swa(max(pages - kv.swa_available_size(), 0))
+    fresh = kv.alloc(pages) if pages else torch.empty(0, dtype=torch.int64)
+    slot = h.sp.alloc(1) if h.sp is not None else None
+    if fresh is None or slot is None:
+        if fresh is not None and pages:
+            kv.free(fresh)
+        if slot is not None:
+            h.sp.free(slot)  # type: ignore[union-attr]
+        c.dec_lock_ref(lock)
+        return
+    mine = fresh[:need]
+    vals = torch.tensor(_sig(key)[m.prefix_len:])
+    h.full.k_all[:, mine] = vals[None, :, None, None]
+    h.swa.k_all[:, kv.translate(mine)] = vals[None, :, None, None]
+    dead = rng.randrange(0, need + 1) if need > W else 0
+    dead -= dead % ps
+    if dead:
+        kv.free_swa(mine[:dead])  # out of the request's window
+    s = int(slot[0])
+    h.sp.conv[:, s] = _sig(key)[-1]  # type: ignore[union-attr]
+    res = c.insert(key, torch.cat([m.device_indices, mine]), state_slot=s)
+    if len(res.duplicate_indices):
+        kv.free(res.duplicate_indices)
+    rest = torch.cat([res.remainder_indices, fresh[need:]])
+    if len(rest):
+        kv.free(rest)
+    if not res.state_adopted:
+        h.sp.free(torch.tensor([s]))  # type: ignore[union-attr]
+    c.dec_lock_ref(lock)
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+@pytest.mark.parametrize("ps", [1, 2])
+@pytest.mark.parametrize("seed", range(3))
+def test_random_steps_under_copy_and_host_faults_keep_every_invariant(seed: int, ps: int,
+                                                                      policy: str) -> None:
+    rng = random.Random(seed)
+    h = SWAHostRig(32, 16, ps, W, dim=2, states=4, state_dims=((2,), (2, 2)), policy=policy)
+    inject(h, random.Random(seed + 99), p_copy=0.15, p_short=0.1)
+    c = h.cache
+    keys = [[rng.randrange(1, 4) for _ in range(rng.randrange(2, 13 // ps + 1) * ps)]
+            for _ in range(12)]
+    for _ in range(200):
+        h.hc.hold_completions = rng.random() < 0.5
+        if rng.random() < 0.3:
+            h.hc.release_held()
+        op = rng.random()
+        if op < 0.45:
+            request(h, rng, rng.choice(keys), ps)
+        elif op < 0.6:
+            c.evict(rng.randrange(1, 12))
+        elif op < 0.7:
+            c.evict_swa(rng.randrange(1, 8))
+        elif op < 0.8:
+            c.evict_states(1)
+        elif op < 0.9:
+            c.evict_host(rng.randrange(1, 12))
+        else:
+            c.poll_transfers()
+        c.sanity_check()
+        _check_contents(h)
+    assert c.stats()["copy_failures"] > 0
