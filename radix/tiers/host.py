@@ -330,13 +330,14 @@ class HostTier(Component, Tier):
         return True
 
     def _copy_failed(self, op: str, exc: BaseException) -> None:
-        """A copy that could not start (``write_rows`` / ``load_rows`` raised, e.g. a device
-        out of memory for its temporary; its units were given back): an ``Exception`` is
-        logged and counted (``stats()["copy_failures"]``) and the step goes on as one without
-        room (a backup is skipped, a load-back returns 0), so an insert, eviction or match
-        that made it never fails half done; anything else (``KeyboardInterrupt``) is
-        re-raised."""
-        if not isinstance(exc, Exception):
+        """A copy that could not start (``write_rows`` / ``load_rows`` raised; its units were
+        given back). A failure of the device or of memory (``RuntimeError``, which torch's
+        out-of-memory and device errors are, ``MemoryError``, ``OSError``) is logged and
+        counted (``stats()["copy_failures"]``) and the step goes on as one without room (a
+        backup is skipped, a load-back returns 0), so an insert, eviction or match that made
+        it never fails half done; anything else (a programming error, ``KeyboardInterrupt``)
+        is re-raised."""
+        if not isinstance(exc, (RuntimeError, MemoryError, OSError)):
             raise exc
         self.counters["copy_failures"] += 1
         log.warning("host tier: a %s copy could not start (%s: %s); skipped", op,
