@@ -20,6 +20,7 @@ tensors), window 4, and optionally a state pool. The host tier mirrors the three
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -418,57 +419,63 @@ def _check_contents(h: SWAH) -> None:
         stack.extend((ch, path) for ch in n.children.values())
 
 
+def request_step(h: SWAHostRig, rng: random.Random, key: list[int], ps: int) -> None:
+    """One request of the random tests: match (load back 70 % of host hits), lock, allocate
+    whole pages (evicting), write the prefix's values, free a random part past the window,
+    insert with a state, free what the insert did not keep."""
+    c, kv = h.cache, h.kv
+    m = c.match_prefix(key)
+    if m.host_hit_length and rng.random() < 0.7:
+        c.load_back(m.last_host_node)
+        m = c.match_prefix(key)
+    need = len(key) - m.prefix_len
+    lock = c.inc_lock_ref(m.last_device_node)
+    pages = -(-need // ps) * ps
+    if need == 0 or kv.available_size() < pages:
+        c.evict(pages)
+        c.evict_swa(max(pages - kv.swa_available_size(), 0))
+    fresh = kv.alloc(pages) if pages else torch.empty(0, dtype=torch.int64)
+    slot = h.sp.alloc(1) if h.sp is not None else None
+    if fresh is None or slot is None:
+        if fresh is not None and pages:
+            kv.free(fresh)
+        if slot is not None:
+            h.sp.free(slot)  # type: ignore[union-attr]
+        c.dec_lock_ref(lock)
+        return
+    mine = fresh[:need]
+    vals = torch.tensor(_sig(key)[m.prefix_len:])
+    h.full.k_all[:, mine] = vals[None, :, None, None]
+    h.swa.k_all[:, kv.translate(mine)] = vals[None, :, None, None]
+    dead = rng.randrange(0, need + 1) if need > W else 0
+    dead -= dead % ps
+    if dead:
+        kv.free_swa(mine[:dead])  # out of the request's window
+    s = int(slot[0])
+    h.sp.conv[:, s] = _sig(key)[-1]  # type: ignore[union-attr]
+    res = c.insert(key, torch.cat([m.device_indices, mine]), state_slot=s)
+    if len(res.duplicate_indices):
+        kv.free(res.duplicate_indices)
+    rest = torch.cat([res.remainder_indices, fresh[need:]])
+    if len(rest):
+        kv.free(rest)
+    if not res.state_adopted:
+        h.sp.free(torch.tensor([s]))  # type: ignore[union-attr]
+    c.dec_lock_ref(lock)
+
+
 @pytest.mark.parametrize("seed,policy", [(s, p) for s in range(12)
                                          for p in ("write_through", "write_back")])
 def test_random_steps_keep_every_copy_exact_and_every_invariant(seed: int, policy: str) -> None:
-    rng = __import__("random").Random(seed)
+    rng = random.Random(seed)
     h = SWAH(1, states=4, policy=policy)
-    c, kv = h.cache, h.kv
+    c = h.cache
     keys = [[rng.randrange(1, 4) for _ in range(rng.randrange(4, 13))] for _ in range(12)]
     for _ in range(200):
         op = rng.random()
         key = rng.choice(keys)
         if op < 0.45:  # a request: match, load back, insert its prompt with fresh KV
-            m = c.match_prefix(key)
-            if m.host_hit_length and rng.random() < 0.7:
-                c.load_back(m.last_host_node)
-                m = c.match_prefix(key)
-            need = len(key) - m.prefix_len
-            lock = c.inc_lock_ref(m.last_device_node)  # the match stays while room is made
-            if need == 0 or kv.available_size() < need:
-                c.evict(need)
-                c.evict_swa(max(need - kv.swa_available_size(), 0))
-            fresh = kv.alloc(need) if need else torch.empty(0, dtype=torch.int64)
-            slot = h.sp.alloc(1) if h.sp is not None else None
-            if fresh is None or slot is None:
-                if fresh is not None and need:
-                    kv.free(fresh)
-                if slot is not None:
-                    h.sp.free(slot)  # type: ignore[union-attr]
-                c.dec_lock_ref(lock)
-                continue
-            vals = torch.tensor(_sig(key)[m.prefix_len:])
-            h.full.k_all[:, fresh] = vals[None, :, None, None]
-            h.swa.k_all[:, kv.translate(fresh)] = vals[None, :, None, None]
-            # (also over host-only nodes: the insert cuts them where the released SWA KV ends,
-            # and stops above those no window can end on, test_hicache_swa_revive.py)
-            dead = rng.randrange(0, need + 1) if need > W else 0
-            if dead:
-                kv.free_swa(fresh[:dead])  # out of the request's window
-            s = int(slot[0])
-            h.sp.conv[:, s] = _sig(key)[-1]  # type: ignore[union-attr]
-            res = c.insert(key, torch.cat([m.device_indices, fresh]), state_slot=s)
-            mine = torch.cat([m.device_indices, fresh])
-            dup = res.duplicate_indices
-            if len(dup):
-                kv.free(dup)
-            rest = res.remainder_indices  # past an insert that stopped above host-only nodes
-            if len(rest):
-                kv.free(rest)
-            if not res.state_adopted:
-                h.sp.free(torch.tensor([s]))  # type: ignore[union-attr]
-            c.dec_lock_ref(lock)
-            del mine
+            request_step(h, rng, key, 1)
         elif op < 0.6:
             c.evict(rng.randrange(1, 12))
         elif op < 0.7:

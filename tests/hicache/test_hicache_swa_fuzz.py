@@ -16,10 +16,9 @@ import random
 from typing import Any
 
 import pytest
-import torch
 
 from tests.helpers.swa_hicache import SWAHostRig
-from tests.hicache.test_hicache_swa import W, _check_contents, _sig
+from tests.hicache.test_hicache_swa import W, _check_contents, request_step
 
 
 def inject(h: SWAHostRig, rng: random.Random, p_copy: float, p_short: float) -> None:
@@ -43,49 +42,6 @@ def inject(h: SWAHostRig, rng: random.Random, p_copy: float, p_short: float) -> 
         host.alloc = short  # type: ignore[method-assign]
 
 
-def request(h: SWAHostRig, rng: random.Random, key: list[int], ps: int) -> None:
-    """Match (maybe load back), lock, allocate whole pages (evicting), insert, free."""
-    c, kv = h.cache, h.kv
-    m = c.match_prefix(key)
-    if m.host_hit_length and rng.random() < 0.7:
-        c.load_back(m.last_host_node)
-        m = c.match_prefix(key)
-    need = len(key) - m.prefix_len
-    lock = c.inc_lock_ref(m.last_device_node)
-    pages = -(-need // ps) * ps
-    if need == 0 or kv.available_size() < pages:
-        c.evict(pages)
-        c.evict_swa(max(pages - kv.swa_available_size(), 0))
-    fresh = kv.alloc(pages) if pages else torch.empty(0, dtype=torch.int64)
-    slot = h.sp.alloc(1) if h.sp is not None else None
-    if fresh is None or slot is None:
-        if fresh is not None and pages:
-            kv.free(fresh)
-        if slot is not None:
-            h.sp.free(slot)  # type: ignore[union-attr]
-        c.dec_lock_ref(lock)
-        return
-    mine = fresh[:need]
-    vals = torch.tensor(_sig(key)[m.prefix_len:])
-    h.full.k_all[:, mine] = vals[None, :, None, None]
-    h.swa.k_all[:, kv.translate(mine)] = vals[None, :, None, None]
-    dead = rng.randrange(0, need + 1) if need > W else 0
-    dead -= dead % ps
-    if dead:
-        kv.free_swa(mine[:dead])  # out of the request's window
-    s = int(slot[0])
-    h.sp.conv[:, s] = _sig(key)[-1]  # type: ignore[union-attr]
-    res = c.insert(key, torch.cat([m.device_indices, mine]), state_slot=s)
-    if len(res.duplicate_indices):
-        kv.free(res.duplicate_indices)
-    rest = torch.cat([res.remainder_indices, fresh[need:]])
-    if len(rest):
-        kv.free(rest)
-    if not res.state_adopted:
-        h.sp.free(torch.tensor([s]))  # type: ignore[union-attr]
-    c.dec_lock_ref(lock)
-
-
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 @pytest.mark.parametrize("ps", [1, 2])
 @pytest.mark.parametrize("seed", range(3))
@@ -103,7 +59,7 @@ def test_random_steps_under_copy_and_host_faults_keep_every_invariant(seed: int,
             h.hc.release_held()
         op = rng.random()
         if op < 0.45:
-            request(h, rng, rng.choice(keys), ps)
+            request_step(h, rng, rng.choice(keys), ps)
         elif op < 0.6:
             c.evict(rng.randrange(1, 12))
         elif op < 0.7:
