@@ -58,6 +58,23 @@ def admit(fe: UnifiedRadixCache, kv: Any, rtp: ReqToTokenPool, prompt: list[int]
     return req
 
 
+def take_row(fe: UnifiedRadixCache, kv: Any, rtp: ReqToTokenPool, req: Req, node: Any,
+             total: int, matched: torch.Tensor | None = None) -> torch.Tensor:
+    """A session turn's admission: lock ``node`` for ``req``, take a row, write the matched
+    slots and then fresh ones up to ``total`` tokens (all computed); returns the fresh."""
+    req.last_node = node
+    req.lock = fe.lock(node)
+    assert rtp.alloc([req]) is not None and req.kv.req_pool_idx is not None
+    row, p = req.kv.req_pool_idx, 0 if matched is None else len(matched)
+    if matched is not None and p:
+        rtp.write((row, slice(0, p)), matched)
+    fresh = kv.alloc(total - p)
+    assert fresh is not None
+    rtp.write((row, slice(p, total)), fresh)
+    req.kv.kv_committed_len = req.kv.kv_allocated_len = total
+    return fresh
+
+
 # ======================================================= duplicates of a racing request
 @pytest.mark.parametrize("cls", [RadixCache, UnifiedRadixCache])
 @pytest.mark.parametrize("page", [1, 4])
@@ -134,14 +151,8 @@ def test_reset_ends_open_streaming_sessions_and_gives_their_memory_back(publishe
     prompt = list(range(1, 9))
     req = Req("t1", prompt, session=SimpleNamespace(session_id="s", streaming=True))
     m = fe.match_prefix(MatchPrefixParams(key=req.radix_key(), req=req, cow_mamba=True))
-    req.last_node = m.last_device_node
-    req.lock = fe.lock(req.last_node)
-    assert rtp.alloc([req]) is not None and req.kv.req_pool_idx is not None
-    fresh = kv.alloc(10)
-    assert fresh is not None
-    rtp.write((req.kv.req_pool_idx, slice(0, 10)), fresh)
+    take_row(fe, kv, rtp, req, m.last_device_node, 10)
     req.output_ids = [50, 51]
-    req.kv.kv_committed_len = req.kv.kv_allocated_len = 10
     fe.maybe_hand_to_session(req)
     if published:
         fe.checkpoint(req, up_to=8)  # 8 tokens and a state copy into the tree, locked
@@ -169,13 +180,7 @@ def test_reset_with_a_running_requests_lock_is_refused_and_keeps_the_sessions() 
                                            enable_streaming_session=True))
     req = Req("t1", [1, 2, 3, 4], session=SimpleNamespace(session_id="s", streaming=True))
     fe.match_prefix(MatchPrefixParams(key=req.radix_key(), req=req, cow_mamba=True))
-    req.last_node = fe.root_node
-    req.lock = fe.lock(req.last_node)
-    assert rtp.alloc([req]) is not None and req.kv.req_pool_idx is not None
-    fresh = kv.alloc(4)
-    assert fresh is not None
-    rtp.write((req.kv.req_pool_idx, slice(0, 4)), fresh)
-    req.kv.kv_committed_len = req.kv.kv_allocated_len = 4
+    take_row(fe, kv, rtp, req, fe.root_node, 4)
     fe.maybe_hand_to_session(req)
     fe.checkpoint(req, up_to=4)
     req.finished_reason = "stop"
@@ -210,15 +215,8 @@ def test_a_failed_session_checkpoint_leaves_the_lock_with_the_session() -> None:
     req = Req("t1", list(range(1, 9)), session=SimpleNamespace(session_id="s", streaming=True))
     m = fe.match_prefix(MatchPrefixParams(key=req.radix_key(), req=req, cow_mamba=True))
     assert m.device_prefix_len == 4 and sp.available_size() == 0  # the copy took the last
-    req.last_node = m.last_device_node
-    req.lock = fe.lock(req.last_node)
-    assert rtp.alloc([req]) is not None and req.kv.req_pool_idx is not None
-    fresh = kv.alloc(4)
-    assert fresh is not None
-    rtp.write((req.kv.req_pool_idx, slice(0, 4)), m.device_indices)
-    rtp.write((req.kv.req_pool_idx, slice(4, 8)), fresh)
+    take_row(fe, kv, rtp, req, m.last_device_node, 8, matched=m.device_indices)
     req.kv.cache_protected_len = 4
-    req.kv.kv_committed_len = req.kv.kv_allocated_len = 8
     fe.maybe_hand_to_session(req)
     assert fe.protected_size() == 4
     with pytest.raises(RuntimeError, match="no recurrent-state slot"):
@@ -248,13 +246,7 @@ def test_a_refused_session_turn_does_not_borrow_the_sessions_record() -> None:
     s = SimpleNamespace(session_id="s", streaming=True)
     t1 = Req("t1", list(range(1, 9)), session=s)
     m = fe.match_prefix(MatchPrefixParams(key=t1.radix_key(), req=t1))
-    t1.last_node = m.last_device_node
-    t1.lock = fe.lock(t1.last_node)
-    assert rtp.alloc([t1]) is not None and t1.kv.req_pool_idx is not None
-    fresh = kv.alloc(8)
-    assert fresh is not None
-    rtp.write((t1.kv.req_pool_idx, slice(0, 8)), fresh)
-    t1.kv.kv_committed_len = t1.kv.kv_allocated_len = 8
+    take_row(fe, kv, rtp, t1, m.last_device_node, 8)
     fe.maybe_hand_to_session(t1)
     fe.checkpoint(t1, up_to=8)  # publishes the 8 prompt tokens
     t1.finished_reason = "stop"
@@ -300,13 +292,7 @@ def test_a_sessions_swa_copies_over_a_locked_tombstone_go_back_when_it_ends(end:
     req = Req("t1", head + [20, 21], session=SimpleNamespace(session_id="s", streaming=True))
     m = fe.match_prefix(MatchPrefixParams(key=req.radix_key(), req=req))
     assert m.device_prefix_len == 0  # no live window over the tombstone
-    req.last_node = m.last_device_node
-    req.lock = fe.lock(req.last_node)
-    assert rtp.alloc([req]) is not None and req.kv.req_pool_idx is not None
-    own = kv.alloc(10)
-    assert own is not None
-    rtp.write((req.kv.req_pool_idx, slice(0, 10)), own)
-    req.kv.kv_committed_len = req.kv.kv_allocated_len = 10
+    take_row(fe, kv, rtp, req, m.last_device_node, 10)
     fe.maybe_hand_to_session(req)
     fe.checkpoint(req, up_to=10)  # publishes: the tree takes [20, 21]; head's copies kept
     req.finished_reason = "stop"
@@ -358,13 +344,7 @@ def run_the_calls(fe: UnifiedRadixCache, kv: TokenAllocator, sp: Any,
     """A session request's match and checkpoint, an insert naming a session, a bare match."""
     req = Req("r", [1, 2, 3, 4], session=SimpleNamespace(session_id="conv-7", streaming=False))
     m = fe.match_prefix(MatchPrefixParams(key=req.radix_key(), req=req))
-    req.last_node = m.last_device_node
-    req.lock = fe.lock(req.last_node)
-    assert rtp.alloc([req]) is not None and req.kv.req_pool_idx is not None
-    fresh = kv.alloc(4)
-    assert fresh is not None
-    rtp.write((req.kv.req_pool_idx, slice(0, 4)), fresh)
-    req.kv.kv_committed_len = req.kv.kv_allocated_len = 4
+    fresh = take_row(fe, kv, rtp, req, m.last_device_node, 4)
     fe.checkpoint(req, up_to=4)
     state = sp.alloc(1)
     fe.insert(InsertParams(key=RadixKey([1, 2, 3, 4, 5]), value=torch.cat([fresh, kv.alloc(1)]),
