@@ -464,30 +464,38 @@ def request_step(h: SWAHostRig, rng: random.Random, key: list[int], ps: int) -> 
     c.dec_lock_ref(lock)
 
 
+def random_step(h: SWAHostRig, rng: random.Random, op: float, key: Callable[[], list[int]],
+                ps: int) -> None:
+    """One step of the random tests, chosen by ``op`` in [0, 1): a request
+    (:func:`request_step` on ``key()``), an eviction of each kind, or a poll of the copies;
+    then ``sanity_check`` and every copy's contents."""
+    c = h.cache
+    if op < 0.45:
+        request_step(h, rng, key(), ps)
+    elif op < 0.6:
+        c.evict(rng.randrange(1, 12))
+    elif op < 0.7:
+        c.evict_swa(rng.randrange(1, 8))
+    elif op < 0.8:
+        c.evict_states(1)
+    elif op < 0.9:
+        c.evict_host(rng.randrange(1, 12))
+    else:
+        c.poll_transfers()
+    c.sanity_check()
+    _check_contents(h)
+
+
 @pytest.mark.parametrize("seed,policy", [(s, p) for s in range(12)
                                          for p in ("write_through", "write_back")])
 def test_random_steps_keep_every_copy_exact_and_every_invariant(seed: int, policy: str) -> None:
     rng = random.Random(seed)
     h = SWAH(1, states=4, policy=policy)
-    c = h.cache
     keys = [[rng.randrange(1, 4) for _ in range(rng.randrange(4, 13))] for _ in range(12)]
     for _ in range(200):
         op = rng.random()
         key = rng.choice(keys)
-        if op < 0.45:  # a request: match, load back, insert its prompt with fresh KV
-            request_step(h, rng, key, 1)
-        elif op < 0.6:
-            c.evict(rng.randrange(1, 12))
-        elif op < 0.7:
-            c.evict_swa(rng.randrange(1, 8))
-        elif op < 0.8:
-            c.evict_states(1)
-        elif op < 0.9:
-            c.evict_host(rng.randrange(1, 12))
-        else:
-            c.poll_transfers()
-        c.sanity_check()
-        _check_contents(h)
+        random_step(h, rng, op, key.copy, 1)
 
 
 def test_an_internal_victim_whose_children_leave_while_it_is_saved_is_evicted_as_a_leaf() -> None:

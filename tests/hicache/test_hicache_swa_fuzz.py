@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.swa_hicache import SWAHostRig
-from tests.hicache.test_hicache_swa import W, _check_contents, request_step
+from tests.hicache.test_hicache_swa import W, random_step
 
 
 def inject(h: SWAHostRig, rng: random.Random, p_copy: float, p_short: float) -> None:
@@ -57,19 +57,5 @@ def test_random_steps_under_copy_and_host_faults_keep_every_invariant(seed: int,
         h.hc.hold_completions = rng.random() < 0.5
         if rng.random() < 0.3:
             h.hc.release_held()
-        op = rng.random()
-        if op < 0.45:
-            request_step(h, rng, rng.choice(keys), ps)
-        elif op < 0.6:
-            c.evict(rng.randrange(1, 12))
-        elif op < 0.7:
-            c.evict_swa(rng.randrange(1, 8))
-        elif op < 0.8:
-            c.evict_states(1)
-        elif op < 0.9:
-            c.evict_host(rng.randrange(1, 12))
-        else:
-            c.poll_transfers()
-        c.sanity_check()
-        _check_contents(h)
+        random_step(h, rng, rng.random(), lambda: rng.choice(keys), ps)
     assert c.stats()["copy_failures"] > 0
