@@ -133,6 +133,8 @@ def insert_key(ctx: InsertContext, key: Tokens, key_len: int, value: torch.Tenso
             _stamp_new_leaf(last, priority, counted, end)
         else:
             new = _new_leaves(ctx, plan, last, now)
+            for n in new:  # a new node's priority is its first request's, whatever its sign
+                n.priority = priority
             _touch_path(new, now, priority, counted, end)
             if new:
                 last = new[-1]
@@ -239,8 +241,7 @@ def _stamp_new_leaf(leaf: TreeNode, priority: int, counted: int, end: int) -> No
     at its creation): its first hit, the insert's priority and the depth reached."""
     if leaf.depth > counted:
         leaf.hit_count = 1
-    if priority > 0:
-        leaf.priority = priority
+    leaf.priority = priority  # (negative too: the max over the one request that made it)
     leaf.history_len = end
 
 

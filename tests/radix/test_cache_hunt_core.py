@@ -1,0 +1,41 @@
+"""Bugs found by the hunt over the engine-facing API (``hunt-core``): each test fails on the
+commit before its fix. Expected values are worked out by hand in the comments."""
+
+from __future__ import annotations
+
+import torch
+
+from allocators import TokenAllocator
+from radix import CacheConfig, RadixCache
+
+
+def _priority_cache() -> tuple[RadixCache, TokenAllocator]:
+    kv = TokenAllocator(32)
+    return RadixCache(CacheConfig(radix_eviction_policy="priority"), kv_allocator=kv), kv
+
+
+def test_a_negative_priority_is_kept_on_the_nodes_it_creates() -> None:
+    # "priority: max priority of the requests that inserted through this node": a node only a
+    # priority -5 request inserted has priority -5, not 0.
+    cache, kv = _priority_cache()
+    cache.insert([2, 2], kv.alloc(2), priority=-5)
+    assert cache.match_prefix([2, 2]).last_device_node.priority == -5
+    # one insert creating two nodes (a split of the new tail is not needed: a child of [2, 2])
+    cache.insert([2, 2, 3, 3], torch.cat([cache.match_prefix([2, 2]).device_indices,
+                                          kv.alloc(2)]), priority=-3)
+    assert cache.match_prefix([2, 2]).last_device_node.priority == -3  # max(-5, -3)
+    assert cache.match_prefix([2, 2, 3, 3]).last_device_node.priority == -3
+    cache.sanity_check()
+
+
+def test_the_priority_policy_evicts_a_negative_priority_leaf_before_a_priority_0_one() -> None:
+    cache, kv = _priority_cache()
+    cache.insert([1, 1], kv.alloc(2), priority=0)  # slots 1, 2
+    cache.insert([2, 2], kv.alloc(2), priority=-5)  # slots 3, 4
+    cache.match_prefix([1, 1])
+    cache.match_prefix([2, 2])  # [2, 2] is the more recent, but its priority is lower
+    assert cache.evict(1).num_tokens == 2
+    assert cache.match_prefix([1, 1]).prefix_len == 2
+    assert cache.match_prefix([2, 2]).prefix_len == 0
+    assert kv.snapshot().free_ids()[-2:] == [3, 4]
+    cache.sanity_check()
