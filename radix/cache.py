@@ -573,8 +573,17 @@ class RadixCache:
         return dict(values) if values else None
 
     def release_rid(self, rid: object) -> None:
-        """Forget ``rid``'s hit-count depth (the request finished)."""
-        self.rid_depths.release(rid)
+        """Forget ``rid``'s hit-count depth (the request finished).
+
+        Raises:
+            TypeError: ``rid`` is unhashable (naming ``rid``; ``insert`` refuses it too).
+        """
+        try:
+            self.rid_depths.release(rid)
+        except TypeError:
+            raise TypeError(
+                f"rid must be hashable (an int, a str, an object), got {type(rid).__name__}"
+            ) from None
 
     # ================================================================== locks
     def inc_lock_ref(self, node: TreeNode) -> TreeNode | LockRef:

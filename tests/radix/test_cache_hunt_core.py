@@ -3,6 +3,7 @@ commit before its fix. Expected values are worked out by hand in the comments.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from allocators import TokenAllocator
@@ -38,4 +39,15 @@ def test_the_priority_policy_evicts_a_negative_priority_leaf_before_a_priority_0
     assert cache.match_prefix([1, 1]).prefix_len == 2
     assert cache.match_prefix([2, 2]).prefix_len == 0
     assert kv.snapshot().free_ids()[-2:] == [3, 4]
+    cache.sanity_check()
+
+
+def test_release_rid_names_an_unhashable_rid() -> None:
+    kv = TokenAllocator(8)
+    cache = RadixCache(kv_allocator=kv)
+    cache.insert([1, 2], kv.alloc(2), rid="a")
+    with pytest.raises(TypeError, match="rid"):
+        cache.release_rid([1])
+    cache.release_rid("a")  # a hashable one, known or not, is fine
+    cache.release_rid("never seen")
     cache.sanity_check()
