@@ -62,7 +62,11 @@ class ResolvedPolicy:
 def _finite_nonneg(v: Any) -> str | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return f"must be a real number, got {type(v).__name__}"
-    if not math.isfinite(v) or v < 0:
+    try:  # (an int past the float range cannot enter the float arithmetic that reads it)
+        finite = math.isfinite(v)
+    except OverflowError:
+        finite = False
+    if not finite or v < 0:
         return f"must be finite and >= 0, got {v!r}"
     return None
 

@@ -51,3 +51,13 @@ def test_release_rid_names_an_unhashable_rid() -> None:
     cache.release_rid("a")  # a hashable one, known or not, is fine
     cache.release_rid("never seen")
     cache.sanity_check()
+
+
+@pytest.mark.parametrize(("policy", "knob"), [("gds", "d"), ("gdsf", "e"), ("tlru", "threshold"),
+                                              ("tlru", "next_prompt_estimate")])
+def test_an_int_knob_past_the_float_range_is_refused_naming_it(policy: str, knob: str) -> None:
+    # math.isfinite(10**400) raises OverflowError: the check must answer ValueError instead.
+    knobs: dict[str, int] = {"threshold": 8} if policy == "tlru" else {}
+    knobs[knob] = 10**400
+    with pytest.raises(ValueError, match=knob):
+        CacheConfig(radix_eviction_policy=policy, radix_eviction_policy_config=knobs)
