@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from components.base import Component
-from hicache.storage.keys import chain_seed, page_hashes
+from hicache.storage.keys import chain_seed, encode_namespace, page_hashes
 
 if TYPE_CHECKING:
     from components.base import InsertPlan
@@ -230,6 +230,15 @@ def block_hash(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
+def _exact(extra_key: Any) -> Any:
+    """A dict key for a namespace as exact as the tree's namespaces
+    (``radix.tree.namespace_key``): its typed encoding, else its type and ``repr``. Keying by
+    ``(type, extra_key)`` merged namespaces that ``==`` merges inside a container (``(1,)``
+    and ``(1.0,)``, ``(1, True)`` and ``(True, 1)``) and ``0.0`` with ``-0.0``."""
+    enc = encode_namespace(extra_key)
+    return enc if enc is not None else (type(extra_key), repr(extra_key))
+
+
 def event_seed(tag: str, extra_key: Any) -> bytes:
     """The chain's seed for a namespace: ``hicache.storage.keys.chain_seed``, or, for a
     namespace with no stable encoding, a digest of its type and ``repr`` (stable within one
@@ -296,8 +305,8 @@ class KVEventRecorder(Component):
         self.states = states
         if not host_tier:
             self.skip_hooks = frozenset({"refresh", "on_detach"})
-        self._seeds: dict[tuple[type, Any], bytes] = {}
-        self._labels: dict[tuple[type, Any], tuple[int | None, str | None, str | None]] = {}
+        self._seeds: dict[Any, bytes] = {}
+        self._labels: dict[Any, tuple[int | None, str | None, str | None]] = {}
         self._pages: dict[int, _Pages] = {}
         self._queue: list[KVEvent] = []
         self._clearing = False
@@ -355,7 +364,7 @@ class KVEventRecorder(Component):
     # ---------------------------------------------------------------- hashes
     def seed(self, extra_key: Any) -> bytes:
         """The chain seed of a namespace (cached)."""
-        k = (type(extra_key), extra_key)
+        k = _exact(extra_key)
         s = self._seeds.get(k)
         if s is None:
             s = self._seeds[k] = event_seed(self.tag, extra_key)
@@ -387,7 +396,7 @@ class KVEventRecorder(Component):
     def labels(self, extra_key: Any) -> tuple[int | None, str | None, str | None]:
         """``(lora_id, lora_name, cache_salt)`` of a namespace (:func:`namespace_labels`,
         cached)."""
-        k = (type(extra_key), extra_key)
+        k = _exact(extra_key)
         got = self._labels.get(k)
         if got is None:
             got = self._labels[k] = namespace_labels(extra_key, self._lora_names)
