@@ -338,22 +338,34 @@ class KVEventRecorder(Component):
 
     def _enqueue(self, ev: KVEvent) -> None:
         self.emitted += 1
-        if self.on_event is not None:
-            self.on_event(ev)
+        observer = self.on_event
+        observed = observer is not None
+        if observer is not None:
+            observer(ev)
         q = self._queue
         if q:
             tail = q[-1]
             if isinstance(ev, BlockRemoved) and isinstance(tail, BlockRemoved):
                 if tail.medium == ev.medium and tail.group_idx == ev.group_idx:
-                    tail.block_hashes.extend(ev.block_hashes)
+                    if observed:  # the observer holds ``tail``: merge into a new event
+                        q[-1] = BlockRemoved(tail.block_hashes + ev.block_hashes, tail.medium,
+                                             tail.group_idx)
+                    else:
+                        tail.block_hashes.extend(ev.block_hashes)
                     return
             elif isinstance(ev, BlockStored) and isinstance(tail, BlockStored):
                 if (tail.medium == ev.medium and tail.lora_id == ev.lora_id
                         and tail.lora_name == ev.lora_name and tail.cache_salt == ev.cache_salt
                         and tail.group_idx == ev.group_idx and tail.block_size == ev.block_size
                         and ev.parent_block_hash == tail.block_hashes[-1]):
-                    tail.block_hashes.extend(ev.block_hashes)
-                    tail.token_ids.extend(ev.token_ids)
+                    if observed:
+                        q[-1] = BlockStored(
+                            tail.block_hashes + ev.block_hashes, tail.parent_block_hash,
+                            tail.token_ids + ev.token_ids, tail.block_size, tail.lora_id,
+                            tail.medium, tail.lora_name, tail.cache_salt, tail.group_idx)
+                    else:
+                        tail.block_hashes.extend(ev.block_hashes)
+                        tail.token_ids.extend(ev.token_ids)
                     return
         q.append(ev)
         if self.max_events is not None and len(q) > self.max_events:

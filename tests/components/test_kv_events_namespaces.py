@@ -14,6 +14,7 @@ import struct
 from typing import Any
 
 import pytest
+import torch
 
 from allocators import TokenAllocator
 from components.events import BlockStored
@@ -59,3 +60,23 @@ def test_equal_comparing_namespaces_publish_their_own_hashes_and_labels(first: A
         assert (ev.lora_id, ev.lora_name, ev.cache_salt) == (
             want.lora_id, want.lora_name, want.cache_salt), ns
     cache.sanity_check()
+
+
+def test_an_observer_sees_every_event_once_and_never_a_grown_one() -> None:
+    # Two stores chaining (a leaf, then its child) merge into one queued event; the observer
+    # (``KVEventRecorder.on_event``: "called with every event as it is queued") got the
+    # first one before the merge, and must not see it grow afterwards: the pages it saw
+    # are [1, 2], then [3], each stored once.
+    kv = TokenAllocator(16)
+    cache = RadixCache(CacheConfig(enable_kv_cache_events=True), kv_allocator=kv)
+    recorder = cache.kv_events
+    assert recorder is not None
+    seen: list[Any] = []
+    recorder.on_event = seen.append
+    cache.insert([1, 2], kv.alloc(2))
+    m = cache.match_prefix([1, 2])
+    cache.insert([1, 2, 3], torch.cat([m.device_indices, kv.alloc(1)]))
+    want = ref_hashes([1, 2, 3], None)
+    assert [(e.block_hashes, e.token_ids) for e in seen] == [(want[:2], [1, 2]), (want[2:], [3])]
+    (queued,) = cache.take_events()  # the queue still merges them
+    assert (queued.block_hashes, queued.token_ids) == (want, [1, 2, 3])
