@@ -114,6 +114,11 @@ class CacheConfig:
             raise TypeError(
                 f"enable_kv_cache_events must be a bool, got {type(self.enable_kv_cache_events).__name__}"
             )
+        knobs = self.radix_eviction_policy_config
+        if isinstance(knobs, Mapping):  # (else resolve_policy refuses it below, naming it)
+            # The config's own copy: a later change to the caller's dict would otherwise
+            # show in to_dict() but not in the policy resolved here.
+            object.__setattr__(self, "radix_eviction_policy_config", dict(knobs))
         _check_choice(self.state_recency, "state_recency", STATE_RECENCY)
         _check_choice(self.stateless_leaf, "stateless_leaf", STATELESS_LEAF)
         _check_choice(self.match_recency, "match_recency", MATCH_RECENCY)

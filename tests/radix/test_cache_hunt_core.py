@@ -61,3 +61,16 @@ def test_an_int_knob_past_the_float_range_is_refused_naming_it(policy: str, knob
     knobs[knob] = 10**400
     with pytest.raises(ValueError, match=knob):
         CacheConfig(radix_eviction_policy=policy, radix_eviction_policy_config=knobs)
+
+
+def test_the_config_keeps_its_own_copy_of_the_knobs() -> None:
+    # CacheConfig is frozen and resolves its policy when built; a later change to the
+    # caller's dict must change neither what it reports nor what it resolved.
+    knobs = {"d": 1.0, "e": 0.0}
+    cfg = CacheConfig(radix_eviction_policy="gds", radix_eviction_policy_config=knobs)
+    knobs["d"] = 5.0
+    assert cfg.to_dict()["radix_eviction_policy_config"] == {"d": 1.0, "e": 0.0}
+    assert cfg.to_dict()["resolved_knobs"] == {"d": 1.0, "e": 0.0}
+    assert cfg == CacheConfig(radix_eviction_policy="gds",
+                              radix_eviction_policy_config={"d": 1.0, "e": 0.0})
+    assert cfg.radix_eviction_policy_config is not knobs
