@@ -10,7 +10,8 @@ pool), page sizes, KV-only and hybrid, and the ``stateless_leaf`` / ``state_rece
 * every slot is accounted for once: free + tree + the running requests' own == capacity
   (KV slots and state slots);
 * every running request's locked node is still attached, on device, locked;
-* an eviction frees exactly what its result says and never touches protected sizes;
+* an eviction frees exactly what its result says (KV slots and state slots, and the
+  `evicted_tokens` / `evicted_states` counters move by it) and never touches protected sizes;
 * the page set a consumer rebuilds from the KV events equals the tree's
   (``tests/components/test_kv_events.py``'s strict ``Router`` and ``tree_pages``).
 
@@ -148,13 +149,22 @@ def run(policy: str, ps: int, hybrid: bool, leaf: str, recency: str, match: str,
             finish(*running.pop(rng.randrange(len(running))))
         elif r < 0.85:
             before, prot = kv.available_size(), cache.protected_size()
+            st0 = cache.stats()
             res = cache.evict(rng.randint(1, 4 * ps))
             assert kv.available_size() - before == res.num_tokens, tag
+            st1 = cache.stats()
+            assert st1["evicted_tokens"] - st0["evicted_tokens"] == res.num_tokens, (tag, res)
+            assert st1["evicted_states"] - st0["evicted_states"] == res.num_states, (tag, res)
             assert cache.protected_size() == prot, tag
         elif r < 0.95 and sp is not None:
             before, prot = sp.available_size(), cache.state_protected_size()
+            kv_before, st0 = kv.available_size(), cache.stats()
             res = cache.evict_states(rng.randint(1, 3))
             assert sp.available_size() - before == res.num_states, tag
+            assert kv.available_size() - kv_before == res.num_tokens, (tag, res)
+            st1 = cache.stats()
+            assert st1["evicted_states"] - st0["evicted_states"] == res.num_states, tag
+            assert st1["evicted_tokens"] - st0["evicted_tokens"] == res.num_tokens, (tag, res)
             assert cache.state_protected_size() == prot, tag
         else:
             cache.match_prefix(rng.choice(keys) if keys else [1])
