@@ -18,6 +18,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
@@ -129,13 +130,15 @@ def parse_count(text: str) -> int:
     scale = 1
     if s and s[-1] in _SUFFIX:
         scale, s = _SUFFIX[s[-1]], s[:-1]
+    if s.isascii() and s.isdigit():  # digits alone: exact, whatever the size (a float keeps 53 bits)
+        return int(s) * scale
     try:
         value = float(s) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"not a count: {text!r} (try 16000000, 16e6 or 16M)"
         ) from None
-    if value < 0 or value != int(value):
+    if not math.isfinite(value) or value < 0 or value != int(value):
         raise argparse.ArgumentTypeError(f"not a whole non-negative count: {text!r}")
     return int(value)
 

@@ -194,3 +194,17 @@ def test_a_closed_pipe_ends_the_tool_quietly() -> None:
                           capture_output=True, text=True, check=True)
     assert proc.stdout.startswith("usage: python -m bench COMMAND")
     assert "Traceback" not in proc.stderr
+
+
+def test_count_types_refuse_infinity_and_keep_large_integers_exact() -> None:
+    """``inf`` / ``1e400`` are not counts (an argument error, not an OverflowError), and a
+    count written out in digits is read exactly, not through a float (2**53 + 1 stays odd)."""
+    for bad in ("inf", "-inf", "1e400", "nan", "infK"):
+        with pytest.raises(argparse.ArgumentTypeError, match="count"):
+            cli.parse_count(bad)
+    assert cli.parse_count("9007199254740993") == 2**53 + 1
+    assert cli.parse_count("9_007_199_254_740_993") == 2**53 + 1
+    assert cli.parse_count("3K") == 3000 and cli.parse_count("1.5K") == 1500
+    from bench.runs.replay import main
+
+    assert_usage_error(main, ["--kv-tokens", "inf"])
