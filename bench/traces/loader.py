@@ -303,9 +303,14 @@ def _gmi(where: str, obj: dict[str, Any]) -> TraceRequest:
 
 
 def _first_event_time(obj: dict[str, Any], where: str) -> datetime | None:
-    events = obj.get("timing_events") or []
+    events = obj.get("timing_events")
+    if events is None:
+        return None
+    if not isinstance(events, list) or not all(isinstance(ev, dict) for ev in events):
+        raise TraceFormatError(f"{where}: 'timing_events' must be a list of event objects, "
+                               f"got {events!r:.80}")
     for ev in events:
-        stamp = ev.get("timestamp") if isinstance(ev, dict) else None
+        stamp = ev.get("timestamp")
         if isinstance(stamp, str):
             try:
                 return datetime.fromisoformat(stamp)
