@@ -180,16 +180,23 @@ def state_fraction(text: str) -> float | str:
     return value
 
 
-def refuse_unified_policies(splits: Sequence[float | str], policies: Sequence[str] | None
-                            ) -> None:
+def refuse_unified_policies(splits: Sequence[float | str], policies: Sequence[str] | None,
+                            option: str = "--policy") -> None:
     """``ValueError`` naming ``--policy`` when policies other than ``unified`` are given and
-    every split is ``unified`` (the arena has one policy, no knob)."""
+    every split is ``unified`` (the arena has one policy, no knob), or when ``unified`` is
+    given and a run has fixed pools: ``splits`` holds a fraction, or is empty (pools sized by
+    ``--kv-tokens`` / ``--state-slots``). That policy weighs bytes, which only the arena's
+    pools give. ``option``: how the command spells ``--policy``."""
     from bench.engine.presets import UNIFIED
 
     other = [p for p in policies or () if p != UNIFIED]
     if other and splits and all(f == UNIFIED for f in splits):
-        raise ValueError(f"--policy {' '.join(other)}: --state-fraction {UNIFIED} runs one "
+        raise ValueError(f"{option} {' '.join(other)}: --state-fraction {UNIFIED} runs one "
                          f"policy, {UNIFIED} (drop --policy)")
+    if UNIFIED in (policies or ()) and not (splits and all(f == UNIFIED for f in splits)):
+        raise ValueError(f"{option} {UNIFIED}: only --state-fraction {UNIFIED} (with --model "
+                         f"and --memory-gb) runs it, on one arena whose bytes it weighs; fixed "
+                         f"pools have no byte sizes (drop {UNIFIED} from {option})")
 
 
 def check_output_path(path: str) -> str | None:

@@ -299,8 +299,9 @@ def check_memory_options(args: argparse.Namespace) -> None:
     """The pool options that cannot go together (``ValueError`` naming the option):
     ``--memory-gb`` without ``--model`` or with ``--kv-tokens`` / ``--state-slots``; a
     ``unified`` split with a sliding window, a host tier or LoRA adapters; ``--policy`` other
-    than ``unified`` when every split is unified."""
+    than ``unified`` when every split is unified, ``unified`` when one is not."""
     if args.memory_gb is None:
+        refuse_unified_policies([], args.policy)
         return
     if args.model is None:
         raise ValueError("--memory-gb needs --model PRESET (whose bytes size the pools)")

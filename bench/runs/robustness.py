@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.cli import new_parser, output_path, positive
+from bench.cli import new_parser, output_path, positive, refuse_unified_policies
 from bench.policies import baselines
 from bench.runs.sweep import run_all
 from bench.traces.loader import load_trace
@@ -407,6 +407,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             baselines.check(name)
     except ValueError as exc:
         parser.exit(2, f"{parser.prog}: error: --policies: {exc}\n")
+    try:
+        refuse_unified_policies([], args.policies, "--policies")  # fixed pools only here
+    except ValueError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     from bench.engine.core import EngineConfig
 
     todo = plan(args)

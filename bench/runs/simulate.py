@@ -200,8 +200,10 @@ def _apply_memory(kw: dict[str, Any], args: argparse.Namespace, memory_gb: float
 
 def check_unified(args: argparse.Namespace, policies: Sequence[str]) -> None:
     """The options ``--state-fraction unified`` cannot go with (``ValueError`` naming the
-    option): a policy other than ``unified``, a ``state-fraction`` sweep."""
+    option): a policy other than ``unified``, a ``state-fraction`` sweep; without it, the
+    policy ``unified`` (fixed pools have no byte sizes)."""
     if args.state_fraction != UNIFIED:
+        refuse_unified_policies([], policies)
         return
     refuse_unified_policies([UNIFIED], policies)
     if args.sweep is not None and args.sweep.axis == "state-fraction":
