@@ -275,3 +275,40 @@ def test_toolcall_sessions_share_zipf_popular_heads_and_interleave() -> None:
     spans = [(rs[0].timestamp_s, rs[-1].timestamp_s) for rs in by_session(reqs).values()]
     overlapping = sum(1 for a in spans for b in spans if a < b and b[0] < a[1])
     assert overlapping > len(spans)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("a,b\n1,2\n", "no column source, state_slots, kv_tokens, concurrency, policy, "
+                   "token_hit_rate"),
+    ("", "no column source"),
+    ("source,state_slots,kv_tokens,concurrency,policy,token_hit_rate\n"
+     "s,64,16000000,16,lru,0.5\ns,sixty,16000000,16,gds,0.5\n",
+     "bad.csv:3: column state_slots: cannot read 'sixty' as int"),
+    ("source,state_slots,kv_tokens,concurrency,policy,token_hit_rate\ns,64,16000000,16,lru,\n",
+     "bad.csv:2: column token_hit_rate: cannot read '' as float"),
+])
+def test_from_csv_that_is_not_a_saved_run_is_a_usage_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str) -> None:
+    """``--from-csv`` of a file without the columns (or values) the table reads: one error
+    line naming the file, exit status 2 (it was a KeyError / ValueError traceback)."""
+    from bench.runs.robustness import main
+
+    path = tmp_path / "bad.csv"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(SystemExit) as exc:
+        main(["--from-csv", str(path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "python -m bench robustness: error: --from-csv" in err and message in err, err
+
+
+def test_robustness_refuses_the_unified_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    """Its pools are fixed (``--slots`` / ``--kv-tokens``): ``unified`` weighs bytes only an
+    arena has, so it is refused before any run (it was a traceback from the first run)."""
+    from bench.runs.robustness import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--policies", "lru", "unified", "--sources", "docqa", "--slots", "8",
+              "--kv-tokens", "1M", "--concurrency", "4", "--jobs", "1"])
+    assert exc.value.code == 2
+    assert "--policies unified: only --state-fraction unified" in capsys.readouterr().err
