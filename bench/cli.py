@@ -38,6 +38,7 @@ __all__ = [
     "figure_path",
     "main",
     "new_parser",
+    "non_negative_float",
     "output_path",
     "parse_count",
     "positive",
@@ -159,6 +160,17 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0: {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0: {text!r}")
     return value
 
 

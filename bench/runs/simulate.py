@@ -40,6 +40,7 @@ from bench.cli import (
     column_blocks,
     figure_path,
     new_parser,
+    non_negative_float,
     output_path,
     parse_count,
     refuse_ignored,
@@ -128,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--session-hint", action="store_true",
       help="pass each request's session (trace / workload session id) to the cache as the "
            "hint extra={'session_id': ...}, as an engine carrying a conversation id would")
-    a("--decode-ms", type=float, default=20.0, help="one decode step [ms] (default 20)")
-    a("--marconi-alpha", type=float, default=None,
+    a("--decode-ms", type=non_negative_float, default=20.0, help="one decode step [ms] (default 20)")
+    a("--marconi-alpha", type=non_negative_float, default=None,
       help="fix Marconi's alpha (default: tuned; needs --policy marconi)")
     a("--sweep", type=sweep_arg, default=None, metavar="AXIS=V1,V2,...",
       help="kv-tokens / state-slots / concurrency / memory-gb / state-fraction")

@@ -166,6 +166,13 @@ def test_reports_name_traces_by_their_repository_path(tmp_path: Path) -> None:
      "--time-scale needs --arrivals trace, which is off"),
     (["simulate", "--state-fraction", "0.3"], "--state-fraction needs --memory-gb, which is off"),
     (["simulate", "--marconi-alpha", "0.5"], "--marconi-alpha needs --policy marconi"),
+    # a fixed alpha must be finite and >= 0 (these were a ValueError traceback from a run)
+    (["simulate", "--policy", "marconi", "--marconi-alpha", "-1"],
+     "argument --marconi-alpha: must be a finite number >= 0: '-1'"),
+    (["simulate", "--policy", "marconi", "--marconi-alpha", "nan"],
+     "argument --marconi-alpha: must be a finite number >= 0: 'nan'"),
+    (["simulate", "--decode-ms", "-5"], "argument --decode-ms: must be a finite number >= 0"),
+    (["simulate", "--decode-ms", "inf"], "argument --decode-ms: must be a finite number >= 0"),
     # refused by the command before its run starts
     (["robustness", "--policies", "nosuch"], "--policies: radix_eviction_policy='nosuch' is unknown"),
     (["robustness", "--from-csv", "/nonexistent.csv"], "--from-csv: no such file"),
