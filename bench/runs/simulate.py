@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="prefill chunk / checkpoint stride [tokens] (default 8192)")
     a("--max-prefill-tokens", type=_positive, default=None,
       help="token budget of one prefill step (default: --chunk-size)")
-    a("--max-running-requests", "--concurrency", dest="concurrency", type=_positive, default=32,
+    a("--max-running-requests", "--concurrency", dest="concurrency", type=_positive, default=None,
       help="requests running at most (and clients with --arrivals closed) (default 32)")
     a("--end-checkpoint", choices=("block", "exact"), default="block",
       help="state of a finished prompt at its last full trace block (default) or its last token")
@@ -152,6 +152,8 @@ DEFAULT_TIME_SCALE = 1.0
 #: Pool sizes without ``--kv-tokens`` / ``--state-slots`` (and without ``--memory-gb``).
 DEFAULT_KV_TOKENS = 16_000_000
 DEFAULT_STATE_SLOTS = 512
+#: Requests running at most without ``--max-running-requests`` / ``--concurrency``.
+DEFAULT_CONCURRENCY = 32
 
 
 def _kv_tokens(args: argparse.Namespace) -> int:
@@ -160,6 +162,10 @@ def _kv_tokens(args: argparse.Namespace) -> int:
 
 def _state_slots(args: argparse.Namespace) -> int:
     return DEFAULT_STATE_SLOTS if args.state_slots is None else int(args.state_slots)
+
+
+def _concurrency(args: argparse.Namespace) -> int:
+    return DEFAULT_CONCURRENCY if args.concurrency is None else int(args.concurrency)
 
 
 def _state_fraction(args: argparse.Namespace) -> float | str:
@@ -180,7 +186,7 @@ def _time_scale(args: argparse.Namespace) -> float:
 def _base_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = dict(
         kv_tokens=_kv_tokens(args), state_slots=_state_slots(args), page_size=args.page_size,
-        chunk_size=args.chunk_size, concurrency=args.concurrency,
+        chunk_size=args.chunk_size, concurrency=_concurrency(args),
         end_checkpoint=args.end_checkpoint, time_scale=_time_scale(args), decode_ms=args.decode_ms,
         max_prefill_tokens=args.max_prefill_tokens, arrivals=args.arrivals,
         marconi_alpha=args.marconi_alpha, session_hint=args.session_hint,
@@ -234,6 +240,12 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[SimConfig, float | None]]:
                              "would be ignored (give one or the other)")
     if sweep is not None and sweep.axis == "state-fraction" and args.memory_gb is None:
         raise ValueError("--sweep state-fraction needs --memory-gb")
+    if sweep is not None:  # the swept option given as well: the sweep would override it
+        given = getattr(args, sweep.axis.replace("-", "_"))
+        if given is not None:
+            value = f"{given:g}" if isinstance(given, float) else str(given)
+            raise ValueError(f"--{sweep.axis} {value} would be ignored: --sweep {sweep.axis} "
+                             "sets it (give one or the other)")
     policies = _policies(args)
     check_unified(args, policies)
     for policy in policies:
@@ -381,11 +393,11 @@ def sizes_caption(args: argparse.Namespace) -> str:
     if args.model is not None:  # both pools sized from bytes
         fixed = {"model": f"model {args.model}", "memory-gb": f"{args.memory_gb} GB",
                  "state-fraction": f"state fraction {fmt_split(_state_fraction(args))}",
-                 "concurrency": f"concurrency {args.concurrency}"}
+                 "concurrency": f"concurrency {_concurrency(args)}"}
     else:
         fixed = {"kv-tokens": f"KV {_kv_tokens(args):,} tokens",
                  "state-slots": f"{_state_slots(args):,} state slots",
-                 "concurrency": f"concurrency {args.concurrency}"}
+                 "concurrency": f"concurrency {_concurrency(args)}"}
     swept = f"{sweep.axis} {', '.join(fmt_value(v) for v in sweep.values)} (swept)"
     if sweep.axis in fixed:
         fixed[sweep.axis] = swept
