@@ -240,14 +240,14 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[SimConfig, float | None]]:
                              "would be ignored (give one or the other)")
     if sweep is not None and sweep.axis == "state-fraction" and args.memory_gb is None:
         raise ValueError("--sweep state-fraction needs --memory-gb")
+    policies = _policies(args)
+    check_unified(args, policies)
     if sweep is not None:  # the swept option given as well: the sweep would override it
         given = getattr(args, sweep.axis.replace("-", "_"))
         if given is not None:
             value = f"{given:g}" if isinstance(given, float) else str(given)
             raise ValueError(f"--{sweep.axis} {value} would be ignored: --sweep {sweep.axis} "
                              "sets it (give one or the other)")
-    policies = _policies(args)
-    check_unified(args, policies)
     for policy in policies:
         baselines.check(policy, args.page_size)
     values: Sequence[float | None] = sweep.values if sweep else (None,)
