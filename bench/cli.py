@@ -47,6 +47,7 @@ __all__ = [
     "refuse_ignored",
     "refuse_unified_policies",
     "require_package",
+    "seed",
     "state_fraction",
     "write_json",
 ]
@@ -161,6 +162,14 @@ def positive_float(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0: {text!r}")
     return value
+
+
+def seed(text: str) -> int:
+    """A random seed: a whole number >= 0, written in digits."""
+    s = text.strip().replace("_", "")
+    if not (s.isascii() and s.isdigit()):
+        raise argparse.ArgumentTypeError(f"not a seed (a whole number >= 0): {text!r}")
+    return int(s)
 
 
 def non_negative_float(text: str) -> float:

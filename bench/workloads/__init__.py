@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from bench.cli import seed
 from bench.traces.loader import TraceRequest
 from bench.workloads.shapes import (
     AgenticParams,
@@ -191,7 +192,7 @@ def add_workload_arguments(parser: Any) -> None:
         "--workload", metavar="NAME[:k=v,...]", default=None,
         help=f"generated requests instead of --trace: one of {', '.join(WORKLOADS)} "
              "(python -m bench workloads --list shows the parameters)")
-    parser.add_argument("--workload-seed", type=int, default=0,
+    parser.add_argument("--workload-seed", type=seed, default=0,
                         help="seed of --workload (default 0)")
 
 

@@ -173,6 +173,15 @@ def test_reports_name_traces_by_their_repository_path(tmp_path: Path) -> None:
      "argument --marconi-alpha: must be a finite number >= 0: 'nan'"),
     (["simulate", "--decode-ms", "-5"], "argument --decode-ms: must be a finite number >= 0"),
     (["simulate", "--decode-ms", "inf"], "argument --decode-ms: must be a finite number >= 0"),
+    # a seed is a whole number >= 0 (numpy's "expected non-negative integer" named no option)
+    (["workloads", "docqa", "--seed", "-1"], "argument --seed: not a seed (a whole number >= 0)"),
+    (["replay", "--workload", "docqa", "--workload-seed", "-1"],
+     "argument --workload-seed: not a seed (a whole number >= 0)"),
+    (["trace-stats", "--mooncake-block-size", "0"], "argument --mooncake-block-size: must be >= 1"),
+    (["trace-stats", "--tracelab-block-size", "0"], "argument --tracelab-block-size: must be >= 1"),
+    (["convert", "in.jsonl", "out.jsonl", "--block-size", "0"], "argument --block-size: must be >= 1"),
+    (["convert", "in.jsonl", "/nonexistent/out.jsonl"],
+     "argument dst: the folder of '/nonexistent/out.jsonl' does not exist"),
     # refused by the command before its run starts
     (["robustness", "--policies", "nosuch"], "--policies: radix_eviction_policy='nosuch' is unknown"),
     (["robustness", "--from-csv", "/nonexistent.csv"], "--from-csv: no such file"),
