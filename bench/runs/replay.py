@@ -360,8 +360,15 @@ def _plan(args: argparse.Namespace, knobs: dict[str, dict[str, Any]] | None = No
             args.kv_events
         ):
             # fails on a bad name or knob before anything runs
-            CacheConfig(page_size=args.page_size, radix_eviction_policy=policy,
-                        radix_eviction_policy_config=knobs.get(policy))
+            try:
+                CacheConfig(page_size=args.page_size, radix_eviction_policy=policy)
+            except ValueError as exc:
+                raise ValueError(f"--policy: {exc}") from None
+            try:
+                CacheConfig(page_size=args.page_size, radix_eviction_policy=policy,
+                            radix_eviction_policy_config=knobs.get(policy))
+            except ValueError as exc:
+                raise ValueError(f"--policy-config {policy}: {exc}") from None
             swa_tokens = 0
             if args.sliding_window:
                 swa_tokens = (args.swa_tokens if args.swa_tokens is not None

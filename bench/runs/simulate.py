@@ -249,7 +249,10 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[SimConfig, float | None]]:
             raise ValueError(f"--{sweep.axis} {value} would be ignored: --sweep {sweep.axis} "
                              "sets it (give one or the other)")
     for policy in policies:
-        baselines.check(policy, args.page_size)
+        try:
+            baselines.check(policy, args.page_size)
+        except ValueError as exc:
+            raise ValueError(f"--policy: {exc}") from None
     values: Sequence[float | None] = sweep.values if sweep else (None,)
     out = []
     for value in values:

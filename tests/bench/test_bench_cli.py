@@ -183,6 +183,8 @@ def test_reports_name_traces_by_their_repository_path(tmp_path: Path) -> None:
     (["convert", "in.jsonl", "/nonexistent/out.jsonl"],
      "argument dst: the folder of '/nonexistent/out.jsonl' does not exist"),
     # refused by the command before its run starts
+    (["replay", "--policy", "lru", "nosuch"], "--policy: radix_eviction_policy='nosuch' is unknown"),
+    (["simulate", "--policy", "nosuch"], "--policy: radix_eviction_policy='nosuch' is unknown"),
     (["robustness", "--policies", "nosuch"], "--policies: radix_eviction_policy='nosuch' is unknown"),
     (["robustness", "--from-csv", "/nonexistent.csv"], "--from-csv: no such file"),
     (["robustness", "--sources", "gmi", "--traces-dir", "/nonexistent", "--policies", "lru"],
