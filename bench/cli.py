@@ -81,7 +81,7 @@ COMMANDS: dict[str, Command] = {
     "memory-split": _command("bench.runs.memory_split", "fixed KV / state splits of a byte "
                              "budget against one memory arena evicting by value (unified)"),
     "workloads": _command("bench.workloads.__main__", "generate a seeded workload (docqa, "
-                          "agentic, multiturn, sysprompt, mix), print its reuse"),
+                          "agentic, multiturn, sysprompt, toolcall, mix), print its reuse"),
     "trace-stats": _command("bench.traces.stats", "reuse statistics of a trace file"),
     "convert": _command("bench.traces.convert", "convert a TraceLab trace to the Mooncake format"),
 }
