@@ -43,6 +43,7 @@ __all__ = [
     "parse_count",
     "positive",
     "positive_float",
+    "probability",
     "prog",
     "refuse_ignored",
     "refuse_unified_policies",
@@ -170,6 +171,17 @@ def seed(text: str) -> int:
     if not (s.isascii() and s.isdigit()):
         raise argparse.ArgumentTypeError(f"not a seed (a whole number >= 0): {text!r}")
     return int(s)
+
+
+def probability(text: str) -> float:
+    """A number in ``[0, 1]``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1]: {text!r}")
+    return value
 
 
 def non_negative_float(text: str) -> float:

@@ -182,6 +182,14 @@ def test_reports_name_traces_by_their_repository_path(tmp_path: Path) -> None:
     (["convert", "in.jsonl", "out.jsonl", "--block-size", "0"], "argument --block-size: must be >= 1"),
     (["convert", "in.jsonl", "/nonexistent/out.jsonl"],
      "argument dst: the folder of '/nonexistent/out.jsonl' does not exist"),
+    # developer instruments: counts >= 1, a probability in [0, 1], a known policy (each was a
+    # traceback: max() of an empty sequence, an empty randrange, an unknown policy's ValueError)
+    (["radix-ops", "--requests", "0"], "argument --requests: must be >= 1"),
+    (["radix-ops", "--vocab", "0"], "argument --vocab: must be >= 1"),
+    (["radix-ops", "--capacity", "0"], "argument --capacity: must be >= 1"),
+    (["radix-ops", "--new-conv-prob", "2"], "argument --new-conv-prob: must be in [0, 1]: '2'"),
+    (["radix-ops", "--requests", "5", "--policy", "nosuch"],
+     "--policy: radix_eviction_policy='nosuch' is unknown"),
     # refused by the command before its run starts
     (["replay", "--policy", "lru", "nosuch"], "--policy: radix_eviction_policy='nosuch' is unknown"),
     (["simulate", "--policy", "nosuch"], "--policy: radix_eviction_policy='nosuch' is unknown"),
