@@ -190,6 +190,10 @@ def test_reports_name_traces_by_their_repository_path(tmp_path: Path) -> None:
     (["radix-ops", "--new-conv-prob", "2"], "argument --new-conv-prob: must be in [0, 1]: '2'"),
     (["radix-ops", "--requests", "5", "--policy", "nosuch"],
      "--policy: radix_eviction_policy='nosuch' is unknown"),
+    (["hit-breakdown", "--time-scale", "0"], "argument --time-scale: must be a finite number > 0"),
+    (["hit-breakdown", "--kv-tokens", "0"], "argument --kv-tokens: must be >= 1"),
+    (["hit-breakdown", "--trace", "/nonexistent.jsonl"], "trace file not found"),
+    (["hit-breakdown", "--policy", "gds", "--state-slots", "1e12"], "state_slots=1,000,000,000,000"),
     # refused by the command before its run starts
     (["replay", "--policy", "lru", "nosuch"], "--policy: radix_eviction_policy='nosuch' is unknown"),
     (["simulate", "--policy", "nosuch"], "--policy: radix_eviction_policy='nosuch' is unknown"),
