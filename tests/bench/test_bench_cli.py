@@ -194,6 +194,14 @@ def test_reports_name_traces_by_their_repository_path(tmp_path: Path) -> None:
     (["hit-breakdown", "--kv-tokens", "0"], "argument --kv-tokens: must be >= 1"),
     (["hit-breakdown", "--trace", "/nonexistent.jsonl"], "trace file not found"),
     (["hit-breakdown", "--policy", "gds", "--state-slots", "1e12"], "state_slots=1,000,000,000,000"),
+    (["sync-counts", "--requests", "0"], "argument --requests: must be >= 1"),  # was a 0 table
+    (["sync-counts", "--page-size", "0"], "argument --page-size: must be >= 1"),
+    (["sync-counts", "--kv-tokens", "0"], "argument --kv-tokens: must be >= 1"),
+    (["sync-counts", "--policy", "nosuch"], "--policy: radix_eviction_policy='nosuch' is unknown"),
+    (["sync-counts", "--trace", "/nonexistent.jsonl"], "trace file not found"),
+    (["hicache-bandwidth", "--node-tokens", "0"], "argument --node-tokens: must be >= 1"),
+    (["hicache-bandwidth", "--gib", "nan"], "argument --gib: must be a finite number > 0"),
+    (["hicache-bandwidth", "--gib", "0"], "argument --gib: must be a finite number > 0"),
     # refused by the command before its run starts
     (["replay", "--policy", "lru", "nosuch"], "--policy: radix_eviction_policy='nosuch' is unknown"),
     (["simulate", "--policy", "nosuch"], "--policy: radix_eviction_policy='nosuch' is unknown"),
