@@ -202,6 +202,12 @@ def test_reports_name_traces_by_their_repository_path(tmp_path: Path) -> None:
     (["hicache-bandwidth", "--node-tokens", "0"], "argument --node-tokens: must be >= 1"),
     (["hicache-bandwidth", "--gib", "nan"], "argument --gib: must be a finite number > 0"),
     (["hicache-bandwidth", "--gib", "0"], "argument --gib: must be a finite number > 0"),
+    (["lora-load", "--repeats", "0"], "argument --repeats: must be >= 1"),  # was StatisticsError
+    (["storage", "--pages", "0"], "argument --pages: must be >= 1"),  # was ZeroDivisionError
+    (["storage", "--page-bytes", "0"], "argument --page-bytes: must be >= 1"),
+    (["l3-share", "--instances", "0"], "argument --instances: must be >= 1"),
+    (["l3-share", "--trace", "/nonexistent.jsonl"], "trace file not found"),
+    (["l3-share", "--hicache-ratio", "0.5"], "hicache_ratio must be a finite number > 1"),
     # refused by the command before its run starts
     (["replay", "--policy", "lru", "nosuch"], "--policy: radix_eviction_policy='nosuch' is unknown"),
     (["simulate", "--policy", "nosuch"], "--policy: radix_eviction_policy='nosuch' is unknown"),

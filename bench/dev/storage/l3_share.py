@@ -29,7 +29,6 @@ import dataclasses
 import json
 import os
 import secrets
-import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -127,13 +126,14 @@ def run_setup(setup: str, trace: list[TraceRequest], base: EngineConfig, n: int,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = l3_share_parser().parse_args(argv)
-    if args.instances < 1:
-        print("error: --instances must be >= 1", file=sys.stderr)
-        return 2
-    trace = load_trace(args.trace, max_requests=args.max_requests)
-    base = EngineConfig(kv_tokens=args.kv_tokens, state_slots=args.state_slots,
-                        page_size=args.page_size, hicache_ratio=args.hicache_ratio)
+    parser = l3_share_parser()
+    args = parser.parse_args(argv)
+    try:  # the pools and the trace, before any engine or store is built
+        base = EngineConfig(kv_tokens=args.kv_tokens, state_slots=args.state_slots,
+                            page_size=args.page_size, hicache_ratio=args.hicache_ratio)
+        trace = load_trace(args.trace, max_requests=args.max_requests)
+    except (FileNotFoundError, ValueError, TypeError) as exc:  # TraceFormatError: a ValueError
+        parser.error(str(exc))
     rows = []
     extra = mooncake_extra_config(args.mooncake_segment) if args.l3[0] == "mooncake" else None
     secret = secrets.token_bytes(32) if args.authenticated else None
