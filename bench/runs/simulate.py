@@ -245,8 +245,8 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[SimConfig, float | None]]:
     if sweep is not None:  # the swept option given as well: the sweep would override it
         given = getattr(args, sweep.axis.replace("-", "_"))
         if given is not None:
-            value = f"{given:g}" if isinstance(given, float) else str(given)
-            raise ValueError(f"--{sweep.axis} {value} would be ignored: --sweep {sweep.axis} "
+            shown = f"{given:g}" if isinstance(given, float) else str(given)
+            raise ValueError(f"--{sweep.axis} {shown} would be ignored: --sweep {sweep.axis} "
                              "sets it (give one or the other)")
     for policy in policies:
         try:
