@@ -225,7 +225,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from bench.engine.presets import UNIFIED, engine_sizes, get_preset
     from bench.traces.loader import TraceFormatError, load_trace
-    from bench.workloads import workload_requests
+    from bench.workloads import check_source_options, workload_requests
+
+    check_source_options(parser, args)
     from radix import CacheConfig
 
     preset = get_preset(args.model)

@@ -66,7 +66,7 @@ from bench.traces.loader import (
     sniff_format,
     trace_label,
 )
-from bench.workloads import add_workload_arguments, workload_requests
+from bench.workloads import add_workload_arguments, check_source_options, workload_requests
 
 if TYPE_CHECKING:
     from bench.engine.core import EngineConfig
@@ -98,15 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
         "Replay a request trace through the hybrid prefix cache, one run per policy."))
     a = p.add_argument
     a("--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)")
-    a("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto",
+    a("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default=None,
       help="the trace file's format (default auto: read off its first line)")
     add_workload_arguments(p)
     a("--torch-threads", type=_positive, default=1,
       help="torch intra-op threads (default 1: the replay's tensor ops are bookkeeping-sized;"
            " on a shared 2-core machine two threads made the whole replay 1.9x slower)")
-    a("--mooncake-block-size", type=_positive, default=512,
+    a("--mooncake-block-size", type=_positive, default=None,
       help="tokens per hash id of a Mooncake-format file (default 512)")
-    a("--tracelab-block-size", type=_positive, default=1,
+    a("--tracelab-block-size", type=_positive, default=None,
       help="block size recorded for TraceLab rounds [tokens] (default 1: token-exact)")
     a("--max-requests", type=_positive, default=None, help="replay only the first N requests")
     a("--policy", nargs="+", default=None,
@@ -438,6 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit status (0 ok, 2 bad arguments or trace)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_source_options(parser, args)
     refuse_ignored(parser, (
         ("--swa-tokens", args.swa_tokens, "--sliding-window", bool(args.sliding_window)),
         ("--swa-release-extra-pages", args.swa_release_extra_pages, "--sliding-window",

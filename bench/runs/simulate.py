@@ -76,7 +76,7 @@ from bench.traces.loader import (
     sniff_format,
     trace_label,
 )
-from bench.workloads import add_workload_arguments, workload_requests
+from bench.workloads import add_workload_arguments, check_source_options, workload_requests
 
 if TYPE_CHECKING:
     from bench.engine.simulator import SimConfig, SimResult
@@ -91,9 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_arguments(p)
     a("--torch-threads", type=int, default=1,
       help="torch intra-op threads (default 1, as bench.runs.replay: bookkeeping-sized tensor ops)")
-    a("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto",
+    a("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default=None,
       help="the trace file's format (default auto: read off its first line)")
-    a("--mooncake-block-size", type=_positive, default=512,
+    a("--mooncake-block-size", type=_positive, default=None,
       help="tokens per hash id of a Mooncake-format file (default 512)")
     a("--max-requests", type=_positive, default=None, help="simulate only the first N requests")
     a("--policy", nargs="+", default=None,
@@ -412,6 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; 0 ok, 2 bad arguments or trace."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_source_options(parser, args)
     refuse_ignored(parser, (
         ("--time-scale", args.time_scale, "--arrivals trace", args.arrivals == "trace"),
         ("--state-fraction", args.state_fraction, "--memory-gb",

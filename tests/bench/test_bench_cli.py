@@ -208,6 +208,17 @@ def test_reports_name_traces_by_their_repository_path(tmp_path: Path) -> None:
     (["l3-share", "--instances", "0"], "argument --instances: must be >= 1"),
     (["l3-share", "--trace", "/nonexistent.jsonl"], "trace file not found"),
     (["l3-share", "--hicache-ratio", "0.5"], "hicache_ratio must be a finite number > 1"),
+    # options of a trace file with --workload, a workload seed without one: silently ignored
+    (["replay", "--workload", "docqa", "--trace-format", "gmi"],
+     "--trace-format reads a trace file, not --workload's generated requests"),
+    (["replay", "--workload", "docqa", "--mooncake-block-size", "4", "--tracelab-block-size", "2"],
+     "--mooncake-block-size, --tracelab-block-size read a trace file"),
+    (["simulate", "--workload", "docqa", "--mooncake-block-size", "4"],
+     "--mooncake-block-size reads a trace file"),
+    (["replay", "--workload-seed", "3"], "--workload-seed needs --workload, which is off"),
+    (["simulate", "--workload-seed", "3"], "--workload-seed needs --workload, which is off"),
+    (["memory-split", "--memory-gb", "1", "--workload-seed", "3"],
+     "--workload-seed needs --workload, which is off"),
     # refused by the command before its run starts
     (["replay", "--policy", "lru", "nosuch"], "--policy: radix_eviction_policy='nosuch' is unknown"),
     (["simulate", "--policy", "nosuch"], "--policy: radix_eviction_policy='nosuch' is unknown"),
