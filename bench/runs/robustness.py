@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from bench.cli import new_parser, output_path, positive, refuse_unified_policies
 from bench.policies import baselines
 from bench.runs.sweep import run_all
-from bench.traces.loader import load_trace
+from bench.traces.loader import TraceFormatError, load_trace
 from bench.workloads import generate
 
 if TYPE_CHECKING:  # the parser imports no torch (``--help``); the runs import it
@@ -448,10 +448,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 EngineConfig(kv_tokens=k, state_slots=s, concurrency=c)
     except ValueError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    traces: dict[str, list[TraceRequest] | None] = {}
+    try:  # every source before the first run: a malformed trace file stops nothing half-done
+        for name, _ in todo:
+            traces[name] = ALL_SOURCES[name].load(Path(args.traces_dir))
+    except (TraceFormatError, ValueError) as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     rows: list[Row] = []
     for name, points in todo:
         src = ALL_SOURCES[name]
-        trace = src.load(Path(args.traces_dir))
+        trace = traces.pop(name)
         if trace is None:
             print(f"{name}: {src.trace} not found in {args.traces_dir}; skipped", file=sys.stderr)
             continue

@@ -312,3 +312,22 @@ def test_robustness_refuses_the_unified_policy(capsys: pytest.CaptureFixture[str
               "--kv-tokens", "1M", "--concurrency", "4", "--jobs", "1"])
     assert exc.value.code == 2
     assert "--policies unified: only --state-fraction unified" in capsys.readouterr().err
+
+
+def test_a_malformed_trace_in_traces_dir_is_one_error_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``robustness`` and ``state-budget`` over a ``--traces-dir`` whose trace has a bad line:
+    the loader's message (file and line), exit status 2, before any run (were tracebacks)."""
+    from bench.dev.policies.budget import main as budget_main
+    from bench.runs.robustness import main
+
+    (tmp_path / "lmbench_gmi_trace.jsonl").write_text('{"timestamp": "5", "hash_ids": []}\n')
+    for command, argv in ((main, ["--sources", "docqa", "gmi", "--policies", "lru", "--slots",
+                                  "8", "--kv-tokens", "1M", "--concurrency", "4", "--jobs", "1"]),
+                          (budget_main, ["--source", "gmi"])):
+        with pytest.raises(SystemExit) as exc:
+            command([*argv, "--traces-dir", str(tmp_path)])
+        assert exc.value.code == 2
+        out, err = capsys.readouterr()
+        assert "lmbench_gmi_trace.jsonl:1: " in err and "error:" in err, err
+        assert "docqa:" not in err  # no source ran before the error
