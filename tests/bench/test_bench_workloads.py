@@ -331,3 +331,19 @@ def test_a_malformed_trace_in_traces_dir_is_one_error_line(
         out, err = capsys.readouterr()
         assert "lmbench_gmi_trace.jsonl:1: " in err and "error:" in err, err
         assert "docqa:" not in err  # no source ran before the error
+
+
+def test_a_written_workload_reads_back_with_its_sessions(tmp_path: Path) -> None:
+    """``workloads --out`` writes each request's ``session``; reading the file back gives the
+    same requests *and* sessions (the loader dropped them, so ``--session-hint`` over the file
+    passed no hint at all where ``--workload`` passes one per request)."""
+    from bench.traces.loader import load_trace
+    from bench.workloads.__main__ import main as workloads_main
+
+    out = tmp_path / "w.jsonl"
+    assert workloads_main(["multiturn:sessions=3,turns=2", "--out", str(out)]) == 0
+    want = generate("multiturn:sessions=3,turns=2", seed=0)
+    got = load_trace(out, mooncake_block_size=64)
+    assert [r.runs for r in got] == [r.runs for r in want]
+    assert [r.session for r in got] == [r.session for r in want]
+    assert all(r.session is not None for r in got)

@@ -292,3 +292,17 @@ def test_tracelab_timing_events_not_a_list_of_objects_names_the_line(
     path = write_jsonl(tmp_path / "tl.jsonl", [good, bad])
     with pytest.raises(TraceFormatError, match=r"tl\.jsonl:2: 'timing_events' must be a list"):
         load_trace(path)
+
+
+def test_mooncake_line_may_carry_a_session(tmp_path: Path) -> None:
+    """An optional ``session`` (str or int; what ``workloads --out`` writes) becomes
+    ``TraceRequest.session`` (an int as its decimal text, as TraceLab's session_id); any other
+    type names the line."""
+    rows = [{**mooncake_row(0, 4, [0]), "session": "a"}, {**mooncake_row(1, 4, [0]), "session": 7},
+            mooncake_row(2, 4, [0])]
+    got = load_trace(write_jsonl(tmp_path / "s.jsonl", rows), mooncake_block_size=4)
+    assert [r.session for r in got] == ["a", "7", None]
+    bad = write_jsonl(tmp_path / "b.jsonl", [{**mooncake_row(0, 4, [0]), "session": [1]}])
+    with pytest.raises(TraceFormatError, match=r"b\.jsonl:1: 'session' must be a string or an "
+                                               r"integer, got \[1\]"):
+        load_trace(bad, mooncake_block_size=4)
