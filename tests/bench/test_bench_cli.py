@@ -219,6 +219,9 @@ def test_reports_name_traces_by_their_repository_path(tmp_path: Path) -> None:
     (["simulate", "--workload-seed", "3"], "--workload-seed needs --workload, which is off"),
     (["memory-split", "--memory-gb", "1", "--workload-seed", "3"],
      "--workload-seed needs --workload, which is off"),
+    (["evict-scaling", "--nodes", "100", "--policy", "nosuch"],
+     "--policy: radix_eviction_policy='nosuch' is unknown"),
+    (["evict-scaling", "--nodes", "100000", "100"], "--nodes 100: the measurement evicts about"),
     # refused by the command before its run starts
     (["replay", "--policy", "lru", "nosuch"], "--policy: radix_eviction_policy='nosuch' is unknown"),
     (["simulate", "--policy", "nosuch"], "--policy: radix_eviction_policy='nosuch' is unknown"),
