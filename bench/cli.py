@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn, TextIO
 
 __all__ = [
     "COMMANDS",
@@ -50,6 +50,7 @@ __all__ = [
     "require_package",
     "seed",
     "state_fraction",
+    "text_stream",
     "write_json",
 ]
 
@@ -290,6 +291,12 @@ def column_blocks(label_width: int, widths: Sequence[int], limit: int | None) ->
         blocks[-1].append(i)
         used += 2 + w
     return blocks
+
+
+def text_stream(json_path: str | None) -> TextIO:
+    """Where a command prints its tables and progress: stdout, or stderr when ``--json -``
+    gives stdout to the JSON (so that stdout is one JSON document)."""
+    return sys.stderr if json_path == "-" else sys.stdout
 
 
 def write_json(path: str, obj: Any) -> None:

@@ -41,6 +41,7 @@ from bench.cli import (
     positive_float,
     prog,
     state_fraction,
+    text_stream,
 )
 from bench.engine.presets import SGLANG_DEFAULT_FRACTION
 
@@ -254,17 +255,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             trace = load_trace(args.trace, max_requests=args.max_requests)
     except (FileNotFoundError, TraceFormatError, ValueError, TypeError) as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    out = text_stream(args.json)
     records: list[dict[str, Any]] = []
     for gb in args.memory_gb:
         for f in args.state_fractions:
             rec = run_fixed(trace, preset, gb, f, args)
             if rec is not None:
                 records.append(rec)
-                print(json.dumps(rec), flush=True)
+                print(json.dumps(rec), file=out, flush=True)
         rec = run_arena(trace, preset, gb, args)
         records.append(rec)
-        print(json.dumps(rec), flush=True)
-    print(render(records))
+        print(json.dumps(rec), file=out, flush=True)
+    print(render(records), file=out)
     if args.json is not None:
         from bench.cli import write_json
 

@@ -266,3 +266,31 @@ def test_count_types_refuse_infinity_and_keep_large_integers_exact() -> None:
     from bench.runs.replay import main
 
     assert_usage_error(main, ["--kv-tokens", "inf"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["memory-split", "--workload", "multiturn:sessions=2,turns=2", "--memory-gb", "1",
+     "--state-fractions", "0.2"],
+    ["opcodes", "--reps", "2"],
+    ["l3-share", "--max-requests", "3", "--setups", "shared"],
+    ["hicache-bandwidth", "--simulate", "--gib", "0.0005", "--node-tokens", "16",
+     "--io-backends", "direct", "--mem-layouts", "page_first"],
+    ["hicache-bandwidth", "--replay", "--models", "hicache"],
+    ["storage", "--pages", "4", "--batch", "2"],
+])
+def test_json_to_stdout_leaves_stdout_one_json_document(
+        argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--json -`` gives stdout to the JSON (as replay and simulate do): the table and the
+    progress lines go to stderr. stdout held the records' lines, the table and the JSON (a
+    JSON reader failed on it); hicache-bandwidth printed the JSON once per record, and
+    storage wrote a file named '-'."""
+    import json
+
+    if argv[0] == "l3-share":
+        argv = [*argv, "--l3", f"file:{tmp_path / 'l3'}"]
+    monkeypatch.chdir(tmp_path)  # a file named '-' would land here
+    assert cli.main([*argv, "--json", "-"]) == 0
+    out = capsys.readouterr().out
+    json.loads(out)  # one document, nothing else
+    assert not (tmp_path / "-").exists()

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.cli import write_json
+from bench.cli import text_stream, write_json
 from bench.dev.storage.options import l3_share_parser
 from bench.engine.core import EngineConfig, ReplayEngine
 from bench.engine.metrics import summarize
@@ -141,14 +141,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows += run_setup(setup, trace, base, args.instances, args.l3, extra, secret)
     head = ("setup", "instance", "requests", "prompt_tokens", "hit_tokens", "hit_rate",
             "l3_prefetch_tokens", "l3_pages_written", "l3_faults", "seconds", "cpu_s")
-    print(" | ".join(head))
+    out = text_stream(args.json)
+    print(" | ".join(head), file=out)
     for r in rows:
-        print(" | ".join(str(r[h]) for h in head))
+        print(" | ".join(str(r[h]) for h in head), file=out)
     for setup in args.setups:
         sel = [r for r in rows if r["setup"] == setup]
         total = sum(r["prompt_tokens"] for r in sel)
         hit = sum(r["hit_tokens"] for r in sel)
-        print(f"{setup}: hit rate over all instances {hit / total:.4f}" if total else setup)
+        print(f"{setup}: hit rate over all instances {hit / total:.4f}" if total else setup,
+              file=out)
     if args.json:
         write_json(args.json, rows)
     return 0
