@@ -51,6 +51,7 @@ __all__ = [
     "seed",
     "state_fraction",
     "text_stream",
+    "warn_page_split",
     "write_json",
 ]
 
@@ -291,6 +292,15 @@ def column_blocks(label_width: int, widths: Sequence[int], limit: int | None) ->
         blocks[-1].append(i)
         used += 2 + w
     return blocks
+
+
+def warn_page_split(prog_name: str, page_size: int, block_size: int) -> None:
+    """On stderr, when ``page_size`` does not divide the trace's ``block_size``: shared blocks
+    then end inside a page, and a page a block shares only in part is not cached."""
+    if block_size % page_size:
+        print(f"{prog_name}: warning: --page-size {page_size} does not divide the trace's block "
+              f"size ({block_size} tokens): shared blocks end inside a page, and pages a block "
+              "shares only in part are not cached", file=sys.stderr)
 
 
 def text_stream(json_path: str | None) -> TextIO:

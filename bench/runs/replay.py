@@ -55,6 +55,7 @@ from bench.cli import (
     refuse_unified_policies,
     require_package,
     state_fraction,
+    warn_page_split,
     write_json,
 )
 from bench.cli import positive as _positive
@@ -488,11 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     if not trace:
         parser.exit(2, f"{parser.prog}: error: no requests in {source}\n")
-    block = trace[0].block_size
-    if block % args.page_size:
-        print(f"{parser.prog}: warning: --page-size {args.page_size} does not divide the "
-              f"trace's block size ({block} tokens): shared blocks end inside a page, and "
-              "pages a block shares only in part are not cached", file=sys.stderr)
+    warn_page_split(parser.prog, args.page_size, trace[0].block_size)
     if args.plot is not None:
         try:
             sweep_axis_of(configs)

@@ -47,6 +47,7 @@ from bench.cli import (
     refuse_unified_policies,
     require_package,
     state_fraction,
+    warn_page_split,
     write_json,
 )
 from bench.cli import positive as _positive
@@ -443,6 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     if not trace:
         parser.exit(2, f"{parser.prog}: error: no requests in {path}\n")
+    warn_page_split(parser.prog, args.page_size, trace[0].block_size)
     bounds = compute_bounds(trace, exclude_last_token=True, page_size=args.page_size)
     configs = [c for c, _ in plan]
     values = [v for _, v in plan]

@@ -294,3 +294,18 @@ def test_json_to_stdout_leaves_stdout_one_json_document(
     out = capsys.readouterr().out
     json.loads(out)  # one document, nothing else
     assert not (tmp_path / "-").exists()
+
+
+@pytest.mark.parametrize("command", ["replay", "simulate"])
+def test_a_page_that_splits_trace_blocks_is_warned_about(
+        command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Both engine commands say when ``--page-size`` does not divide the trace block (shared
+    blocks then end inside a page, and such pages are not cached); simulate said nothing."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [0, 1]}\n')
+    argv = [command, "--trace", str(trace), "--mooncake-block-size", "4", "--page-size", "3",
+            "--kv-tokens", "300", "--state-slots", "4", "--policy", "lru", "--no-progress"]
+    assert cli.main(argv + (["--jobs", "1"] if command == "simulate" else [])) == 0
+    err = capsys.readouterr().err
+    assert (f"python -m bench {command}: warning: --page-size 3 does not divide the trace's "
+            "block size (4 tokens)") in err, err
