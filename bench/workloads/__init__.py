@@ -36,6 +36,7 @@ from bench.workloads.shapes import (
     SysPromptParams,
     ToolCallParams,
     agentic,
+    check_parameter,
     docqa,
     multiturn,
     sysprompt,
@@ -176,9 +177,7 @@ def generate(spec: str, seed: int = 0, overrides: Mapping[str, Any] | None = Non
     w = WORKLOADS[name]
     params = w.params(**kw)
     for f in fields(params):
-        v = getattr(params, f.name)
-        if v < 0:
-            raise ValueError(f"workload parameter {f.name} must be >= 0, got {v}")
+        check_parameter(f.name, getattr(params, f.name))
     reqs = w.build(params, seed, BlockSpace(block))
     if not reqs:
         return reqs

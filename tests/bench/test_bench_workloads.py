@@ -4,6 +4,7 @@ boundary, a trace slice re-timed from 0, and the verdict computed by hand."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -347,3 +348,33 @@ def test_a_written_workload_reads_back_with_its_sessions(tmp_path: Path) -> None
     assert [r.runs for r in got] == [r.runs for r in want]
     assert [r.session for r in got] == [r.session for r in want]
     assert all(r.session is not None for r in got)
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    # each was a traceback (ZeroDivisionError, OverflowError, numpy's unnamed ValueError) or a
+    # silently meaningless workload (a probability of 2, of NaN)
+    ("docqa:span_s=inf", "workload parameter span_s must be a finite number, got inf"),
+    ("docqa:think_s=nan", "workload parameter think_s must be a finite number, got nan"),
+    ("docqa:followup_p=2", "workload parameter followup_p is a probability: in [0, 1], got 2.0"),
+    ("agentic:subagent_p=1.5", "subagent_p is a probability: in [0, 1], got 1.5"),
+    ("multiturn:turns=0", "turns is the mean of a count 1, 2, ...: >= 1, got 0.0"),
+    ("agentic:steps=0.5", "steps is the mean of a count 1, 2, ...: >= 1, got 0.5"),
+    ("docqa:questions=0", "questions is the mean of a count 1, 2, ...: >= 1, got 0.0"),
+    ("toolcall:steps=0", "steps is the mean of a count 1, 2, ...: >= 1"),
+    ("sysprompt:systems=0", "systems is how many there are to draw from: >= 1, got 0"),
+    ("agentic:toolsets=0", "toolsets is how many there are to draw from: >= 1, got 0"),
+    ("toolcall:result_alpha=0", "result_alpha is a Pareto index: > 0, got 0.0"),
+])
+def test_parameters_outside_their_domain_are_refused_naming_them(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        generate(spec)
+
+
+def test_parameters_at_the_edge_of_their_domain_generate() -> None:
+    """The limits are the generators' own: a mean count of 1 is always one; a probability of
+    0 or 1 is never or always; one system prompt is drawn every time."""
+    one_turn = generate("multiturn:sessions=5,turns=1")
+    assert len(one_turn) == 5  # one request per session
+    assert generate("docqa:docs=2,followup_p=0,questions=1")
+    assert generate("sysprompt:requests=4,systems=1")
+    assert generate("docqa:docs=1,followup_p=1")
