@@ -18,12 +18,13 @@ import argparse
 import importlib
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
 from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn, TextIO
 
 __all__ = [
     "COMMANDS",
@@ -37,15 +38,20 @@ __all__ = [
     "figure_path",
     "main",
     "new_parser",
+    "non_negative_float",
     "output_path",
     "parse_count",
     "positive",
     "positive_float",
+    "probability",
     "prog",
     "refuse_ignored",
     "refuse_unified_policies",
     "require_package",
+    "seed",
     "state_fraction",
+    "text_stream",
+    "warn_page_split",
     "write_json",
 ]
 
@@ -78,7 +84,7 @@ COMMANDS: dict[str, Command] = {
     "memory-split": _command("bench.runs.memory_split", "fixed KV / state splits of a byte "
                              "budget against one memory arena evicting by value (unified)"),
     "workloads": _command("bench.workloads.__main__", "generate a seeded workload (docqa, "
-                          "agentic, multiturn, sysprompt, mix), print its reuse"),
+                          "agentic, multiturn, sysprompt, toolcall, mix), print its reuse"),
     "trace-stats": _command("bench.traces.stats", "reuse statistics of a trace file"),
     "convert": _command("bench.traces.convert", "convert a TraceLab trace to the Mooncake format"),
 }
@@ -129,13 +135,15 @@ def parse_count(text: str) -> int:
     scale = 1
     if s and s[-1] in _SUFFIX:
         scale, s = _SUFFIX[s[-1]], s[:-1]
+    if s.isascii() and s.isdigit():  # digits alone: exact, whatever the size (a float keeps 53 bits)
+        return int(s) * scale
     try:
         value = float(s) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"not a count: {text!r} (try 16000000, 16e6 or 16M)"
         ) from None
-    if value < 0 or value != int(value):
+    if not math.isfinite(value) or value < 0 or value != int(value):
         raise argparse.ArgumentTypeError(f"not a whole non-negative count: {text!r}")
     return int(value)
 
@@ -159,6 +167,36 @@ def positive_float(text: str) -> float:
     return value
 
 
+def seed(text: str) -> int:
+    """A random seed: a whole number >= 0, written in digits."""
+    s = text.strip().replace("_", "")
+    if not (s.isascii() and s.isdigit()):
+        raise argparse.ArgumentTypeError(f"not a seed (a whole number >= 0): {text!r}")
+    return int(s)
+
+
+def probability(text: str) -> float:
+    """A number in ``[0, 1]``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1]: {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0: {text!r}")
+    return value
+
+
 def state_fraction(text: str) -> float | str:
     """``--state-fraction``: the states' share of ``--memory-gb`` (a number in ``[0, 1)``),
     or ``unified``: one arena for both kinds, its boundary moving at run time
@@ -177,16 +215,23 @@ def state_fraction(text: str) -> float | str:
     return value
 
 
-def refuse_unified_policies(splits: Sequence[float | str], policies: Sequence[str] | None
-                            ) -> None:
+def refuse_unified_policies(splits: Sequence[float | str], policies: Sequence[str] | None,
+                            option: str = "--policy") -> None:
     """``ValueError`` naming ``--policy`` when policies other than ``unified`` are given and
-    every split is ``unified`` (the arena has one policy, no knob)."""
+    every split is ``unified`` (the arena has one policy, no knob), or when ``unified`` is
+    given and a run has fixed pools: ``splits`` holds a fraction, or is empty (pools sized by
+    ``--kv-tokens`` / ``--state-slots``). That policy weighs bytes, which only the arena's
+    pools give. ``option``: how the command spells ``--policy``."""
     from bench.engine.presets import UNIFIED
 
     other = [p for p in policies or () if p != UNIFIED]
     if other and splits and all(f == UNIFIED for f in splits):
-        raise ValueError(f"--policy {' '.join(other)}: --state-fraction {UNIFIED} runs one "
+        raise ValueError(f"{option} {' '.join(other)}: --state-fraction {UNIFIED} runs one "
                          f"policy, {UNIFIED} (drop --policy)")
+    if UNIFIED in (policies or ()) and not (splits and all(f == UNIFIED for f in splits)):
+        raise ValueError(f"{option} {UNIFIED}: only --state-fraction {UNIFIED} (with --model "
+                         f"and --memory-gb) runs it, on one arena whose bytes it weighs; fixed "
+                         f"pools have no byte sizes (drop {UNIFIED} from {option})")
 
 
 def check_output_path(path: str) -> str | None:
@@ -247,6 +292,21 @@ def column_blocks(label_width: int, widths: Sequence[int], limit: int | None) ->
         blocks[-1].append(i)
         used += 2 + w
     return blocks
+
+
+def warn_page_split(prog_name: str, page_size: int, block_size: int) -> None:
+    """On stderr, when ``page_size`` does not divide the trace's ``block_size``: shared blocks
+    then end inside a page, and a page a block shares only in part is not cached."""
+    if block_size % page_size:
+        print(f"{prog_name}: warning: --page-size {page_size} does not divide the trace's block "
+              f"size ({block_size} tokens): shared blocks end inside a page, and pages a block "
+              "shares only in part are not cached", file=sys.stderr)
+
+
+def text_stream(json_path: str | None) -> TextIO:
+    """Where a command prints its tables and progress: stdout, or stderr when ``--json -``
+    gives stdout to the JSON (so that stdout is one JSON document)."""
+    return sys.stderr if json_path == "-" else sys.stdout
 
 
 def write_json(path: str, obj: Any) -> None:

@@ -57,6 +57,7 @@ from allocators import (
     cat_slots,
 )
 from allocators.arena import ArenaKVAllocator
+from allocators.free_list import free_list_bytes
 from allocators.memory import MemoryBudgetError, available_host_memory
 from bench.engine.metrics import RequestLog
 from bench.engine.presets import ArenaLayout
@@ -73,6 +74,10 @@ EndCheckpoint = Literal["block", "exact"]
 #: Bytes a pool's free list takes per entry (``allocators.free_list``: the int64 ring, the
 #: free flag, the int32 / int64 release stamp): the least an entry of any pool costs.
 FREE_LIST_BYTES = 13
+
+#: Bytes of one slot of the engine's state pool: one float32 conv and one float32 SSM element
+#: of its one layer (the replay copies states but never reads them).
+STATE_SLOT_BYTES = 8
 
 
 def _gib(n: float) -> str:
@@ -165,13 +170,16 @@ class EngineConfig:
             self.hicache_config()  # validates ratio and write policy (ValueError / TypeError)
         avail = available_host_memory()
         if avail is not None and self.min_bytes() > avail:
+            states = self.arena is None and self.state_slots > 0
             raise MemoryBudgetError(
                 f"kv_tokens={self.kv_tokens:,} (page {self.page_size}"
                 + (f", swa_tokens={self.swa_tokens:,}" if self.sliding_window else "")
                 + (f", host {self.hicache_ratio:g}x" if self.hicache_ratio else "")
-                + f"): the pools' free lists alone need {_gib(self.min_bytes())} "
-                f"({FREE_LIST_BYTES} bytes per page), more than the {_gib(avail)} this machine "
-                "has available")
+                + (f"), state_slots={self.state_slots:,}" if states else ")")
+                + f": the pools' free lists alone need {_gib(self.min_bytes())} "
+                f"({FREE_LIST_BYTES} bytes per page"
+                + (f", {FREE_LIST_BYTES + STATE_SLOT_BYTES} per state slot" if states else "")
+                + f"), more than the {_gib(avail)} this machine has available")
 
     def _check_arena(self, arena: ArenaLayout) -> None:
         """The fields an arena fixes agree with it (``ValueError`` naming the field)."""
@@ -191,11 +199,16 @@ class EngineConfig:
 
     def min_bytes(self) -> int:
         """The least the pools of this configuration allocate [bytes]: :data:`FREE_LIST_BYTES`
-        per page of the KV pool, the SWA pool and the host tier's pools."""
+        per page of the KV pool and the SWA pool, and per state slot its free-list entry and
+        :data:`STATE_SLOT_BYTES` (two pools, not an arena); the host tier's pools on top."""
         pages = self.kv_tokens // self.page_size
         if self.sliding_window:
             pages += self.swa_tokens // self.page_size
-        return int(FREE_LIST_BYTES * pages * (1 + self.hicache_ratio))
+        per_tier = FREE_LIST_BYTES * pages
+        if self.arena is None and self.state_slots:
+            per_tier += free_list_bytes(self.state_slots) \
+                + STATE_SLOT_BYTES * (self.state_slots + 1)
+        return int(per_tier * (1 + self.hicache_ratio))
 
     def hicache_config(self) -> HiCacheConfig | None:
         """The cache's host tier, or ``None`` when ``hicache_ratio`` is 0."""

@@ -34,15 +34,33 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from bench.cli import ArgumentParser, output_path, positive_float, prog
+from bench.cli import (
+    ArgumentParser,
+    output_path,
+    positive,
+    positive_float,
+    prog,
+    state_fraction,
+    text_stream,
+)
 from bench.engine.presets import SGLANG_DEFAULT_FRACTION
 
-__all__ = ["SGLANG_DEFAULT_FRACTION", "arena_fields", "build_parser", "main", "run_arena",
-           "run_fixed"]
+__all__ = ["SGLANG_DEFAULT_FRACTION", "arena_fields", "build_parser", "fixed_config",
+           "fixed_fraction", "main", "run_arena", "run_fixed"]
 
 
 #: The fixed splits swept by default (state fraction of the budget).
 DEFAULT_FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.3, SGLANG_DEFAULT_FRACTION, 0.6, 0.8)
+
+
+def fixed_fraction(text: str) -> float:
+    """A fixed split of ``--state-fractions``: a number in ``[0, 1)`` (the unified arena always
+    runs beside them)."""
+    value = state_fraction(text)
+    if isinstance(value, str):
+        raise argparse.ArgumentTypeError(
+            f"expected a number in [0, 1), got {text!r} (the unified arena runs anyway)")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,14 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model preset whose KV and state bytes split the budget")
     p.add_argument("--memory-gb", type=positive_float, nargs="+", required=True,
                    help="byte budgets of the cache [decimal GB]")
-    p.add_argument("--state-fractions", type=float, nargs="+", default=list(DEFAULT_FRACTIONS),
+    p.add_argument("--state-fractions", type=fixed_fraction, nargs="+",
+                   default=list(DEFAULT_FRACTIONS),
                    help="fixed splits: the state pool's share of the budget, in [0, 1) "
                         "(default: a grid with SGLang's default 0.4737)")
     p.add_argument("--policy", default="gds", help="radix eviction policy of the fixed splits")
-    p.add_argument("--max-requests", type=int, default=None, help="replay only the first N")
-    p.add_argument("--page-size", type=int, default=1)
-    p.add_argument("--chunk-size", type=int, default=8192)
-    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--max-requests", type=positive, default=None, help="replay only the first N")
+    p.add_argument("--page-size", type=positive, default=1)
+    p.add_argument("--chunk-size", type=positive, default=8192)
+    p.add_argument("--concurrency", type=positive, default=32)
     p.add_argument("--json", type=output_path, default=None, metavar="OUT",
                    help="write the records as a JSON list")
     return p
@@ -109,10 +128,16 @@ def _replay(engine: Any, trace: Sequence[Any]) -> dict[str, Any]:
             "skipped": engine.log.skipped, "cpu_s": cpu}
 
 
-def run_fixed(trace: Sequence[Any], preset: Any, memory_gb: float, fraction: float,
-              args: argparse.Namespace) -> dict[str, Any] | None:
-    """One fixed split; ``None`` when it holds no state slot or no KV page."""
-    from bench.engine.core import EngineConfig, ReplayEngine
+def fixed_config(preset: Any, memory_gb: float, fraction: float, args: argparse.Namespace
+                 ) -> Any:
+    """The ``EngineConfig`` of one fixed split; ``None`` when it holds no state slot or no KV
+    page.
+
+    Raises:
+        ValueError: a bad policy or engine option, or pools past this machine's memory
+            (``MemoryBudgetError``).
+    """
+    from bench.engine.core import EngineConfig
     from bench.engine.presets import split_memory
 
     try:
@@ -121,12 +146,22 @@ def run_fixed(trace: Sequence[Any], preset: Any, memory_gb: float, fraction: flo
         return None
     if split.state_slots < 1:
         return None
-    cfg = EngineConfig(policy=args.policy, kv_tokens=split.kv_tokens,
-                       state_slots=split.state_slots, page_size=args.page_size,
-                       chunk_size=args.chunk_size, concurrency=args.concurrency)
+    return EngineConfig(policy=args.policy, kv_tokens=split.kv_tokens,
+                        state_slots=split.state_slots, page_size=args.page_size,
+                        chunk_size=args.chunk_size, concurrency=args.concurrency)
+
+
+def run_fixed(trace: Sequence[Any], preset: Any, memory_gb: float, fraction: float,
+              args: argparse.Namespace) -> dict[str, Any] | None:
+    """One fixed split; ``None`` when it holds no state slot or no KV page."""
+    from bench.engine.core import ReplayEngine
+
+    cfg = fixed_config(preset, memory_gb, fraction, args)
+    if cfg is None:
+        return None
     return {"memory_gb": memory_gb, "split": fraction, "policy": args.policy,
-            **_replay(ReplayEngine(cfg), trace), "kv_tokens": split.kv_tokens,
-            "state_slots": split.state_slots}
+            **_replay(ReplayEngine(cfg), trace), "kv_tokens": cfg.kv_tokens,
+            "state_slots": cfg.state_slots}
 
 
 def run_arena(trace: Sequence[Any], preset: Any, memory_gb: float,
@@ -187,31 +222,51 @@ def render(records: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from bench.engine.presets import get_preset
-    from bench.traces.loader import load_trace
-    from bench.workloads import workload_requests
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from bench.engine.presets import UNIFIED, engine_sizes, get_preset
+    from bench.traces.loader import TraceFormatError, load_trace
+    from bench.workloads import check_source_options, workload_requests
 
-    for f in args.state_fractions:
-        if not 0.0 <= f < 1.0:
-            raise SystemExit(f"--state-fractions: {f} is not in [0, 1)")
+    check_source_options(parser, args)
+    from radix import CacheConfig
+
     preset = get_preset(args.model)
-    if args.workload is not None:
-        trace = workload_requests(args.workload, args.workload_seed, args.max_requests,
-                                  args.trace)
-    else:
-        trace = load_trace(args.trace, max_requests=args.max_requests)
+    try:  # everything that can be refused, before any run
+        if args.policy == UNIFIED:
+            raise ValueError(f"--policy {UNIFIED}: the fixed splits' pools have no byte sizes "
+                             f"for it to weigh (the {UNIFIED} arena runs beside them anyway)")
+        try:
+            CacheConfig(page_size=args.page_size, radix_eviction_policy=args.policy)
+        except ValueError as exc:
+            raise ValueError(f"--policy: {exc}") from None
+        for gb in args.memory_gb:  # every run's pools (the arena: two chunks at least)
+            engine_sizes(preset, gb, UNIFIED, args.page_size)
+            for f in args.state_fractions:
+                try:
+                    fixed_config(preset, gb, f, args)
+                except ValueError as exc:
+                    raise ValueError(f"--memory-gb {gb:g} at state fraction {f:g}: {exc}"
+                                     ) from None
+        if args.workload is not None:
+            trace = workload_requests(args.workload, args.workload_seed, args.max_requests,
+                                      args.trace)
+        else:
+            trace = load_trace(args.trace, max_requests=args.max_requests)
+    except (FileNotFoundError, TraceFormatError, ValueError, TypeError) as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    out = text_stream(args.json)
     records: list[dict[str, Any]] = []
     for gb in args.memory_gb:
         for f in args.state_fractions:
             rec = run_fixed(trace, preset, gb, f, args)
             if rec is not None:
                 records.append(rec)
-                print(json.dumps(rec), flush=True)
+                print(json.dumps(rec), file=out, flush=True)
         rec = run_arena(trace, preset, gb, args)
         records.append(rec)
-        print(json.dumps(rec), flush=True)
-    print(render(records))
+        print(json.dumps(rec), file=out, flush=True)
+    print(render(records), file=out)
     if args.json is not None:
         from bench.cli import write_json
 

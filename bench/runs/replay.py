@@ -55,6 +55,7 @@ from bench.cli import (
     refuse_unified_policies,
     require_package,
     state_fraction,
+    warn_page_split,
     write_json,
 )
 from bench.cli import positive as _positive
@@ -66,7 +67,7 @@ from bench.traces.loader import (
     sniff_format,
     trace_label,
 )
-from bench.workloads import add_workload_arguments, workload_requests
+from bench.workloads import add_workload_arguments, check_source_options, workload_requests
 
 if TYPE_CHECKING:
     from bench.engine.core import EngineConfig
@@ -98,15 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
         "Replay a request trace through the hybrid prefix cache, one run per policy."))
     a = p.add_argument
     a("--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)")
-    a("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto",
+    a("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default=None,
       help="the trace file's format (default auto: read off its first line)")
     add_workload_arguments(p)
     a("--torch-threads", type=_positive, default=1,
       help="torch intra-op threads (default 1: the replay's tensor ops are bookkeeping-sized;"
            " on a shared 2-core machine two threads made the whole replay 1.9x slower)")
-    a("--mooncake-block-size", type=_positive, default=512,
+    a("--mooncake-block-size", type=_positive, default=None,
       help="tokens per hash id of a Mooncake-format file (default 512)")
-    a("--tracelab-block-size", type=_positive, default=1,
+    a("--tracelab-block-size", type=_positive, default=None,
       help="block size recorded for TraceLab rounds [tokens] (default 1: token-exact)")
     a("--max-requests", type=_positive, default=None, help="replay only the first N requests")
     a("--policy", nargs="+", default=None,
@@ -299,8 +300,9 @@ def check_memory_options(args: argparse.Namespace) -> None:
     """The pool options that cannot go together (``ValueError`` naming the option):
     ``--memory-gb`` without ``--model`` or with ``--kv-tokens`` / ``--state-slots``; a
     ``unified`` split with a sliding window, a host tier or LoRA adapters; ``--policy`` other
-    than ``unified`` when every split is unified."""
+    than ``unified`` when every split is unified, ``unified`` when one is not."""
     if args.memory_gb is None:
+        refuse_unified_policies([], args.policy)
         return
     if args.model is None:
         raise ValueError("--memory-gb needs --model PRESET (whose bytes size the pools)")
@@ -359,8 +361,15 @@ def _plan(args: argparse.Namespace, knobs: dict[str, dict[str, Any]] | None = No
             args.kv_events
         ):
             # fails on a bad name or knob before anything runs
-            CacheConfig(page_size=args.page_size, radix_eviction_policy=policy,
-                        radix_eviction_policy_config=knobs.get(policy))
+            try:
+                CacheConfig(page_size=args.page_size, radix_eviction_policy=policy)
+            except ValueError as exc:
+                raise ValueError(f"--policy: {exc}") from None
+            try:
+                CacheConfig(page_size=args.page_size, radix_eviction_policy=policy,
+                            radix_eviction_policy_config=knobs.get(policy))
+            except ValueError as exc:
+                raise ValueError(f"--policy-config {policy}: {exc}") from None
             swa_tokens = 0
             if args.sliding_window:
                 swa_tokens = (args.swa_tokens if args.swa_tokens is not None
@@ -430,6 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit status (0 ok, 2 bad arguments or trace)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_source_options(parser, args)
     refuse_ignored(parser, (
         ("--swa-tokens", args.swa_tokens, "--sliding-window", bool(args.sliding_window)),
         ("--swa-release-extra-pages", args.swa_release_extra_pages, "--sliding-window",
@@ -479,11 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     if not trace:
         parser.exit(2, f"{parser.prog}: error: no requests in {source}\n")
-    block = trace[0].block_size
-    if block % args.page_size:
-        print(f"{parser.prog}: warning: --page-size {args.page_size} does not divide the "
-              f"trace's block size ({block} tokens): shared blocks end inside a page, and "
-              "pages a block shares only in part are not cached", file=sys.stderr)
+    warn_page_split(parser.prog, args.page_size, trace[0].block_size)
     if args.plot is not None:
         try:
             sweep_axis_of(configs)

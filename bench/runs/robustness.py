@@ -37,15 +37,15 @@ import csv
 import itertools
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.cli import new_parser, output_path, positive
+from bench.cli import new_parser, output_path, positive, refuse_unified_policies
 from bench.policies import baselines
 from bench.runs.sweep import run_all
-from bench.traces.loader import load_trace
+from bench.traces.loader import TraceFormatError, load_trace
 from bench.workloads import generate
 
 if TYPE_CHECKING:  # the parser imports no torch (``--help``); the runs import it
@@ -340,9 +340,34 @@ def verdict_lines(rows: Sequence[Row], policy: str = RECOMMENDED) -> list[str]:
     return out
 
 
+#: The columns the table reads from a saved run (``--from-csv``), and how each is read.
+CSV_READ: dict[str, Callable[[str], object]] = {
+    "source": str, "state_slots": int, "kv_tokens": int, "concurrency": int, "policy": str,
+    "token_hit_rate": float}
+
+
 def _read_csv(path: str) -> list[Row]:
-    with open(path, encoding="utf-8") as f:
-        return list(csv.DictReader(f))
+    """The rows of a CSV this command wrote (``--csv``).
+
+    Raises:
+        ValueError: a column the table reads is missing, or a row's value cannot be read
+            (the message names the file, the line and the column).
+    """
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in CSV_READ if c not in (reader.fieldnames or ())]
+        if missing:
+            raise ValueError(f"--from-csv {path}: no column {', '.join(missing)} (a CSV written "
+                             f"by --csv has {', '.join(FIELDS)})")
+        rows = list(reader)
+    for line, row in enumerate(rows, start=2):
+        for column, read in CSV_READ.items():
+            try:
+                read(row[column])
+            except (TypeError, ValueError):
+                raise ValueError(f"--from-csv {path}:{line}: column {column}: cannot read "
+                                 f"{row[column]!r} as {read.__name__}") from None
+    return rows
 
 
 def _write_csv(path: str, rows: Sequence[Row]) -> None:
@@ -399,7 +424,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for path in args.from_csv:
             if not Path(path).is_file():
                 parser.exit(2, f"{parser.prog}: error: --from-csv: no such file: {path!r}\n")
-            merged.extend(_read_csv(path))
+            try:
+                merged.extend(_read_csv(path))
+            except ValueError as exc:
+                parser.exit(2, f"{parser.prog}: error: {exc}\n")
         print(render(merged, args.policies))
         return 0
     try:
@@ -407,6 +435,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             baselines.check(name)
     except ValueError as exc:
         parser.exit(2, f"{parser.prog}: error: --policies: {exc}\n")
+    try:
+        refuse_unified_policies([], args.policies, "--policies")  # fixed pools only here
+    except ValueError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     from bench.engine.core import EngineConfig
 
     todo = plan(args)
@@ -416,10 +448,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 EngineConfig(kv_tokens=k, state_slots=s, concurrency=c)
     except ValueError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    traces: dict[str, list[TraceRequest] | None] = {}
+    try:  # every source before the first run: a malformed trace file stops nothing half-done
+        for name, _ in todo:
+            traces[name] = ALL_SOURCES[name].load(Path(args.traces_dir))
+    except (TraceFormatError, ValueError) as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     rows: list[Row] = []
     for name, points in todo:
         src = ALL_SOURCES[name]
-        trace = src.load(Path(args.traces_dir))
+        trace = traces.pop(name)
         if trace is None:
             print(f"{name}: {src.trace} not found in {args.traces_dir}; skipped", file=sys.stderr)
             continue

@@ -40,12 +40,14 @@ from bench.cli import (
     column_blocks,
     figure_path,
     new_parser,
+    non_negative_float,
     output_path,
     parse_count,
     refuse_ignored,
     refuse_unified_policies,
     require_package,
     state_fraction,
+    warn_page_split,
     write_json,
 )
 from bench.cli import positive as _positive
@@ -75,7 +77,7 @@ from bench.traces.loader import (
     sniff_format,
     trace_label,
 )
-from bench.workloads import add_workload_arguments, workload_requests
+from bench.workloads import add_workload_arguments, check_source_options, workload_requests
 
 if TYPE_CHECKING:
     from bench.engine.simulator import SimConfig, SimResult
@@ -90,9 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_arguments(p)
     a("--torch-threads", type=int, default=1,
       help="torch intra-op threads (default 1, as bench.runs.replay: bookkeeping-sized tensor ops)")
-    a("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto",
+    a("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default=None,
       help="the trace file's format (default auto: read off its first line)")
-    a("--mooncake-block-size", type=_positive, default=512,
+    a("--mooncake-block-size", type=_positive, default=None,
       help="tokens per hash id of a Mooncake-format file (default 512)")
     a("--max-requests", type=_positive, default=None, help="simulate only the first N requests")
     a("--policy", nargs="+", default=None,
@@ -116,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="prefill chunk / checkpoint stride [tokens] (default 8192)")
     a("--max-prefill-tokens", type=_positive, default=None,
       help="token budget of one prefill step (default: --chunk-size)")
-    a("--max-running-requests", "--concurrency", dest="concurrency", type=_positive, default=32,
+    a("--max-running-requests", "--concurrency", dest="concurrency", type=_positive, default=None,
       help="requests running at most (and clients with --arrivals closed) (default 32)")
     a("--end-checkpoint", choices=("block", "exact"), default="block",
       help="state of a finished prompt at its last full trace block (default) or its last token")
@@ -128,8 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--session-hint", action="store_true",
       help="pass each request's session (trace / workload session id) to the cache as the "
            "hint extra={'session_id': ...}, as an engine carrying a conversation id would")
-    a("--decode-ms", type=float, default=20.0, help="one decode step [ms] (default 20)")
-    a("--marconi-alpha", type=float, default=None,
+    a("--decode-ms", type=non_negative_float, default=20.0, help="one decode step [ms] (default 20)")
+    a("--marconi-alpha", type=non_negative_float, default=None,
       help="fix Marconi's alpha (default: tuned; needs --policy marconi)")
     a("--sweep", type=sweep_arg, default=None, metavar="AXIS=V1,V2,...",
       help="kv-tokens / state-slots / concurrency / memory-gb / state-fraction")
@@ -151,6 +153,8 @@ DEFAULT_TIME_SCALE = 1.0
 #: Pool sizes without ``--kv-tokens`` / ``--state-slots`` (and without ``--memory-gb``).
 DEFAULT_KV_TOKENS = 16_000_000
 DEFAULT_STATE_SLOTS = 512
+#: Requests running at most without ``--max-running-requests`` / ``--concurrency``.
+DEFAULT_CONCURRENCY = 32
 
 
 def _kv_tokens(args: argparse.Namespace) -> int:
@@ -159,6 +163,10 @@ def _kv_tokens(args: argparse.Namespace) -> int:
 
 def _state_slots(args: argparse.Namespace) -> int:
     return DEFAULT_STATE_SLOTS if args.state_slots is None else int(args.state_slots)
+
+
+def _concurrency(args: argparse.Namespace) -> int:
+    return DEFAULT_CONCURRENCY if args.concurrency is None else int(args.concurrency)
 
 
 def _state_fraction(args: argparse.Namespace) -> float | str:
@@ -179,7 +187,7 @@ def _time_scale(args: argparse.Namespace) -> float:
 def _base_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = dict(
         kv_tokens=_kv_tokens(args), state_slots=_state_slots(args), page_size=args.page_size,
-        chunk_size=args.chunk_size, concurrency=args.concurrency,
+        chunk_size=args.chunk_size, concurrency=_concurrency(args),
         end_checkpoint=args.end_checkpoint, time_scale=_time_scale(args), decode_ms=args.decode_ms,
         max_prefill_tokens=args.max_prefill_tokens, arrivals=args.arrivals,
         marconi_alpha=args.marconi_alpha, session_hint=args.session_hint,
@@ -200,8 +208,10 @@ def _apply_memory(kw: dict[str, Any], args: argparse.Namespace, memory_gb: float
 
 def check_unified(args: argparse.Namespace, policies: Sequence[str]) -> None:
     """The options ``--state-fraction unified`` cannot go with (``ValueError`` naming the
-    option): a policy other than ``unified``, a ``state-fraction`` sweep."""
+    option): a policy other than ``unified``, a ``state-fraction`` sweep; without it, the
+    policy ``unified`` (fixed pools have no byte sizes)."""
     if args.state_fraction != UNIFIED:
+        refuse_unified_policies([], policies)
         return
     refuse_unified_policies([UNIFIED], policies)
     if args.sweep is not None and args.sweep.axis == "state-fraction":
@@ -233,8 +243,17 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[SimConfig, float | None]]:
         raise ValueError("--sweep state-fraction needs --memory-gb")
     policies = _policies(args)
     check_unified(args, policies)
+    if sweep is not None:  # the swept option given as well: the sweep would override it
+        given = getattr(args, sweep.axis.replace("-", "_"))
+        if given is not None:
+            shown = f"{given:g}" if isinstance(given, float) else str(given)
+            raise ValueError(f"--{sweep.axis} {shown} would be ignored: --sweep {sweep.axis} "
+                             "sets it (give one or the other)")
     for policy in policies:
-        baselines.check(policy, args.page_size)
+        try:
+            baselines.check(policy, args.page_size)
+        except ValueError as exc:
+            raise ValueError(f"--policy: {exc}") from None
     values: Sequence[float | None] = sweep.values if sweep else (None,)
     out = []
     for value in values:
@@ -378,11 +397,11 @@ def sizes_caption(args: argparse.Namespace) -> str:
     if args.model is not None:  # both pools sized from bytes
         fixed = {"model": f"model {args.model}", "memory-gb": f"{args.memory_gb} GB",
                  "state-fraction": f"state fraction {fmt_split(_state_fraction(args))}",
-                 "concurrency": f"concurrency {args.concurrency}"}
+                 "concurrency": f"concurrency {_concurrency(args)}"}
     else:
         fixed = {"kv-tokens": f"KV {_kv_tokens(args):,} tokens",
                  "state-slots": f"{_state_slots(args):,} state slots",
-                 "concurrency": f"concurrency {args.concurrency}"}
+                 "concurrency": f"concurrency {_concurrency(args)}"}
     swept = f"{sweep.axis} {', '.join(fmt_value(v) for v in sweep.values)} (swept)"
     if sweep.axis in fixed:
         fixed[sweep.axis] = swept
@@ -394,6 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; 0 ok, 2 bad arguments or trace."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_source_options(parser, args)
     refuse_ignored(parser, (
         ("--time-scale", args.time_scale, "--arrivals trace", args.arrivals == "trace"),
         ("--state-fraction", args.state_fraction, "--memory-gb",
@@ -424,6 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     if not trace:
         parser.exit(2, f"{parser.prog}: error: no requests in {path}\n")
+    warn_page_split(parser.prog, args.page_size, trace[0].block_size)
     bounds = compute_bounds(trace, exclude_last_token=True, page_size=args.page_size)
     configs = [c for c, _ in plan]
     values = [v for _, v in plan]

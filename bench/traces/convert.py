@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.cli import new_parser
+from bench.cli import new_parser, output_path, positive
 from bench.traces.loader import TraceFormatError, TraceRequest, load_trace
 
 __all__ = ["block_runs", "convert", "main", "to_mooncake_lines"]
@@ -86,8 +86,8 @@ def convert(src: str | Path, dst: str | Path, block_size: int = 512) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = new_parser("convert", "TraceLab round trace -> Mooncake-style JSONL")
     p.add_argument("src", help="TraceLab round_trace.jsonl")
-    p.add_argument("dst", help="output JSONL")
-    p.add_argument("--block-size", type=int, default=512, help="tokens per hash id (default 512)")
+    p.add_argument("dst", type=output_path, help="output JSONL")
+    p.add_argument("--block-size", type=positive, default=512, help="tokens per hash id (default 512)")
     return p
 
 

@@ -5,8 +5,9 @@ Three public formats are understood (detected from the first non-blank line, or 
 
 ``mooncake``
     ``{"timestamp": ms, "input_length", "output_length", "hash_ids": [...]}`` with one id per
-    ``block_size``-token prompt block (512 for the Mooncake FAST'25 traces). Block ``h`` of
-    length ``n`` becomes the token ids ``h*B + 1 ... h*B + n``; the last block is partial
+    ``block_size``-token prompt block (512 for the Mooncake FAST'25 traces), and optionally
+    ``"session"`` (a string or an integer: ``python -m bench workloads --out`` writes it).
+    Block ``h`` of length ``n`` becomes the token ids ``h*B + 1 ... h*B + n``; the last block is partial
     (``input_length - B*(len(hash_ids) - 1)`` tokens), and
     ``len(hash_ids) == ceil(input_length / B)`` is checked on every line.
 ``gmi``
@@ -277,7 +278,20 @@ def _mooncake(where: str, obj: dict[str, Any], block_size: int) -> TraceRequest:
         block_size=block_size,
         block_ids=tuple(ids),
         runs=runs_from_blocks(ids, block_size, input_length),
+        session=_session(obj, where),
     )
+
+
+def _session(obj: dict[str, Any], where: str) -> str | None:
+    """A Mooncake-format line's optional ``session`` (``workloads --out`` writes it): a string,
+    or an integer kept as its decimal text (as TraceLab's ``session_id``)."""
+    session = obj.get("session")
+    if session is None or isinstance(session, str):
+        return session
+    if isinstance(session, bool) or not isinstance(session, int):
+        raise TraceFormatError(f"{where}: 'session' must be a string or an integer, "
+                               f"got {session!r:.80}")
+    return str(session)
 
 
 def _gmi(where: str, obj: dict[str, Any]) -> TraceRequest:
@@ -303,9 +317,14 @@ def _gmi(where: str, obj: dict[str, Any]) -> TraceRequest:
 
 
 def _first_event_time(obj: dict[str, Any], where: str) -> datetime | None:
-    events = obj.get("timing_events") or []
+    events = obj.get("timing_events")
+    if events is None:
+        return None
+    if not isinstance(events, list) or not all(isinstance(ev, dict) for ev in events):
+        raise TraceFormatError(f"{where}: 'timing_events' must be a list of event objects, "
+                               f"got {events!r:.80}")
     for ev in events:
-        stamp = ev.get("timestamp") if isinstance(ev, dict) else None
+        stamp = ev.get("timestamp")
         if isinstance(stamp, str):
             try:
                 return datetime.fromisoformat(stamp)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.cli import new_parser, output_path, write_json
+from bench.cli import new_parser, output_path, positive, write_json
 from bench.engine.bounds import compute_bounds
 from bench.traces.loader import (
     TraceFormatError,
@@ -158,8 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = new_parser("trace-stats", __doc__.split("\n")[0])
     p.add_argument("trace", nargs="?", default=None, help="JSONL trace (default: the shipped one)")
     p.add_argument("--trace-format", choices=("auto", "mooncake", "gmi", "tracelab"), default="auto")
-    p.add_argument("--mooncake-block-size", type=int, default=512)
-    p.add_argument("--tracelab-block-size", type=int, default=1)
+    p.add_argument("--mooncake-block-size", type=positive, default=512)
+    p.add_argument("--tracelab-block-size", type=positive, default=1)
     p.add_argument("--json", metavar="FILE|-", type=output_path, default=None)
     return p
 

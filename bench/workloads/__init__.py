@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from bench.cli import seed
 from bench.traces.loader import TraceRequest
 from bench.workloads.shapes import (
     AgenticParams,
@@ -35,6 +36,7 @@ from bench.workloads.shapes import (
     SysPromptParams,
     ToolCallParams,
     agentic,
+    check_parameter,
     docqa,
     multiturn,
     sysprompt,
@@ -48,7 +50,9 @@ __all__ = [
     "MixParams",
     "Stream",
     "Workload",
+    "TRACE_FILE_OPTIONS",
     "add_workload_arguments",
+    "check_source_options",
     "generate",
     "parse_spec",
     "workload_requests",
@@ -173,9 +177,7 @@ def generate(spec: str, seed: int = 0, overrides: Mapping[str, Any] | None = Non
     w = WORKLOADS[name]
     params = w.params(**kw)
     for f in fields(params):
-        v = getattr(params, f.name)
-        if v < 0:
-            raise ValueError(f"workload parameter {f.name} must be >= 0, got {v}")
+        check_parameter(f.name, getattr(params, f.name))
     reqs = w.build(params, seed, BlockSpace(block))
     if not reqs:
         return reqs
@@ -191,8 +193,33 @@ def add_workload_arguments(parser: Any) -> None:
         "--workload", metavar="NAME[:k=v,...]", default=None,
         help=f"generated requests instead of --trace: one of {', '.join(WORKLOADS)} "
              "(python -m bench workloads --list shows the parameters)")
-    parser.add_argument("--workload-seed", type=int, default=0,
+    parser.add_argument("--workload-seed", type=seed, default=None,
                         help="seed of --workload (default 0)")
+
+
+#: The trace-file options (``argparse`` dest, their default) a command may have beside
+#: ``--workload``: they read a file, so they have no meaning for generated requests.
+TRACE_FILE_OPTIONS = {"trace_format": "auto", "mooncake_block_size": 512, "tracelab_block_size": 1}
+
+
+def check_source_options(parser: Any, args: Any) -> None:
+    """Stop with a one-line usage error when an option would be silently ignored: a trace-file
+    option (:data:`TRACE_FILE_OPTIONS`, those the parser has) given with ``--workload``, or
+    ``--workload-seed`` without it; then set the defaults of those not given (they default to
+    ``None`` so that giving one can be told from not giving it)."""
+    given = [f"--{dest.replace('_', '-')}" for dest in TRACE_FILE_OPTIONS
+             if getattr(args, dest, None) is not None]
+    if args.workload is not None and given:
+        parser.error(f"{', '.join(given)} {'reads' if len(given) == 1 else 'read'} a trace "
+                     "file, not --workload's generated requests (drop one or the other)")
+    if args.workload is None and args.workload_seed is not None:
+        parser.error("--workload-seed needs --workload, which is off (give --workload, or drop "
+                     "--workload-seed)")
+    if args.workload_seed is None:
+        args.workload_seed = 0
+    for dest, default in TRACE_FILE_OPTIONS.items():
+        if hasattr(args, dest) and getattr(args, dest) is None:
+            setattr(args, dest, default)
 
 
 def workload_requests(spec: str, seed: int, max_requests: int | None,

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 
-from bench.cli import new_parser, output_path, write_json
+from bench.cli import new_parser, output_path, seed, write_json
 from bench.traces.loader import TraceRequest
 from bench.traces.stats import render_stats, trace_stats
 from bench.workloads import WORKLOADS, generate
@@ -50,7 +50,7 @@ def _listing() -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = new_parser("workloads", "Generate a workload and print its reuse statistics.")
     p.add_argument("spec", nargs="?", help="NAME or NAME:key=value,... (--list shows them)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--out", metavar="FILE", type=output_path, default=None, help="write Mooncake-format JSONL")
     p.add_argument("--json", metavar="FILE|-", type=output_path, default=None, help="statistics as JSON")
     p.add_argument("--list", action="store_true", help="list the workloads and parameters")

@@ -26,6 +26,7 @@ latency (agent loops); the simulator also holds it until the previous one has fi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,11 +42,41 @@ __all__ = [
     "SysPromptParams",
     "ToolCallParams",
     "agentic",
+    "check_parameter",
     "docqa",
     "multiturn",
     "sysprompt",
     "toolcall",
 ]
+
+#: Parameters whose domain is narrower than "a number >= 0" (the same name means the same
+#: thing in every shape): the mean of a geometric count 1, 2, ... (``_Draw.geometric``);
+#: how many heads a Zipf draw picks among; a probability; a Pareto index (its inverse is an
+#: exponent).
+GEOMETRIC_MEANS = frozenset({"questions", "followups", "steps", "subagent_steps", "turns"})
+POPULATIONS = frozenset({"systems", "toolsets"})
+PROBABILITIES = frozenset({"followup_p", "subagent_p"})
+PARETO_INDICES = frozenset({"result_alpha"})
+
+
+def check_parameter(name: str, value: float) -> None:
+    """``ValueError`` naming ``name`` when ``value`` is outside its domain: every parameter a
+    finite number >= 0, and those above narrower (see :data:`GEOMETRIC_MEANS` ...)."""
+    if not math.isfinite(value):
+        raise ValueError(f"workload parameter {name} must be a finite number, got {value}")
+    if value < 0:
+        raise ValueError(f"workload parameter {name} must be >= 0, got {value}")
+    if name in GEOMETRIC_MEANS and value < 1:
+        raise ValueError(f"workload parameter {name} is the mean of a count 1, 2, ...: >= 1, "
+                         f"got {value}")
+    if name in POPULATIONS and value < 1:
+        raise ValueError(f"workload parameter {name} is how many there are to draw from: "
+                         f">= 1, got {value}")
+    if name in PROBABILITIES and value > 1:
+        raise ValueError(f"workload parameter {name} is a probability: in [0, 1], got {value}")
+    if name in PARETO_INDICES and value <= 0:
+        raise ValueError(f"workload parameter {name} is a Pareto index: > 0, got {value}")
+
 
 DECODE_S = 0.020
 """Seconds per output token assumed when spacing a session's requests (the simulator's

@@ -166,7 +166,65 @@ def test_reports_name_traces_by_their_repository_path(tmp_path: Path) -> None:
      "--time-scale needs --arrivals trace, which is off"),
     (["simulate", "--state-fraction", "0.3"], "--state-fraction needs --memory-gb, which is off"),
     (["simulate", "--marconi-alpha", "0.5"], "--marconi-alpha needs --policy marconi"),
+    # a fixed alpha must be finite and >= 0 (these were a ValueError traceback from a run)
+    (["simulate", "--policy", "marconi", "--marconi-alpha", "-1"],
+     "argument --marconi-alpha: must be a finite number >= 0: '-1'"),
+    (["simulate", "--policy", "marconi", "--marconi-alpha", "nan"],
+     "argument --marconi-alpha: must be a finite number >= 0: 'nan'"),
+    (["simulate", "--decode-ms", "-5"], "argument --decode-ms: must be a finite number >= 0"),
+    (["simulate", "--decode-ms", "inf"], "argument --decode-ms: must be a finite number >= 0"),
+    # a seed is a whole number >= 0 (numpy's "expected non-negative integer" named no option)
+    (["workloads", "docqa", "--seed", "-1"], "argument --seed: not a seed (a whole number >= 0)"),
+    (["replay", "--workload", "docqa", "--workload-seed", "-1"],
+     "argument --workload-seed: not a seed (a whole number >= 0)"),
+    (["trace-stats", "--mooncake-block-size", "0"], "argument --mooncake-block-size: must be >= 1"),
+    (["trace-stats", "--tracelab-block-size", "0"], "argument --tracelab-block-size: must be >= 1"),
+    (["convert", "in.jsonl", "out.jsonl", "--block-size", "0"], "argument --block-size: must be >= 1"),
+    (["convert", "in.jsonl", "/nonexistent/out.jsonl"],
+     "argument dst: the folder of '/nonexistent/out.jsonl' does not exist"),
+    # developer instruments: counts >= 1, a probability in [0, 1], a known policy (each was a
+    # traceback: max() of an empty sequence, an empty randrange, an unknown policy's ValueError)
+    (["radix-ops", "--requests", "0"], "argument --requests: must be >= 1"),
+    (["radix-ops", "--vocab", "0"], "argument --vocab: must be >= 1"),
+    (["radix-ops", "--capacity", "0"], "argument --capacity: must be >= 1"),
+    (["radix-ops", "--new-conv-prob", "2"], "argument --new-conv-prob: must be in [0, 1]: '2'"),
+    (["radix-ops", "--requests", "5", "--policy", "nosuch"],
+     "--policy: radix_eviction_policy='nosuch' is unknown"),
+    (["hit-breakdown", "--time-scale", "0"], "argument --time-scale: must be a finite number > 0"),
+    (["hit-breakdown", "--kv-tokens", "0"], "argument --kv-tokens: must be >= 1"),
+    (["hit-breakdown", "--trace", "/nonexistent.jsonl"], "trace file not found"),
+    (["hit-breakdown", "--policy", "gds", "--state-slots", "1e12"], "state_slots=1,000,000,000,000"),
+    (["sync-counts", "--requests", "0"], "argument --requests: must be >= 1"),  # was a 0 table
+    (["sync-counts", "--page-size", "0"], "argument --page-size: must be >= 1"),
+    (["sync-counts", "--kv-tokens", "0"], "argument --kv-tokens: must be >= 1"),
+    (["sync-counts", "--policy", "nosuch"], "--policy: radix_eviction_policy='nosuch' is unknown"),
+    (["sync-counts", "--trace", "/nonexistent.jsonl"], "trace file not found"),
+    (["hicache-bandwidth", "--node-tokens", "0"], "argument --node-tokens: must be >= 1"),
+    (["hicache-bandwidth", "--gib", "nan"], "argument --gib: must be a finite number > 0"),
+    (["hicache-bandwidth", "--gib", "0"], "argument --gib: must be a finite number > 0"),
+    (["lora-load", "--repeats", "0"], "argument --repeats: must be >= 1"),  # was StatisticsError
+    (["storage", "--pages", "0"], "argument --pages: must be >= 1"),  # was ZeroDivisionError
+    (["storage", "--page-bytes", "0"], "argument --page-bytes: must be >= 1"),
+    (["l3-share", "--instances", "0"], "argument --instances: must be >= 1"),
+    (["l3-share", "--trace", "/nonexistent.jsonl"], "trace file not found"),
+    (["l3-share", "--hicache-ratio", "0.5"], "hicache_ratio must be a finite number > 1"),
+    # options of a trace file with --workload, a workload seed without one: silently ignored
+    (["replay", "--workload", "docqa", "--trace-format", "gmi"],
+     "--trace-format reads a trace file, not --workload's generated requests"),
+    (["replay", "--workload", "docqa", "--mooncake-block-size", "4", "--tracelab-block-size", "2"],
+     "--mooncake-block-size, --tracelab-block-size read a trace file"),
+    (["simulate", "--workload", "docqa", "--mooncake-block-size", "4"],
+     "--mooncake-block-size reads a trace file"),
+    (["replay", "--workload-seed", "3"], "--workload-seed needs --workload, which is off"),
+    (["simulate", "--workload-seed", "3"], "--workload-seed needs --workload, which is off"),
+    (["memory-split", "--memory-gb", "1", "--workload-seed", "3"],
+     "--workload-seed needs --workload, which is off"),
+    (["evict-scaling", "--nodes", "100", "--policy", "nosuch"],
+     "--policy: radix_eviction_policy='nosuch' is unknown"),
+    (["evict-scaling", "--nodes", "100000", "100"], "--nodes 100: the measurement evicts about"),
     # refused by the command before its run starts
+    (["replay", "--policy", "lru", "nosuch"], "--policy: radix_eviction_policy='nosuch' is unknown"),
+    (["simulate", "--policy", "nosuch"], "--policy: radix_eviction_policy='nosuch' is unknown"),
     (["robustness", "--policies", "nosuch"], "--policies: radix_eviction_policy='nosuch' is unknown"),
     (["robustness", "--from-csv", "/nonexistent.csv"], "--from-csv: no such file"),
     (["robustness", "--sources", "gmi", "--traces-dir", "/nonexistent", "--policies", "lru"],
@@ -194,3 +252,60 @@ def test_a_closed_pipe_ends_the_tool_quietly() -> None:
                           capture_output=True, text=True, check=True)
     assert proc.stdout.startswith("usage: python -m bench COMMAND")
     assert "Traceback" not in proc.stderr
+
+
+def test_count_types_refuse_infinity_and_keep_large_integers_exact() -> None:
+    """``inf`` / ``1e400`` are not counts (an argument error, not an OverflowError), and a
+    count written out in digits is read exactly, not through a float (2**53 + 1 stays odd)."""
+    for bad in ("inf", "-inf", "1e400", "nan", "infK"):
+        with pytest.raises(argparse.ArgumentTypeError, match="count"):
+            cli.parse_count(bad)
+    assert cli.parse_count("9007199254740993") == 2**53 + 1
+    assert cli.parse_count("9_007_199_254_740_993") == 2**53 + 1
+    assert cli.parse_count("3K") == 3000 and cli.parse_count("1.5K") == 1500
+    from bench.runs.replay import main
+
+    assert_usage_error(main, ["--kv-tokens", "inf"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["memory-split", "--workload", "multiturn:sessions=2,turns=2", "--memory-gb", "1",
+     "--state-fractions", "0.2"],
+    ["opcodes", "--reps", "2"],
+    ["l3-share", "--max-requests", "3", "--setups", "shared"],
+    ["hicache-bandwidth", "--simulate", "--gib", "0.0005", "--node-tokens", "16",
+     "--io-backends", "direct", "--mem-layouts", "page_first"],
+    ["hicache-bandwidth", "--replay", "--models", "hicache"],
+    ["storage", "--pages", "4", "--batch", "2"],
+])
+def test_json_to_stdout_leaves_stdout_one_json_document(
+        argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--json -`` gives stdout to the JSON (as replay and simulate do): the table and the
+    progress lines go to stderr. stdout held the records' lines, the table and the JSON (a
+    JSON reader failed on it); hicache-bandwidth printed the JSON once per record, and
+    storage wrote a file named '-'."""
+    import json
+
+    if argv[0] == "l3-share":
+        argv = [*argv, "--l3", f"file:{tmp_path / 'l3'}"]
+    monkeypatch.chdir(tmp_path)  # a file named '-' would land here
+    assert cli.main([*argv, "--json", "-"]) == 0
+    out = capsys.readouterr().out
+    json.loads(out)  # one document, nothing else
+    assert not (tmp_path / "-").exists()
+
+
+@pytest.mark.parametrize("command", ["replay", "simulate"])
+def test_a_page_that_splits_trace_blocks_is_warned_about(
+        command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Both engine commands say when ``--page-size`` does not divide the trace block (shared
+    blocks then end inside a page, and such pages are not cached); simulate said nothing."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [0, 1]}\n')
+    argv = [command, "--trace", str(trace), "--mooncake-block-size", "4", "--page-size", "3",
+            "--kv-tokens", "300", "--state-slots", "4", "--policy", "lru", "--no-progress"]
+    assert cli.main(argv + (["--jobs", "1"] if command == "simulate" else [])) == 0
+    err = capsys.readouterr().err
+    assert (f"python -m bench {command}: warning: --page-size 3 does not divide the trace's "
+            "block size (4 tokens)") in err, err

@@ -41,9 +41,11 @@ def test_tree_layout() -> None:
     cache.sanity_check()
 
 
-def test_refuses_a_measurement_larger_than_the_tree() -> None:
-    with pytest.raises(SystemExit, match="evicts about 4000 leaves"):
+def test_refuses_a_measurement_larger_than_the_tree(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:  # an argument error, before any tree is built
         evict_scaling.main(["--nodes", "4000"])
+    assert exc.value.code == 2
+    assert "evicts about 4000 leaves" in capsys.readouterr().err
 
 
 def test_leaf_tokens_are_the_tree_keys() -> None:

@@ -118,3 +118,25 @@ def test_pools_larger_than_memory_are_refused_before_allocation(
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "python -m bench replay: error: kv_tokens=" in err and "available" in err
+
+
+def test_a_state_pool_larger_than_memory_is_refused_before_allocation(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The state pool counts too: each slot holds a free-list entry and two float32 state
+    elements (the engine's one-layer pool), so twice the slots memory holds at 8 bytes each is
+    refused by the config, and by ``replay`` / ``simulate`` as an argument error (it was a
+    ``MemoryBudgetError`` traceback from the first run's pool)."""
+    avail = available_host_memory()
+    if avail is None:
+        pytest.skip("no /proc/meminfo: the available memory is not known here")
+    too_many = 2 * avail // 8
+    with pytest.raises(MemoryBudgetError, match=f"state_slots={too_many:,}"):
+        EngineConfig(kv_tokens=1000, state_slots=too_many)
+    EngineConfig(kv_tokens=1000, state_slots=min(too_many // 4, 1_000_000))  # fits
+    for command in ("replay", "simulate"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main([command, "--state-slots", str(too_many), "--max-requests", "5",
+                      "--no-progress"])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert f"python -m bench {command}: error: " in err and "state_slots=" in err, err

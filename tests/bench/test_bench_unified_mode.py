@@ -144,6 +144,11 @@ BAD = [
     (["--model", "qwen3-next-80b", "--memory-gb", "0.1", "--state-fraction", "unified"],
      "memory_gb=0.1 holds 1 arena chunks"),
     (["--model", "qwen3-next", "--memory-gb", "1"], "argument --model: invalid choice"),
+    # the unified policy weighs bytes: only the arena has them (it was a ValueError traceback
+    # from the first run's cache)
+    (["--policy", "unified"], "--policy unified: only --state-fraction unified"),
+    (["--policy", "lru", "unified", "--model", "qwen3-next-80b", "--memory-gb", "1",
+      "--state-fraction", "0.2"], "--policy unified: only --state-fraction unified"),
 ]
 BAD_SIMULATE = [
     (["--model", "qwen3-next-80b", "--memory-gb", "1", "--state-fraction", "unified",
@@ -157,6 +162,8 @@ BAD_REPLAY = [
       "--hicache-ratio", "2"], "--hicache-ratio: --state-fraction unified has no such pool"),
     (["--model", "qwen3-next-80b", "--memory-gb", "1", "--state-fraction", "unified",
       "--sliding-window", "512"], "--sliding-window: --state-fraction unified has no such pool"),
+    (["--policy", "gds", "unified", "--model", "qwen3-next-80b", "--memory-gb", "1",
+      "--state-fraction", "0.2", "unified"], "--policy unified: only --state-fraction unified"),
 ]
 
 

@@ -4,6 +4,7 @@ boundary, a trace slice re-timed from 0, and the verdict computed by hand."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -275,3 +276,105 @@ def test_toolcall_sessions_share_zipf_popular_heads_and_interleave() -> None:
     spans = [(rs[0].timestamp_s, rs[-1].timestamp_s) for rs in by_session(reqs).values()]
     overlapping = sum(1 for a in spans for b in spans if a < b and b[0] < a[1])
     assert overlapping > len(spans)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("a,b\n1,2\n", "no column source, state_slots, kv_tokens, concurrency, policy, "
+                   "token_hit_rate"),
+    ("", "no column source"),
+    ("source,state_slots,kv_tokens,concurrency,policy,token_hit_rate\n"
+     "s,64,16000000,16,lru,0.5\ns,sixty,16000000,16,gds,0.5\n",
+     "bad.csv:3: column state_slots: cannot read 'sixty' as int"),
+    ("source,state_slots,kv_tokens,concurrency,policy,token_hit_rate\ns,64,16000000,16,lru,\n",
+     "bad.csv:2: column token_hit_rate: cannot read '' as float"),
+])
+def test_from_csv_that_is_not_a_saved_run_is_a_usage_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str) -> None:
+    """``--from-csv`` of a file without the columns (or values) the table reads: one error
+    line naming the file, exit status 2 (it was a KeyError / ValueError traceback)."""
+    from bench.runs.robustness import main
+
+    path = tmp_path / "bad.csv"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(SystemExit) as exc:
+        main(["--from-csv", str(path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "python -m bench robustness: error: --from-csv" in err and message in err, err
+
+
+def test_robustness_refuses_the_unified_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    """Its pools are fixed (``--slots`` / ``--kv-tokens``): ``unified`` weighs bytes only an
+    arena has, so it is refused before any run (it was a traceback from the first run)."""
+    from bench.runs.robustness import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--policies", "lru", "unified", "--sources", "docqa", "--slots", "8",
+              "--kv-tokens", "1M", "--concurrency", "4", "--jobs", "1"])
+    assert exc.value.code == 2
+    assert "--policies unified: only --state-fraction unified" in capsys.readouterr().err
+
+
+def test_a_malformed_trace_in_traces_dir_is_one_error_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``robustness`` and ``state-budget`` over a ``--traces-dir`` whose trace has a bad line:
+    the loader's message (file and line), exit status 2, before any run (were tracebacks)."""
+    from bench.dev.policies.budget import main as budget_main
+    from bench.runs.robustness import main
+
+    (tmp_path / "lmbench_gmi_trace.jsonl").write_text('{"timestamp": "5", "hash_ids": []}\n')
+    for command, argv in ((main, ["--sources", "docqa", "gmi", "--policies", "lru", "--slots",
+                                  "8", "--kv-tokens", "1M", "--concurrency", "4", "--jobs", "1"]),
+                          (budget_main, ["--source", "gmi"])):
+        with pytest.raises(SystemExit) as exc:
+            command([*argv, "--traces-dir", str(tmp_path)])
+        assert exc.value.code == 2
+        out, err = capsys.readouterr()
+        assert "lmbench_gmi_trace.jsonl:1: " in err and "error:" in err, err
+        assert "docqa:" not in err  # no source ran before the error
+
+
+def test_a_written_workload_reads_back_with_its_sessions(tmp_path: Path) -> None:
+    """``workloads --out`` writes each request's ``session``; reading the file back gives the
+    same requests *and* sessions (the loader dropped them, so ``--session-hint`` over the file
+    passed no hint at all where ``--workload`` passes one per request)."""
+    from bench.traces.loader import load_trace
+    from bench.workloads.__main__ import main as workloads_main
+
+    out = tmp_path / "w.jsonl"
+    assert workloads_main(["multiturn:sessions=3,turns=2", "--out", str(out)]) == 0
+    want = generate("multiturn:sessions=3,turns=2", seed=0)
+    got = load_trace(out, mooncake_block_size=64)
+    assert [r.runs for r in got] == [r.runs for r in want]
+    assert [r.session for r in got] == [r.session for r in want]
+    assert all(r.session is not None for r in got)
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    # each was a traceback (ZeroDivisionError, OverflowError, numpy's unnamed ValueError) or a
+    # silently meaningless workload (a probability of 2, of NaN)
+    ("docqa:span_s=inf", "workload parameter span_s must be a finite number, got inf"),
+    ("docqa:think_s=nan", "workload parameter think_s must be a finite number, got nan"),
+    ("docqa:followup_p=2", "workload parameter followup_p is a probability: in [0, 1], got 2.0"),
+    ("agentic:subagent_p=1.5", "subagent_p is a probability: in [0, 1], got 1.5"),
+    ("multiturn:turns=0", "turns is the mean of a count 1, 2, ...: >= 1, got 0.0"),
+    ("agentic:steps=0.5", "steps is the mean of a count 1, 2, ...: >= 1, got 0.5"),
+    ("docqa:questions=0", "questions is the mean of a count 1, 2, ...: >= 1, got 0.0"),
+    ("toolcall:steps=0", "steps is the mean of a count 1, 2, ...: >= 1"),
+    ("sysprompt:systems=0", "systems is how many there are to draw from: >= 1, got 0"),
+    ("agentic:toolsets=0", "toolsets is how many there are to draw from: >= 1, got 0"),
+    ("toolcall:result_alpha=0", "result_alpha is a Pareto index: > 0, got 0.0"),
+])
+def test_parameters_outside_their_domain_are_refused_naming_them(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        generate(spec)
+
+
+def test_parameters_at_the_edge_of_their_domain_generate() -> None:
+    """The limits are the generators' own: a mean count of 1 is always one; a probability of
+    0 or 1 is never or always; one system prompt is drawn every time."""
+    one_turn = generate("multiturn:sessions=5,turns=1")
+    assert len(one_turn) == 5  # one request per session
+    assert generate("docqa:docs=2,followup_p=0,questions=1")
+    assert generate("sysprompt:requests=4,systems=1")
+    assert generate("docqa:docs=1,followup_p=1")

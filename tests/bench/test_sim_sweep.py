@@ -91,6 +91,20 @@ def test_plan_runs_with_model_memory() -> None:
         (["--model", "marconi-7b", "--memory-gb", "40", "--kv-tokens", "1M"], "--kv-tokens"),
         (["--model", "marconi-7b", "--memory-gb", "40", "--sweep", "state-slots=64,128"],
          "--sweep state-slots"),
+        # the swept option given as well: the sweep sets it, the given value was silently
+        # ignored (a run the user did not ask for)
+        (["--kv-tokens", "5", "--sweep", "kv-tokens=1M,2M"],
+         "--kv-tokens 5 would be ignored: --sweep kv-tokens sets it"),
+        (["--state-slots", "64", "--sweep", "state-slots=8,16"],
+         "--state-slots 64 would be ignored: --sweep state-slots sets it"),
+        (["--concurrency", "8", "--sweep", "concurrency=16,32"],
+         "--concurrency 8 would be ignored: --sweep concurrency sets it"),
+        (["--max-running-requests", "32", "--sweep", "concurrency=16,32"],
+         "--concurrency 32 would be ignored"),
+        (["--model", "marconi-7b", "--memory-gb", "40", "--sweep", "memory-gb=10,20"],
+         "--memory-gb 40 would be ignored: --sweep memory-gb sets it"),
+        (["--model", "marconi-7b", "--memory-gb", "40", "--state-fraction", "0.3",
+          "--sweep", "state-fraction=0.1,0.2"], "--state-fraction 0.3 would be ignored"),
     ],
 )
 def test_plan_runs_refuses(argv: list[str], match: str) -> None:

@@ -279,3 +279,30 @@ def test_a_non_utf8_trace_names_the_file_and_the_line(tmp_path: Path,
         cli.main(["replay", "--trace", str(bad), "--policy", "lru"])
     assert info.value.code == 2
     assert f"replay: error: {bad}:2: not UTF-8 text (byte 0xff" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("events", [5, "2026-01-01T00:00:00Z", {"timestamp": "x"}, [3]])
+def test_tracelab_timing_events_not_a_list_of_objects_names_the_line(
+        tmp_path: Path, events: object) -> None:
+    """``timing_events`` is a list of event objects; anything else is a TraceFormatError
+    naming the file, the line and the field (it was a bare ``TypeError: 'int' object is not
+    iterable``, or, for a string or a map, silently no time)."""
+    good = tracelab_row("a", 0, 0, 2, "2026-01-01T00:00:00Z")
+    bad = {**tracelab_row("b", 0, 0, 2, "2026-01-01T00:00:01Z"), "timing_events": events}
+    path = write_jsonl(tmp_path / "tl.jsonl", [good, bad])
+    with pytest.raises(TraceFormatError, match=r"tl\.jsonl:2: 'timing_events' must be a list"):
+        load_trace(path)
+
+
+def test_mooncake_line_may_carry_a_session(tmp_path: Path) -> None:
+    """An optional ``session`` (str or int; what ``workloads --out`` writes) becomes
+    ``TraceRequest.session`` (an int as its decimal text, as TraceLab's session_id); any other
+    type names the line."""
+    rows = [{**mooncake_row(0, 4, [0]), "session": "a"}, {**mooncake_row(1, 4, [0]), "session": 7},
+            mooncake_row(2, 4, [0])]
+    got = load_trace(write_jsonl(tmp_path / "s.jsonl", rows), mooncake_block_size=4)
+    assert [r.session for r in got] == ["a", "7", None]
+    bad = write_jsonl(tmp_path / "b.jsonl", [{**mooncake_row(0, 4, [0]), "session": [1]}])
+    with pytest.raises(TraceFormatError, match=r"b\.jsonl:1: 'session' must be a string or an "
+                                               r"integer, got \[1\]"):
+        load_trace(bad, mooncake_block_size=4)

@@ -88,9 +88,15 @@ def build_tree(nodes: int, leaf_len: int, policy: str) -> tuple[RadixCache, Toke
     return cache, kv
 
 
+def evicted_leaves(args: argparse.Namespace) -> int:
+    """About how many leaves one size's measurement evicts (``--blocks`` x ``--calls`` calls
+    of ``--tokens-per-call`` tokens over leaves of ``--leaf-len``): the tree needs more."""
+    return int(args.blocks * args.calls * -(-args.tokens_per_call // args.leaf_len))
+
+
 def measure(args: argparse.Namespace, nodes: int) -> dict[str, Any]:
     """Build the tree of ``nodes`` leaves and time its eviction blocks (the JSON fields)."""
-    leaves = args.blocks * args.calls * -(-args.tokens_per_call // args.leaf_len)
+    leaves = evicted_leaves(args)
     if leaves >= nodes:
         raise SystemExit(f"--nodes {nodes}: the measurement evicts about {leaves} leaves; "
                          "use more nodes or fewer --blocks / --calls")
@@ -206,7 +212,17 @@ def measure_sglang(args: argparse.Namespace, impl: str, nodes: int) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = evict_scaling_parser().parse_args(argv)
+    parser = evict_scaling_parser()
+    args = parser.parse_args(argv)
+    try:  # the policy and every tree size, before the first (minutes-long) measurement
+        CacheConfig(radix_eviction_policy=args.policy)
+    except ValueError as exc:
+        parser.error(f"--policy: {exc}")
+    leaves = evicted_leaves(args)
+    small = [n for n in args.nodes if leaves >= n]
+    if small:
+        parser.error(f"--nodes {small[0]}: the measurement evicts about {leaves} leaves; use "
+                     "more nodes or fewer --blocks / --calls")
     torch.set_num_threads(1)
     args.anchor_python = args.anchor_python or DEFAULT_ANCHOR_PYTHON
     args.anchor_script = args.anchor_script or DEFAULT_ANCHOR_SCRIPT

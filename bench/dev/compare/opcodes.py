@@ -31,7 +31,7 @@ from functools import partial
 from types import FrameType
 from typing import Any
 
-from bench.cli import new_parser, positive, write_json
+from bench.cli import new_parser, positive, text_stream, write_json
 
 #: The operations counted, in print order.
 OPERATIONS = ("match_hit", "match_miss", "insert_new", "insert_extend", "evict")
@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error(f"--reps must be >= 2 (one new insert, then extensions), got {args.reps}")
     out = {"kv": measure(False, args.reps), "kv_state": measure(True, args.reps)}
     for name, ops in out.items():
-        print(f"{name:9s} " + "  ".join(f"{op} {ops[op]:.1f}" for op in OPERATIONS))
+        print(f"{name:9s} " + "  ".join(f"{op} {ops[op]:.1f}" for op in OPERATIONS),
+              file=text_stream(args.json))
     if args.json:
         write_json(args.json, out)
     return 0

@@ -340,7 +340,12 @@ def run(args: argparse.Namespace, keep: dict[str, Any] | None = None) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = radix_ops_parser().parse_args(argv)
+    parser = radix_ops_parser()
+    args = parser.parse_args(argv)
+    try:  # the policy, before the workload is built
+        CacheConfig(page_size=args.page_size, radix_eviction_policy=args.policy)
+    except ValueError as exc:
+        parser.error(f"--policy: {exc}")
     torch.set_num_threads(1)
     print(json.dumps(run(args)))
     return 0

@@ -29,7 +29,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from allocators import KVPool, TokenAllocator
-from bench.cli import write_json
+from bench.cli import text_stream, write_json
 from bench.dev.gpu.options import hicache_bandwidth_parser
 from bench.dev.gpu.simcuda import SimCuda, host_copy_bytes
 from hicache import HiCacheConfig
@@ -256,15 +256,19 @@ def replay_counts(requests: int = 100, models: Sequence[str] | None = None) -> l
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = hicache_bandwidth_parser().parse_args(argv)
+    out = text_stream(args.json)
+    # a file is rewritten after every record (a later failure keeps the earlier ones); stdout
+    # ('-') gets the JSON once, at the end
+    to_file = args.json is not None and args.json != "-"
     if args.replay:
         rows = replay_counts(models=args.models)
         print("| model | write policy | page size | events | bytes moved | CPU-copied bytes "
-              "| blocking waits |")
-        print("|---|---|---:|---|---:|---:|---:|")
+              "| blocking waits |", file=out)
+        print("|---|---|---:|---|---:|---:|---:|", file=out)
         for r in rows:
             print(f"| {r['model']} | {r['write_policy']} | {r['page_size']} | "
                   f"{'complete' if r['events_complete'] else 'never complete'} | {r['link_bytes']} | "
-                  f"{r['cpu_copied_bytes']} | {r['blocking_waits']} |")
+                  f"{r['cpu_copied_bytes']} | {r['blocking_waits']} |", file=out)
         if args.json:
             write_json(args.json, rows)
         return 0
@@ -291,17 +295,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                         failed.append({"io_backend": io, "mem_layout": layout,
                                        "node_tokens": tokens, "error": repr(e)[:500]})
                         print(f"{io} {layout} {tokens}: FAILED {e!r}", file=sys.stderr)
-                        if args.json:
+                        if to_file:
                             write_json(args.json, records + failed)
                         continue
                     records.append(rec)
                     print(f"{io} {layout} {tokens}: backup {rec['backup_gb_per_s']:.2f} GB/s, "
                           f"load {rec['load_gb_per_s']:.2f} GB/s", file=sys.stderr)
-                    if args.json:  # after every record: a later failure keeps the earlier ones
+                    if to_file:
                         write_json(args.json, records + failed)
-    print(table(records))
+    if args.json == "-":
+        write_json(args.json, records + failed)
+    print(table(records), file=out)
     for f in failed:
-        print(f"failed: {f}")
+        print(f"failed: {f}", file=out)
     return 0 if not failed and all(r["bit_exact"] for r in records) else 1
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench.cli import new_parser, output_path
+from bench.cli import new_parser, output_path, positive, positive_float
 
 __all__ = ["HOST_TIER_MODEL_NAMES", "MODEL_NAMES", "sync_counts_parser"]
 
@@ -23,14 +23,14 @@ def sync_counts_parser() -> argparse.ArgumentParser:
         "Host synchronisations, kernel launches and memcpys per request and per operation of the "
         "replay's engine on a simulated CUDA device; with --device cuda, us/request on a real GPU "
         "against the CPU, the counts from the profiler."))
-    p.add_argument("--requests", type=int, default=160, help="requests per model (160)")
+    p.add_argument("--requests", type=positive, default=160, help="requests per model (160)")
     p.add_argument("--trace", default=None,
                    help="replay this trace file's first --requests instead of the seeded "
                         "conversations (e.g. bench/traces/...jsonl)")
-    p.add_argument("--page-size", type=int, default=1, help="tokens per KV page (1)")
+    p.add_argument("--page-size", type=positive, default=1, help="tokens per KV page (1)")
     p.add_argument("--models", nargs="+", default=list(MODEL_NAMES), choices=MODEL_NAMES)
     p.add_argument("--policy", default="lru", help="radix eviction policy (lru)")
-    p.add_argument("--kv-tokens", type=int, default=None,
+    p.add_argument("--kv-tokens", type=positive, default=None,
                    help="KV pool size [tokens] (default: the models' 30,000; a trace's long "
                         "prompts want more, e.g. 16000000)")
     p.add_argument("--json", nargs="?", const="-", default=None, type=output_path,
@@ -51,14 +51,14 @@ def hicache_bandwidth_parser() -> argparse.ArgumentParser:
         "engine-thread time per call, CPU-copied bytes, blocking waits, bit-exactness. On a machine"
         " without CUDA it runs the same paths on a small pool on the simulated device "
         "(bench/gpu/simcuda.py): those figures are not a GPU's."))
-    p.add_argument("--node-tokens", type=int, nargs="+", default=None,
+    p.add_argument("--node-tokens", type=positive, nargs="+", default=None,
                    help="tokens per node (GPU default: 16384 256; simulated: 256 16)")
-    p.add_argument("--gib", type=float, default=None,
+    p.add_argument("--gib", type=positive_float, default=None,
                    help="GiB of K+V moved per measurement, as nodes of --node-tokens "
                         "(GPU default 2; simulated: 1/256)")
-    p.add_argument("--layers", type=int, default=None, help="KV layers (GPU 32, simulated 4)")
-    p.add_argument("--heads", type=int, default=None, help="KV heads (GPU 8, simulated 2)")
-    p.add_argument("--head-dim", type=int, default=None, help="head dim (GPU 128, simulated 16)")
+    p.add_argument("--layers", type=positive, default=None, help="KV layers (GPU 32, simulated 4)")
+    p.add_argument("--heads", type=positive, default=None, help="KV heads (GPU 8, simulated 2)")
+    p.add_argument("--head-dim", type=positive, default=None, help="head dim (GPU 128, simulated 16)")
     p.add_argument("--io-backends", nargs="+", default=["direct", "kernel"],
                    choices=["direct", "kernel"])
     p.add_argument("--mem-layouts", nargs="+", default=["page_first", "layer_first"],

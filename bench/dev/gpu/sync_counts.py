@@ -46,6 +46,7 @@ from bench.dev.gpu.options import sync_counts_parser
 from bench.dev.gpu.simcuda import OUTSIDE, SimCuda
 from bench.engine.core import EngineConfig, ReplayEngine
 from bench.traces.loader import TraceRequest, load_trace, runs_from_blocks
+from radix import CacheConfig
 
 #: The engine-facing calls of the cache and the pool calls an engine makes itself.
 CACHE_OPS = ("match_prefix", "insert", "inc_lock_ref", "dec_lock_ref", "evict", "evict_states",
@@ -254,14 +255,22 @@ def table(results: Sequence[ModelCounts]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = sync_counts_parser().parse_args(argv)
+    parser = sync_counts_parser()
+    args = parser.parse_args(argv)
+    try:  # the policy, before anything is built
+        CacheConfig(page_size=args.page_size, radix_eviction_policy=args.policy)
+    except ValueError as exc:
+        parser.error(f"--policy: {exc}")
     if args.device == "cuda":
         from bench.dev.gpu.real_device import has_cuda
 
         if not has_cuda():  # before the trace is read
             return 2
-    trace = (conversations(args.requests) if args.trace is None
-             else load_trace(args.trace, max_requests=args.requests))
+    try:
+        trace = (conversations(args.requests) if args.trace is None
+                 else load_trace(args.trace, max_requests=args.requests))
+    except (FileNotFoundError, ValueError) as exc:  # TraceFormatError is a ValueError
+        parser.error(str(exc))
     extra: dict[str, Any] = {"page_size": args.page_size, "policy": args.policy}
     if args.kv_tokens is not None:
         extra["kv_tokens"] = args.kv_tokens

@@ -163,7 +163,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if any(c < 1 for c in args.cacheable):
         parser.error("--cacheable must be >= 1")
-    trace = ALL_SOURCES[args.source].load(Path(args.traces_dir))
+    try:
+        trace = ALL_SOURCES[args.source].load(Path(args.traces_dir))
+    except ValueError as exc:  # TraceFormatError: a malformed trace file
+        parser.error(str(exc))
     if not trace:
         parser.exit(2, f"{parser.prog}: error: no requests for {args.source} (trace file missing?)\n")
     states = end_states(trace)

@@ -154,12 +154,18 @@ def breakdown(trace: Sequence[Any], config: SimConfig) -> tuple[float, Recorder]
 def main(argv: Sequence[str] | None = None) -> int:
     p = hit_breakdown_parser()
     args = p.parse_args(argv)
-    trace = load_trace(resolve_trace_path(args.trace), max_requests=args.max_requests)
+    configs = []
     for policy in args.policy:
         if baselines.get(policy) is None and policy not in GDS_WALKS:
             p.error(f"--policy {policy!r}: a GDS-family policy or a replay baseline")
-        cfg = SimConfig.of(policy, kv_tokens=args.kv_tokens, state_slots=args.state_slots,
-                           concurrency=args.concurrency, time_scale=args.time_scale)
+    try:  # every run's pools and the trace, before the first run
+        configs = [SimConfig.of(policy, kv_tokens=args.kv_tokens, state_slots=args.state_slots,
+                                concurrency=args.concurrency, time_scale=args.time_scale)
+                   for policy in args.policy]
+        trace = load_trace(resolve_trace_path(args.trace), max_requests=args.max_requests)
+    except (FileNotFoundError, ValueError) as exc:  # TraceFormatError is a ValueError
+        p.error(str(exc))
+    for policy, cfg in zip(args.policy, configs, strict=True):
         hit, rec = breakdown(trace, cfg)
         total = sum(rec.tokens.values()) or 1
         print(f"{policy}: token hit rate {hit:.4f}, tokens saved by consumed states {total:,}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench.cli import new_parser, parse_count, positive
+from bench.cli import new_parser, parse_count, positive, positive_float
 
 __all__ = ["hit_breakdown_parser"]
 
@@ -17,8 +17,8 @@ def hit_breakdown_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None)
     p.add_argument("--max-requests", type=positive, default=None)
     p.add_argument("--policy", nargs="+", default=["belady", "gds_adaptive"])
-    p.add_argument("--kv-tokens", type=parse_count, default=16_000_000)
+    p.add_argument("--kv-tokens", type=positive, default=16_000_000)
     p.add_argument("--state-slots", type=parse_count, default=256)
-    p.add_argument("--concurrency", type=parse_count, default=32)
-    p.add_argument("--time-scale", type=float, default=2.0)
+    p.add_argument("--concurrency", type=positive, default=32)
+    p.add_argument("--time-scale", type=positive_float, default=2.0)
     return p

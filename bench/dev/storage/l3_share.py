@@ -29,7 +29,6 @@ import dataclasses
 import json
 import os
 import secrets
-import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -37,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.cli import write_json
+from bench.cli import text_stream, write_json
 from bench.dev.storage.options import l3_share_parser
 from bench.engine.core import EngineConfig, ReplayEngine
 from bench.engine.metrics import summarize
@@ -127,13 +126,14 @@ def run_setup(setup: str, trace: list[TraceRequest], base: EngineConfig, n: int,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = l3_share_parser().parse_args(argv)
-    if args.instances < 1:
-        print("error: --instances must be >= 1", file=sys.stderr)
-        return 2
-    trace = load_trace(args.trace, max_requests=args.max_requests)
-    base = EngineConfig(kv_tokens=args.kv_tokens, state_slots=args.state_slots,
-                        page_size=args.page_size, hicache_ratio=args.hicache_ratio)
+    parser = l3_share_parser()
+    args = parser.parse_args(argv)
+    try:  # the pools and the trace, before any engine or store is built
+        base = EngineConfig(kv_tokens=args.kv_tokens, state_slots=args.state_slots,
+                            page_size=args.page_size, hicache_ratio=args.hicache_ratio)
+        trace = load_trace(args.trace, max_requests=args.max_requests)
+    except (FileNotFoundError, ValueError, TypeError) as exc:  # TraceFormatError: a ValueError
+        parser.error(str(exc))
     rows = []
     extra = mooncake_extra_config(args.mooncake_segment) if args.l3[0] == "mooncake" else None
     secret = secrets.token_bytes(32) if args.authenticated else None
@@ -141,14 +141,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows += run_setup(setup, trace, base, args.instances, args.l3, extra, secret)
     head = ("setup", "instance", "requests", "prompt_tokens", "hit_tokens", "hit_rate",
             "l3_prefetch_tokens", "l3_pages_written", "l3_faults", "seconds", "cpu_s")
-    print(" | ".join(head))
+    out = text_stream(args.json)
+    print(" | ".join(head), file=out)
     for r in rows:
-        print(" | ".join(str(r[h]) for h in head))
+        print(" | ".join(str(r[h]) for h in head), file=out)
     for setup in args.setups:
         sel = [r for r in rows if r["setup"] == setup]
         total = sum(r["prompt_tokens"] for r in sel)
         hit = sum(r["hit_tokens"] for r in sel)
-        print(f"{setup}: hit rate over all instances {hit / total:.4f}" if total else setup)
+        print(f"{setup}: hit rate over all instances {hit / total:.4f}" if total else setup,
+              file=out)
     if args.json:
         write_json(args.json, rows)
     return 0

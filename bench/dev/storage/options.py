@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench.cli import new_parser, output_path, parse_count
+from bench.cli import new_parser, output_path, parse_count, positive
 
 __all__ = ["SETUPS", "l3_share_parser", "parse_l3", "storage_parser"]
 
@@ -31,13 +31,13 @@ def parse_l3(text: str) -> tuple[str, str]:
 def storage_parser() -> argparse.ArgumentParser:
     p = new_parser("storage", (
         "Page throughput of the L3 backends: pages/s and MiB/s, written and read, batched or not."))
-    p.add_argument("--page-bytes", type=parse_count, default=parse_count("256K"))
-    p.add_argument("--pages", type=int, default=256)
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--page-bytes", type=positive, default=parse_count("256K"))
+    p.add_argument("--pages", type=positive, default=256)
+    p.add_argument("--batch", type=positive, nargs="+", default=[1, 32])
     p.add_argument("--redis-url", default=None)
     p.add_argument("--cluster-urls", default=None)
     p.add_argument("--mooncake-url", default=None, help="mooncake://host:port of a master")
-    p.add_argument("--repeat", type=int, default=1,
+    p.add_argument("--repeat", type=positive, default=1,
                    help="runs per row; the best rates and the least CPU time are reported")
     p.add_argument("--mac", choices=("off", "on", "both"), default="off",
                    help="records checksummed (off), sealed with an HMAC-SHA256 under a random "
@@ -50,16 +50,16 @@ def l3_share_parser() -> argparse.ArgumentParser:
     p = new_parser("l3-share", "Engine instances sharing one HiCache L3: hit rate with and without "
                                "sharing.")
     p.add_argument("--trace", default=None, help="JSONL trace (default: the shipped Mooncake trace)")
-    p.add_argument("--max-requests", type=int, default=1000)
-    p.add_argument("--instances", type=int, default=2)
+    p.add_argument("--max-requests", type=positive, default=1000)
+    p.add_argument("--instances", type=positive, default=2)
     p.add_argument("--l3", type=parse_l3, default=("file", "/tmp/hpc-l3-share"),
                    help="file:DIR, redis://host:port or mooncake://host:port (default "
                         "file:/tmp/hpc-l3-share)")
     p.add_argument("--mooncake-segment", type=parse_count, default=parse_count("64M"),
                    help="bytes each instance lends Mooncake Store (0: none; default 64M)")
-    p.add_argument("--kv-tokens", type=parse_count, default=parse_count("1M"))
-    p.add_argument("--state-slots", type=int, default=64)
-    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--kv-tokens", type=positive, default=parse_count("1M"))
+    p.add_argument("--state-slots", type=parse_count, default=64)
+    p.add_argument("--page-size", type=positive, default=64)
     p.add_argument("--hicache-ratio", type=float, default=2.0)
     p.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
     p.add_argument("--authenticated", action="store_true",

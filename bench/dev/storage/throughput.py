@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import secrets
 import tempfile
@@ -34,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.cli import text_stream, write_json
 from bench.dev.storage.options import storage_parser
 from hicache.storage import FileStore, MooncakeOptions, RedisStore, StorageBackend
 from hicache.storage.page import KIND_KV, decode, encode, mac_state, tag_digest
@@ -125,7 +125,8 @@ def bench_backend(name: str, store: StorageBackend, args: argparse.Namespace,
         print(f"{name:16s} {'mac' if mac else 'sum'} batch={batch:<4d} write "
               f"{r['write_pages_s']:>9.1f} pages/s {r['write_mib_s']:>8.1f} MiB/s "
               f"{r['write_cpu_us_page']:>7.1f} cpu-us/page   read {r['read_pages_s']:>9.1f} pages/s "
-              f"{r['read_mib_s']:>8.1f} MiB/s {r['read_cpu_us_page']:>7.1f} cpu-us/page", flush=True)
+              f"{r['read_mib_s']:>8.1f} MiB/s {r['read_cpu_us_page']:>7.1f} cpu-us/page",
+              file=text_stream(args.json), flush=True)
     return rows
 
 
@@ -140,7 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         best = {k: min(run[k] for run in runs) for k in runs[0]}
         rows.append({"backend": "codec", "mac": mac, "page_bytes": args.page_bytes, **best})
         print(f"{'codec':16s} {'mac' if mac else 'sum'} seal {best['seal_cpu_us_page']:>7.1f} "
-              f"cpu-us/page   verify {best['verify_cpu_us_page']:>7.1f} cpu-us/page", flush=True)
+              f"cpu-us/page   verify {best['verify_cpu_us_page']:>7.1f} cpu-us/page",
+              file=text_stream(args.json), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for mac in macs:
             secret = secrets.token_bytes(32) if mac else None
@@ -148,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows += bench_backend(name, store, args, mac)
                 store.close()
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        write_json(args.json, rows)
     return 0
 
 
