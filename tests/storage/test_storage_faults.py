@@ -360,3 +360,30 @@ def test_a_cluster_node_killed_mid_replay_and_restarted(private_cluster: list[Re
     assert hits[6:] == [8, 8, 8]  # written after the restart: found through the whole cluster
     # Before it: the leading run of pages that survived (the restarted node lost its own).
     assert all(h % 2 == 0 and h <= 8 for h in hits[:6])
+
+
+@pytest.fixture
+def acl_server(tmp_path: Any) -> Iterator[RedisServer]:
+    """A server whose user ``half`` may touch only the keys ``hpc:0*`` .. ``hpc:7*``."""
+    server = RedisServer(str(tmp_path), "--user", "half", "on", ">half-pw-half-pw", "~hpc:[0-7]*",
+                         "&*", "+@all")
+    yield server
+    server.kill()
+
+
+def test_a_write_refused_by_the_server_is_an_error_not_already_present(
+        acl_server: RedisServer) -> None:
+    """One record of a batch refused with an error reply (``NOPERM``: outside the user's key
+    pattern) is a counted error, never ``already_present`` (nothing was there), and the other
+    record of the batch is still written."""
+    store = RedisStore(f"redis://half:half-pw-half-pw@127.0.0.1:{acl_server.port}/0", tag="acl")
+    allowed, refused = "0" * 64, "f" * 64
+    try:
+        assert store.batch_set([(allowed, b"K" * 8, b"V" * 8), (refused, b"K" * 8, b"V" * 8)]) == 1
+        st = store.stats
+        assert (st["written"], st["already_present"], st["refused"], st["errors"]) == (1, 0, 0, 1)
+        assert store.exists(allowed)
+        assert store.batch_set([(allowed, b"K" * 8, b"V" * 8)]) == 0  # now it is there
+        assert store.stats["already_present"] == 1
+    finally:
+        store.close()
