@@ -50,7 +50,14 @@ from typing import Any
 
 import torch
 
-from hicache.storage.base import WRITE_FAILED, Record, StorageBackend, WriteResult, _split_key
+from hicache.storage.base import (
+    WRITE_FAILED,
+    Record,
+    StorageBackend,
+    WriteResult,
+    _split_key,
+    check_seconds,
+)
 from hicache.storage.mooncake_options import MooncakeOptions
 from hicache.storage.page import HEADER_SIZE, encode, encode_into
 
@@ -102,14 +109,19 @@ class MooncakeStore(StorageBackend):
     def __init__(self, options: MooncakeOptions, tag: str = "", timeout_s: float = 1.0,
                  cooldown_s: float = 1.0, setup_timeout_s: float = 10.0,
                  secret: bytes | None = None) -> None:
+        if not isinstance(options, MooncakeOptions):
+            raise TypeError("options must be MooncakeOptions (MooncakeOptions.resolve), got "
+                            f"{type(options).__name__}")
+        timeout_s = check_seconds(timeout_s, "timeout_s")  # before anything connects
+        setup_timeout_s = check_seconds(setup_timeout_s, "setup_timeout_s")
         super().__init__(tag, cooldown_s, secret)
         from mooncake.store import MooncakeDistributedStore  # ImportError here when absent
 
         self._client_class = MooncakeDistributedStore
         self.options = options
         self.prefix = options.key_prefix
-        self.timeout_s = float(timeout_s)
-        self.setup_timeout_s = float(setup_timeout_s)
+        self.timeout_s = timeout_s
+        self.setup_timeout_s = setup_timeout_s
         self.zero_copy = options.zero_copy
         self._store: Any = None
         self._pool: ThreadPoolExecutor | None = None

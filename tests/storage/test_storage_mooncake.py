@@ -455,3 +455,24 @@ def test_a_failed_put_is_an_error_not_already_present(zero_copy: bool) -> None:
     finally:
         store._store = getattr(store._store, "inner", store._store)
         store.close()
+
+
+@pytest.mark.parametrize("arg", ["timeout_s", "setup_timeout_s"])
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "1", True, None])
+def test_a_bad_timeout_is_refused_by_name_before_connecting(arg: str, value: Any) -> None:
+    """As RedisStore's: a wait must be a finite number of seconds > 0 (0 or less would time
+    every call out at once); refused before the client starts connecting."""
+    from hicache.storage.mooncake_store import MooncakeStore
+
+    mooncake_package()
+    opts = MooncakeOptions.resolve("mooncake://127.0.0.1:1", mooncake_extra("http://127.0.0.1:1/m"))
+    with pytest.raises(ValueError, match=arg):
+        MooncakeStore(opts, tag="t", **{arg: value})
+
+
+def test_options_that_are_not_resolved_options_are_refused_by_name() -> None:
+    from hicache.storage.mooncake_store import MooncakeStore
+
+    mooncake_package()
+    with pytest.raises(TypeError, match="options"):
+        MooncakeStore({"master_server_address": "127.0.0.1:1"}, tag="t")  # type: ignore[arg-type]
