@@ -28,6 +28,7 @@ method may be called from several threads; subclasses lock what they share.
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import queue
@@ -84,6 +85,22 @@ class Page(NamedTuple):
 
 #: A raw record: whole bytes, or a view of memory the backend read it into.
 Record = bytes | memoryview
+
+
+class WriteFailed(enum.Enum):
+    """A raw write's answer for a record that a fault kept out of the store (an error reply
+    about its key, a failed put): neither written nor already present. The backend counts
+    the fault itself (:meth:`StorageBackend._fault`); ``batch_set`` counts it nowhere else."""
+
+    FAILED = "failed"
+
+
+#: See :class:`WriteFailed`.
+WRITE_FAILED = WriteFailed.FAILED
+#: What a raw write answers for each record: written (``True``), already present
+#: (``False``), refused for want of space (``None``) or kept out by a fault
+#: (:data:`WRITE_FAILED`).
+WriteResult = bool | None | WriteFailed
 
 
 _KEY = re.compile(r"[0-9a-f]{64}(?:\.s)?")
@@ -250,9 +267,10 @@ class StorageBackend(ABC):
         """The stored record of each key, or ``None``."""
 
     @abstractmethod
-    def _set_nx_raw(self, items: Sequence[tuple[str, bytes]]) -> Sequence[bool | None]:
+    def _set_nx_raw(self, items: Sequence[tuple[str, bytes]]) -> Sequence[WriteResult]:
         """Store each record unless its key exists; for each: written (``True``), already
-        present (``False``) or refused for want of space (``None``)."""
+        present (``False``), refused for want of space (``None``) or not stored because of a
+        fault about that record, counted by the backend (:data:`WRITE_FAILED`)."""
 
     @abstractmethod
     def _delete_raw(self, key: str, record: bytes) -> None:
@@ -283,10 +301,11 @@ class StorageBackend(ABC):
         self.record_bytes = {KIND_KV: HEADER_SIZE + sum(kv), KIND_STATE: HEADER_SIZE + sum(state)}
 
     def _write_sections(self, items: Sequence[tuple[str, int, bytes, bytes, bytes]]
-                        ) -> Sequence[bool | None]:
+                        ) -> Sequence[WriteResult]:
         """Store ``(key, kind, page hash, a, b)`` records unless present (set-if-absent); for
-        each: written (``True``), already present (``False``) or refused for want of space
-        (``None``, counted ``refused``). Default: :func:`encode` each, then ``_set_nx_raw``."""
+        each: written (``True``), already present (``False``), refused for want of space
+        (``None``, counted ``refused``) or kept out by a fault (:data:`WRITE_FAILED`, counted
+        by the backend as an error or timeout). Default: :func:`encode` each, then ``_set_nx_raw``."""
         records = [(key, encode(kind, self._tag_digest, h, a, b, self._mac))
                    for key, kind, h, a, b in items]
         return self._set_nx_raw(records)
@@ -463,12 +482,12 @@ class StorageBackend(ABC):
             self._fault("set", exc)
             return 0
         written = sum(d is True for d in done)
-        refused = sum(d is None for d in done)
         self._count("written", written)
-        self._count("already_present", len(done) - written - refused)
-        self._count("refused", refused)
+        self._count("already_present", sum(d is False for d in done))
+        self._count("refused", sum(d is None for d in done))
         self._count("bytes_written", sum(HEADER_SIZE + len(a) + len(b)
-                                         for (_, a, b), d in zip(items, done, strict=True) if d))
+                                         for (_, a, b), d in zip(items, done, strict=True)
+                                         if d is True))
         return written
 
     def set(self, key: str, a: bytes, b: bytes) -> bool:

@@ -181,6 +181,14 @@ class StorageController:
         with self._lock:
             return key in self._known
 
+    def forget(self, keys: Sequence[str]) -> None:
+        """The store answered that ``keys`` hold no record (it dropped them: ``maxmemory``,
+        a flush, a restart): no longer taken for stored, so the next backup writes them."""
+        with self._lock:
+            known = self._known
+            for k in keys:
+                known.pop(k, None)
+
     def mark_known(self, keys: Sequence[str]) -> None:
         with self._lock:
             known = self._known
@@ -312,24 +320,33 @@ class StorageController:
     def _fetch_pages(self, job: PrefetchJob) -> None:
         be = self.backend
         keys = [page_key(h) for h in job.hashes]
-        n = be.batch_exists(keys)
+        mask = be.exists_mask(keys)
+        # an absent page's end record is unusable anyway: re-checked at the next backup too
+        self.forget([k for i, present in enumerate(mask) if not present
+                     for k in (keys[i], end_key(job.hashes[i]))])
+        n = mask.index(False) if False in mask else len(mask)
         end = None
         if job.want_end:
-            mask = be.exists_mask([end_key(h) for h in job.hashes[:n]])
+            ends = [end_key(h) for h in job.hashes[:n]]
+            mask = be.exists_mask(ends)
+            self.forget([k for k, present in zip(ends, mask, strict=True) if not present])
             n = max((i + 1 for i, present in enumerate(mask) if present), default=0)
             if n == 0:
                 return
-            end = be.get(end_key(job.hashes[n - 1]))
+            end = be.get(ends[n - 1])
             if end is None or not self.end_ok(end):
-                if end is not None:
+                if end is None:
+                    self.forget([ends[n - 1]])
+                else:
                     self.count("bad_sections")
                 return
         got: list[Page] = []
         for lo in range(0, n, FETCH_CHUNK):
             chunk = be.batch_get(keys[lo : min(n, lo + FETCH_CHUNK)])
             lead = []
-            for p in chunk:
-                if p is None:
+            for i, p in enumerate(chunk):
+                if p is None:  # gone since the presence check, or corrupt (then deleted)
+                    self.forget([keys[lo + i]])
                     break
                 if not self.page_ok(p):
                     self.count("bad_sections")

@@ -50,7 +50,14 @@ from typing import Any
 
 import torch
 
-from hicache.storage.base import Record, StorageBackend, _split_key
+from hicache.storage.base import (
+    WRITE_FAILED,
+    Record,
+    StorageBackend,
+    WriteResult,
+    _split_key,
+    check_seconds,
+)
 from hicache.storage.mooncake_options import MooncakeOptions
 from hicache.storage.page import HEADER_SIZE, encode, encode_into
 
@@ -102,14 +109,19 @@ class MooncakeStore(StorageBackend):
     def __init__(self, options: MooncakeOptions, tag: str = "", timeout_s: float = 1.0,
                  cooldown_s: float = 1.0, setup_timeout_s: float = 10.0,
                  secret: bytes | None = None) -> None:
+        if not isinstance(options, MooncakeOptions):
+            raise TypeError("options must be MooncakeOptions (MooncakeOptions.resolve), got "
+                            f"{type(options).__name__}")
+        timeout_s = check_seconds(timeout_s, "timeout_s")  # before anything connects
+        setup_timeout_s = check_seconds(setup_timeout_s, "setup_timeout_s")
         super().__init__(tag, cooldown_s, secret)
         from mooncake.store import MooncakeDistributedStore  # ImportError here when absent
 
         self._client_class = MooncakeDistributedStore
         self.options = options
         self.prefix = options.key_prefix
-        self.timeout_s = float(timeout_s)
-        self.setup_timeout_s = float(setup_timeout_s)
+        self.timeout_s = timeout_s
+        self.setup_timeout_s = setup_timeout_s
         self.zero_copy = options.zero_copy
         self._store: Any = None
         self._pool: ThreadPoolExecutor | None = None
@@ -306,17 +318,17 @@ class MooncakeStore(StorageBackend):
         return out
 
     # ---------------------------------------------------------------- writes
-    def _set_nx_raw(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
-        return [d is True for d in self._put_records(items)]
+    def _set_nx_raw(self, items: Sequence[tuple[str, bytes]]) -> list[WriteResult]:
+        return self._put_records(items)
 
     def _write_sections(self, items: Sequence[tuple[str, int, bytes, bytes, bytes]]
-                        ) -> Sequence[bool | None]:
+                        ) -> Sequence[WriteResult]:
         total = sum(HEADER_SIZE + len(a) + len(b) for *_, a, b in items)
         if not self.zero_copy or total < self.options.zero_copy_min_bytes:
             return self._put_records([(k, encode(kind, self._tag_digest, h, a, b, self._mac))
                                       for k, kind, h, a, b in items])
         store = self._client()
-        done: list[bool | None] = [False] * len(items)
+        done: list[WriteResult] = [False] * len(items)
         todo = self._absent(store, [k for k, *_ in items])
         if not todo:
             return done
@@ -379,10 +391,10 @@ class MooncakeStore(StorageBackend):
 
         return call
 
-    def _put_records(self, records: Sequence[tuple[str, bytes]]) -> list[bool | None]:
+    def _put_records(self, records: Sequence[tuple[str, bytes]]) -> list[WriteResult]:
         """The copying path: ``put_batch`` in chunks that fit the transfer buffer."""
         store = self._client()
-        done: list[bool | None] = [False] * len(records)
+        done: list[WriteResult] = [False] * len(records)
         todo = self._absent(store, [k for k, _ in records])
         limit = self.options.local_buffer_size
         chunk: list[int] = []
@@ -417,7 +429,7 @@ class MooncakeStore(StorageBackend):
             raise MooncakeError("batch_is_exist", bad[0])
         return [i for i, c in enumerate(codes) if c == 0]
 
-    def _settle(self, idx: Sequence[int], codes: Sequence[int], done: list[bool | None],
+    def _settle(self, idx: Sequence[int], codes: Sequence[int], done: list[WriteResult],
                 op: str) -> None:
         fault = 0
         for i, code in zip(idx, codes, strict=True):
@@ -428,6 +440,7 @@ class MooncakeStore(StorageBackend):
                 with self._busy_lock:
                     self._extra["refused_pages"] += 1
             else:
+                done[i] = WRITE_FAILED
                 fault = fault or code
         if fault:
             self._fault("set", MooncakeError(op, fault))

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
-from hicache.storage.base import StorageBackend, check_seconds
+from hicache.storage.base import WRITE_FAILED, StorageBackend, WriteResult, check_seconds
 
 GET_CHUNK = 512
 
@@ -347,7 +347,7 @@ class RedisStore(StorageBackend):
                 out[i] = v
         return out
 
-    def _set_nx_raw(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+    def _set_nx_raw(self, items: Sequence[tuple[str, bytes]]) -> list[WriteResult]:
         c = self._client()
         full = self._full([k for k, _ in items])
         order = [i for g in self._groups(full) for i in g]
@@ -355,10 +355,11 @@ class RedisStore(StorageBackend):
         for i in order:
             pipe.set(full[i], items[i][1], nx=True)
         res = pipe.execute(raise_on_error=False)
-        out = [False] * len(items)
+        out: list[WriteResult] = [False] * len(items)
         for i, r in zip(order, res, strict=True):
             if isinstance(r, Exception):
                 self._reply_fault("set", r)
+                out[i] = WRITE_FAILED
             else:
                 out[i] = bool(r)
         return out

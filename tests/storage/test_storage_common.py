@@ -30,6 +30,7 @@ import torch
 from allocators import KVPool, MambaStatePool, PagedAllocator, TokenAllocator
 from hicache import HiCacheConfig
 from hicache.storage import StorageBackend
+from hicache.storage.base import WriteResult
 from radix import CacheConfig, RadixCache
 from tests.helpers.cache_helpers import bits, random_bits
 from tests.helpers.mooncake_helpers import MOONCAKE_META_ENV, mooncake_extra
@@ -232,7 +233,7 @@ class Flaky(StorageBackend):
         self._tick()
         return self.inner._get_raw(keys)
 
-    def _set_nx_raw(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+    def _set_nx_raw(self, items: Sequence[tuple[str, bytes]]) -> Sequence[WriteResult]:
         self._tick()
         return self.inner._set_nx_raw(items)
 

@@ -22,6 +22,7 @@ from tests.storage.test_storage_common import (
     RedisServer,
     assert_same_kv,
     assert_same_state,
+    drop_everything,
     fresh_model,
     make,
     make_pair,
@@ -360,3 +361,63 @@ def test_a_cluster_node_killed_mid_replay_and_restarted(private_cluster: list[Re
     assert hits[6:] == [8, 8, 8]  # written after the restart: found through the whole cluster
     # Before it: the leading run of pages that survived (the restarted node lost its own).
     assert all(h % 2 == 0 and h <= 8 for h in hits[:6])
+
+
+@pytest.fixture
+def acl_server(tmp_path: Any) -> Iterator[RedisServer]:
+    """A server whose user ``half`` may touch only the keys ``hpc:0*`` .. ``hpc:7*``."""
+    server = RedisServer(str(tmp_path), "--user", "half", "on", ">half-pw-half-pw", "~hpc:[0-7]*",
+                         "&*", "+@all")
+    yield server
+    server.kill()
+
+
+def test_a_write_refused_by_the_server_is_an_error_not_already_present(
+        acl_server: RedisServer) -> None:
+    """One record of a batch refused with an error reply (``NOPERM``: outside the user's key
+    pattern) is a counted error, never ``already_present`` (nothing was there), and the other
+    record of the batch is still written."""
+    store = RedisStore(f"redis://half:half-pw-half-pw@127.0.0.1:{acl_server.port}/0", tag="acl")
+    allowed, refused = "0" * 64, "f" * 64
+    try:
+        assert store.batch_set([(allowed, b"K" * 8, b"V" * 8), (refused, b"K" * 8, b"V" * 8)]) == 1
+        st = store.stats
+        assert (st["written"], st["already_present"], st["refused"], st["errors"]) == (1, 0, 0, 1)
+        assert store.exists(allowed)
+        assert store.batch_set([(allowed, b"K" * 8, b"V" * 8)]) == 0  # now it is there
+        assert store.stats["already_present"] == 1
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_pages_the_server_dropped_are_written_again(redis_server: RedisServer,  # noqa: F811
+                                                    caches: list[L3], page_size: int) -> None:
+    """The server drops every page after the backup (``FLUSHALL``; a ``maxmemory`` eviction
+    is the same to the client). The writer's next match finds them absent; when it computes
+    the prompt again, its backup stores them again (it does not go on taking them for stored),
+    and a second engine is served the same bits."""
+    import redis
+
+    key = key_of(16)
+    a, b = make_pair(caches, "redis", where=redis_server.url, page_size=page_size, states=4)
+    w = put_random(a, key, torch.Generator().manual_seed(5))
+    assert a.cache.flush_storage(WAIT_S)
+    records = 16 // page_size + 1  # the pages and the state record at the end
+    assert a.cache.stats()["l3_backup_written"] == records
+    redis.Redis(port=redis_server.port).flushall()
+    drop_everything(a)
+    m = a.cache.match_prefix(key)  # nothing left anywhere: a miss
+    assert (m.prefix_len, m.host_hit_length) == (0, 0)
+    a.cache.sanity_check()
+    w = put_random(a, key, torch.Generator().manual_seed(5))  # computed again: same bits
+    assert a.cache.flush_storage(WAIT_S)
+    assert a.cache.stats()["l3_backup_written"] == 2 * records
+    m = b.cache.match_prefix(key)
+    assert m.host_hit_length == 16
+    assert b.cache.load_back(m.last_host_node) == 16
+    m = b.cache.match_prefix(key)
+    assert_same_kv(b, m.device_indices, w, 16)
+    assert m.state_slot is not None
+    assert_same_state(b, m.state_slot, w)
+    b.cache.sanity_check()

@@ -415,3 +415,64 @@ def test_a_frozen_store_costs_one_timeout_and_then_rests(master: MooncakeMaster,
         proc.send_signal(signal.SIGCONT)
         store.close(wait_s=3.0)
         owner.kill()
+
+
+class FailingPuts:
+    """The real client, with every put answering ``code`` for each key (nothing stored)."""
+
+    def __init__(self, inner: Any, code: int) -> None:
+        self.inner, self.code = inner, code
+
+    def put_batch(self, keys: list[str], values: list[bytes]) -> int:
+        return self.code
+
+    def batch_put_from(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        return [self.code] * len(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "copying"])
+def test_a_failed_put_is_an_error_not_already_present(zero_copy: bool) -> None:
+    """A put the store answers with an error code (not ``NO_AVAILABLE_HANDLE``: no room) wrote
+    nothing and found nothing: counted as an error, not as ``already_present``."""
+    import hashlib
+
+    from hicache.storage.mooncake_store import INVALID_PARAMS
+
+    store = direct_store(zero_copy=zero_copy, timeout_s=WAIT_S)
+    try:
+        keys = [hashlib.sha256(b"fp%d%d" % (i, zero_copy)).hexdigest() for i in range(3)]
+        store._store = FailingPuts(store._client(), INVALID_PARAMS)
+        # 3 records of 400 KiB: past zero_copy_min_bytes (1 MiB) on the zero-copy path
+        half = 200 << 10
+        assert store.batch_set([(k, b"K" * half, b"V" * half) for k in keys]) == 0
+        st = store.stats
+        assert (st["written"], st["already_present"], st["refused"]) == (0, 0, 0)
+        assert st["errors"] == 1
+        assert store.exists_mask(keys) == [False] * 3
+    finally:
+        store._store = getattr(store._store, "inner", store._store)
+        store.close()
+
+
+@pytest.mark.parametrize("arg", ["timeout_s", "setup_timeout_s"])
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "1", True, None])
+def test_a_bad_timeout_is_refused_by_name_before_connecting(arg: str, value: Any) -> None:
+    """As RedisStore's: a wait must be a finite number of seconds > 0 (0 or less would time
+    every call out at once); refused before the client starts connecting."""
+    from hicache.storage.mooncake_store import MooncakeStore
+
+    mooncake_package()
+    opts = MooncakeOptions.resolve("mooncake://127.0.0.1:1", mooncake_extra("http://127.0.0.1:1/m"))
+    with pytest.raises(ValueError, match=arg):
+        MooncakeStore(opts, tag="t", **{arg: value})
+
+
+def test_options_that_are_not_resolved_options_are_refused_by_name() -> None:
+    from hicache.storage.mooncake_store import MooncakeStore
+
+    mooncake_package()
+    with pytest.raises(TypeError, match="options"):
+        MooncakeStore({"master_server_address": "127.0.0.1:1"}, tag="t")  # type: ignore[arg-type]
