@@ -68,6 +68,7 @@ from .free_list import FreeList, _release_c, _release_held_c
 from .host_mirror import mirrored
 from .kv_pool import KVBuffers
 from .memory import check_memory
+from .staging import upload
 from .state_pool import _NUMPY_DTYPES, MambaStatePool
 from .token_allocator import _FreeListAllocator
 
@@ -870,9 +871,10 @@ class MemoryArena:
         if not free[dst].all():
             raise ValueError(f"dst: KV page {int(dst[~free[dst]][0])} is used")
         rows = self.buffer.view(-1, self.kv_shape.page_bytes)
-        to = torch.from_numpy(dst).to(self.device, non_blocking=True)
-        rows.index_copy_(0, to, rows.index_select(
-            0, torch.from_numpy(src).to(self.device, non_blocking=True)))
+        # the ids go up as one upload through pinned staging (no host synchronisation; a
+        # pageable copy would make the host wait), src then dst
+        ids = upload(np.concatenate((src, dst)), self.device)
+        rows.index_copy_(0, ids[src.size:], rows.index_select(0, ids[:src.size]))
         pages.withdraw_owned(dst)  # now used (held by whoever held src); checked above
         pages.release_owned(src)
 
