@@ -69,7 +69,7 @@ from .host_mirror import mirrored
 from .kv_pool import KVBuffers
 from .memory import check_memory
 from .staging import upload
-from .state_pool import _NUMPY_DTYPES, MambaStatePool
+from .state_pool import _NUMPY_DTYPES, MambaStatePool, _slot_arg
 from .token_allocator import _FreeListAllocator
 
 try:  # the lowest free ids in one C pass (allocators/_release.c), built by ``pip install``
@@ -526,10 +526,10 @@ class ArenaStatePool(MambaStatePool):
         if 0 <= slot < owner.shape[0] and owner[slot] != STATE:
             self.arena.check_owned(np.array([slot], dtype=np.int64), STATE, name)
 
-    def free_slot(self, slot: int) -> None:
+    def free_slot(self, slot: int | torch.Tensor) -> None:
         """``MambaStatePool.free_slot``, refusing too a chunk states do not own."""
         if type(slot) is not int:
-            slot = check_int(slot, "slot", minimum=-(2**62))
+            slot = _slot_arg(slot, "slot")
         self.arena.check_owned(np.array([slot], dtype=np.int64), STATE, "slot")
         self._pages.release_one(slot)
 
