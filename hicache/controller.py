@@ -212,6 +212,8 @@ class HiCacheController:
         self._host_writes: dict[tuple[str, int], Transfer] = {}
         self.last_load: Transfer | None = None
         self.layerwise = False
+        #: the newest layerwise load the current stream was made to wait for (``order_frees``)
+        self._freed_after: Transfer | None = None
         #: loads ordered (on the GPU) after the write of a host state they read
         self.load_waits = 0
         self.hold_completions = False
@@ -478,6 +480,21 @@ class HiCacheController:
             cur.wait_event(last)  # what the engine enqueues next sees the loaded data
         self.bytes_loaded += nbytes
         return t
+
+    def order_frees(self) -> None:
+        """Device rows about to be freed (an eviction) may be the destinations of a
+        ``layerwise`` load still in flight that nobody waited for, and whoever gets them next
+        writes them on the current stream: the current stream waits on the GPU for the newest
+        load in flight (loads run in order on one stream: the earlier ones with it). No host
+        synchronisation (an event query, a wait on the GPU); nothing when not ``layerwise``
+        (the current stream waited for every load when it was enqueued)."""
+        if not self.layerwise or not self._loads:
+            return
+        t = self._loads[-1]
+        if t is self._freed_after or t.done():
+            return
+        torch.cuda.current_stream(self.device).wait_event(t.event)
+        self._freed_after = t
 
     # -------------------------------------------------------------- completion
     def poll(self) -> int:
