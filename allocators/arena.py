@@ -68,7 +68,8 @@ from .free_list import FreeList, _release_c, _release_held_c
 from .host_mirror import mirrored
 from .kv_pool import KVBuffers
 from .memory import check_memory
-from .state_pool import _NUMPY_DTYPES, MambaStatePool
+from .staging import upload
+from .state_pool import _NUMPY_DTYPES, MambaStatePool, _slot_arg
 from .token_allocator import _FreeListAllocator
 
 try:  # the lowest free ids in one C pass (allocators/_release.c), built by ``pip install``
@@ -525,10 +526,10 @@ class ArenaStatePool(MambaStatePool):
         if 0 <= slot < owner.shape[0] and owner[slot] != STATE:
             self.arena.check_owned(np.array([slot], dtype=np.int64), STATE, name)
 
-    def free_slot(self, slot: int) -> None:
+    def free_slot(self, slot: int | torch.Tensor) -> None:
         """``MambaStatePool.free_slot``, refusing too a chunk states do not own."""
         if type(slot) is not int:
-            slot = check_int(slot, "slot", minimum=-(2**62))
+            slot = _slot_arg(slot, "slot")
         self.arena.check_owned(np.array([slot], dtype=np.int64), STATE, "slot")
         self._pages.release_one(slot)
 
@@ -870,9 +871,10 @@ class MemoryArena:
         if not free[dst].all():
             raise ValueError(f"dst: KV page {int(dst[~free[dst]][0])} is used")
         rows = self.buffer.view(-1, self.kv_shape.page_bytes)
-        to = torch.from_numpy(dst).to(self.device, non_blocking=True)
-        rows.index_copy_(0, to, rows.index_select(
-            0, torch.from_numpy(src).to(self.device, non_blocking=True)))
+        # the ids go up as one upload through pinned staging (no host synchronisation; a
+        # pageable copy would make the host wait), src then dst
+        ids = upload(np.concatenate((src, dst)), self.device)
+        rows.index_copy_(0, ids[src.size:], rows.index_select(0, ids[:src.size]))
         pages.withdraw_owned(dst)  # now used (held by whoever held src); checked above
         pages.release_owned(src)
 

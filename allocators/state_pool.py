@@ -49,7 +49,7 @@ from ._checks import (
     check_shape,
     check_tensor,
 )
-from .host_mirror import host_ids, mirrored
+from .host_mirror import host_ids, host_int, mirrored
 from .memory import check_memory
 from .staging import pin_in_place, upload
 from .token_allocator import _FreeListAllocator
@@ -61,6 +61,15 @@ _ZERO = -1
 
 #: Pool dtypes with a numpy counterpart (``torch.Tensor.numpy`` views them).
 _NUMPY_DTYPES = frozenset((torch.float16, torch.float32, torch.float64))
+
+
+def _slot_arg(slot: object, name: str) -> int:
+    """One slot given as an int or a one-element integer tensor: a device tensor is read
+    through its host mirror (``allocators.host_mirror.host_int``), not with ``__index__`` (a
+    device -> host copy the host waits for)."""
+    if isinstance(slot, torch.Tensor):
+        return host_int(slot, name)
+    return check_int(slot, name, minimum=-(2**62))
 
 
 class MambaStatePool(_FreeListAllocator):
@@ -292,21 +301,24 @@ class MambaStatePool(_FreeListAllocator):
                 self._ssm[:, slot].zero_()
         return slot
 
-    def free_slot(self, slot: int) -> None:
+    def free_slot(self, slot: int | torch.Tensor) -> None:
         """Free one slot given as an ``int``: ``free(torch.tensor([slot]))`` by scalar checks.
 
         Appended to the back of the free list, as :meth:`free` does.
 
+        ``slot`` may also be a one-element integer tensor (a device one is read through its
+        host mirror: no host synchronisation for the ids the pool handed out).
+
         Raises:
-            TypeError: ``slot`` is not an int (``bool`` refused).
-            ValueError: ``foreign index`` (not in ``1..size``) or ``double free`` (already
-                free); nothing changes then.
+            TypeError: ``slot`` is not an int or an integer tensor (``bool`` refused).
+            ValueError: a tensor of several elements; ``foreign index`` (not in ``1..size``)
+                or ``double free`` (already free); nothing changes then.
         """
         if type(slot) is not int:
-            slot = check_int(slot, "slot", minimum=-(2**62))
+            slot = _slot_arg(slot, "slot")
         self._pages.release_one(slot)
 
-    def get_state(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def get_state(self, slot: int | torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Return copies ``(conv, ssm)`` of one slot's state in one layer.
 
         Returns:
@@ -320,7 +332,8 @@ class MambaStatePool(_FreeListAllocator):
         layer = self._layer(layer)
         return self.conv[layer, s].clone(), self.ssm[layer, s].clone()
 
-    def set_state(self, slot: int, layer: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+    def set_state(self, slot: int | torch.Tensor, layer: int, conv: torch.Tensor,
+                  ssm: torch.Tensor) -> None:
         """Overwrite one slot's state in one layer with ``conv`` and ``ssm``.
 
         Args:
@@ -399,8 +412,8 @@ class MambaStatePool(_FreeListAllocator):
             raise ValueError(f"{name}: foreign index: state slot {bad} is not in 1..{self.size}")
         return idx
 
-    def _single_slot(self, slot: int) -> int:
-        return int(self._allocated(check_int(slot, "slot", minimum=-(2**62)), "slot")[0])
+    def _single_slot(self, slot: int | torch.Tensor) -> int:
+        return int(self._allocated(_slot_arg(slot, "slot"), "slot")[0])
 
     def _layer(self, layer: int) -> int:
         layer = check_int(layer, "layer", minimum=0)

@@ -122,7 +122,8 @@ class _FreeListAllocator(SlotAllocator):
         One ``int`` id (a state slot) keeps the two checks: as scalar compares they cost
         less than the array they would spare. A CPU tensor's memory is read in one C pass
         (``FreeList.release_owned_at``); a device tensor's host mirror, or a tensor of
-        another layout, goes through numpy."""
+        another layout, goes through numpy. Not a 1-D int64 tensor or an int: ``TypeError`` /
+        ``ValueError`` naming ``indices``, nothing freed."""
         if type(indices) is int and self._page_size == 1:  # one state slot: no array
             self._pages.release_one(indices)
             return
@@ -130,10 +131,10 @@ class _FreeListAllocator(SlotAllocator):
                 and indices.is_contiguous() and indices.dim() == 1 and self._pages.release_owned_at(
                     indices.data_ptr(), indices.shape[0], self._page_size):
             return
-        if isinstance(indices, int):
+        if isinstance(indices, int) and not isinstance(indices, bool):
             arr = np.array([indices], dtype=np.int64)
-        else:
-            arr = host_ids(indices, "indices")
+        else:  # the argument's kind is checked (cheap), its values are trusted
+            arr = as_index_tensor(indices, "indices").numpy()
         if self._page_size != 1:
             arr = arr[:: self._page_size] // self._page_size
         self._pages.release_owned(arr)

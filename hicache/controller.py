@@ -145,8 +145,9 @@ class HiCacheController:
     Raises:
         TypeError: ``config`` not a ``HiCacheConfig``, ``kv_device`` not a slot allocator, a
             state allocator that is not a ``MambaStatePool``.
-        ValueError: a host pool not larger than its device pool, or a GPU KV allocator
-            without a pool (``hicache.host_pools.mirror_kv``).
+        ValueError: a host pool not larger than its device pool, a GPU KV allocator
+            without a pool (``hicache.host_pools.mirror_kv``), or a state pool on another
+            device than the KV pool.
 
     Attributes:
         pools: ``{"kv": PoolPair, "state": PoolPair}`` (state only with recurrent layers).
@@ -170,6 +171,12 @@ class HiCacheController:
                 "hicache with a state_allocator needs an allocators.MambaStatePool (its host "
                 "mirror holds the conv and SSM state tensors the copies move), got "
                 f"{type(state_device).__name__}")
+        dev_pool: KVStorage | None = getattr(kv_device, "pool", None)
+        if dev_pool is not None and state_device is not None and resolve_device(
+                torch.device(dev_pool.device)) != resolve_device(torch.device(state_device.device)):
+            raise ValueError(  # the copies of every pair run on one device's streams
+                f"state_allocator is on {state_device.device}, the KV pool on {dev_pool.device}: "
+                "a host tier moves both with one device's copies; put them on one device")
         if demands is None:
             demands = [kv_demand(kv_device)]
             if state_device is not None:
@@ -183,7 +190,6 @@ class HiCacheController:
             state_host = mirror_state(state_device, config)
             self.pools["state"] = PoolPair("state", state_device, state_host,
                                            state_lanes(state_device, state_host))
-        dev_pool: KVStorage | None = getattr(kv_device, "pool", None)
         where = dev_pool.device if dev_pool is not None else (
             state_device.device if state_device is not None else kv_device.device)
         self.device = resolve_device(torch.device(where))
@@ -206,6 +212,8 @@ class HiCacheController:
         self._host_writes: dict[tuple[str, int], Transfer] = {}
         self.last_load: Transfer | None = None
         self.layerwise = False
+        #: the newest layerwise load the current stream was made to wait for (``order_frees``)
+        self._freed_after: Transfer | None = None
         #: loads ordered (on the GPU) after the write of a host state they read
         self.load_waits = 0
         self.hold_completions = False
@@ -472,6 +480,21 @@ class HiCacheController:
             cur.wait_event(last)  # what the engine enqueues next sees the loaded data
         self.bytes_loaded += nbytes
         return t
+
+    def order_frees(self) -> None:
+        """Device rows about to be freed (an eviction) may be the destinations of a
+        ``layerwise`` load still in flight that nobody waited for, and whoever gets them next
+        writes them on the current stream: the current stream waits on the GPU for the newest
+        load in flight (loads run in order on one stream: the earlier ones with it). No host
+        synchronisation (an event query, a wait on the GPU); nothing when not ``layerwise``
+        (the current stream waited for every load when it was enqueued)."""
+        if not self.layerwise or not self._loads:
+            return
+        t = self._loads[-1]
+        if t is self._freed_after or t.done():
+            return
+        torch.cuda.current_stream(self.device).wait_event(t.event)
+        self._freed_after = t
 
     # -------------------------------------------------------------- completion
     def poll(self) -> int:

@@ -72,6 +72,9 @@ class CacheCore:
         #: drops one component's value from it (a write-back host tier backs the value up
         #: first, and adds to the accumulator the device units its host room cost), or ``None``.
         self.before_internal: Callable[[TreeNode, list[int]], None] | None = None
+        #: Called first by every eviction (:meth:`evict`, :meth:`evict_bytes`), or ``None``: a
+        #: host tier orders the reuse of the device units it frees after the loads in flight.
+        self.before_evict: Callable[[], None] | None = None
         self._build_hooks()
         #: Units whose freeing is in flight (write-back copies), per field (``EVICT_FIELDS``,
         #: then ``other_fields``: an accumulator's indices, without the sink).
@@ -368,6 +371,8 @@ class CacheCore:
         victim with children loses only that component's value when it evicts internal
         nodes, else it leaves whole (``free_leaf``: every component's units on it are freed
         and counted). The bytes freed are the units freed times their bytes."""
+        if self.before_evict is not None:
+            self.before_evict()
         freed = self.new_freed()
         plans = {kind: (self._evict_plans[c.name], size) for kind, (c, size) in kinds.items()}
         sizes = [0] * len(freed)
@@ -420,6 +425,8 @@ class CacheCore:
         a victim with children loses only ``comp``'s value when ``comp`` evicts internal
         nodes, else the victim leaves whole (``free_leaf``). Copies in flight that will free
         ``comp``'s units count towards ``target`` but not in the result."""
+        if self.before_evict is not None:
+            self.before_evict()
         inline = self._evict_inline
         if inline is not None and comp is self._kv_only and self.free_leaf is self._remove_leaf:
             return new_tuple(EvictResult, (inline(target, self.tree), 0, 0, ()))

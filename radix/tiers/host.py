@@ -118,6 +118,7 @@ class HostTier(Component, Tier):
         self._freed = core.new_freed()
         if controller.config.hicache_write_policy == "write_back":
             core.before_internal = self.save_before_drop
+        core.before_evict = controller.order_frees  # (a layerwise load's rows freed)
         self.reset()
 
     def reset(self) -> None:

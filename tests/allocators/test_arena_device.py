@@ -9,6 +9,7 @@ chunks 0..9, ``state_slots=3``: chunks 7, 8, 9 states (chunk 7: KV slots 42..47)
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from allocators.arena import KVShape, MemoryArena, StateShape
@@ -42,3 +43,26 @@ def test_pending_state_work_lands_before_its_chunk_becomes_kv() -> None:
             assert bool((kv.pool.k_buffer(layer)[got] == 1).all())
             assert bool((kv.pool.v_buffer(layer)[got] == -1).all())
         a.check()
+
+
+def test_relocating_kv_pages_moves_their_bytes_without_a_host_sync() -> None:
+    """``relocate_kv_pages`` (what a compaction runs) on a device: the page ids go up as one
+    upload through pinned staging, not as pageable copies the host waits for (before: two
+    "host->device copy from pageable memory" syncs per call)."""
+    with SimCuda() as sim:
+        a = MemoryArena(3616, KV, ST, state_slots=3, device="cuda")
+        kv = a.kv_allocator
+        got = kv.alloc(8)  # pages 3..6 (slots 6..13: chunk 0's pages are padding)
+        assert got is not None and got.cpu().tolist() == list(range(6, 14))
+        rows = a.buffer.view(-1, KV.page_bytes)
+        data = torch.arange(4 * KV.page_bytes, dtype=torch.int64).remainder(251).to(torch.uint8)
+        rows[3:7] = data.view(4, KV.page_bytes).to("cuda")
+        kv.free(got[:4])  # pages 3, 4 free
+        sim.track(a, ["relocate_kv_pages"], "arena")
+        a.relocate_kv_pages(np.array([5, 6], dtype=np.int64), np.array([3, 4], dtype=np.int64))
+        assert sim.syncs_of("arena.relocate_kv_pages") == 0, sim.report()
+        moved = rows[3:5].cpu()
+        assert torch.equal(moved, data.view(4, KV.page_bytes)[2:4])
+        assert kv.lowest.free_mask()[3:7].tolist() == [False, False, True, True]
+        a.check()
+    assert sim.errors == []
