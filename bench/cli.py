@@ -22,7 +22,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple, NoReturn, TextIO
 
@@ -156,15 +156,20 @@ def positive(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0."""
+def _number(text: str, ok: Callable[[float], bool], what: str) -> float:
+    """``float(text)`` when ``ok`` of it, else an argument error saying it must be ``what``."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0: {text!r}")
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {what}: {text!r}")
     return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    return _number(text, lambda v: 0 < v < math.inf, "a finite number > 0")
 
 
 def seed(text: str) -> int:
@@ -177,24 +182,12 @@ def seed(text: str) -> int:
 
 def probability(text: str) -> float:
     """A number in ``[0, 1]``."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1]: {text!r}")
-    return value
+    return _number(text, lambda v: 0 <= v <= 1, "in [0, 1]")
 
 
 def non_negative_float(text: str) -> float:
     """A finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0: {text!r}")
-    return value
+    return _number(text, lambda v: 0 <= v < math.inf, "a finite number >= 0")
 
 
 def state_fraction(text: str) -> float | str:
